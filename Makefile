@@ -1,0 +1,60 @@
+# capsa: see README.md. Every target installs what it needs.
+SHELL := /bin/bash
+GO ?= go
+export CAPSA_CACHE ?= $(HOME)/.cache/capsa
+BUILD := build
+NESTED := $(BUILD)/capsa-nested
+# Test binaries for the KVM tier: packages whose tests need /dev/kvm.
+KVM_PKGS := ./kvm ./vmm
+
+.PHONY: all deps kernel nested-deps capsa test test-unit test-kvm test-e2e bench clean
+
+all: capsa
+
+deps:
+	@command -v $(GO) >/dev/null || { echo "make: Go 1.26 is required (https://go.dev/dl)"; exit 1; }
+	$(GO) mod download
+
+kernel:
+	scripts/build-kernel.sh $(BUILD)/kernel
+
+nested-deps:
+	scripts/nested-deps.sh >/dev/null
+
+$(NESTED): deps
+	$(GO) build -o $@ ./tests/nested/cmd/capsa-nested
+
+# The capsa binary with the guest kernel built in.
+capsa: deps kernel
+	cp $(BUILD)/kernel/vmlinux internal/builtin/vmlinux
+	CGO_ENABLED=0 $(GO) build -tags capsa_builtin -o $(BUILD)/capsa ./cmd/capsa
+	@ls -l $(BUILD)/capsa
+
+# Tier 1: unit tests, no KVM needed. KVM tests skip here when /dev/kvm is absent.
+test-unit: deps
+	$(GO) vet ./...
+	$(GO) test ./...
+
+# Tier 2: the KVM tests, run where /dev/kvm works (the nested host when absent).
+test-kvm: deps nested-deps $(NESTED)
+	@rm -rf $(BUILD)/kvmtests && mkdir -p $(BUILD)/kvmtests
+	@for p in $(KVM_PKGS); do [ -d $$p ] || continue; \
+		CGO_ENABLED=0 $(GO) test -c -o $(BUILD)/kvmtests/$$(basename $$p).test $$p || exit 1; done
+	$(NESTED) $(foreach t,$(wildcard $(BUILD)/kvmtests/*.test),-f $(t)) -f tests/run-test-binaries.sh -- \
+		sh run-test-binaries.sh $(notdir $(wildcard $(BUILD)/kvmtests/*.test))
+
+# Tier 3: end-to-end tests that boot the real kernel (added with the VMM).
+test-e2e: capsa nested-deps $(NESTED)
+	@rm -rf $(BUILD)/e2e && mkdir -p $(BUILD)/e2e
+	CGO_ENABLED=0 $(GO) test -c -o $(BUILD)/e2e/e2e.test ./tests/e2e
+	$(NESTED) -f $(BUILD)/e2e/e2e.test -f $(BUILD)/capsa -f $(BUILD)/testinitrd.cpio -- \
+		sh -c './e2e.test -test.v -test.timeout 20m'
+
+# Everything, tier by tier; stops at the first failing tier and names it.
+test:
+	@$(MAKE) --no-print-directory test-unit || { echo "make test: FAILED in tier 1 (unit tests)"; exit 1; }
+	@$(MAKE) --no-print-directory test-kvm || { echo "make test: FAILED in tier 2 (KVM tests)"; exit 1; }
+	@echo "make test: all tiers passed"
+
+clean:
+	rm -rf $(BUILD) internal/builtin/vmlinux

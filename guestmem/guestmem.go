@@ -1,0 +1,241 @@
+// Package guestmem is a virtual machine's physical memory as the host sees it:
+// anonymous mmap'd regions placed at guest physical addresses, with
+// bounds-checked accessors.
+//
+// It is the one type that the boot code, the devices and the VMM share. Every
+// access takes a guest physical address (GPA) and a length and fails with an
+// error, never a panic, when any byte of it falls outside guest RAM: the guest
+// controls most of the addresses that reach this package.
+package guestmem
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"sort"
+
+	"golang.org/x/sys/unix"
+)
+
+// The x86 layout: RAM from 0 up to MMIOStart, the rest of RAM from 4 GiB up.
+// [MMIOStart, 4 GiB) holds device MMIO, the IOAPIC and the LAPIC.
+const (
+	MMIOStart uint64 = 0xd000_0000
+	HighStart uint64 = 0x1_0000_0000
+)
+
+// ErrOutOfRange is wrapped by every error for an access outside guest RAM.
+var ErrOutOfRange = errors.New("guest memory access out of range")
+
+// Region is one contiguous block of guest RAM.
+type Region struct {
+	GPA  uint64 // guest physical address of Host[0]
+	Host []byte // the host mapping
+}
+
+// End is the first guest physical address after the region.
+func (r Region) End() uint64 { return r.GPA + uint64(len(r.Host)) }
+
+// Memory is a guest's RAM. Its methods are safe for concurrent use: the
+// mapping never changes after New, and callers coordinate the contents.
+type Memory struct {
+	regions []Region // sorted by GPA, non-overlapping
+	size    uint64
+	mapped  bool // regions were mmap'd by New and are unmapped by Close
+}
+
+// New maps size bytes of guest RAM laid out for x86: below MMIOStart first,
+// the remainder at HighStart. size must be a positive multiple of 4 KiB.
+func New(size uint64) (*Memory, error) {
+	if size == 0 || size%4096 != 0 {
+		return nil, fmt.Errorf("guest memory size %d: must be a positive multiple of 4096", size)
+	}
+	low := min(size, MMIOStart)
+	layout := []struct{ gpa, n uint64 }{{0, low}}
+	if size > low {
+		layout = append(layout, struct{ gpa, n uint64 }{HighStart, size - low})
+	}
+	m := &Memory{size: size, mapped: true}
+	for _, l := range layout {
+		b, err := unix.Mmap(-1, 0, int(l.n), unix.PROT_READ|unix.PROT_WRITE,
+			unix.MAP_PRIVATE|unix.MAP_ANONYMOUS|unix.MAP_NORESERVE)
+		if err != nil {
+			m.Close()
+			return nil, fmt.Errorf("mmap %d bytes of guest memory: %w", l.n, err)
+		}
+		m.regions = append(m.regions, Region{GPA: l.gpa, Host: b})
+	}
+	return m, nil
+}
+
+// FromRegions builds a Memory over caller-owned buffers (tests, fuzzers).
+// Close does not unmap them.
+func FromRegions(regions ...Region) (*Memory, error) {
+	rs := append([]Region(nil), regions...)
+	sort.Slice(rs, func(i, j int) bool { return rs[i].GPA < rs[j].GPA })
+	m := &Memory{}
+	for i, r := range rs {
+		if len(r.Host) == 0 {
+			return nil, fmt.Errorf("region at %#x is empty", r.GPA)
+		}
+		if r.End() < r.GPA {
+			return nil, fmt.Errorf("region at %#x wraps the address space", r.GPA)
+		}
+		if i > 0 && rs[i-1].End() > r.GPA {
+			return nil, fmt.Errorf("regions at %#x and %#x overlap", rs[i-1].GPA, r.GPA)
+		}
+		m.size += uint64(len(r.Host))
+	}
+	m.regions = rs
+	return m, nil
+}
+
+// Close unmaps memory that New mapped. The Memory must not be used after.
+func (m *Memory) Close() error {
+	var errs []error
+	if m.mapped {
+		for _, r := range m.regions {
+			if err := unix.Munmap(r.Host); err != nil {
+				errs = append(errs, fmt.Errorf("munmap guest memory at %#x: %w", r.GPA, err))
+			}
+		}
+	}
+	m.regions, m.mapped = nil, false
+	return errors.Join(errs...)
+}
+
+// Size is the total RAM in bytes.
+func (m *Memory) Size() uint64 { return m.size }
+
+// Regions returns the RAM regions, sorted by guest address. The slices alias
+// guest memory; the VMM hands them to KVM.
+func (m *Memory) Regions() []Region { return append([]Region(nil), m.regions...) }
+
+// LowEnd is the end of the RAM region that starts at 0.
+func (m *Memory) LowEnd() uint64 {
+	if len(m.regions) == 0 || m.regions[0].GPA != 0 {
+		return 0
+	}
+	return m.regions[0].End()
+}
+
+// Slice returns the n bytes at gpa as a slice aliasing guest memory. The range
+// must lie inside one region. The guest may change the bytes at any time.
+func (m *Memory) Slice(gpa, n uint64) ([]byte, error) {
+	for _, r := range m.regions {
+		if gpa >= r.GPA && gpa < r.End() {
+			off := gpa - r.GPA
+			if n > uint64(len(r.Host))-off {
+				break
+			}
+			return r.Host[off : off+n : off+n], nil
+		}
+	}
+	return nil, fmt.Errorf("%w: %d bytes at %#x", ErrOutOfRange, n, gpa)
+}
+
+// Contains reports whether all n bytes at gpa are guest RAM in one region.
+func (m *Memory) Contains(gpa, n uint64) bool {
+	_, err := m.Slice(gpa, n)
+	return err == nil
+}
+
+// ReadAt copies len(p) bytes from gpa into p.
+func (m *Memory) ReadAt(p []byte, gpa uint64) error {
+	b, err := m.Slice(gpa, uint64(len(p)))
+	if err != nil {
+		return err
+	}
+	copy(p, b)
+	return nil
+}
+
+// WriteAt copies p into guest memory at gpa.
+func (m *Memory) WriteAt(p []byte, gpa uint64) error {
+	b, err := m.Slice(gpa, uint64(len(p)))
+	if err != nil {
+		return err
+	}
+	copy(b, p)
+	return nil
+}
+
+// Zero clears n bytes at gpa.
+func (m *Memory) Zero(gpa, n uint64) error {
+	b, err := m.Slice(gpa, n)
+	if err != nil {
+		return err
+	}
+	clear(b)
+	return nil
+}
+
+// Uint8 .. PutUint64 read and write little-endian integers.
+
+func (m *Memory) Uint8(gpa uint64) (uint8, error) {
+	b, err := m.Slice(gpa, 1)
+	if err != nil {
+		return 0, err
+	}
+	return b[0], nil
+}
+
+func (m *Memory) Uint16(gpa uint64) (uint16, error) {
+	b, err := m.Slice(gpa, 2)
+	if err != nil {
+		return 0, err
+	}
+	return binary.LittleEndian.Uint16(b), nil
+}
+
+func (m *Memory) Uint32(gpa uint64) (uint32, error) {
+	b, err := m.Slice(gpa, 4)
+	if err != nil {
+		return 0, err
+	}
+	return binary.LittleEndian.Uint32(b), nil
+}
+
+func (m *Memory) Uint64(gpa uint64) (uint64, error) {
+	b, err := m.Slice(gpa, 8)
+	if err != nil {
+		return 0, err
+	}
+	return binary.LittleEndian.Uint64(b), nil
+}
+
+func (m *Memory) PutUint8(gpa uint64, v uint8) error {
+	b, err := m.Slice(gpa, 1)
+	if err != nil {
+		return err
+	}
+	b[0] = v
+	return nil
+}
+
+func (m *Memory) PutUint16(gpa uint64, v uint16) error {
+	b, err := m.Slice(gpa, 2)
+	if err != nil {
+		return err
+	}
+	binary.LittleEndian.PutUint16(b, v)
+	return nil
+}
+
+func (m *Memory) PutUint32(gpa uint64, v uint32) error {
+	b, err := m.Slice(gpa, 4)
+	if err != nil {
+		return err
+	}
+	binary.LittleEndian.PutUint32(b, v)
+	return nil
+}
+
+func (m *Memory) PutUint64(gpa uint64, v uint64) error {
+	b, err := m.Slice(gpa, 8)
+	if err != nil {
+		return err
+	}
+	binary.LittleEndian.PutUint64(b, v)
+	return nil
+}

@@ -1,0 +1,121 @@
+package guestmem
+
+import (
+	"errors"
+	"testing"
+)
+
+func TestLayout(t *testing.T) {
+	for _, tc := range []struct {
+		size    uint64
+		regions []Region
+	}{
+		{size: 64 << 20, regions: []Region{{GPA: 0, Host: make([]byte, 64<<20)}}},
+		{size: MMIOStart + 8192, regions: []Region{{GPA: 0, Host: make([]byte, MMIOStart)}, {GPA: HighStart, Host: make([]byte, 8192)}}},
+	} {
+		m, err := New(tc.size)
+		if err != nil {
+			t.Fatalf("New(%d): %v", tc.size, err)
+		}
+		got := m.Regions()
+		if len(got) != len(tc.regions) {
+			t.Fatalf("New(%d): %d regions, want %d", tc.size, len(got), len(tc.regions))
+		}
+		for i := range got {
+			if got[i].GPA != tc.regions[i].GPA || len(got[i].Host) != len(tc.regions[i].Host) {
+				t.Errorf("New(%d) region %d = %#x+%#x, want %#x+%#x", tc.size, i,
+					got[i].GPA, len(got[i].Host), tc.regions[i].GPA, len(tc.regions[i].Host))
+			}
+		}
+		if m.Size() != tc.size {
+			t.Errorf("Size = %d, want %d", m.Size(), tc.size)
+		}
+		if err := m.Close(); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+func TestNewRejectsBadSizes(t *testing.T) {
+	for _, n := range []uint64{0, 100, 4097} {
+		if _, err := New(n); err == nil {
+			t.Errorf("New(%d) succeeded", n)
+		}
+	}
+}
+
+func TestBoundsChecks(t *testing.T) {
+	m, err := FromRegions(Region{GPA: 0x1000, Host: make([]byte, 0x1000)}, Region{GPA: 0x3000, Host: make([]byte, 0x1000)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ok := []struct{ gpa, n uint64 }{{0x1000, 0x1000}, {0x1ff8, 8}, {0x3000, 1}, {0x1000, 0}}
+	for _, c := range ok {
+		if _, err := m.Slice(c.gpa, c.n); err != nil {
+			t.Errorf("Slice(%#x, %d): %v", c.gpa, c.n, err)
+		}
+	}
+	bad := []struct{ gpa, n uint64 }{
+		{0, 1},                   // below RAM
+		{0x1ff9, 8},              // runs off the end of a region
+		{0x1fff, 0x1002},         // spans the gap between regions
+		{0x2000, 1},              // in the gap
+		{0x4000, 0},              // just past the end
+		{0x3000, ^uint64(0)},     // length overflow
+		{^uint64(0) - 2, 8},      // address overflow
+		{0x1000, 1 << 63},        // huge
+		{0x3fff, ^uint64(0) - 1}, // wraps
+	}
+	for _, c := range bad {
+		if _, err := m.Slice(c.gpa, c.n); !errors.Is(err, ErrOutOfRange) {
+			t.Errorf("Slice(%#x, %#x) = %v, want ErrOutOfRange", c.gpa, c.n, err)
+		}
+	}
+	if err := m.PutUint64(0x1ffc, 1); !errors.Is(err, ErrOutOfRange) {
+		t.Errorf("PutUint64 across the end: %v", err)
+	}
+}
+
+func TestAccessors(t *testing.T) {
+	m, err := FromRegions(Region{GPA: 0x10000, Host: make([]byte, 0x100)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	must := func(err error) {
+		t.Helper()
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	must(m.PutUint64(0x10000, 0x1122334455667788))
+	must(m.PutUint32(0x10008, 0xaabbccdd))
+	must(m.PutUint16(0x1000c, 0xeeff))
+	must(m.PutUint8(0x1000e, 0x42))
+	if v, _ := m.Uint64(0x10000); v != 0x1122334455667788 {
+		t.Errorf("Uint64 = %#x", v)
+	}
+	if v, _ := m.Uint8(0x10000); v != 0x88 {
+		t.Errorf("little endian: first byte %#x", v)
+	}
+	if v, _ := m.Uint32(0x10008); v != 0xaabbccdd {
+		t.Errorf("Uint32 = %#x", v)
+	}
+	if v, _ := m.Uint16(0x1000c); v != 0xeeff {
+		t.Errorf("Uint16 = %#x", v)
+	}
+	p := make([]byte, 4)
+	must(m.ReadAt(p, 0x1000c))
+	if string(p) != "\xff\xee\x42\x00" {
+		t.Errorf("ReadAt = %x", p)
+	}
+	must(m.Zero(0x10000, 8))
+	if v, _ := m.Uint64(0x10000); v != 0 {
+		t.Errorf("after Zero: %#x", v)
+	}
+}
+
+func TestFromRegionsRejectsOverlap(t *testing.T) {
+	if _, err := FromRegions(Region{GPA: 0, Host: make([]byte, 0x2000)}, Region{GPA: 0x1000, Host: make([]byte, 0x1000)}); err == nil {
+		t.Error("overlapping regions accepted")
+	}
+}

@@ -1,0 +1,8 @@
+//go:build capsa_builtin
+
+package builtin
+
+import _ "embed"
+
+//go:embed vmlinux
+var kernel []byte

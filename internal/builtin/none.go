@@ -1,0 +1,5 @@
+//go:build !capsa_builtin
+
+package builtin
+
+var kernel []byte

@@ -1,0 +1,414 @@
+// Package nested runs commands on a machine with KVM.
+//
+// Where /dev/kvm exists, a job runs directly on this machine. Where it does
+// not (CI and the developers' machines have no KVM), the job runs inside an
+// L1 Linux guest that QEMU emulates with TCG and an emulated AMD SVM: the L1
+// kernel is Debian's linux-image-cloud-amd64, which loads kvm.ko and
+// kvm-amd.ko and so offers a working /dev/kvm to the job.
+//
+// L1 has no network link. Its files come in an uncompressed initramfs built
+// for each job (the job's files under /work, busybox, the KVM modules, and an
+// /init script); the job's output comes back over L1's second serial port,
+// followed by a line carrying its exit status.
+package nested
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"maps"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/capsa-sandbox/capsa/internal/cpio"
+)
+
+// Host describes where and how jobs run. The zero value is ready to use.
+type Host struct {
+	Log         *slog.Logger // nil: discard
+	CacheDir    string       // default $CAPSA_CACHE, else ~/.cache/capsa
+	L1Dir       string       // unpacked kernel package; default CacheDir/l1/current
+	MemoryMB    int          // L1 memory; default 4096
+	CPUs        int          // L1 vCPUs; default 2
+	QEMU        string       // default qemu-system-x86_64
+	Busybox     string       // a static busybox; default /bin/busybox
+	ForceNested bool         // use L1 even where /dev/kvm exists
+}
+
+// File is a host file made available to a job at Dst, a path relative to
+// the job's working directory.
+type File struct {
+	Src string
+	Dst string
+}
+
+// Job is one command to run with KVM available.
+type Job struct {
+	Files  []File
+	Argv   []string  // run in the working directory that holds Files
+	Env    []string  // KEY=VALUE, added to the environment
+	Output io.Writer // the command's stdout and stderr; nil: discard
+}
+
+// Result describes a finished job.
+type Result struct {
+	ExitCode int
+	Nested   bool          // ran inside the L1 guest
+	Ready    time.Duration // from start until KVM was usable (L1 boot and module load)
+	Total    time.Duration
+}
+
+// ErrNoL1 is wrapped when the L1 kernel has not been unpacked.
+var ErrNoL1 = errors.New("nested KVM host not installed (run `make nested-deps`)")
+
+// HaveKVM reports whether this machine offers /dev/kvm.
+func HaveKVM() bool {
+	f, err := os.OpenFile("/dev/kvm", os.O_RDWR, 0)
+	if err != nil {
+		return false
+	}
+	f.Close()
+	return true
+}
+
+func (h *Host) log() *slog.Logger {
+	if h.Log == nil {
+		return slog.New(slog.DiscardHandler)
+	}
+	return h.Log
+}
+
+// Run runs job and returns its exit status. An error means the job could not
+// be run or its status is unknown; a job that ran and failed is a Result with
+// a non-zero ExitCode.
+func (h *Host) Run(ctx context.Context, job Job) (*Result, error) {
+	if len(job.Argv) == 0 {
+		return nil, errors.New("nested: job has no command")
+	}
+	if job.Output == nil {
+		job.Output = io.Discard
+	}
+	for _, f := range job.Files {
+		if err := checkDst(f.Dst); err != nil {
+			return nil, err
+		}
+		if _, err := os.Stat(f.Src); err != nil {
+			return nil, fmt.Errorf("nested: job file: %w", err)
+		}
+	}
+	for _, e := range job.Env {
+		if k, _, ok := strings.Cut(e, "="); !ok || k == "" || strings.ContainsAny(k, " \t\n'\"$") {
+			return nil, fmt.Errorf("nested: bad environment entry %q (want KEY=VALUE)", e)
+		}
+	}
+	if !h.ForceNested && HaveKVM() {
+		return h.runDirect(ctx, job)
+	}
+	return h.runL1(ctx, job)
+}
+
+func checkDst(dst string) error {
+	c := filepath.Clean(dst)
+	if dst == "" || filepath.IsAbs(dst) || c == "." || c == ".." || strings.HasPrefix(c, "../") {
+		return fmt.Errorf("nested: file destination %q must be a relative path inside the work directory", dst)
+	}
+	return nil
+}
+
+// runDirect runs the job on this machine in a temporary directory that links
+// to the job's files.
+func (h *Host) runDirect(ctx context.Context, job Job) (*Result, error) {
+	start := time.Now()
+	dir, err := os.MkdirTemp("", "capsa-nested-")
+	if err != nil {
+		return nil, fmt.Errorf("nested: %w", err)
+	}
+	defer os.RemoveAll(dir)
+	for _, f := range job.Files {
+		src, err := filepath.Abs(f.Src)
+		if err != nil {
+			return nil, fmt.Errorf("nested: %w", err)
+		}
+		dst := filepath.Join(dir, filepath.Clean(f.Dst))
+		if err := os.MkdirAll(filepath.Dir(dst), 0o755); err != nil {
+			return nil, fmt.Errorf("nested: %w", err)
+		}
+		if err := os.Symlink(src, dst); err != nil {
+			return nil, fmt.Errorf("nested: %w", err)
+		}
+	}
+	cmd := exec.CommandContext(ctx, job.Argv[0], job.Argv[1:]...)
+	cmd.Dir = dir
+	cmd.Env = append(os.Environ(), job.Env...)
+	cmd.Stdout, cmd.Stderr = job.Output, job.Output
+	h.log().Info("running directly: /dev/kvm present", "argv", job.Argv)
+	err = cmd.Run()
+	res := &Result{Total: time.Since(start)}
+	var ee *exec.ExitError
+	switch {
+	case err == nil:
+	case errors.As(err, &ee) && ee.Exited():
+		res.ExitCode = ee.ExitCode()
+	default:
+		return nil, fmt.Errorf("nested: run %s: %w", job.Argv[0], err)
+	}
+	return res, nil
+}
+
+func (h *Host) defaults() (cache, l1, qemu, busybox string, mem, cpus int) {
+	cache = h.CacheDir
+	if cache == "" {
+		cache = os.Getenv("CAPSA_CACHE")
+	}
+	if cache == "" {
+		home, _ := os.UserHomeDir()
+		cache = filepath.Join(home, ".cache", "capsa")
+	}
+	l1 = h.L1Dir
+	if l1 == "" {
+		l1 = filepath.Join(cache, "l1", "current")
+	}
+	qemu, busybox = h.QEMU, h.Busybox
+	if qemu == "" {
+		qemu = "qemu-system-x86_64"
+	}
+	if busybox == "" {
+		busybox = "/bin/busybox"
+	}
+	mem, cpus = h.MemoryMB, h.CPUs
+	if mem == 0 {
+		mem = 4096
+	}
+	if cpus == 0 {
+		cpus = 2
+	}
+	return
+}
+
+// l1Kernel finds the L1 kernel image and its KVM modules in the unpacked
+// package.
+func l1Kernel(dir string) (vmlinuz string, modules []string, err error) {
+	imgs, _ := filepath.Glob(filepath.Join(dir, "boot", "vmlinuz-*"))
+	if len(imgs) != 1 {
+		return "", nil, fmt.Errorf("%w: no single vmlinuz in %s/boot", ErrNoL1, dir)
+	}
+	// Load order matters: kvm needs irqbypass, kvm-amd needs kvm.
+	for _, m := range []string{"virt/lib/irqbypass.ko", "arch/x86/kvm/kvm.ko", "arch/x86/kvm/kvm-amd.ko"} {
+		found, _ := filepath.Glob(filepath.Join(dir, "lib", "modules", "*", "kernel", m))
+		if len(found) != 1 {
+			return "", nil, fmt.Errorf("%w: %s not found under %s", ErrNoL1, m, dir)
+		}
+		modules = append(modules, found[0])
+	}
+	return imgs[0], modules, nil
+}
+
+// shellQuote quotes s for a POSIX shell.
+func shellQuote(s string) string {
+	return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'"
+}
+
+// initScript is L1's /init. It reports progress on the output port with
+// lines that carry a per-job nonce, so no output of the job can forge them.
+const initScript = `#!/bin/busybox sh
+/bin/busybox --install -s /bin
+mkdir -p /proc /sys /dev /tmp
+mount -t proc proc /proc
+mount -t sysfs sysfs /sys
+mount -t devtmpfs devtmpfs /dev
+mount -t tmpfs tmpfs /tmp
+stty -F /dev/ttyS1 raw -echo
+exec 3>/dev/ttyS1
+finish() { echo "@@capsa-nested exit @NONCE@ $1" >&3; sync; poweroff -f; }
+for m in /lib/kvm/*.ko; do
+	insmod "$m" || { echo "nested: insmod $m failed" >&3; finish 125; }
+done
+[ -c /dev/kvm ] || { echo "nested: /dev/kvm missing after loading the KVM modules" >&3; finish 125; }
+echo "@@capsa-nested ready @NONCE@" >&3
+cd /work
+/bin/sh /job.sh >&3 2>&3 </dev/null
+finish $?
+`
+
+func (h *Host) buildInitramfs(path string, job Job, nonce string, modules []string, busybox string) error {
+	f, err := os.Create(path)
+	if err != nil {
+		return err
+	}
+	bw := bufio.NewWriterSize(f, 1<<20)
+	w := cpio.NewWriter(bw)
+	var script strings.Builder
+	script.WriteString("set -e\n")
+	for _, e := range job.Env {
+		k, v, _ := strings.Cut(e, "=")
+		fmt.Fprintf(&script, "export %s=%s\n", k, shellQuote(v))
+	}
+	script.WriteString("exec")
+	for _, a := range job.Argv {
+		script.WriteString(" " + shellQuote(a))
+	}
+	script.WriteString("\n")
+
+	steps := []func() error{
+		func() error { return w.Dir("bin", 0o755) },
+		func() error { return w.Dir("dev", 0o755) },
+		func() error { return w.CharDev("dev/console", 0o600, 5, 1) },
+		func() error { return w.Dir("lib", 0o755) },
+		func() error { return w.Dir("lib/kvm", 0o755) },
+		func() error { return w.Dir("work", 0o755) },
+		func() error { return w.CopyFile("bin/busybox", busybox, 0o755) },
+		func() error { return w.File("init", 0o755, []byte(strings.ReplaceAll(initScript, "@NONCE@", nonce))) },
+		func() error { return w.File("job.sh", 0o644, []byte(script.String())) },
+	}
+	for i, m := range modules {
+		name := fmt.Sprintf("lib/kvm/%d-%s", i, filepath.Base(m))
+		steps = append(steps, func() error { return w.CopyFile(name, m, 0o644) })
+	}
+	dirs := map[string]bool{}
+	for _, jf := range job.Files {
+		dst := filepath.Join("work", filepath.Clean(jf.Dst))
+		for d := filepath.Dir(dst); d != "work" && !dirs[d]; d = filepath.Dir(d) {
+			dirs[d] = true
+		}
+	}
+	// Parents before children: sorted, a prefix comes first.
+	for _, d := range slices.Sorted(maps.Keys(dirs)) {
+		steps = append(steps, func() error { return w.Dir(d, 0o755) })
+	}
+	for _, jf := range job.Files {
+		dst := filepath.Join("work", filepath.Clean(jf.Dst))
+		st, err := os.Stat(jf.Src)
+		if err != nil {
+			return err
+		}
+		steps = append(steps, func() error { return w.CopyFile(dst, jf.Src, st.Mode().Perm()) })
+	}
+	steps = append(steps, w.Close, bw.Flush, f.Close)
+	for _, s := range steps {
+		if err := s(); err != nil {
+			f.Close()
+			return fmt.Errorf("nested: build L1 initramfs: %w", err)
+		}
+	}
+	return nil
+}
+
+// runL1 boots the L1 guest with the job and waits for its exit line.
+func (h *Host) runL1(ctx context.Context, job Job) (*Result, error) {
+	start := time.Now()
+	_, l1, qemu, busybox, mem, cpus := h.defaults()
+	vmlinuz, modules, err := l1Kernel(l1)
+	if err != nil {
+		return nil, err
+	}
+	if _, err := exec.LookPath(qemu); err != nil {
+		return nil, fmt.Errorf("%w: %v", ErrNoL1, err)
+	}
+	if _, err := os.Stat(busybox); err != nil {
+		return nil, fmt.Errorf("%w: %v", ErrNoL1, err)
+	}
+	tmp, err := os.MkdirTemp("", "capsa-l1-")
+	if err != nil {
+		return nil, fmt.Errorf("nested: %w", err)
+	}
+	defer os.RemoveAll(tmp)
+	var nb [8]byte
+	rand.Read(nb[:])
+	nonce := hex.EncodeToString(nb[:])
+	initrd := filepath.Join(tmp, "initramfs.cpio")
+	if err := h.buildInitramfs(initrd, job, nonce, modules, busybox); err != nil {
+		return nil, err
+	}
+	console := filepath.Join(tmp, "console.log")
+	args := []string{
+		"-M", "q35", "-accel", "tcg,thread=multi", "-cpu", "EPYC,+svm,+npt",
+		"-smp", strconv.Itoa(cpus), "-m", strconv.Itoa(mem),
+		"-nodefaults", "-no-user-config", "-display", "none", "-no-reboot", "-nic", "none",
+		"-kernel", vmlinuz, "-initrd", initrd,
+		"-append", "console=ttyS0 quiet panic=-1",
+		"-serial", "file:" + console, "-serial", "stdio",
+	}
+	h.log().Info("booting nested KVM host", "qemu", qemu, "kernel", vmlinuz, "memory_mb", mem, "cpus", cpus)
+	cmd := exec.CommandContext(ctx, qemu, args...)
+	cmd.WaitDelay = 5 * time.Second
+	p := &outputParser{nonce: nonce, out: job.Output, start: start, exit: -1}
+	cmd.Stdout = p
+	var qerr bytes.Buffer
+	cmd.Stderr = &qerr
+	err = cmd.Run()
+	p.flush()
+	res := &Result{Nested: true, Ready: p.ready, Total: time.Since(start)}
+	if p.exit >= 0 {
+		res.ExitCode = p.exit
+		return res, nil
+	}
+	tail, _ := os.ReadFile(console)
+	if len(tail) > 4000 {
+		tail = tail[len(tail)-4000:]
+	}
+	if ctx.Err() != nil {
+		return nil, fmt.Errorf("nested: L1 guest stopped: %w\nL1 console tail:\n%s", ctx.Err(), tail)
+	}
+	return nil, fmt.Errorf("nested: L1 guest ended without reporting the job's status (qemu: %v %s)\nL1 console tail:\n%s",
+		err, strings.TrimSpace(qerr.String()), tail)
+}
+
+// outputParser passes the job's output through line by line and takes the
+// nonce-tagged status lines out of it.
+type outputParser struct {
+	nonce string
+	out   io.Writer
+	start time.Time
+	buf   []byte
+	ready time.Duration
+	exit  int // -1 until the exit line arrives
+}
+
+func (p *outputParser) Write(b []byte) (int, error) {
+	p.buf = append(p.buf, b...)
+	for {
+		i := bytes.IndexByte(p.buf, '\n')
+		if i < 0 {
+			break
+		}
+		p.line(p.buf[:i+1])
+		p.buf = p.buf[i+1:]
+	}
+	return len(b), nil
+}
+
+func (p *outputParser) line(l []byte) {
+	s := strings.TrimRight(string(l), "\r\n")
+	if rest, ok := strings.CutPrefix(s, "@@capsa-nested "); ok {
+		f := strings.Fields(rest)
+		switch {
+		case len(f) == 2 && f[0] == "ready" && f[1] == p.nonce:
+			p.ready = time.Since(p.start)
+			return
+		case len(f) == 3 && f[0] == "exit" && f[1] == p.nonce:
+			if n, err := strconv.Atoi(f[2]); err == nil {
+				p.exit = n
+				return
+			}
+		}
+	}
+	p.out.Write(l)
+}
+
+func (p *outputParser) flush() {
+	if len(p.buf) > 0 {
+		p.out.Write(p.buf)
+		p.buf = nil
+	}
+}
