@@ -21,6 +21,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"log/slog"
 	"maps"
 	"os"
@@ -46,8 +47,8 @@ type Host struct {
 	ForceNested bool         // use L1 even where /dev/kvm exists
 }
 
-// File is a host file made available to a job at Dst, a path relative to
-// the job's working directory.
+// File is a host file or directory made available to a job at Dst, a path
+// relative to the job's working directory.
 type File struct {
 	Src string
 	Dst string
@@ -275,24 +276,46 @@ func (h *Host) buildInitramfs(path string, job Job, nonce string, modules []stri
 		name := fmt.Sprintf("lib/kvm/%d-%s", i, filepath.Base(m))
 		steps = append(steps, func() error { return w.CopyFile(name, m, 0o644) })
 	}
+	// The job's files, directories walked recursively; every parent
+	// directory is added before what it holds.
+	type entry struct{ src, dst string }
+	var files []entry
 	dirs := map[string]bool{}
-	for _, jf := range job.Files {
-		dst := filepath.Join("work", filepath.Clean(jf.Dst))
+	addParents := func(dst string) {
 		for d := filepath.Dir(dst); d != "work" && !dirs[d]; d = filepath.Dir(d) {
 			dirs[d] = true
+		}
+	}
+	for _, jf := range job.Files {
+		root := filepath.Join("work", filepath.Clean(jf.Dst))
+		err := filepath.WalkDir(jf.Src, func(p string, d fs.DirEntry, err error) error {
+			if err != nil {
+				return err
+			}
+			rel, _ := filepath.Rel(jf.Src, p)
+			dst := filepath.Join(root, rel)
+			addParents(dst)
+			if d.IsDir() {
+				dirs[dst] = true
+			} else {
+				files = append(files, entry{p, dst})
+			}
+			return nil
+		})
+		if err != nil {
+			return fmt.Errorf("nested: job file: %w", err)
 		}
 	}
 	// Parents before children: sorted, a prefix comes first.
 	for _, d := range slices.Sorted(maps.Keys(dirs)) {
 		steps = append(steps, func() error { return w.Dir(d, 0o755) })
 	}
-	for _, jf := range job.Files {
-		dst := filepath.Join("work", filepath.Clean(jf.Dst))
-		st, err := os.Stat(jf.Src)
+	for _, e := range files {
+		st, err := os.Stat(e.src) // follows links, as the direct mode does
 		if err != nil {
-			return err
+			return fmt.Errorf("nested: job file: %w", err)
 		}
-		steps = append(steps, func() error { return w.CopyFile(dst, jf.Src, st.Mode().Perm()) })
+		steps = append(steps, func() error { return w.CopyFile(e.dst, e.src, st.Mode().Perm()) })
 	}
 	steps = append(steps, w.Close, bw.Flush, f.Close)
 	for _, s := range steps {

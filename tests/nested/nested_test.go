@@ -1,0 +1,100 @@
+package nested
+
+import (
+	"bytes"
+	"context"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+)
+
+func TestOutputParser(t *testing.T) {
+	var out bytes.Buffer
+	p := &outputParser{nonce: "n1", out: &out, start: time.Now(), exit: -1}
+	for _, chunk := range []string{
+		"hello\r\n@@capsa-nested ready n1\n", "@@capsa-nested exit WRONG 0\n",
+		"@@capsa-nested exit n1 4", "2\nlast line without newline",
+	} {
+		p.Write([]byte(chunk))
+	}
+	p.flush()
+	if p.exit != 42 {
+		t.Errorf("exit = %d, want 42", p.exit)
+	}
+	if p.ready == 0 {
+		t.Error("ready line not seen")
+	}
+	want := "hello\r\n@@capsa-nested exit WRONG 0\nlast line without newline"
+	if out.String() != want {
+		t.Errorf("passed through %q, want %q", out.String(), want)
+	}
+}
+
+func TestJobValidation(t *testing.T) {
+	h := &Host{}
+	ctx := context.Background()
+	src := filepath.Join(t.TempDir(), "f")
+	os.WriteFile(src, nil, 0o644)
+	for _, job := range []Job{
+		{},
+		{Argv: []string{"true"}, Files: []File{{Src: src, Dst: "/abs"}}},
+		{Argv: []string{"true"}, Files: []File{{Src: src, Dst: "../up"}}},
+		{Argv: []string{"true"}, Files: []File{{Src: src, Dst: "."}}},
+		{Argv: []string{"true"}, Files: []File{{Src: src + ".missing", Dst: "x"}}},
+		{Argv: []string{"true"}, Env: []string{"NOEQUALS"}},
+		{Argv: []string{"true"}, Env: []string{"A B=1"}},
+	} {
+		if _, err := h.Run(ctx, job); err == nil {
+			t.Errorf("job %+v accepted", job)
+		}
+	}
+}
+
+func TestInitramfsContents(t *testing.T) {
+	cpioBin, err := exec.LookPath("cpio")
+	if err != nil {
+		t.Skip("GNU cpio not installed")
+	}
+	dir := t.TempDir()
+	mods := []string{filepath.Join(dir, "a.ko"), filepath.Join(dir, "b.ko")}
+	for _, m := range append(mods, filepath.Join(dir, "busybox"), filepath.Join(dir, "payload")) {
+		os.WriteFile(m, []byte(filepath.Base(m)), 0o755)
+	}
+	job := Job{
+		Argv:  []string{"./x", "it's"},
+		Env:   []string{"K=v w"},
+		Files: []File{{Src: filepath.Join(dir, "payload"), Dst: "sub/dir/payload"}},
+	}
+	archive := filepath.Join(dir, "out.cpio")
+	if err := (&Host{}).buildInitramfs(archive, job, "NONCE", mods, filepath.Join(dir, "busybox")); err != nil {
+		t.Fatal(err)
+	}
+	ex := filepath.Join(dir, "ex")
+	os.Mkdir(ex, 0o755)
+	cmd := exec.Command(cpioBin, "-i", "-d", "--quiet", "--no-absolute-filenames", "-F", archive)
+	cmd.Dir = ex
+	if out, err := cmd.CombinedOutput(); err != nil && !strings.Contains(string(out), "dev/console") {
+		t.Fatalf("cpio: %v\n%s", err, out)
+	}
+	for name, want := range map[string]string{
+		"work/sub/dir/payload": "payload",
+		"lib/kvm/0-a.ko":       "a.ko",
+		"lib/kvm/1-b.ko":       "b.ko",
+		"bin/busybox":          "busybox",
+	} {
+		if b, err := os.ReadFile(filepath.Join(ex, name)); err != nil || string(b) != want {
+			t.Errorf("%s = %q, %v", name, b, err)
+		}
+	}
+	script, _ := os.ReadFile(filepath.Join(ex, "job.sh"))
+	if !strings.Contains(string(script), `export K='v w'`) || !strings.Contains(string(script), `exec './x' 'it'\''s'`) {
+		t.Errorf("job.sh:\n%s", script)
+	}
+	init, _ := os.ReadFile(filepath.Join(ex, "init"))
+	if !strings.Contains(string(init), "@@capsa-nested ready NONCE") || strings.Contains(string(init), "@NONCE@") {
+		t.Errorf("nonce not substituted in init")
+	}
+}
