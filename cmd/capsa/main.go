@@ -1,0 +1,110 @@
+// Command capsa runs microVMs on KVM.
+//
+//	capsa vm [flags]        boot a kernel (the built-in one by default) and show its console
+//	capsa version           print the version
+//
+// Every command takes --help.
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"syscall"
+	"time"
+
+	"github.com/spf13/pflag"
+)
+
+// version is set at link time by the Makefile.
+var version = "dev"
+
+// startTime is the VMM's start, from which the boot time is measured.
+var startTime = time.Now()
+
+type command struct {
+	name, summary string
+	run           func(ctx context.Context, args []string, stdout, stderr io.Writer) int
+}
+
+func commands() []command {
+	return []command{
+		{"vm", "boot a kernel in a raw microVM and show its console", runVM},
+		{"version", "print capsa's version", runVersion},
+	}
+}
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	code := dispatch(ctx, os.Args[1:], os.Stdout, os.Stderr)
+	stop()
+	os.Exit(code)
+}
+
+func usage(w io.Writer) {
+	fmt.Fprintf(w, "capsa runs commands in hardware-isolated microVMs on KVM.\n\nusage: capsa COMMAND [flags]\n\ncommands:\n")
+	for _, c := range commands() {
+		fmt.Fprintf(w, "  %-8s %s\n", c.name, c.summary)
+	}
+	fmt.Fprintf(w, "\nRun `capsa COMMAND --help` for a command's flags.\n")
+}
+
+func dispatch(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	if len(args) == 0 {
+		usage(stderr)
+		return 2
+	}
+	switch args[0] {
+	case "-h", "--help", "help":
+		usage(stdout)
+		return 0
+	case "--version":
+		return runVersion(ctx, nil, stdout, stderr)
+	}
+	for _, c := range commands() {
+		if c.name == args[0] {
+			return c.run(ctx, args[1:], stdout, stderr)
+		}
+	}
+	fmt.Fprintf(stderr, "capsa: unknown command %q (run `capsa --help` for the list)\n", args[0])
+	return 2
+}
+
+// newFlags returns a flag set whose errors and help go to stderr/stdout in
+// one consistent form.
+func newFlags(name, synopsis string, stdout io.Writer) *pflag.FlagSet {
+	fs := pflag.NewFlagSet("capsa "+name, pflag.ContinueOnError)
+	fs.SortFlags = false
+	fs.SetOutput(io.Discard)
+	fs.Usage = func() {
+		fmt.Fprintf(stdout, "usage: capsa %s %s\n\nflags:\n%s", name, synopsis, fs.FlagUsages())
+	}
+	return fs
+}
+
+// parseFlags parses args; it returns -1 to go on, else the exit code.
+func parseFlags(fs *pflag.FlagSet, args []string, stderr io.Writer) int {
+	err := fs.Parse(args)
+	switch {
+	case err == nil:
+		return -1
+	case errors.Is(err, pflag.ErrHelp):
+		fs.Usage()
+		return 0
+	default:
+		fmt.Fprintf(stderr, "%s: %v (see `%s --help`)\n", fs.Name(), err, fs.Name())
+		return 2
+	}
+}
+
+func runVersion(_ context.Context, args []string, stdout, stderr io.Writer) int {
+	fs := newFlags("version", "", stdout)
+	if code := parseFlags(fs, args, stderr); code >= 0 {
+		return code
+	}
+	fmt.Fprintf(stdout, "capsa %s\n", version)
+	return 0
+}

@@ -1,0 +1,56 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"strings"
+	"testing"
+)
+
+func TestParseSize(t *testing.T) {
+	for in, want := range map[string]uint64{"512M": 512 << 20, "2G": 2 << 30, "1GiB": 1 << 30, "64m": 64 << 20, "4096": 4096, "16K": 16 << 10, "3MB": 3 << 20} {
+		if got, err := parseSize(in); err != nil || got != want {
+			t.Errorf("parseSize(%q) = %d, %v; want %d", in, got, err, want)
+		}
+	}
+	for _, in := range []string{"", "0", "-1M", "12X", "M", "1.5G", "99999999999G"} {
+		if _, err := parseSize(in); err == nil {
+			t.Errorf("parseSize(%q) succeeded", in)
+		}
+	}
+}
+
+func TestCLIErrors(t *testing.T) {
+	for _, tc := range []struct {
+		args []string
+		code int
+		err  string
+	}{
+		{[]string{}, 2, "usage: capsa COMMAND"},
+		{[]string{"bogus"}, 2, `unknown command "bogus"`},
+		{[]string{"vm", "--bogus"}, 2, "unknown flag: --bogus"},
+		{[]string{"vm", "--cpus", "0"}, 2, "--cpus 0: must be between"},
+		{[]string{"vm", "--memory", "lots"}, 2, `--memory: invalid size "lots"`},
+		{[]string{"vm", "--kernel", "/nonexistent"}, 2, "--kernel: open /nonexistent"},
+		{[]string{"vm", "extra"}, 2, `unexpected argument "extra"`},
+		{[]string{"version", "--nope"}, 2, "unknown flag"},
+	} {
+		var out, errb bytes.Buffer
+		code := dispatch(context.Background(), tc.args, &out, &errb)
+		if code != tc.code || !strings.Contains(errb.String(), tc.err) {
+			t.Errorf("capsa %v: code %d, stderr %q; want %d and %q", tc.args, code, errb.String(), tc.code, tc.err)
+		}
+		if n := strings.Count(strings.TrimSpace(errb.String()), "\n"); n > 0 && len(tc.args) > 0 {
+			t.Errorf("capsa %v: error is %d lines, want one", tc.args, n+1)
+		}
+	}
+}
+
+func TestHelp(t *testing.T) {
+	for _, args := range [][]string{{"--help"}, {"vm", "--help"}, {"version", "-h"}} {
+		var out, errb bytes.Buffer
+		if code := dispatch(context.Background(), args, &out, &errb); code != 0 || !strings.Contains(out.String(), "usage:") {
+			t.Errorf("capsa %v: code %d, stdout %q", args, code, out.String())
+		}
+	}
+}

@@ -1,0 +1,97 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+
+	"github.com/capsa-sandbox/capsa/internal/builtin"
+	"github.com/capsa-sandbox/capsa/vmm"
+)
+
+// defaultCmdline keeps the console quiet (every byte costs a VM exit),
+// resets through the i8042 on reboot, and turns a panic into a reset.
+const defaultCmdline = "console=ttyS0 quiet reboot=k panic=-1"
+
+func runVM(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	fs := newFlags("vm", "[--kernel PATH] [--initrd PATH] [--cmdline \"...\"] [--cpus N] [--memory SIZE]", stdout)
+	kernel := fs.String("kernel", "", "kernel image: a vmlinux ELF or a bzImage (default: the built-in kernel)")
+	initrd := fs.String("initrd", "", "initramfs to load (default: none)")
+	cmdline := fs.String("cmdline", defaultCmdline, "kernel command line")
+	appendArgs := fs.String("append", "", "arguments appended to the kernel command line")
+	cpus := fs.Int("cpus", 1, "number of vCPUs")
+	memory := fs.String("memory", "512M", "guest memory (e.g. 512M, 2G)")
+	console := fs.String("console", "-", "where the guest console goes: - for the terminal, or a file path")
+	bootTime := fs.Bool("boot-time", false, "print the time from VMM start to guest userspace")
+	verbose := fs.BoolP("verbose", "v", false, "log VMM events to stderr")
+	if code := parseFlags(fs, args, stderr); code >= 0 {
+		return code
+	}
+	fail := func(format string, a ...any) int {
+		fmt.Fprintf(stderr, "capsa vm: "+format+"\n", a...)
+		return 2
+	}
+	if fs.NArg() > 0 {
+		return fail("unexpected argument %q", fs.Arg(0))
+	}
+	if *cpus < 1 || *cpus > vmm.MaxCPUs {
+		return fail("--cpus %d: must be between 1 and %d", *cpus, vmm.MaxCPUs)
+	}
+	mem, err := parseSize(*memory)
+	if err != nil {
+		return fail("--memory: %v", err)
+	}
+	cfg := vmm.Config{CPUs: *cpus, MemoryBytes: mem, Cmdline: *cmdline, Start: startTime}
+	if *appendArgs != "" {
+		cfg.Cmdline += " " + *appendArgs
+	}
+	if *kernel != "" {
+		if cfg.Kernel, err = os.ReadFile(*kernel); err != nil {
+			return fail("--kernel: %v", err)
+		}
+	} else if cfg.Kernel, err = builtin.Kernel(); err != nil {
+		return fail("%v", err)
+	}
+	if *initrd != "" {
+		if cfg.Initrd, err = os.ReadFile(*initrd); err != nil {
+			return fail("--initrd: %v", err)
+		}
+	}
+	cfg.Console = stdout
+	if *console != "-" {
+		f, err := os.Create(*console)
+		if err != nil {
+			return fail("--console: %v", err)
+		}
+		defer f.Close()
+		cfg.Console = f
+	}
+	cfg.ConsoleInput = os.Stdin
+	level := slog.LevelWarn
+	if *verbose {
+		level = slog.LevelDebug
+	}
+	cfg.Log = slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: level}))
+
+	m, err := vmm.New(ctx, cfg)
+	if err != nil {
+		fmt.Fprintf(stderr, "capsa vm: %v\n", err)
+		return 1
+	}
+	exit := m.Run(ctx)
+	m.Close()
+	if *bootTime {
+		if exit.BootTime > 0 {
+			fmt.Fprintf(stderr, "capsa vm: boot time: guest userspace reached after %.1f ms\n", float64(exit.BootTime.Microseconds())/1000)
+		} else {
+			fmt.Fprintf(stderr, "capsa vm: boot time: the guest never signalled userspace (port %#x)\n", 0x3f0)
+		}
+	}
+	fmt.Fprintf(stderr, "capsa vm: %s\n", exit)
+	if exit.Reason.Clean() {
+		return 0
+	}
+	return 1
+}

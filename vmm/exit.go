@@ -1,0 +1,69 @@
+package vmm
+
+import (
+	"fmt"
+	"time"
+)
+
+// StopReason says why a VM stopped.
+type StopReason int
+
+const (
+	// StopReboot: the guest reset itself, through the i8042 (reboot=k), a
+	// triple fault, or a reset system event. capsa treats a guest reset as
+	// its clean exit: without ACPI the guest cannot power off.
+	StopReboot StopReason = iota + 1
+	// StopPanic: the guest kernel panicked (and, with panic=-1, reset).
+	StopPanic
+	// StopPowerOff: the guest asked KVM for a shutdown system event.
+	StopPowerOff
+	// StopHalted: a vCPU halted with interrupts disabled forever.
+	StopHalted
+	// StopCanceled: the host stopped the VM (context canceled).
+	StopCanceled
+	// StopError: the VMM could not go on (a failed ioctl, an entry failure,
+	// an internal KVM error).
+	StopError
+)
+
+func (r StopReason) String() string {
+	switch r {
+	case StopReboot:
+		return "guest rebooted"
+	case StopPanic:
+		return "guest kernel panic"
+	case StopPowerOff:
+		return "guest powered off"
+	case StopHalted:
+		return "guest halted"
+	case StopCanceled:
+		return "stopped by the host"
+	case StopError:
+		return "VMM error"
+	}
+	return fmt.Sprintf("StopReason(%d)", int(r))
+}
+
+// Clean reports whether the stop counts as a successful run.
+func (r StopReason) Clean() bool { return r == StopReboot || r == StopPowerOff }
+
+// Exit describes how a VM stopped.
+type Exit struct {
+	Reason StopReason
+	Detail string // the panic message, the failing operation, ...
+	Err    error  // for StopError
+	// BootTime is the time from the VMM's start to the guest's boot marker;
+	// zero if the guest never wrote it.
+	BootTime time.Duration
+}
+
+func (e *Exit) String() string {
+	s := e.Reason.String()
+	if e.Detail != "" {
+		s += ": " + e.Detail
+	}
+	if e.Err != nil {
+		s += ": " + e.Err.Error()
+	}
+	return s
+}

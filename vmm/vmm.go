@@ -1,0 +1,393 @@
+// Package vmm is the one place where KVM meets the devices: it creates the
+// VM and its vCPUs, lays out guest memory and the boot state with the boot
+// package, attaches the devices, and runs one goroutine per vCPU, locked to
+// its OS thread, that turns VM exits into device accesses.
+//
+// Every other package stays ignorant of KVM (devices, boot, guestmem) or of
+// devices (kvm), so that each can be tested alone.
+package vmm
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"runtime"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/capsa-sandbox/capsa/boot"
+	"github.com/capsa-sandbox/capsa/devices"
+	"github.com/capsa-sandbox/capsa/guestmem"
+	"github.com/capsa-sandbox/capsa/kvm"
+)
+
+// MaxCPUs is the largest vCPU count capsa configures (the guest kernel's
+// NR_CPUS).
+const MaxCPUs = 64
+
+// Guest physical addresses KVM needs for itself on Intel (VMX): a 3-page TSS
+// and the identity-map page, just below the BIOS area at the top of 4 GiB.
+const (
+	tssAddr         = 0xfffb_d000
+	identityMapAddr = 0xfffb_c000
+)
+
+// Config describes a VM.
+type Config struct {
+	Kernel      []byte // vmlinux ELF or bzImage
+	Initrd      []byte // optional
+	Cmdline     string
+	CPUs        int
+	MemoryBytes uint64
+
+	Console      io.Writer // guest serial output; nil discards it
+	ConsoleInput io.Reader // optional: bytes fed to the guest's serial input
+
+	Log        *slog.Logger
+	DevicePath string    // default /dev/kvm
+	Start      time.Time // the VMM's start, for the boot time; default: when New is called
+}
+
+// Machine is a configured VM, ready to Run once.
+type Machine struct {
+	cfg     Config
+	log     *slog.Logger
+	sys     *kvm.System
+	vm      *kvm.VM
+	mem     *guestmem.Memory
+	vcpus   []*kvm.VCPU
+	tids    []atomic.Int32 // OS thread of each running vCPU, 0 before it starts
+	ports   devices.PortBus
+	serial  *devices.Serial
+	console *consoleWatch
+	marker  *devices.BootMarker
+
+	stopOnce sync.Once
+	stopped  chan struct{}
+	stopping atomic.Bool
+	exit     Exit
+	ran      atomic.Bool
+	unknown  atomic.Int64 // unhandled port and MMIO accesses, for the log's rate limit
+}
+
+// New creates the VM: it opens KVM, maps memory, loads the kernel and
+// initramfs, writes the boot structures and configures every vCPU.
+func New(ctx context.Context, cfg Config) (m *Machine, err error) {
+	if cfg.CPUs < 1 || cfg.CPUs > MaxCPUs {
+		return nil, fmt.Errorf("vmm: %d vCPUs: must be between 1 and %d", cfg.CPUs, MaxCPUs)
+	}
+	if cfg.MemoryBytes < 32<<20 {
+		return nil, fmt.Errorf("vmm: %d bytes of memory: at least 32 MiB is needed", cfg.MemoryBytes)
+	}
+	if len(cfg.Kernel) == 0 {
+		return nil, errors.New("vmm: no kernel image")
+	}
+	if cfg.Log == nil {
+		cfg.Log = slog.New(slog.DiscardHandler)
+	}
+	if cfg.Start.IsZero() {
+		cfg.Start = time.Now()
+	}
+	cfg.MemoryBytes = (cfg.MemoryBytes + 4095) &^ 4095
+	m = &Machine{cfg: cfg, log: cfg.Log, stopped: make(chan struct{})}
+	defer func() {
+		if err != nil {
+			m.Close()
+			m = nil
+		}
+	}()
+
+	if m.sys, err = kvm.OpenPath(cfg.DevicePath); err != nil {
+		return nil, err
+	}
+	if err = m.sys.CheckCapabilities(kvm.RequiredCaps...); err != nil {
+		return nil, err
+	}
+	if m.vm, err = m.sys.CreateVM(); err != nil {
+		return nil, err
+	}
+	if err = m.vm.SetTSSAddr(tssAddr); err != nil {
+		return nil, err
+	}
+	if err = m.vm.SetIdentityMapAddr(identityMapAddr); err != nil {
+		return nil, err
+	}
+	if err = m.vm.CreateIRQChip(); err != nil {
+		return nil, err
+	}
+	if err = m.vm.CreatePIT2(); err != nil {
+		return nil, err
+	}
+	if m.mem, err = guestmem.New(cfg.MemoryBytes); err != nil {
+		return nil, err
+	}
+	for i, r := range m.mem.Regions() {
+		if err = m.vm.SetUserMemoryRegion(uint32(i), 0, r.GPA, r.Host); err != nil {
+			return nil, err
+		}
+	}
+
+	state, err := m.loadGuest()
+	if err != nil {
+		return nil, err
+	}
+	if err = m.attachDevices(); err != nil {
+		return nil, err
+	}
+	if err = m.createVCPUs(state); err != nil {
+		return nil, err
+	}
+	m.log.Debug("vm created", "cpus", cfg.CPUs, "memory", cfg.MemoryBytes, "cmdline", cfg.Cmdline)
+	return m, ctx.Err()
+}
+
+// loadGuest puts the kernel, the initramfs and the boot structures in memory.
+func (m *Machine) loadGuest() (*boot.CPUState, error) {
+	k, err := boot.LoadKernel(m.mem, m.cfg.Kernel)
+	if err != nil {
+		return nil, fmt.Errorf("load kernel: %w", err)
+	}
+	bc := boot.Config{Kernel: k, Cmdline: m.cfg.Cmdline, CPUs: m.cfg.CPUs}
+	if len(m.cfg.Initrd) > 0 {
+		if bc.InitrdAddr, bc.InitrdSize, err = boot.LoadInitrd(m.mem, k, m.cfg.Initrd); err != nil {
+			return nil, fmt.Errorf("load initramfs: %w", err)
+		}
+	}
+	state, err := boot.Setup(m.mem, bc)
+	if err != nil {
+		return nil, fmt.Errorf("boot setup: %w", err)
+	}
+	return state, nil
+}
+
+func (m *Machine) attachDevices() error {
+	m.console = &consoleWatch{out: m.cfg.Console}
+	m.serial = devices.NewSerial(m.console, m.edgeIRQ(devices.SerialIRQCOM1))
+	m.marker = devices.NewBootMarker(m.cfg.Start, func(d time.Duration) {
+		m.log.Debug("guest reached userspace", "after", d)
+	})
+	i8042 := devices.NewI8042(func() { m.stop(StopReboot, "reset through the i8042", nil) })
+	for _, d := range []struct {
+		base, size uint16
+		dev        devices.PortDevice
+	}{
+		{devices.SerialPortCOM1, 8, m.serial},
+		{devices.I8042DataPort, 5, i8042},
+		{devices.BootMarkerPort, 1, m.marker},
+	} {
+		if err := m.ports.Register(d.base, d.size, d.dev); err != nil {
+			return fmt.Errorf("vmm: attach device: %w", err)
+		}
+	}
+	return nil
+}
+
+// edgeIRQ returns a callback that pulses an interrupt line of the in-kernel
+// PIC and IOAPIC.
+func (m *Machine) edgeIRQ(line uint32) devices.IRQ {
+	return func() {
+		if err := m.vm.IRQLine(line, true); err != nil {
+			m.log.Warn("raise interrupt", "line", line, "err", err)
+			return
+		}
+		m.vm.IRQLine(line, false)
+	}
+}
+
+// Memory returns the guest's memory (for devices added by later layers).
+func (m *Machine) Memory() *guestmem.Memory { return m.mem }
+
+// Run runs the VM until it stops, and says why. It may be called once.
+func (m *Machine) Run(ctx context.Context) *Exit {
+	if m.ran.Swap(true) {
+		return &Exit{Reason: StopError, Err: errors.New("vmm: Run called twice")}
+	}
+	if in := m.cfg.ConsoleInput; in != nil {
+		go m.pumpInput(in)
+	}
+	var wg sync.WaitGroup
+	for i := range m.vcpus {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			m.runVCPU(i)
+		}()
+	}
+	select {
+	case <-ctx.Done():
+		m.stop(StopCanceled, context.Cause(ctx).Error(), nil)
+	case <-m.stopped:
+	}
+	m.kickAll()
+	wg.Wait()
+	exit := m.exit
+	exit.BootTime, _ = m.marker.Elapsed()
+	// A panic is followed by a reset (panic=-1): report the panic.
+	if msg, ok := m.console.Panic(); ok && (exit.Reason == StopReboot || exit.Reason == StopHalted) {
+		exit.Reason, exit.Detail = StopPanic, msg
+	}
+	return &exit
+}
+
+func (m *Machine) pumpInput(in io.Reader) {
+	buf := make([]byte, 4096)
+	for {
+		n, err := in.Read(buf)
+		if n > 0 {
+			m.serial.Input(buf[:n])
+		}
+		if err != nil || m.stopping.Load() {
+			return
+		}
+	}
+}
+
+// stop records the first reason the VM stops and wakes Run.
+func (m *Machine) stop(reason StopReason, detail string, err error) {
+	m.stopOnce.Do(func() {
+		m.exit = Exit{Reason: reason, Detail: detail, Err: err}
+		m.stopping.Store(true)
+		m.log.Debug("vm stopping", "reason", reason, "detail", detail, "err", err)
+		close(m.stopped)
+	})
+}
+
+// kickAll makes every vCPU leave KVM_RUN: immediate_exit makes the next
+// KVM_RUN return at once, and a signal interrupts one in progress. SIGURG is
+// used because the Go runtime always handles it (it is its preemption
+// signal), so an extra one is harmless.
+func (m *Machine) kickAll() {
+	for i, v := range m.vcpus {
+		v.SetImmediateExit(true)
+		if tid := m.tids[i].Load(); tid != 0 {
+			unix.Tgkill(unix.Getpid(), int(tid), unix.SIGURG)
+		}
+	}
+}
+
+func (m *Machine) runVCPU(i int) {
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	m.tids[i].Store(int32(unix.Gettid()))
+	defer m.tids[i].Store(0)
+	v := m.vcpus[i]
+	for !m.stopping.Load() {
+		if err := v.Run(); err != nil {
+			if errors.Is(err, unix.EINTR) || errors.Is(err, unix.EAGAIN) {
+				if m.stopping.Load() {
+					// Kicked: keep the kicker's immediate_exit set.
+					return
+				}
+				continue
+			}
+			m.stop(StopError, fmt.Sprintf("vCPU %d", i), err)
+			return
+		}
+		if !m.handleExit(i, v) {
+			return
+		}
+	}
+}
+
+// handleExit handles one VM exit; false means this vCPU is done.
+func (m *Machine) handleExit(i int, v *kvm.VCPU) bool {
+	switch reason := v.ExitReason(); reason {
+	case kvm.ExitIO:
+		io, err := v.IO()
+		if err != nil {
+			m.stop(StopError, fmt.Sprintf("vCPU %d: port I/O exit", i), err)
+			return false
+		}
+		size := int(io.Size)
+		for c := 0; c+size <= len(io.Data); c += size {
+			chunk := io.Data[c : c+size]
+			var claimed bool
+			if io.Out {
+				claimed = m.ports.Write(io.Port, chunk)
+			} else {
+				claimed = m.ports.Read(io.Port, chunk)
+			}
+			if !claimed {
+				m.unhandled("port", uint64(io.Port), io.Out)
+			}
+		}
+	case kvm.ExitMMIO:
+		mmio := v.MMIO()
+		// No MMIO devices yet: reads see all ones, writes are dropped.
+		if !mmio.IsWrite {
+			for j := range mmio.Data {
+				mmio.Data[j] = 0xff
+			}
+		}
+		m.unhandled("mmio", mmio.PhysAddr, mmio.IsWrite)
+	case kvm.ExitShutdown:
+		m.stop(StopReboot, "reset through a triple fault", nil)
+		return false
+	case kvm.ExitSystemEvent:
+		switch ev := v.SystemEventType(); ev {
+		case kvm.SystemEventShutdown:
+			m.stop(StopPowerOff, "", nil)
+		case kvm.SystemEventReset:
+			m.stop(StopReboot, "reset system event", nil)
+		case kvm.SystemEventCrash:
+			m.stop(StopPanic, "crash system event", nil)
+		default:
+			m.stop(StopError, fmt.Sprintf("vCPU %d: unknown system event %d", i, ev), nil)
+		}
+		return false
+	case kvm.ExitHLT:
+		m.stop(StopHalted, fmt.Sprintf("vCPU %d executed HLT", i), nil)
+		return false
+	case kvm.ExitIntr:
+		// A signal arrived; the loop checks whether to stop.
+	case kvm.ExitFailEntry:
+		m.stop(StopError, fmt.Sprintf("vCPU %d: KVM_EXIT_FAIL_ENTRY, hardware entry failure reason %#x", i, v.FailEntryReason()), nil)
+		return false
+	case kvm.ExitInternalError:
+		m.stop(StopError, fmt.Sprintf("vCPU %d: KVM_EXIT_INTERNAL_ERROR, suberror %d", i, v.InternalErrorSuberror()), nil)
+		return false
+	default:
+		m.stop(StopError, fmt.Sprintf("vCPU %d: unexpected exit %v", i, reason), nil)
+		return false
+	}
+	return true
+}
+
+// unhandled logs accesses nobody claimed, rate-limited: a guest can make
+// any number of them.
+func (m *Machine) unhandled(kind string, addr uint64, write bool) {
+	if n := m.unknown.Add(1); n <= 20 {
+		m.log.Debug("unhandled guest access", "kind", kind, "addr", fmt.Sprintf("%#x", addr), "write", write)
+		if n == 20 {
+			m.log.Debug("further unhandled accesses are not logged")
+		}
+	}
+}
+
+// Close releases the vCPUs, the VM, its memory and KVM. It is safe to call
+// on a partly built Machine.
+func (m *Machine) Close() error {
+	var errs []error
+	for _, v := range m.vcpus {
+		errs = append(errs, v.Close())
+	}
+	m.vcpus = nil
+	if m.vm != nil {
+		errs = append(errs, m.vm.Close())
+		m.vm = nil
+	}
+	if m.mem != nil {
+		errs = append(errs, m.mem.Close())
+		m.mem = nil
+	}
+	if m.sys != nil {
+		errs = append(errs, m.sys.Close())
+		m.sys = nil
+	}
+	return errors.Join(errs...)
+}
