@@ -77,7 +77,7 @@ type Machine struct {
 
 // New creates the VM: it opens KVM, maps memory, loads the kernel and
 // initramfs, writes the boot structures and configures every vCPU.
-func New(ctx context.Context, cfg Config) (m *Machine, err error) {
+func New(ctx context.Context, cfg Config) (*Machine, error) {
 	if cfg.CPUs < 1 || cfg.CPUs > MaxCPUs {
 		return nil, fmt.Errorf("vmm: %d vCPUs: must be between 1 and %d", cfg.CPUs, MaxCPUs)
 	}
@@ -94,56 +94,59 @@ func New(ctx context.Context, cfg Config) (m *Machine, err error) {
 		cfg.Start = time.Now()
 	}
 	cfg.MemoryBytes = (cfg.MemoryBytes + 4095) &^ 4095
-	m = &Machine{cfg: cfg, log: cfg.Log, stopped: make(chan struct{})}
-	defer func() {
-		if err != nil {
-			m.Close()
-			m = nil
-		}
-	}()
-
-	if m.sys, err = kvm.OpenPath(cfg.DevicePath); err != nil {
+	m := &Machine{cfg: cfg, log: cfg.Log, stopped: make(chan struct{})}
+	if err := m.build(ctx); err != nil {
+		m.Close()
 		return nil, err
+	}
+	return m, nil
+}
+
+// build creates the VM; on error, Close releases what it made.
+func (m *Machine) build(ctx context.Context) (err error) {
+	cfg := m.cfg
+	if m.sys, err = kvm.OpenPath(cfg.DevicePath); err != nil {
+		return err
 	}
 	if err = m.sys.CheckCapabilities(kvm.RequiredCaps...); err != nil {
-		return nil, err
+		return err
 	}
 	if m.vm, err = m.sys.CreateVM(); err != nil {
-		return nil, err
+		return err
 	}
 	if err = m.vm.SetTSSAddr(tssAddr); err != nil {
-		return nil, err
+		return err
 	}
 	if err = m.vm.SetIdentityMapAddr(identityMapAddr); err != nil {
-		return nil, err
+		return err
 	}
 	if err = m.vm.CreateIRQChip(); err != nil {
-		return nil, err
+		return err
 	}
 	if err = m.vm.CreatePIT2(); err != nil {
-		return nil, err
+		return err
 	}
 	if m.mem, err = guestmem.New(cfg.MemoryBytes); err != nil {
-		return nil, err
+		return err
 	}
 	for i, r := range m.mem.Regions() {
 		if err = m.vm.SetUserMemoryRegion(uint32(i), 0, r.GPA, r.Host); err != nil {
-			return nil, err
+			return err
 		}
 	}
 
 	state, err := m.loadGuest()
 	if err != nil {
-		return nil, err
+		return err
 	}
 	if err = m.attachDevices(); err != nil {
-		return nil, err
+		return err
 	}
 	if err = m.createVCPUs(state); err != nil {
-		return nil, err
+		return err
 	}
 	m.log.Debug("vm created", "cpus", cfg.CPUs, "memory", cfg.MemoryBytes, "cmdline", cfg.Cmdline)
-	return m, ctx.Err()
+	return ctx.Err()
 }
 
 // loadGuest puts the kernel, the initramfs and the boot structures in memory.

@@ -4,6 +4,7 @@ package bootmark
 
 import (
 	"fmt"
+	"runtime"
 
 	"golang.org/x/sys/unix"
 
@@ -14,8 +15,11 @@ import (
 func outb(port uint16, v uint8)
 
 // Signal writes the marker to the VMM's debug port. It needs CAP_SYS_RAWIO
-// (the guest init has it).
+// (the guest init has it). I/O permissions belong to an OS thread, so the
+// goroutine stays on one from ioperm to the write.
 func Signal() error {
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
 	if err := unix.Ioperm(devices.BootMarkerPort, 1, 1); err != nil {
 		return fmt.Errorf("ioperm %#x: %w", devices.BootMarkerPort, err)
 	}

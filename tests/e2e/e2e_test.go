@@ -11,6 +11,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"testing"
 	"time"
@@ -76,9 +77,9 @@ func TestBootToUserspace(t *testing.T) {
 			if !strings.Contains(r.stdout, "capsa-testinit: userspace reached") {
 				t.Fatal("the guest did not reach userspace")
 			}
-			want := map[string]string{"1": "cpus=1 online=0\n", "2": "cpus=2 online=0-1\n"}[cpus]
-			if !strings.Contains(r.stdout, want) {
-				t.Errorf("guest did not report %q", strings.TrimSpace(want))
+			want := map[string]string{"1": `cpus=1 online=0\r?\n`, "2": `cpus=2 online=0-1\r?\n`}[cpus]
+			if !regexp.MustCompile(want).MatchString(r.stdout) {
+				t.Errorf("guest did not report %q", want)
 			}
 			if !strings.Contains(r.stderr, "boot time: guest userspace reached after") {
 				t.Error("--boot-time printed no boot time")
