@@ -6,6 +6,7 @@ BUILD := build
 NESTED := $(BUILD)/capsa-nested
 # Test binaries for the KVM tier: packages whose tests need /dev/kvm.
 KVM_PKGS := ./kvm ./vmm
+BENCHTIME ?= 5x
 
 .PHONY: all deps kernel nested-deps capsa testinitrd vm test test-unit test-kvm test-e2e bench clean
 
@@ -59,6 +60,16 @@ test-e2e: capsa testinitrd nested-deps $(NESTED)
 	CGO_ENABLED=0 $(GO) test -c -o $(BUILD)/e2e/e2e.test ./tests/e2e
 	$(NESTED) -f $(BUILD)/e2e/e2e.test -f $(BUILD)/capsa -f $(BUILD)/testinitrd.cpio -- \
 		./e2e.test -test.v -test.timeout 20m
+
+# Benchmarks, in the nested host where this machine has no /dev/kvm: boot to
+# guest userspace, capsa beside QEMU's microvm on the same kernel and initramfs.
+bench: capsa testinitrd nested-deps $(NESTED)
+	@rm -rf $(BUILD)/bench && mkdir -p $(BUILD)/bench
+	CGO_ENABLED=0 $(GO) test -c -o $(BUILD)/bench/e2e.test ./tests/e2e
+	scripts/qemu-bundle.sh $(BUILD)/bench/qemu
+	$(NESTED) -f $(BUILD)/bench/e2e.test -f $(BUILD)/capsa -f $(BUILD)/testinitrd.cpio \
+		-f $(BUILD)/kernel/vmlinux -f $(BUILD)/bench/qemu:qemu -- \
+		./e2e.test -test.run '^$$' -test.bench . -test.benchtime $(BENCHTIME) | tee $(BUILD)/bench/results.txt
 
 # Everything, tier by tier; stops at the first failing tier and names it.
 test:

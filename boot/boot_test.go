@@ -8,6 +8,7 @@ import (
 	"testing"
 
 	"github.com/capsa-sandbox/capsa/guestmem"
+	"github.com/capsa-sandbox/capsa/internal/testkernel"
 )
 
 var le = binary.LittleEndian
@@ -22,45 +23,10 @@ func newMem(t testing.TB, size uint64) *guestmem.Memory {
 	return m
 }
 
-type seg struct {
-	paddr, filesz, memsz uint64
-	typ                  elf.ProgType
-	data                 []byte
-}
+type seg = testkernel.Segment
 
-// makeELF builds a minimal ELF64 executable with the given program headers.
 func makeELF(entry uint64, machine elf.Machine, class elf.Class, segs ...seg) []byte {
-	const ehsize, phsize = 64, 56
-	var body bytes.Buffer
-	off := uint64(ehsize + phsize*len(segs))
-	var ph bytes.Buffer
-	for _, s := range segs {
-		p := make([]byte, phsize)
-		le.PutUint32(p[0:], uint32(s.typ))
-		le.PutUint32(p[4:], uint32(elf.PF_R|elf.PF_X))
-		le.PutUint64(p[8:], off+uint64(body.Len()))
-		le.PutUint64(p[16:], s.paddr|0xffffffff80000000) // vaddr
-		le.PutUint64(p[24:], s.paddr)
-		le.PutUint64(p[32:], s.filesz)
-		le.PutUint64(p[40:], s.memsz)
-		le.PutUint64(p[48:], 0x1000)
-		ph.Write(p)
-		body.Write(s.data)
-	}
-	h := make([]byte, ehsize)
-	copy(h, elf.ELFMAG)
-	h[4] = byte(class)
-	h[5] = byte(elf.ELFDATA2LSB)
-	h[6] = byte(elf.EV_CURRENT)
-	le.PutUint16(h[16:], uint16(elf.ET_EXEC))
-	le.PutUint16(h[18:], uint16(machine))
-	le.PutUint32(h[20:], uint32(elf.EV_CURRENT))
-	le.PutUint64(h[24:], entry)
-	le.PutUint64(h[32:], ehsize) // phoff
-	le.PutUint16(h[52:], ehsize)
-	le.PutUint16(h[54:], phsize)
-	le.PutUint16(h[56:], uint16(len(segs)))
-	return append(append(h, ph.Bytes()...), body.Bytes()...)
+	return testkernel.ELF(entry, machine, class, segs...)
 }
 
 func pvhNote(entry uint32) []byte {
@@ -75,8 +41,8 @@ func pvhNote(entry uint32) []byte {
 func validELF() []byte {
 	code := bytes.Repeat([]byte{0x90}, 0x100)
 	return makeELF(0x100_0000, elf.EM_X86_64, elf.ELFCLASS64,
-		seg{paddr: 0x100_0000, filesz: 0x100, memsz: 0x2000, typ: elf.PT_LOAD, data: code},
-		seg{typ: elf.PT_NOTE, filesz: 20, memsz: 20, data: pvhNote(0x100_0040)},
+		seg{Paddr: 0x100_0000, Filesz: 0x100, Memsz: 0x2000, Type: elf.PT_LOAD, Data: code},
+		seg{Type: elf.PT_NOTE, Filesz: 20, Memsz: 20, Data: pvhNote(0x100_0040)},
 	)
 }
 
@@ -121,15 +87,15 @@ func TestLoadKernelRejectsMalformed(t *testing.T) {
 		"garbage":            bytes.Repeat([]byte("x"), 1000),
 		"truncated header":   good[:40],
 		"truncated phdrs":    good[:64+30],
-		"32-bit class":       makeELF(0x100_0000, elf.EM_X86_64, elf.ELFCLASS32, seg{paddr: 0x100_0000, filesz: 16, memsz: 16, typ: elf.PT_LOAD, data: code}),
-		"wrong machine":      makeELF(0x100_0000, elf.EM_AARCH64, elf.ELFCLASS64, seg{paddr: 0x100_0000, filesz: 16, memsz: 16, typ: elf.PT_LOAD, data: code}),
-		"no load segments":   makeELF(0x100_0000, elf.EM_X86_64, elf.ELFCLASS64, seg{typ: elf.PT_NOTE, filesz: 16, memsz: 16, data: code}),
-		"filesz > memsz":     makeELF(0x100_0000, elf.EM_X86_64, elf.ELFCLASS64, seg{paddr: 0x100_0000, filesz: 16, memsz: 8, typ: elf.PT_LOAD, data: code}),
-		"segment past file":  makeELF(0x100_0000, elf.EM_X86_64, elf.ELFCLASS64, seg{paddr: 0x100_0000, filesz: 4096, memsz: 4096, typ: elf.PT_LOAD, data: code}),
-		"below 1 MiB":        makeELF(0x8000, elf.EM_X86_64, elf.ELFCLASS64, seg{paddr: 0x7000, filesz: 16, memsz: 16, typ: elf.PT_LOAD, data: code}),
-		"beyond RAM":         makeELF(0x1_0000_0000, elf.EM_X86_64, elf.ELFCLASS64, seg{paddr: 0x1_0000_0000, filesz: 16, memsz: 16, typ: elf.PT_LOAD, data: code}),
-		"address overflow":   makeELF(0x100_0000, elf.EM_X86_64, elf.ELFCLASS64, seg{paddr: 0xffff_ffff_ffff_f000, filesz: 16, memsz: 0x2000, typ: elf.PT_LOAD, data: code}),
-		"entry outside":      makeELF(0x500_0000, elf.EM_X86_64, elf.ELFCLASS64, seg{paddr: 0x100_0000, filesz: 16, memsz: 16, typ: elf.PT_LOAD, data: code}),
+		"32-bit class":       makeELF(0x100_0000, elf.EM_X86_64, elf.ELFCLASS32, seg{Paddr: 0x100_0000, Filesz: 16, Memsz: 16, Type: elf.PT_LOAD, Data: code}),
+		"wrong machine":      makeELF(0x100_0000, elf.EM_AARCH64, elf.ELFCLASS64, seg{Paddr: 0x100_0000, Filesz: 16, Memsz: 16, Type: elf.PT_LOAD, Data: code}),
+		"no load segments":   makeELF(0x100_0000, elf.EM_X86_64, elf.ELFCLASS64, seg{Type: elf.PT_NOTE, Filesz: 16, Memsz: 16, Data: code}),
+		"filesz > memsz":     makeELF(0x100_0000, elf.EM_X86_64, elf.ELFCLASS64, seg{Paddr: 0x100_0000, Filesz: 16, Memsz: 8, Type: elf.PT_LOAD, Data: code}),
+		"segment past file":  makeELF(0x100_0000, elf.EM_X86_64, elf.ELFCLASS64, seg{Paddr: 0x100_0000, Filesz: 4096, Memsz: 4096, Type: elf.PT_LOAD, Data: code}),
+		"below 1 MiB":        makeELF(0x8000, elf.EM_X86_64, elf.ELFCLASS64, seg{Paddr: 0x7000, Filesz: 16, Memsz: 16, Type: elf.PT_LOAD, Data: code}),
+		"beyond RAM":         makeELF(0x1_0000_0000, elf.EM_X86_64, elf.ELFCLASS64, seg{Paddr: 0x1_0000_0000, Filesz: 16, Memsz: 16, Type: elf.PT_LOAD, Data: code}),
+		"address overflow":   makeELF(0x100_0000, elf.EM_X86_64, elf.ELFCLASS64, seg{Paddr: 0xffff_ffff_ffff_f000, Filesz: 16, Memsz: 0x2000, Type: elf.PT_LOAD, Data: code}),
+		"entry outside":      makeELF(0x500_0000, elf.EM_X86_64, elf.ELFCLASS64, seg{Paddr: 0x100_0000, Filesz: 16, Memsz: 16, Type: elf.PT_LOAD, Data: code}),
 		"bz bad boot flag":   func() []byte { b := makeBzImage(0x020f, 1, 4, 4096); b[hdrBootFlag] = 0; return b }(),
 		"bz old protocol":    makeBzImage(0x0205, 1, 4, 4096),
 		"bz 32-bit only":     makeBzImage(0x020f, 0, 4, 4096),

@@ -19,16 +19,12 @@ import (
 
 // artifact finds a file built by `make test-e2e`: $CAPSA_E2E_DIR/name, else
 // ./name (the nested host puts the files beside the test binary).
-func artifact(t *testing.T, name string) string {
+func artifact(t testing.TB, name string) string {
 	t.Helper()
 	if _, err := os.Stat("/dev/kvm"); err != nil {
 		t.Skip("no /dev/kvm: end-to-end tests run through `make test-e2e`")
 	}
-	dir := os.Getenv("CAPSA_E2E_DIR")
-	if dir == "" {
-		dir = "."
-	}
-	p, err := filepath.Abs(filepath.Join(dir, name))
+	p, err := filepath.Abs(filepath.Join(artifactDir(), name))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -36,6 +32,13 @@ func artifact(t *testing.T, name string) string {
 		t.Skipf("%s not built: run `make test-e2e`", name)
 	}
 	return p
+}
+
+func artifactDir() string {
+	if dir := os.Getenv("CAPSA_E2E_DIR"); dir != "" {
+		return dir
+	}
+	return "."
 }
 
 type result struct {
