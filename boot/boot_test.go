@@ -103,7 +103,11 @@ func TestLoadKernelRejectsMalformed(t *testing.T) {
 		"bz truncated":       makeBzImage(0x020f, 1, 4, 4096)[:0x220],
 		"bz tiny payload":    makeBzImage(0x020f, 1, 4, 0x100),
 		"bz header too long": func() []byte { b := makeBzImage(0x020f, 1, 4, 4096); b[hdrJump+1] = 0xff; return b }(),
-		"bz init_size huge":  func() []byte { b := makeBzImage(0x020f, 1, 4, 4096); le.PutUint32(b[hdrInitSize:], 0xffff_0000); return b }(),
+		"bz init_size huge": func() []byte {
+			b := makeBzImage(0x020f, 1, 4, 4096)
+			le.PutUint32(b[hdrInitSize:], 0xffff_0000)
+			return b
+		}(),
 	}
 	for name, img := range cases {
 		mem := newMem(t, 64<<20)
