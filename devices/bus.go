@@ -13,33 +13,41 @@ import (
 	"sync"
 )
 
-// PortDevice handles guest port I/O. offset is relative to the base the
-// device was registered at; data is 1, 2 or 4 bytes. A read fills data.
-type PortDevice interface {
-	ReadPort(offset uint16, data []byte)
-	WritePort(offset uint16, data []byte)
+// Device handles guest accesses to a range of I/O ports or MMIO addresses.
+// offset is relative to the base the device was registered at; data is the
+// access (1, 2, 4 or 8 bytes). A read fills data.
+type Device interface {
+	Read(offset uint64, data []byte)
+	Write(offset uint64, data []byte)
 }
 
 // IRQ raises an edge-triggered interrupt on a fixed line.
 type IRQ func()
 
-type portRange struct {
-	base, size uint16
-	dev        PortDevice
+type busRange struct {
+	base, size uint64
+	dev        Device
 }
 
-// PortBus routes port I/O to the device registered for the port. It is safe
-// for concurrent use once registration is done; each device serialises its
-// own state.
-type PortBus struct {
+// Bus routes accesses to the device registered for the address: one bus for
+// I/O ports, one for MMIO. It is safe for concurrent use; each device
+// serialises its own state.
+type Bus struct {
 	mu     sync.RWMutex
-	ranges []portRange // sorted by base, non-overlapping
+	limit  uint64     // addresses must be below it; 0 means no limit
+	ranges []busRange // sorted by base, non-overlapping
 }
 
-// Register attaches dev to ports [base, base+size).
-func (b *PortBus) Register(base, size uint16, dev PortDevice) error {
-	if size == 0 || uint32(base)+uint32(size) > 0x10000 {
-		return fmt.Errorf("port range %#x+%d is invalid", base, size)
+// NewPortBus returns a bus for the 64 KiB x86 I/O port space.
+func NewPortBus() *Bus { return &Bus{limit: 0x10000} }
+
+// NewMMIOBus returns a bus for memory-mapped I/O.
+func NewMMIOBus() *Bus { return &Bus{} }
+
+// Register attaches dev to addresses [base, base+size).
+func (b *Bus) Register(base, size uint64, dev Device) error {
+	if size == 0 || base+size < base || (b.limit != 0 && base+size > b.limit) {
+		return fmt.Errorf("address range %#x+%d is invalid", base, size)
 	}
 	b.mu.Lock()
 	defer b.mu.Unlock()
@@ -48,42 +56,42 @@ func (b *PortBus) Register(base, size uint16, dev PortDevice) error {
 			return fmt.Errorf("port range %#x+%d overlaps %#x+%d", base, size, r.base, r.size)
 		}
 	}
-	b.ranges = append(b.ranges, portRange{base, size, dev})
+	b.ranges = append(b.ranges, busRange{base, size, dev})
 	sort.Slice(b.ranges, func(i, j int) bool { return b.ranges[i].base < b.ranges[j].base })
 	return nil
 }
 
-func (b *PortBus) find(port uint16) (PortDevice, uint16, bool) {
+func (b *Bus) find(addr uint64) (Device, uint64, bool) {
 	b.mu.RLock()
 	defer b.mu.RUnlock()
-	i := sort.Search(len(b.ranges), func(i int) bool { return b.ranges[i].base+b.ranges[i].size > port })
-	if i < len(b.ranges) && b.ranges[i].base <= port {
-		return b.ranges[i].dev, port - b.ranges[i].base, true
+	i := sort.Search(len(b.ranges), func(i int) bool { return b.ranges[i].base+b.ranges[i].size > addr })
+	if i < len(b.ranges) && b.ranges[i].base <= addr {
+		return b.ranges[i].dev, addr - b.ranges[i].base, true
 	}
 	return nil, 0, false
 }
 
-// Read dispatches a read; an unclaimed port reads as all ones, as on real
+// Read dispatches a read; an unclaimed address reads as all ones, as on real
 // hardware with nothing on the bus. It reports whether a device claimed it.
-func (b *PortBus) Read(port uint16, data []byte) bool {
-	dev, off, ok := b.find(port)
+func (b *Bus) Read(addr uint64, data []byte) bool {
+	dev, off, ok := b.find(addr)
 	if !ok {
 		for i := range data {
 			data[i] = 0xff
 		}
 		return false
 	}
-	dev.ReadPort(off, data)
+	dev.Read(off, data)
 	return true
 }
 
-// Write dispatches a write; an unclaimed port ignores it. It reports whether
-// a device claimed it.
-func (b *PortBus) Write(port uint16, data []byte) bool {
-	dev, off, ok := b.find(port)
+// Write dispatches a write; an unclaimed address ignores it. It reports
+// whether a device claimed it.
+func (b *Bus) Write(addr uint64, data []byte) bool {
+	dev, off, ok := b.find(addr)
 	if !ok {
 		return false
 	}
-	dev.WritePort(off, data)
+	dev.Write(off, data)
 	return true
 }

@@ -6,13 +6,13 @@ import (
 	"time"
 )
 
-func rd(d PortDevice, off uint16) uint8 {
+func rd(d Device, off uint64) uint8 {
 	b := []byte{0xaa}
-	d.ReadPort(off, b)
+	d.Read(off, b)
 	return b[0]
 }
 
-func wr(d PortDevice, off uint16, v uint8) { d.WritePort(off, []byte{v}) }
+func wr(d Device, off uint64, v uint8) { d.Write(off, []byte{v}) }
 
 func TestSerialTransmit(t *testing.T) {
 	var out bytes.Buffer
@@ -134,7 +134,7 @@ func TestI8042Reset(t *testing.T) {
 			t.Fatalf("%s: input buffer reported full", tc.name)
 		}
 		for _, w := range tc.writes {
-			wr(k, uint16(w[0]), w[1])
+			wr(k, uint64(w[0]), w[1])
 		}
 		if (resets > 0) != tc.reset {
 			t.Errorf("%s: resets=%d, want reset=%v", tc.name, resets, tc.reset)
@@ -148,12 +148,12 @@ func TestI8042Reset(t *testing.T) {
 }
 
 func TestPortBus(t *testing.T) {
-	var b PortBus
+	b := NewPortBus()
 	s := NewSerial(nil, nil)
 	if err := b.Register(0x3f8, 8, s); err != nil {
 		t.Fatal(err)
 	}
-	for _, bad := range [][2]uint16{{0x3f0, 9}, {0x3ff, 1}, {0xffff, 2}, {0x100, 0}} {
+	for _, bad := range [][2]uint64{{0x3f0, 9}, {0x3ff, 1}, {0xffff, 2}, {0x100, 0}} {
 		if err := b.Register(bad[0], bad[1], s); err == nil {
 			t.Errorf("Register(%#x, %d) accepted", bad[0], bad[1])
 		}

@@ -33,9 +33,9 @@ func NewI8042(reset func()) *I8042 {
 	return &I8042{reset: reset, commandReg: 0x45}
 }
 
-// ReadPort implements PortDevice; it is registered at port 0x60 with size 5
+// Read implements Device; it is registered at port 0x60 with size 5
 // so offset 0 is data and offset 4 is status.
-func (k *I8042) ReadPort(off uint16, data []byte) {
+func (k *I8042) Read(off uint64, data []byte) {
 	for i := range data {
 		data[i] = 0
 	}
@@ -59,8 +59,8 @@ func (k *I8042) ReadPort(off uint16, data []byte) {
 	}
 }
 
-// WritePort implements PortDevice.
-func (k *I8042) WritePort(off uint16, data []byte) {
+// Write implements Device.
+func (k *I8042) Write(off uint64, data []byte) {
 	if len(data) == 0 {
 		return
 	}

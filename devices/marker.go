@@ -34,15 +34,15 @@ func (b *BootMarker) Elapsed() (time.Duration, bool) {
 	return b.at, b.seen
 }
 
-// ReadPort implements PortDevice.
-func (b *BootMarker) ReadPort(_ uint16, data []byte) {
+// Read implements Device.
+func (b *BootMarker) Read(_ uint64, data []byte) {
 	for i := range data {
 		data[i] = 0
 	}
 }
 
-// WritePort implements PortDevice.
-func (b *BootMarker) WritePort(_ uint16, data []byte) {
+// Write implements Device.
+func (b *BootMarker) Write(_ uint64, data []byte) {
 	if len(data) == 0 || data[0] != BootMarkerValue {
 		return
 	}

@@ -101,8 +101,8 @@ func (s *Serial) iir() uint8 {
 	return id
 }
 
-// ReadPort implements PortDevice.
-func (s *Serial) ReadPort(off uint16, data []byte) {
+// Read implements Device.
+func (s *Serial) Read(off uint64, data []byte) {
 	if len(data) == 0 {
 		return
 	}
@@ -155,8 +155,8 @@ func (s *Serial) ReadPort(off uint16, data []byte) {
 	data[0] = v
 }
 
-// WritePort implements PortDevice.
-func (s *Serial) WritePort(off uint16, data []byte) {
+// Write implements Device.
+func (s *Serial) Write(off uint64, data []byte) {
 	if len(data) == 0 {
 		return
 	}

@@ -62,7 +62,8 @@ type Machine struct {
 	mem     *guestmem.Memory
 	vcpus   []*kvm.VCPU
 	tids    []atomic.Int32 // OS thread of each running vCPU, 0 before it starts
-	ports   devices.PortBus
+	ports   *devices.Bus
+	mmio    *devices.Bus
 	serial  *devices.Serial
 	console *consoleWatch
 	marker  *devices.BootMarker
@@ -94,7 +95,7 @@ func New(ctx context.Context, cfg Config) (*Machine, error) {
 		cfg.Start = time.Now()
 	}
 	cfg.MemoryBytes = (cfg.MemoryBytes + 4095) &^ 4095
-	m := &Machine{cfg: cfg, log: cfg.Log, stopped: make(chan struct{})}
+	m := &Machine{cfg: cfg, log: cfg.Log, stopped: make(chan struct{}), ports: devices.NewPortBus(), mmio: devices.NewMMIOBus()}
 	if err := m.build(ctx); err != nil {
 		m.Close()
 		return nil, err
@@ -176,8 +177,8 @@ func (m *Machine) attachDevices() error {
 	})
 	i8042 := devices.NewI8042(func() { m.stop(StopReboot, "reset through the i8042", nil) })
 	for _, d := range []struct {
-		base, size uint16
-		dev        devices.PortDevice
+		base, size uint64
+		dev        devices.Device
 	}{
 		{devices.SerialPortCOM1, 8, m.serial},
 		{devices.I8042DataPort, 5, i8042},
@@ -311,9 +312,9 @@ func (m *Machine) handleExit(i int, v *kvm.VCPU) bool {
 			chunk := io.Data[c : c+size]
 			var claimed bool
 			if io.Out {
-				claimed = m.ports.Write(io.Port, chunk)
+				claimed = m.ports.Write(uint64(io.Port), chunk)
 			} else {
-				claimed = m.ports.Read(io.Port, chunk)
+				claimed = m.ports.Read(uint64(io.Port), chunk)
 			}
 			if !claimed {
 				m.unhandled("port", uint64(io.Port), io.Out)
@@ -321,13 +322,15 @@ func (m *Machine) handleExit(i int, v *kvm.VCPU) bool {
 		}
 	case kvm.ExitMMIO:
 		mmio := v.MMIO()
-		// No MMIO devices yet: reads see all ones, writes are dropped.
-		if !mmio.IsWrite {
-			for j := range mmio.Data {
-				mmio.Data[j] = 0xff
-			}
+		var claimed bool
+		if mmio.IsWrite {
+			claimed = m.mmio.Write(mmio.PhysAddr, mmio.Data)
+		} else {
+			claimed = m.mmio.Read(mmio.PhysAddr, mmio.Data)
 		}
-		m.unhandled("mmio", mmio.PhysAddr, mmio.IsWrite)
+		if !claimed {
+			m.unhandled("mmio", mmio.PhysAddr, mmio.IsWrite)
+		}
 	case kvm.ExitShutdown:
 		m.stop(StopReboot, "reset through a triple fault", nil)
 		return false

@@ -1,0 +1,256 @@
+// Package virtio implements the device side of virtio 1.x: split
+// virtqueues over guest memory, and the virtio-mmio transport (version 2).
+//
+// The queue knows nothing about the transport, and neither knows about KVM:
+// the transport raises interrupts and receives notifications through
+// callbacks that the vmm package connects to irqfd and ioeventfd.
+//
+// The guest is hostile. Every index, address and length read from a queue is
+// checked; a malformed chain is an error for that queue, never a panic or an
+// access outside guest memory.
+package virtio
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"sync/atomic"
+
+	"github.com/capsa-sandbox/capsa/guestmem"
+)
+
+// Descriptor flags (virtio 1.2 §2.7.5).
+const (
+	descFNext     = 1
+	descFWrite    = 2
+	descFIndirect = 4
+
+	availFNoInterrupt = 1
+
+	descSize = 16
+	// MaxQueueSize is the largest split queue the spec allows.
+	MaxQueueSize = 32768
+	// MaxChainBytes bounds the buffers of one chain, whatever the guest
+	// claims; no capsa device needs more.
+	MaxChainBytes = 256 << 20
+)
+
+// ErrQueue is wrapped by every error caused by what the guest put in a queue.
+var ErrQueue = errors.New("virtqueue")
+
+func queueErr(format string, a ...any) error {
+	return fmt.Errorf("%w: %s", ErrQueue, fmt.Sprintf(format, a...))
+}
+
+// Queue is the device side of one split virtqueue. It is not safe for
+// concurrent use: one goroutine of the device drives it.
+type Queue struct {
+	mem               *guestmem.Memory
+	size              uint16
+	desc, avail, used uint64
+	nextAvail         uint16 // the next available ring entry to consume
+	nextUsed          uint16 // the next used ring entry to fill
+	barrier           atomic.Int32
+}
+
+// NewQueue checks a queue's layout as the driver configured it: a power of
+// two size, each ring aligned and wholly inside guest memory.
+func NewQueue(mem *guestmem.Memory, size uint16, desc, avail, used uint64) (*Queue, error) {
+	if size == 0 || size&(size-1) != 0 || size > MaxQueueSize {
+		return nil, queueErr("size %d is not a power of two up to %d", size, MaxQueueSize)
+	}
+	n := uint64(size)
+	for _, r := range []struct {
+		name      string
+		addr, len uint64
+		align     uint64
+	}{
+		{"descriptor table", desc, descSize * n, 16},
+		{"available ring", avail, 6 + 2*n, 2},
+		{"used ring", used, 6 + 8*n, 4},
+	} {
+		if r.addr%r.align != 0 {
+			return nil, queueErr("%s at %#x is not %d-byte aligned", r.name, r.addr, r.align)
+		}
+		if !mem.Contains(r.addr, r.len) {
+			return nil, queueErr("%s at %#x+%d is outside guest memory", r.name, r.addr, r.len)
+		}
+	}
+	return &Queue{mem: mem, size: size, desc: desc, avail: avail, used: used}, nil
+}
+
+// Size is the number of descriptors.
+func (q *Queue) Size() uint16 { return q.size }
+
+// fence orders this goroutine's memory accesses to guest memory against the
+// driver's: a locked read-modify-write is a full barrier on x86, and Go's
+// compiler does not move memory accesses across an atomic operation.
+func (q *Queue) fence() { q.barrier.Add(1) }
+
+// Chain is one descriptor chain popped from the available ring: the
+// driver's readable buffers, then its writable ones, all checked to lie in
+// guest memory. Read consumes the readable buffers in order; Write fills
+// the writable ones.
+type Chain struct {
+	Head     uint16
+	readable [][]byte
+	writable [][]byte
+	rIdx     int // position in readable
+	rOff     int
+	wIdx     int
+	wOff     int
+	written  uint32
+}
+
+// Next pops the next available chain, or returns nil when the ring is
+// empty. An error means the queue is broken and must not be used further.
+func (q *Queue) Next() (*Chain, error) {
+	idx, err := q.mem.Uint16(q.avail + 2)
+	if err != nil {
+		return nil, queueErr("available index: %v", err)
+	}
+	pending := idx - q.nextAvail
+	if pending == 0 {
+		return nil, nil
+	}
+	if pending > q.size {
+		return nil, queueErr("available index %d is %d ahead of %d, more than the queue size %d", idx, pending, q.nextAvail, q.size)
+	}
+	q.fence() // read the ring entry only after the index that published it
+	head, err := q.mem.Uint16(q.avail + 4 + 2*uint64(q.nextAvail%q.size))
+	if err != nil {
+		return nil, queueErr("available ring: %v", err)
+	}
+	q.nextAvail++
+	return q.chain(head)
+}
+
+// chain walks and checks the descriptors starting at head.
+func (q *Queue) chain(head uint16) (*Chain, error) {
+	c := &Chain{Head: head}
+	var total uint64
+	i := head
+	for n := 0; ; n++ {
+		if i >= q.size {
+			return nil, queueErr("descriptor index %d out of range (queue size %d)", i, q.size)
+		}
+		if n >= int(q.size) {
+			return nil, queueErr("descriptor chain from %d is longer than the queue: a loop", head)
+		}
+		d, err := q.mem.Slice(q.desc+uint64(i)*descSize, descSize)
+		if err != nil {
+			return nil, queueErr("descriptor %d: %v", i, err)
+		}
+		le := binary.LittleEndian
+		addr, length := le.Uint64(d[0:]), le.Uint32(d[8:])
+		flags, next := le.Uint16(d[12:]), le.Uint16(d[14:])
+		if flags&descFIndirect != 0 {
+			return nil, queueErr("descriptor %d is indirect, a feature not offered", i)
+		}
+		total += uint64(length)
+		if total > MaxChainBytes {
+			return nil, queueErr("descriptor chain from %d holds more than %d bytes", head, MaxChainBytes)
+		}
+		buf, err := q.mem.Slice(addr, uint64(length))
+		if err != nil {
+			return nil, queueErr("descriptor %d buffer %#x+%d: %v", i, addr, length, err)
+		}
+		if flags&descFWrite != 0 {
+			c.writable = append(c.writable, buf)
+		} else {
+			if len(c.writable) > 0 {
+				return nil, queueErr("descriptor %d is readable after a writable one", i)
+			}
+			c.readable = append(c.readable, buf)
+		}
+		if flags&descFNext == 0 {
+			return c, nil
+		}
+		i = next
+	}
+}
+
+// Push returns a chain to the driver through the used ring, recording how
+// many bytes the device wrote, and reports whether the driver wants an
+// interrupt for it.
+func (q *Queue) Push(c *Chain) (bool, error) {
+	elem := q.used + 4 + 8*uint64(q.nextUsed%q.size)
+	if err := q.mem.PutUint32(elem, uint32(c.Head)); err != nil {
+		return false, queueErr("used ring: %v", err)
+	}
+	if err := q.mem.PutUint32(elem+4, c.written); err != nil {
+		return false, queueErr("used ring: %v", err)
+	}
+	q.nextUsed++
+	q.fence() // the element before the index that publishes it
+	if err := q.mem.PutUint16(q.used+2, q.nextUsed); err != nil {
+		return false, queueErr("used index: %v", err)
+	}
+	q.fence() // publish the index before reading the driver's flags
+	flags, err := q.mem.Uint16(q.avail)
+	if err != nil {
+		return false, queueErr("available flags: %v", err)
+	}
+	return flags&availFNoInterrupt == 0, nil
+}
+
+// ReadableLen is the total size of the chain's driver-readable buffers.
+func (c *Chain) ReadableLen() int {
+	n := 0
+	for _, b := range c.readable {
+		n += len(b)
+	}
+	return n
+}
+
+// WritableLen is the total size of the chain's device-writable buffers.
+func (c *Chain) WritableLen() int {
+	n := 0
+	for _, b := range c.writable {
+		n += len(b)
+	}
+	return n
+}
+
+// Written is how many bytes Write has put in the chain.
+func (c *Chain) Written() uint32 { return c.written }
+
+// Read copies from the readable buffers, in order. It returns io.EOF when
+// they are exhausted.
+func (c *Chain) Read(p []byte) (int, error) {
+	n := 0
+	for n < len(p) && c.rIdx < len(c.readable) {
+		b := c.readable[c.rIdx][c.rOff:]
+		k := copy(p[n:], b)
+		n += k
+		c.rOff += k
+		if c.rOff == len(c.readable[c.rIdx]) {
+			c.rIdx, c.rOff = c.rIdx+1, 0
+		}
+	}
+	if n == 0 && len(p) > 0 {
+		return 0, io.EOF
+	}
+	return n, nil
+}
+
+// Write copies into the writable buffers, in order. It returns
+// io.ErrShortWrite when they are full.
+func (c *Chain) Write(p []byte) (int, error) {
+	n := 0
+	for n < len(p) && c.wIdx < len(c.writable) {
+		b := c.writable[c.wIdx][c.wOff:]
+		k := copy(b, p[n:])
+		n += k
+		c.wOff += k
+		if c.wOff == len(c.writable[c.wIdx]) {
+			c.wIdx, c.wOff = c.wIdx+1, 0
+		}
+	}
+	c.written += uint32(n)
+	if n < len(p) {
+		return n, io.ErrShortWrite
+	}
+	return n, nil
+}
