@@ -372,3 +372,13 @@ func (t *MMIO) Status() uint32 {
 	defer t.mu.Unlock()
 	return t.status
 }
+
+// Close stops the device if it is running (the VM is going away).
+func (t *MMIO) Close() {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.active {
+		t.dev.Reset()
+		t.active = false
+	}
+}

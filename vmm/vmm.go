@@ -24,6 +24,7 @@ import (
 	"github.com/capsa-sandbox/capsa/devices"
 	"github.com/capsa-sandbox/capsa/guestmem"
 	"github.com/capsa-sandbox/capsa/kvm"
+	"github.com/capsa-sandbox/capsa/virtio"
 )
 
 // MaxCPUs is the largest vCPU count capsa configures (the guest kernel's
@@ -48,6 +49,10 @@ type Config struct {
 	Console      io.Writer // guest serial output; nil discards it
 	ConsoleInput io.Reader // optional: bytes fed to the guest's serial input
 
+	// Devices are attached as virtio-mmio devices and declared on the
+	// kernel command line.
+	Devices []virtio.Device
+
 	Log        *slog.Logger
 	DevicePath string    // default /dev/kvm
 	Start      time.Time // the VMM's start, for the boot time; default: when New is called
@@ -67,6 +72,7 @@ type Machine struct {
 	serial  *devices.Serial
 	console *consoleWatch
 	marker  *devices.BootMarker
+	virtio  []*virtioSlot
 
 	stopOnce sync.Once
 	stopped  chan struct{}
@@ -136,11 +142,15 @@ func (m *Machine) build(ctx context.Context) (err error) {
 		}
 	}
 
-	state, err := m.loadGuest()
+	if err = m.attachDevices(); err != nil {
+		return err
+	}
+	virtioArgs, err := m.attachVirtio()
 	if err != nil {
 		return err
 	}
-	if err = m.attachDevices(); err != nil {
+	state, err := m.loadGuest(cfg.Cmdline + virtioArgs)
+	if err != nil {
 		return err
 	}
 	if err = m.createVCPUs(state); err != nil {
@@ -151,12 +161,12 @@ func (m *Machine) build(ctx context.Context) (err error) {
 }
 
 // loadGuest puts the kernel, the initramfs and the boot structures in memory.
-func (m *Machine) loadGuest() (*boot.CPUState, error) {
+func (m *Machine) loadGuest(cmdline string) (*boot.CPUState, error) {
 	k, err := boot.LoadKernel(m.mem, m.cfg.Kernel)
 	if err != nil {
 		return nil, fmt.Errorf("load kernel: %w", err)
 	}
-	bc := boot.Config{Kernel: k, Cmdline: m.cfg.Cmdline, CPUs: m.cfg.CPUs}
+	bc := boot.Config{Kernel: k, Cmdline: cmdline, CPUs: m.cfg.CPUs}
 	if len(m.cfg.Initrd) > 0 {
 		if bc.InitrdAddr, bc.InitrdSize, err = boot.LoadInitrd(m.mem, k, m.cfg.Initrd); err != nil {
 			return nil, fmt.Errorf("load initramfs: %w", err)
@@ -214,6 +224,7 @@ func (m *Machine) Run(ctx context.Context) *Exit {
 	if in := m.cfg.ConsoleInput; in != nil {
 		go m.pumpInput(in)
 	}
+	m.startVirtio()
 	var wg sync.WaitGroup
 	for i := range m.vcpus {
 		wg.Add(1)
@@ -378,7 +389,7 @@ func (m *Machine) unhandled(kind string, addr uint64, write bool) {
 // Close releases the vCPUs, the VM, its memory and KVM. It is safe to call
 // on a partly built Machine.
 func (m *Machine) Close() error {
-	var errs []error
+	errs := []error{m.closeVirtio()}
 	for _, v := range m.vcpus {
 		errs = append(errs, v.Close())
 	}
