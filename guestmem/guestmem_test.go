@@ -119,3 +119,30 @@ func TestFromRegionsRejectsOverlap(t *testing.T) {
 		t.Error("overlapping regions accepted")
 	}
 }
+
+func TestAtomicUint16(t *testing.T) {
+	m, _ := FromRegions(Region{GPA: 0x1000, Host: make([]byte, 0x100)})
+	for _, gpa := range []uint64{0x1000, 0x1002, 0x10fe} {
+		if err := m.StoreUint16(gpa, 0xbeef); err != nil {
+			t.Fatal(err)
+		}
+		if v, _ := m.Uint16(gpa); v != 0xbeef {
+			t.Errorf("%#x: plain read %#x", gpa, v)
+		}
+		if v, _ := m.LoadUint16(gpa); v != 0xbeef {
+			t.Errorf("%#x: atomic read %#x", gpa, v)
+		}
+	}
+	// The neighbouring half-word is untouched.
+	m.PutUint16(0x1010, 0x1111)
+	m.StoreUint16(0x1012, 0x2222)
+	if v, _ := m.Uint16(0x1010); v != 0x1111 {
+		t.Errorf("neighbour changed to %#x", v)
+	}
+	if _, err := m.LoadUint16(0x1001); err == nil {
+		t.Error("odd address accepted")
+	}
+	if err := m.StoreUint16(0x1100, 1); err == nil {
+		t.Error("address past the end accepted")
+	}
+}

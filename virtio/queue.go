@@ -15,7 +15,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"sync/atomic"
 
 	"github.com/capsa-sandbox/capsa/guestmem"
 )
@@ -51,7 +50,6 @@ type Queue struct {
 	desc, avail, used uint64
 	nextAvail         uint16 // the next available ring entry to consume
 	nextUsed          uint16 // the next used ring entry to fill
-	barrier           atomic.Int32
 }
 
 // NewQueue checks a queue's layout as the driver configured it: a power of
@@ -83,11 +81,6 @@ func NewQueue(mem *guestmem.Memory, size uint16, desc, avail, used uint64) (*Que
 // Size is the number of descriptors.
 func (q *Queue) Size() uint16 { return q.size }
 
-// fence orders this goroutine's memory accesses to guest memory against the
-// driver's: a locked read-modify-write is a full barrier on x86, and Go's
-// compiler does not move memory accesses across an atomic operation.
-func (q *Queue) fence() { q.barrier.Add(1) }
-
 // Chain is one descriptor chain popped from the available ring: the
 // driver's readable buffers, then its writable ones, all checked to lie in
 // guest memory. Read consumes the readable buffers in order; Write fills
@@ -106,7 +99,8 @@ type Chain struct {
 // Next pops the next available chain, or returns nil when the ring is
 // empty. An error means the queue is broken and must not be used further.
 func (q *Queue) Next() (*Chain, error) {
-	idx, err := q.mem.Uint16(q.avail + 2)
+	// The atomic load orders the reads of the entry it published after it.
+	idx, err := q.mem.LoadUint16(q.avail + 2)
 	if err != nil {
 		return nil, queueErr("available index: %v", err)
 	}
@@ -117,7 +111,6 @@ func (q *Queue) Next() (*Chain, error) {
 	if pending > q.size {
 		return nil, queueErr("available index %d is %d ahead of %d, more than the queue size %d", idx, pending, q.nextAvail, q.size)
 	}
-	q.fence() // read the ring entry only after the index that published it
 	head, err := q.mem.Uint16(q.avail + 4 + 2*uint64(q.nextAvail%q.size))
 	if err != nil {
 		return nil, queueErr("available ring: %v", err)
@@ -183,12 +176,12 @@ func (q *Queue) Push(c *Chain) (bool, error) {
 		return false, queueErr("used ring: %v", err)
 	}
 	q.nextUsed++
-	q.fence() // the element before the index that publishes it
-	if err := q.mem.PutUint16(q.used+2, q.nextUsed); err != nil {
+	// The atomic store publishes the element written before it, and is a
+	// full barrier before the read of the driver's flags.
+	if err := q.mem.StoreUint16(q.used+2, q.nextUsed); err != nil {
 		return false, queueErr("used index: %v", err)
 	}
-	q.fence() // publish the index before reading the driver's flags
-	flags, err := q.mem.Uint16(q.avail)
+	flags, err := q.mem.LoadUint16(q.avail)
 	if err != nil {
 		return false, queueErr("available flags: %v", err)
 	}

@@ -57,7 +57,7 @@ func (d *driver) setDesc(i uint16, addr uint64, length uint32, flags, next uint1
 func (d *driver) publish(head uint16) {
 	d.mem.PutUint16(d.avail+4+2*uint64(d.availIdx%d.size), head)
 	d.availIdx++
-	d.mem.PutUint16(d.avail+2, d.availIdx)
+	d.mem.StoreUint16(d.avail+2, d.availIdx)
 }
 
 // add chains bufs from descriptor first on and publishes the chain.

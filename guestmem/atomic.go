@@ -1,0 +1,60 @@
+package guestmem
+
+import (
+	"encoding/binary"
+	"fmt"
+	"sync/atomic"
+	"unsafe"
+)
+
+// Virtqueue ring indices are 16-bit fields that the guest and the VMM
+// update concurrently, ordering their other accesses around them. Go has no
+// 16-bit atomics, so these access the aligned 32-bit word that holds the
+// field: an atomic load or compare-and-swap of that word is a full barrier
+// on x86 and a synchronisation point for Go's memory model.
+
+func (m *Memory) word(gpa uint64) (*uint32, uint, error) {
+	if gpa%2 != 0 {
+		return nil, 0, fmt.Errorf("%w: atomic 16-bit access at odd address %#x", ErrOutOfRange, gpa)
+	}
+	b, err := m.Slice(gpa&^3, 4)
+	if err != nil {
+		return nil, 0, err
+	}
+	return (*uint32)(unsafe.Pointer(&b[0])), uint(gpa&2) * 8, nil
+}
+
+// LoadUint16 atomically reads the little-endian 16-bit value at gpa, which
+// must be 2-byte aligned.
+func (m *Memory) LoadUint16(gpa uint64) (uint16, error) {
+	p, shift, err := m.word(gpa)
+	if err != nil {
+		return 0, err
+	}
+	return uint16(littleEndianWord(atomic.LoadUint32(p)) >> shift), nil
+}
+
+// StoreUint16 atomically writes v at gpa, leaving the other half of the
+// word as it is.
+func (m *Memory) StoreUint16(gpa uint64, v uint16) error {
+	p, shift, err := m.word(gpa)
+	if err != nil {
+		return err
+	}
+	for {
+		old := atomic.LoadUint32(p)
+		w := littleEndianWord(old)
+		w = w&^(0xffff<<shift) | uint32(v)<<shift
+		if atomic.CompareAndSwapUint32(p, old, littleEndianWord(w)) {
+			return nil
+		}
+	}
+}
+
+// littleEndianWord converts between a word as stored in guest memory and
+// its little-endian value (the identity on x86, the only host capsa runs on).
+func littleEndianWord(w uint32) uint32 {
+	var b [4]byte
+	binary.NativeEndian.PutUint32(b[:], w)
+	return binary.LittleEndian.Uint32(b[:])
+}
