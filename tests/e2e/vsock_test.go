@@ -63,7 +63,7 @@ func TestVsockWithRealGuest(t *testing.T) {
 		Kernel: kernel, Initrd: initrd, CPUs: 2, MemoryBytes: 256 << 20,
 		Cmdline: "console=ttyS0 quiet reboot=k panic=-1 capsa.test=vsock",
 		Console: &console, Devices: []virtio.Device{dev},
-		Log:     slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelInfo})),
+		Log: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelInfo})),
 	})
 	if err != nil {
 		t.Fatal(err)
