@@ -1,0 +1,157 @@
+package vsock
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"os"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+)
+
+// Hybrid vsock, as Firecracker defines it, lets tools that know nothing of
+// capsa reach the guest through a Unix socket:
+//
+//   - host to guest: connect to the socket at path, send "CONNECT <port>\n",
+//     read "OK <hostport>\n", then the stream is the guest connection;
+//   - guest to host: a guest connection to port P, where no Go listener
+//     is registered, is forwarded to a Unix socket at "<path>_<P>" if one
+//     exists.
+
+const handshakeTimeout = 10 * time.Second
+
+// HybridSocket serves a device's hybrid-vsock Unix socket.
+type HybridSocket struct {
+	dev  *Device
+	path string
+	l    net.Listener
+	log  *slog.Logger
+	wg   sync.WaitGroup
+}
+
+// ServeUnix listens on path and serves the hybrid-vsock handshake until
+// Close. It also forwards guest connections to "<path>_<port>" sockets.
+func (d *Device) ServeUnix(path string) (*HybridSocket, error) {
+	l, err := net.Listen("unix", path)
+	if err != nil {
+		return nil, fmt.Errorf("vsock: hybrid socket: %w", err)
+	}
+	h := &HybridSocket{dev: d, path: path, l: l, log: d.log}
+	d.mu.Lock()
+	d.fallback = h.forward
+	d.mu.Unlock()
+	h.wg.Add(1)
+	go h.accept()
+	return h, nil
+}
+
+// Close stops serving and removes the socket.
+func (h *HybridSocket) Close() error {
+	h.dev.mu.Lock()
+	h.dev.fallback = nil
+	h.dev.mu.Unlock()
+	err := h.l.Close()
+	h.wg.Wait()
+	return err
+}
+
+func (h *HybridSocket) accept() {
+	defer h.wg.Done()
+	for {
+		c, err := h.l.Accept()
+		if err != nil {
+			return
+		}
+		go h.serve(c)
+	}
+}
+
+// serve runs one client's handshake, then joins it to the guest connection.
+func (h *HybridSocket) serve(c net.Conn) {
+	c.SetDeadline(time.Now().Add(handshakeTimeout))
+	r := bufio.NewReader(io.LimitReader(c, 64))
+	line, err := r.ReadString('\n')
+	port, perr := parseConnect(line)
+	if err != nil || perr != nil {
+		fmt.Fprintf(c, "ERR %v\n", errors.Join(err, perr))
+		c.Close()
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), handshakeTimeout)
+	g, err := h.dev.Dial(ctx, port)
+	cancel()
+	if err != nil {
+		fmt.Fprintf(c, "ERR %v\n", err)
+		c.Close()
+		return
+	}
+	c.SetDeadline(time.Time{})
+	fmt.Fprintf(c, "OK %d\n", g.key.host)
+	// Bytes the client sent right after its CONNECT line are buffered.
+	splice(c, g, r.Buffered(), r)
+}
+
+// parseConnect reads "CONNECT <port>\n".
+func parseConnect(line string) (uint32, error) {
+	f := strings.Fields(line)
+	if len(f) != 2 || f[0] != "CONNECT" || !strings.HasSuffix(line, "\n") {
+		return 0, fmt.Errorf("expected \"CONNECT <port>\\n\", got %q", line)
+	}
+	p, err := strconv.ParseUint(f[1], 10, 32)
+	if err != nil {
+		return 0, fmt.Errorf("bad port %q", f[1])
+	}
+	return uint32(p), nil
+}
+
+// forward offers a guest connection to "<path>_<port>"; it runs under the
+// device lock, so the dial happens on its own goroutine.
+func (h *HybridSocket) forward(port uint32, g *Conn) bool {
+	sock := fmt.Sprintf("%s_%d", h.path, port)
+	if st, err := os.Stat(sock); err != nil || st.Mode().Type() != os.ModeSocket {
+		return false
+	}
+	go func() {
+		c, err := net.Dial("unix", sock)
+		if err != nil {
+			h.log.Debug("vsock: forward guest connection", "socket", sock, "err", err)
+			g.Close()
+			return
+		}
+		splice(c, g, 0, nil)
+	}()
+	return true
+}
+
+// splice copies both ways until both directions end, passing half-closes
+// on. pending bytes already read from the client come first.
+func splice(c net.Conn, g *Conn, pending int, r *bufio.Reader) {
+	done := make(chan struct{}, 2)
+	go func() {
+		var src io.Reader = c
+		if pending > 0 {
+			head, _ := r.Peek(pending)
+			src = io.MultiReader(strings.NewReader(string(head)), c)
+		}
+		io.Copy(g, src)
+		g.CloseWrite()
+		done <- struct{}{}
+	}()
+	go func() {
+		io.Copy(c, g)
+		if cw, ok := c.(interface{ CloseWrite() error }); ok {
+			cw.CloseWrite()
+		}
+		done <- struct{}{}
+	}()
+	<-done
+	<-done
+	c.Close()
+	g.Close()
+}
