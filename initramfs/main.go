@@ -1,0 +1,62 @@
+// Command initramfs builds capsa's guest initramfs with u-root: u-root's
+// core commands compiled into one busybox-style binary, gosh as /bin/sh (so
+// `sh -c` works), and capsa's guest agent as /init.
+//
+//	go run . -agent PATH -o OUT.cpio
+//
+// It is its own module: u-root v0.16 and hugelgupf/p9 (which the VMM needs)
+// cannot be tidied into one module.
+package main
+
+import (
+	"flag"
+	"fmt"
+	"log/slog"
+	"os"
+
+	"github.com/u-root/gobusybox/src/pkg/golang"
+	"github.com/u-root/mkuimage/uimage"
+	"github.com/u-root/uio/llog"
+)
+
+func main() {
+	agent := flag.String("agent", "", "the static capsa-agent binary, installed as /init")
+	out := flag.String("o", "", "output cpio archive")
+	verbose := flag.Bool("v", false, "log the build")
+	flag.Parse()
+	if *agent == "" || *out == "" || flag.NArg() > 0 {
+		fmt.Fprintln(os.Stderr, "usage: initramfs -agent PATH -o OUT.cpio")
+		os.Exit(2)
+	}
+	if st, err := os.Stat(*agent); err != nil || !st.Mode().IsRegular() {
+		fmt.Fprintf(os.Stderr, "initramfs: -agent %s: not a regular file\n", *agent)
+		os.Exit(2)
+	}
+	level := slog.LevelWarn
+	if *verbose {
+		level = slog.LevelInfo
+	}
+	l := llog.New(level, func(format string, v ...any) { fmt.Fprintf(os.Stderr, format+"\n", v...) })
+	tmp, err := os.MkdirTemp("", "capsa-initramfs-")
+	if err != nil {
+		fmt.Fprintf(os.Stderr, "initramfs: %v\n", err)
+		os.Exit(1)
+	}
+	defer os.RemoveAll(tmp)
+	err = uimage.Create(l,
+		uimage.WithTempDir(tmp),
+		uimage.WithReplaceEnv(golang.Default(golang.DisableCGO())),
+		uimage.WithBaseArchive(uimage.DefaultRamfs()),
+		uimage.WithCPIOOutput(*out),
+		uimage.WithBusyboxCommands("github.com/u-root/u-root/cmds/core/*"),
+		uimage.WithShell("gosh"),
+		uimage.WithFiles(*agent+":bin/capsa-agent"),
+		// The agent is PID 1: it sets the machine up and reaps orphans.
+		uimage.WithSymlink("init", "/bin/capsa-agent"),
+	)
+	if err != nil {
+		os.RemoveAll(tmp)
+		fmt.Fprintf(os.Stderr, "initramfs: %v\n", err)
+		os.Exit(1)
+	}
+}
