@@ -1,0 +1,325 @@
+package agent
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"sync"
+	"time"
+)
+
+// maxDirEntries bounds a directory listing the client accepts.
+const maxDirEntries = 1 << 20
+
+// Client talks to an agent. Dial opens a new connection to it (over vsock,
+// or anything else); each operation uses its own.
+type Client struct {
+	Dial func(ctx context.Context) (net.Conn, error)
+	Name string // sent in Hello
+}
+
+// open dials, exchanges Hellos and sends req. The connection closes when
+// ctx ends.
+func (cl *Client) open(ctx context.Context, req Request) (*Conn, net.Conn, func(), error) {
+	nc, err := cl.Dial(ctx)
+	if err != nil {
+		return nil, nil, nil, fmt.Errorf("agent: connect: %w", err)
+	}
+	stop := context.AfterFunc(ctx, func() { nc.Close() })
+	done := func() { stop(); nc.Close() }
+	c := NewConn(nc)
+	fail := func(err error) (*Conn, net.Conn, func(), error) {
+		done()
+		if ctx.Err() != nil {
+			err = ctx.Err()
+		}
+		return nil, nil, nil, err
+	}
+	if err := c.WriteJSON(FrameHello, Hello{Version: ProtocolVersion, Name: cl.Name}); err != nil {
+		return fail(fmt.Errorf("agent: hello: %w", err))
+	}
+	var h Hello
+	if err := c.ReadJSON(FrameHello, &h); err != nil {
+		return fail(fmt.Errorf("agent: hello: %w", err))
+	}
+	if h.Version != ProtocolVersion {
+		return fail(fmt.Errorf("%w: agent speaks %d, client %d", ErrVersion, h.Version, ProtocolVersion))
+	}
+	if err := c.WriteJSON(FrameRequest, req); err != nil {
+		return fail(fmt.Errorf("agent: %s: %w", req.Op, err))
+	}
+	return c, nc, done, nil
+}
+
+// call runs a request whose whole answer is one JSON reply.
+func (cl *Client) call(ctx context.Context, req Request, reply any) error {
+	c, _, done, err := cl.open(ctx, req)
+	if err != nil {
+		return err
+	}
+	defer done()
+	if err := c.ReadJSON(FrameReply, reply); err != nil {
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		return err
+	}
+	return nil
+}
+
+// Stat describes path (without following a final symlink).
+func (cl *Client) Stat(ctx context.Context, path string) (*FileInfo, error) {
+	var fi FileInfo
+	return &fi, cl.call(ctx, Request{Op: OpStat, Path: path}, &fi)
+}
+
+// ListDir lists a directory.
+func (cl *Client) ListDir(ctx context.Context, path string) ([]FileInfo, error) {
+	var l DirList
+	if err := cl.call(ctx, Request{Op: OpList, Path: path}, &l); err != nil {
+		return nil, err
+	}
+	if len(l.Entries) > maxDirEntries {
+		return nil, fmt.Errorf("agent: list %s: %d entries is more than %d", path, len(l.Entries), maxDirEntries)
+	}
+	return l.Entries, nil
+}
+
+// Mkdir creates a directory, and its parents if asked.
+func (cl *Client) Mkdir(ctx context.Context, path string, mode os.FileMode, parents bool) error {
+	return cl.call(ctx, Request{Op: OpMkdir, Path: path, Mode: uint32(mode.Perm()), Parents: parents}, &Empty{})
+}
+
+// Remove removes a file or empty directory, or a whole tree if recursive.
+func (cl *Client) Remove(ctx context.Context, path string, recursive bool) error {
+	return cl.call(ctx, Request{Op: OpRemove, Path: path, Recursive: recursive}, &Empty{})
+}
+
+// Exists reports whether path exists.
+func (cl *Client) Exists(ctx context.Context, path string) (bool, error) {
+	var r ExistsReply
+	err := cl.call(ctx, Request{Op: OpExists, Path: path}, &r)
+	return r.Exists, err
+}
+
+// Info describes the guest.
+func (cl *Client) Info(ctx context.Context) (*Info, error) {
+	var in Info
+	return &in, cl.call(ctx, Request{Op: OpInfo}, &in)
+}
+
+// Shutdown asks the guest to shut down.
+func (cl *Client) Shutdown(ctx context.Context) error {
+	return cl.call(ctx, Request{Op: OpShutdown}, &Empty{})
+}
+
+// ReadFile streams a guest file into w, never holding it whole.
+func (cl *Client) ReadFile(ctx context.Context, path string, w io.Writer) (*FileInfo, error) {
+	c, _, done, err := cl.open(ctx, Request{Op: OpRead, Path: path})
+	if err != nil {
+		return nil, err
+	}
+	defer done()
+	var fi FileInfo
+	if err := c.ReadJSON(FrameReply, &fi); err != nil {
+		return nil, ctxErr(ctx, err)
+	}
+	for {
+		t, b, err := c.ReadFrame()
+		if err != nil {
+			return nil, ctxErr(ctx, fmt.Errorf("agent: read %s: %w", path, err))
+		}
+		switch t {
+		case FrameData:
+			if _, err := w.Write(b); err != nil {
+				return nil, err
+			}
+		case FrameEnd:
+			return &fi, nil
+		default:
+			return nil, expectJSON(t, b, FrameData, nil)
+		}
+	}
+}
+
+// WriteFile streams r into a guest file, replacing it atomically.
+func (cl *Client) WriteFile(ctx context.Context, path string, mode os.FileMode, r io.Reader) error {
+	return cl.writeFile(ctx, Request{Op: OpWrite, Path: path, Mode: uint32(mode.Perm())}, r)
+}
+
+// AppendFile streams r onto the end of a guest file.
+func (cl *Client) AppendFile(ctx context.Context, path string, mode os.FileMode, r io.Reader) error {
+	return cl.writeFile(ctx, Request{Op: OpWrite, Path: path, Mode: uint32(mode.Perm()), Append: true}, r)
+}
+
+func (cl *Client) writeFile(ctx context.Context, req Request, r io.Reader) error {
+	c, _, done, err := cl.open(ctx, req)
+	if err != nil {
+		return err
+	}
+	defer done()
+	if err := c.ReadJSON(FrameReply, &Empty{}); err != nil {
+		return ctxErr(ctx, err)
+	}
+	buf := make([]byte, chunk)
+	for {
+		n, rerr := r.Read(buf)
+		if n > 0 {
+			if err := c.WriteFrame(FrameData, buf[:n]); err != nil {
+				return ctxErr(ctx, fmt.Errorf("agent: write %s: %w", req.Path, err))
+			}
+		}
+		if rerr == io.EOF {
+			break
+		}
+		if rerr != nil {
+			return rerr
+		}
+	}
+	if err := c.WriteFrame(FrameEnd, nil); err != nil {
+		return ctxErr(ctx, err)
+	}
+	return ctxErr(ctx, c.ReadJSON(FrameReply, &Empty{}))
+}
+
+func ctxErr(ctx context.Context, err error) error {
+	if err != nil && ctx.Err() != nil {
+		return ctx.Err()
+	}
+	return err
+}
+
+// ExecOptions describe a process to run in the guest.
+type ExecOptions struct {
+	Argv    []string // or Shell
+	Shell   string
+	Env     []string
+	Dir     string
+	User    string
+	Stdin   io.Reader // nil: no input
+	Stdout  io.Writer // nil: discarded
+	Stderr  io.Writer // nil: discarded
+	Timeout time.Duration
+}
+
+// Process is a running guest process.
+type Process struct {
+	PID  int
+	c    *Conn
+	done func()
+	wait chan struct{}
+	st   *ExitStatus
+	err  error
+}
+
+// Start starts a process and streams its output as it comes.
+func (cl *Client) Start(ctx context.Context, o ExecOptions) (*Process, error) {
+	req := &ExecRequest{Argv: o.Argv, Shell: o.Shell, Env: o.Env, Dir: o.Dir, User: o.User,
+		Stdin: o.Stdin != nil, TimeoutMs: o.Timeout.Milliseconds()}
+	if o.Timeout > 0 && req.TimeoutMs == 0 {
+		req.TimeoutMs = 1
+	}
+	c, _, done, err := cl.open(ctx, Request{Op: OpExec, Exec: req})
+	if err != nil {
+		return nil, err
+	}
+	var started ExecStarted
+	if err := c.ReadJSON(FrameReply, &started); err != nil {
+		done()
+		return nil, ctxErr(ctx, err)
+	}
+	p := &Process{PID: started.PID, c: c, done: done, wait: make(chan struct{})}
+	if o.Stdin != nil {
+		go func() {
+			io.Copy(frameWriter{c, FrameStdin}, o.Stdin)
+			c.WriteFrame(FrameStdinClose, nil)
+		}()
+	}
+	stdout, stderr := orDiscard(o.Stdout), orDiscard(o.Stderr)
+	go func() {
+		defer close(p.wait)
+		defer done()
+		for {
+			t, b, err := c.ReadFrame()
+			if err != nil {
+				p.err = ctxErr(ctx, fmt.Errorf("agent: exec: connection lost: %w", err))
+				return
+			}
+			switch t {
+			case FrameStdout:
+				stdout.Write(b)
+			case FrameStderr:
+				stderr.Write(b)
+			default:
+				var st ExitStatus
+				if p.err = expectJSON(t, b, FrameExit, &st); p.err == nil {
+					p.st = &st
+				}
+				return
+			}
+		}
+	}()
+	return p, nil
+}
+
+func orDiscard(w io.Writer) io.Writer {
+	if w == nil {
+		return io.Discard
+	}
+	return w
+}
+
+// Signal sends a signal ("SIGTERM", "TERM", ...) to the process group.
+func (p *Process) Signal(name string) error {
+	if _, err := ParseSignal(name); err != nil {
+		return err
+	}
+	return p.c.WriteJSON(FrameSignal, SignalRequest{Name: name})
+}
+
+// Wait waits for the process to end and its output to be delivered.
+func (p *Process) Wait() (*ExitStatus, error) {
+	<-p.wait
+	return p.st, p.err
+}
+
+// Exec runs a process to the end.
+func (cl *Client) Exec(ctx context.Context, o ExecOptions) (*ExitStatus, error) {
+	p, err := cl.Start(ctx, o)
+	if err != nil {
+		return nil, err
+	}
+	return p.Wait()
+}
+
+// Output is what a collected exec produced.
+type Output struct {
+	ExitStatus
+	Stdout, Stderr []byte
+}
+
+// syncBuffer collects output written from one goroutine and read after.
+type syncBuffer struct {
+	mu  sync.Mutex
+	buf []byte
+}
+
+func (b *syncBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	b.buf = append(b.buf, p...)
+	b.mu.Unlock()
+	return len(p), nil
+}
+
+// Output runs a process and collects its output.
+func (cl *Client) Output(ctx context.Context, o ExecOptions) (*Output, error) {
+	var out, errb syncBuffer
+	o.Stdout, o.Stderr = &out, &errb
+	st, err := cl.Exec(ctx, o)
+	if err != nil {
+		return nil, err
+	}
+	return &Output{ExitStatus: *st, Stdout: out.buf, Stderr: errb.buf}, nil
+}

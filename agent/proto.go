@@ -1,0 +1,272 @@
+// Package agent is capsa's guest agent and its host client, and the
+// protocol they share.
+//
+// One connection carries one operation, like HTTP/1.0: the client dials the
+// agent's vsock port, the two exchange Hello frames, the client sends one
+// Request, and the operation streams on that connection until it ends.
+// Several operations run at once over several connections.
+//
+// Frames are [4-byte big-endian payload length][1-byte type][payload].
+// Control payloads are JSON; stream payloads (stdin, stdout, stderr, file
+// data) are raw bytes. Both sides treat the other as hostile: frames are
+// bounded, JSON is strict, and every reply is checked against what the
+// operation expects.
+package agent
+
+import (
+	"bytes"
+	"encoding/binary"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"sync"
+)
+
+// ProtocolVersion is the version both sides must speak.
+const ProtocolVersion = 1
+
+// Port is the vsock port the agent listens on; ReadyPort is the host port
+// the agent connects to once it is listening, to announce itself.
+const (
+	Port      = 1024
+	ReadyPort = 1023
+)
+
+// MaxFrame bounds a frame's payload.
+const MaxFrame = 1 << 20
+
+// chunk is the size of stream frames the agent and client send.
+const chunk = 256 << 10
+
+// FrameType says what a frame carries.
+type FrameType uint8
+
+// Frame types.
+const (
+	FrameHello FrameType = iota + 1
+	FrameError
+	FrameRequest
+	FrameReply // the operation's JSON reply
+	FrameData
+	FrameEnd
+	FrameStdin
+	FrameStdinClose
+	FrameStdout
+	FrameStderr
+	FrameSignal
+	FrameExit
+	frameLimit
+)
+
+func (t FrameType) String() string {
+	names := [...]string{"", "Hello", "Error", "Request", "Reply", "Data", "End", "Stdin", "StdinClose",
+		"Stdout", "Stderr", "Signal", "Exit"}
+	if t > 0 && t < frameLimit {
+		return names[t]
+	}
+	return fmt.Sprintf("frame type %d", uint8(t))
+}
+
+// Hello opens a connection, from each side.
+type Hello struct {
+	Version int    `json:"version"`
+	Name    string `json:"name"` // client or agent name and version
+}
+
+// ErrorReply is an Error frame's payload.
+type ErrorReply struct {
+	Message string `json:"message"`
+}
+
+// RemoteError is an error the other side reported.
+type RemoteError struct{ Message string }
+
+func (e *RemoteError) Error() string { return e.Message }
+
+// Operations.
+const (
+	OpExec     = "exec"
+	OpRead     = "read"
+	OpWrite    = "write"
+	OpStat     = "stat"
+	OpList     = "list"
+	OpMkdir    = "mkdir"
+	OpRemove   = "remove"
+	OpExists   = "exists"
+	OpInfo     = "info"
+	OpShutdown = "shutdown"
+)
+
+// Request is the one request of a connection.
+type Request struct {
+	Op        string       `json:"op"`
+	Exec      *ExecRequest `json:"exec,omitempty"`
+	Path      string       `json:"path,omitempty"`
+	Mode      uint32       `json:"mode,omitempty"`
+	Parents   bool         `json:"parents,omitempty"`
+	Recursive bool         `json:"recursive,omitempty"`
+	Append    bool         `json:"append,omitempty"`
+}
+
+// ExecRequest starts a process: Argv, or Shell run by /bin/sh -c.
+type ExecRequest struct {
+	Argv      []string `json:"argv,omitempty"`
+	Shell     string   `json:"shell,omitempty"`
+	Env       []string `json:"env,omitempty"` // KEY=VALUE, added to the agent's base environment
+	Dir       string   `json:"dir,omitempty"`
+	User      string   `json:"user,omitempty"` // name or uid[:gid]; empty: root
+	Stdin     bool     `json:"stdin,omitempty"`
+	TimeoutMs int64    `json:"timeout_ms,omitempty"`
+}
+
+// ExecStarted is the reply to an exec request.
+type ExecStarted struct {
+	PID int `json:"pid"`
+}
+
+// ExitStatus ends an exec: how the process ended.
+type ExitStatus struct {
+	Code     int    `json:"code"`             // exit code, or 128+signal
+	Signal   string `json:"signal,omitempty"` // the terminating signal, if any
+	TimedOut bool   `json:"timed_out,omitempty"`
+}
+
+// SignalRequest asks the agent to signal a running exec's process group.
+type SignalRequest struct {
+	Name string `json:"name"`
+}
+
+// FileInfo describes a file.
+type FileInfo struct {
+	Name      string `json:"name"`
+	Size      int64  `json:"size"`
+	Mode      uint32 `json:"mode"` // permission bits and type bits as in os.FileMode
+	ModTimeNs int64  `json:"mtime_ns"`
+	IsDir     bool   `json:"is_dir,omitempty"`
+	IsSymlink bool   `json:"is_symlink,omitempty"`
+}
+
+// DirList is the reply to a list request.
+type DirList struct {
+	Entries []FileInfo `json:"entries"`
+}
+
+// ExistsReply is the reply to an exists request.
+type ExistsReply struct {
+	Exists bool `json:"exists"`
+}
+
+// Info describes the guest.
+type Info struct {
+	KernelVersion string `json:"kernel_version"`
+	Hostname      string `json:"hostname"`
+	CPUs          int    `json:"cpus"`
+	MemoryBytes   uint64 `json:"memory_bytes"`
+	AgentVersion  string `json:"agent_version"`
+}
+
+// Empty is the reply of operations that only succeed or fail.
+type Empty struct{}
+
+// Conn frames a connection. Writes are safe for concurrent use; reads
+// belong to one goroutine.
+type Conn struct {
+	rw  io.ReadWriter
+	wmu sync.Mutex
+	hdr [5]byte
+}
+
+// NewConn frames rw.
+func NewConn(rw io.ReadWriter) *Conn { return &Conn{rw: rw} }
+
+// WriteFrame sends one frame.
+func (c *Conn) WriteFrame(t FrameType, payload []byte) error {
+	if len(payload) > MaxFrame {
+		return fmt.Errorf("agent: %v frame of %d bytes exceeds %d", t, len(payload), MaxFrame)
+	}
+	var hdr [5]byte
+	binary.BigEndian.PutUint32(hdr[:], uint32(len(payload)))
+	hdr[4] = byte(t)
+	c.wmu.Lock()
+	defer c.wmu.Unlock()
+	if _, err := c.rw.Write(hdr[:]); err != nil {
+		return err
+	}
+	_, err := c.rw.Write(payload)
+	return err
+}
+
+// WriteJSON sends v as a frame of type t.
+func (c *Conn) WriteJSON(t FrameType, v any) error {
+	b, err := json.Marshal(v)
+	if err != nil {
+		return err
+	}
+	return c.WriteFrame(t, b)
+}
+
+// WriteError sends an Error frame.
+func (c *Conn) WriteError(err error) error {
+	return c.WriteJSON(FrameError, ErrorReply{Message: err.Error()})
+}
+
+// ReadFrame reads one frame. The payload is valid until the next call.
+func (c *Conn) ReadFrame() (FrameType, []byte, error) {
+	if _, err := io.ReadFull(c.rw, c.hdr[:]); err != nil {
+		return 0, nil, err
+	}
+	n := binary.BigEndian.Uint32(c.hdr[:])
+	t := FrameType(c.hdr[4])
+	if t == 0 || t >= frameLimit {
+		return 0, nil, fmt.Errorf("agent: unknown frame type %d", c.hdr[4])
+	}
+	if n > MaxFrame {
+		return 0, nil, fmt.Errorf("agent: %v frame of %d bytes exceeds %d", t, n, MaxFrame)
+	}
+	b := make([]byte, n)
+	if _, err := io.ReadFull(c.rw, b); err != nil {
+		return 0, nil, fmt.Errorf("agent: truncated %v frame: %w", t, err)
+	}
+	return t, b, nil
+}
+
+// decodeStrict decodes JSON that must match v exactly.
+func decodeStrict(b []byte, v any) error {
+	d := json.NewDecoder(bytes.NewReader(b))
+	d.DisallowUnknownFields()
+	if err := d.Decode(v); err != nil {
+		return fmt.Errorf("agent: bad %T: %w", v, err)
+	}
+	if d.More() {
+		return fmt.Errorf("agent: bad %T: trailing data", v)
+	}
+	return nil
+}
+
+// ReadJSON reads a frame of type want into v. An Error frame is returned as
+// a *RemoteError; any other type is a protocol error.
+func (c *Conn) ReadJSON(want FrameType, v any) error {
+	t, b, err := c.ReadFrame()
+	if err != nil {
+		return err
+	}
+	return expectJSON(t, b, want, v)
+}
+
+func expectJSON(t FrameType, b []byte, want FrameType, v any) error {
+	switch t {
+	case want:
+		return decodeStrict(b, v)
+	case FrameError:
+		var e ErrorReply
+		if err := decodeStrict(b, &e); err != nil {
+			return err
+		}
+		return &RemoteError{Message: e.Message}
+	}
+	return fmt.Errorf("agent: got a %v frame, expected %v", t, want)
+}
+
+// ErrVersion is returned when the two sides speak different versions.
+var ErrVersion = errors.New("agent: protocol version mismatch")
