@@ -8,7 +8,7 @@ NESTED := $(BUILD)/capsa-nested
 KVM_PKGS := ./kvm ./vmm
 BENCHTIME ?= 5x
 
-.PHONY: all deps kernel nested-deps capsa testinitrd vm test test-unit test-kvm test-e2e bench clean
+.PHONY: all deps kernel initramfs nested-deps capsa testinitrd vm run test test-unit test-kvm test-e2e bench clean
 
 all: capsa
 
@@ -25,9 +25,15 @@ nested-deps:
 $(NESTED): deps
 	$(GO) build -o $@ ./tests/nested/cmd/capsa-nested
 
-# The capsa binary with the guest kernel built in: one static file.
-capsa: deps kernel
+# The guest initramfs: u-root's core commands and gosh, the agent as /init.
+initramfs: deps
+	CGO_ENABLED=0 $(GO) build -o $(BUILD)/capsa-agent ./agent/cmd/capsa-agent
+	scripts/build-initramfs.sh $(BUILD)/capsa-agent $(BUILD)/initramfs.cpio
+
+# The capsa binary with the guest kernel and initramfs built in: one static file.
+capsa: deps kernel initramfs
 	cp $(BUILD)/kernel/vmlinux internal/builtin/vmlinux
+	cp $(BUILD)/initramfs.cpio internal/builtin/initramfs.cpio
 	CGO_ENABLED=0 $(GO) build -tags capsa_builtin -ldflags "-X main.version=$$(git describe --always --dirty 2>/dev/null || echo dev)" -o $(BUILD)/capsa ./cmd/capsa
 	@ls -l $(BUILD)/capsa
 
@@ -40,6 +46,12 @@ testinitrd: deps
 # host where this machine has no /dev/kvm).
 vm: capsa testinitrd nested-deps $(NESTED)
 	$(NESTED) -f $(BUILD)/capsa -f $(BUILD)/testinitrd.cpio -- ./capsa vm --initrd testinitrd.cpio --cpus 2 --boot-time
+
+# Run a command in a sandbox, where KVM works (the nested host where this
+# machine has no /dev/kvm): make run CMD='uname -a'
+CMD ?= uname -a; echo hello from a capsa sandbox
+run: capsa nested-deps $(NESTED)
+	$(NESTED) -f $(BUILD)/capsa -- ./capsa run -- sh -c "$(CMD)"
 
 # Tier 1: unit tests, no KVM needed. KVM tests skip here when /dev/kvm is absent.
 test-unit: deps
@@ -79,4 +91,4 @@ test:
 	@echo "make test: all tiers passed"
 
 clean:
-	rm -rf $(BUILD) internal/builtin/vmlinux
+	rm -rf $(BUILD) internal/builtin/vmlinux internal/builtin/initramfs.cpio

@@ -25,9 +25,12 @@ import (
 // Version is the agent's version, reported by Info.
 const Version = "0.1.0"
 
-// BaseEnv is the environment every exec starts from.
+// DefaultPath is the guest's command search path.
+const DefaultPath = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin:/bbin"
+
+// baseEnv is the environment every exec starts from.
 var baseEnv = []string{
-	"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin:/bbin",
+	"PATH=" + DefaultPath,
 	"HOME=/root",
 	"TERM=dumb",
 }
@@ -377,6 +380,11 @@ func (s *Server) exec(ctx context.Context, c *Conn, req *ExecRequest) error {
 		cmd = exec.Command("/bin/sh", "-c", req.Shell)
 	default:
 		return errors.New("exec: give exactly one of argv and shell")
+	}
+	// u-root's busybox finds which command to be by following argv[0] as a
+	// path to its symlink, so a bare name becomes the path it resolved to.
+	if !strings.Contains(cmd.Args[0], "/") && cmd.Err == nil {
+		cmd.Args[0] = cmd.Path
 	}
 	for _, e := range req.Env {
 		if k, _, ok := strings.Cut(e, "="); !ok || k == "" {

@@ -35,11 +35,15 @@ const (
 	MaxMPCPUs = 254
 )
 
-// MPTable builds the MP floating pointer and configuration table for ncpus
-// vCPUs, to be placed at MPTableAddr: one processor entry per vCPU (APIC
-// ids 0..n-1, the first the boot CPU), an ISA bus, one IOAPIC (id n) whose
-// pins 0-23 carry ISA IRQs 0-23, and the local APICs' LINT0 as ExtINT and
-// LINT1 as NMI.
+// MPTable builds the MP floating pointer and, right after it, the
+// configuration table for ncpus vCPUs, to be placed at MPTableAddr: one
+// processor entry per vCPU (APIC ids 0..n-1, the first the boot CPU), an
+// ISA bus, one IOAPIC (id n, at 0xfec00000) whose pins 0-23 carry IRQs
+// 0-23, and every local APIC's LINT0 as ExtINT and LINT1 as NMI.
+//
+// The table lives in the BIOS area rather than at the end of base memory
+// (0x9fc00): the 1 KiB there holds entries for only 37 CPUs, and Linux
+// scans both places for the floating pointer.
 func MPTable(ncpus int) ([]byte, error) {
 	if ncpus < 1 || ncpus > MaxMPCPUs {
 		return nil, fmt.Errorf("boot: MP table for %d CPUs: must be between 1 and %d", ncpus, MaxMPCPUs)
@@ -90,6 +94,9 @@ func MPTable(ncpus int) ([]byte, error) {
 	le.PutUint32(hdr[36:], mpLAPICAddr)
 	copy(hdr[mpHeaderSize:], entries)
 	hdr[7] = checksum(hdr)
+	if MPTableAddr+len(table) > BIOSEnd {
+		return nil, fmt.Errorf("boot: MP table for %d CPUs is %d bytes, more than fit at %#x", ncpus, len(table), MPTableAddr)
+	}
 	return table, nil
 }
 

@@ -12,13 +12,13 @@ import (
 type Config struct {
 	Kernel     *Kernel
 	Cmdline    string
-	InitrdAddr uint64 // 0: no initramfs
+	InitrdAddr uint64 // from LoadInitrd; InitrdSize 0: no initramfs
 	InitrdSize uint64
-	CPUs       int
+	CPUs       int // 1..MaxMPCPUs
 }
 
-// Segment is a segment register's hidden state, as KVM takes it (the limit
-// already scaled by the granularity bit).
+// Segment is a segment register's hidden state in the layout of KVM's
+// kvm_segment, with the limit already scaled by the granularity bit.
 type Segment struct {
 	Base                      uint64
 	Limit                     uint32
@@ -28,7 +28,8 @@ type Segment struct {
 	AVL                       uint8
 }
 
-// CPUState is the boot CPU's state at the kernel's 64-bit entry.
+// CPUState is the boot CPU's state at the kernel's 64-bit entry: long mode,
+// paging on with the identity map, interrupts off, RSI = boot_params.
 type CPUState struct {
 	RIP, RSP, RBP, RSI, RFLAGS uint64
 	CR0, CR3, CR4, EFER        uint64
@@ -39,23 +40,24 @@ type CPUState struct {
 
 // Control register and EFER bits for 64-bit mode.
 const (
-	cr0PE   = 1 << 0
-	cr0ET   = 1 << 4
-	cr0PG   = 1 << 31
-	cr4PAE  = 1 << 5
-	eferLME = 1 << 8
-	eferLMA = 1 << 10
+	CR0PE   = 1 << 0  // protected mode
+	CR0ET   = 1 << 4  // extension type (hardwired to 1 on modern CPUs)
+	CR0PG   = 1 << 31 // paging
+	CR4PAE  = 1 << 5  // physical address extension, required for long mode
+	EFERLME = 1 << 8  // long mode enable
+	EFERLMA = 1 << 10 // long mode active
 )
 
-// The GDT: null, 64-bit code, data, and a TSS (KVM wants a usable TR).
+// Selectors of the GDT that Setup installs. boot.rst requires the 64-bit
+// entry to see __BOOT_CS = 0x10 and __BOOT_DS = 0x18, so entry 1 is unused.
 const (
-	SelectorCode = 0x08
-	SelectorData = 0x10
-	SelectorTSS  = 0x18
+	SelectorCode = 0x10
+	SelectorData = 0x18
+	SelectorTSS  = 0x20 // a 16-byte system descriptor: entries 4 and 5
 )
 
-// gdtEntry encodes a descriptor from the access byte and flags nibble
-// (flags: bits 12-15 of the 16-bit value, access: bits 0-7).
+// gdtEntry encodes a segment descriptor from its flags (bits 12-15 of
+// flags: G, D/B, L, AVL) and access byte (bits 0-7: P, DPL, S, type).
 func gdtEntry(flags uint16, base, limit uint32) uint64 {
 	return uint64(base&0xff00_0000)<<32 |
 		uint64(flags&0xf0ff)<<40 |
@@ -64,18 +66,23 @@ func gdtEntry(flags uint16, base, limit uint32) uint64 {
 		uint64(limit&0x0000_ffff)
 }
 
-// GDT returns the descriptor table capsa installs.
+// GDT returns the descriptor table Setup writes at GDTAddr: flat 4 GiB
+// segments, all DPL 0.
 func GDT() []uint64 {
 	return []uint64{
 		0,
-		gdtEntry(0xa09b, 0, 0xfffff), // code: G, L, present, DPL 0, execute/read, accessed
-		gdtEntry(0xc093, 0, 0xfffff), // data: G, D/B, present, DPL 0, read/write, accessed
-		gdtEntry(0x808b, 0, 0xfffff), // TSS: G, present, busy 64-bit TSS
+		0,
+		gdtEntry(0xa09b, 0, 0xfffff), // 0x10 code: G, L, present, execute/read, accessed
+		gdtEntry(0xc093, 0, 0xfffff), // 0x18 data: G, D/B, present, read/write, accessed
+		gdtEntry(0x808b, 0, 0xfffff), // 0x20 TSS: G, present, busy 64-bit TSS, base 0
+		0,                            // upper half of the TSS descriptor: base 63:32
 	}
 }
 
-// SegmentFromGDT decodes descriptor entry as the hidden segment state that
-// loading selector would produce, so registers and GDT cannot disagree.
+// SegmentFromGDT decodes descriptor entry into the hidden segment state that
+// loading selector would produce, so registers and GDT cannot disagree. For
+// a 16-byte system descriptor (S = 0) entry is the low half, and bits 63:32
+// of the base, in the high half, are not included.
 func SegmentFromGDT(entry uint64, selector uint16) Segment {
 	s := Segment{
 		Base:     (entry>>16)&0xff_ffff | (entry>>32)&0xff00_0000,
@@ -96,6 +103,17 @@ func SegmentFromGDT(entry uint64, selector uint16) Segment {
 	return s
 }
 
+// segment decodes the descriptor selector picks in gdt, with the high half
+// of a system descriptor's base.
+func segment(gdt []uint64, selector uint16) Segment {
+	i := int(selector >> 3)
+	s := SegmentFromGDT(gdt[i], selector)
+	if s.S == 0 && i+1 < len(gdt) {
+		s.Base |= gdt[i+1] << 32
+	}
+	return s
+}
+
 // E820Type is an e820 memory range type.
 type E820Type uint32
 
@@ -111,17 +129,19 @@ type E820Entry struct {
 	Type       E820Type
 }
 
-// E820 returns the memory map for RAM laid out as regions: base memory below
-// the EBDA, the BIOS area reserved (it holds the MP table), RAM from 1 MiB to
-// the end of the first region, then every other region as RAM.
+// E820 returns the memory map for guest RAM laid out as regions (sorted, the
+// first at 0, as guestmem.Memory.Regions returns them): base memory
+// [0, EBDAStart) as RAM, the BIOS area holding the MP table reserved, RAM
+// from HighMemBase to the end of the first region, then every other region
+// as RAM. [EBDAStart, MPTableAddr) is left out: the guest sees no RAM there.
 func E820(regions []guestmem.Region) ([]E820Entry, error) {
-	if len(regions) == 0 || regions[0].GPA != 0 || regions[0].End() <= HighMemStart {
+	if len(regions) == 0 || regions[0].GPA != 0 || regions[0].End() <= HighMemBase {
 		return nil, errors.New("e820: guest RAM must start at 0 and extend past 1 MiB")
 	}
 	m := []E820Entry{
 		{0, EBDAStart, E820RAM},
 		{MPTableAddr, BIOSEnd - MPTableAddr, E820Reserved},
-		{HighMemStart, regions[0].End() - HighMemStart, E820RAM},
+		{HighMemBase, regions[0].End() - HighMemBase, E820RAM},
 	}
 	for _, r := range regions[1:] {
 		m = append(m, E820Entry{r.GPA, uint64(len(r.Host)), E820RAM})
@@ -132,112 +152,105 @@ func E820(regions []guestmem.Region) ([]E820Entry, error) {
 	return m, nil
 }
 
-// Setup writes the boot structures and returns the boot CPU's state.
+// Setup writes the boot structures for cfg into mem (the layout is in the
+// package documentation) and returns the boot CPU's state. The kernel and
+// initramfs must already be loaded.
 func Setup(mem *guestmem.Memory, cfg Config) (*CPUState, error) {
+	le := binary.LittleEndian
 	k := cfg.Kernel
-	if k == nil {
+	switch {
+	case mem == nil:
+		return nil, errors.New("boot: no guest memory")
+	case k == nil:
 		return nil, errors.New("boot: no kernel loaded")
+	case cfg.InitrdSize > 0 && (cfg.InitrdAddr < HighMemBase || !mem.Contains(cfg.InitrdAddr, cfg.InitrdSize)):
+		return nil, fmt.Errorf("boot: initramfs at %#x (%d bytes) is not in guest RAM above 1 MiB", cfg.InitrdAddr, cfg.InitrdSize)
 	}
-	if err := writeGDT(mem); err != nil {
-		return nil, err
-	}
-	if err := writePageTables(mem); err != nil {
-		return nil, err
-	}
-	if err := writeCmdline(mem, k, cfg.Cmdline); err != nil {
-		return nil, err
+	if limit := k.cmdlineMax(); uint64(len(cfg.Cmdline)) > limit {
+		return nil, fmt.Errorf("boot: kernel command line is %d bytes, the kernel accepts at most %d", len(cfg.Cmdline), limit)
 	}
 	mp, err := MPTable(cfg.CPUs)
 	if err != nil {
 		return nil, err
 	}
-	if err := mem.WriteAt(mp, MPTableAddr); err != nil {
-		return nil, fmt.Errorf("boot: MP table: %w", err)
-	}
-	if err := writeBootParams(mem, cfg); err != nil {
+	bp, err := bootParams(mem, cfg)
+	if err != nil {
 		return nil, err
 	}
 	gdt := GDT()
-	data := SegmentFromGDT(gdt[2], SelectorData)
+	tables := make([]byte, 0, len(gdt)*8)
+	for _, e := range gdt {
+		tables = le.AppendUint64(tables, e)
+	}
+	for _, w := range []struct {
+		what string
+		addr uint64
+		b    []byte
+	}{
+		{"GDT", GDTAddr, tables},
+		{"IDT", IDTAddr, make([]byte, 8)},
+		{"page tables", PML4Addr, pageTables()},
+		{"command line", CmdlineAddr, append([]byte(cfg.Cmdline), 0)},
+		{"MP table", MPTableAddr, mp},
+		{"boot_params", BootParamsAddr, bp},
+	} {
+		if err := mem.WriteAt(w.b, w.addr); err != nil {
+			return nil, fmt.Errorf("boot: %s: %w", w.what, err)
+		}
+	}
+	data := segment(gdt, SelectorData)
 	return &CPUState{
-		RIP: k.Entry, RSP: BootStackAddr, RBP: BootStackAddr, RSI: BootParamsAddr, RFLAGS: 2,
-		CR0: cr0PE | cr0ET | cr0PG, CR3: PML4Addr, CR4: cr4PAE, EFER: eferLME | eferLMA,
+		RIP: k.Entry, RSP: BootStackAddr, RBP: BootStackAddr, RSI: BootParamsAddr,
+		RFLAGS: 2, // reserved bit 1; IF clear
+		CR0:    CR0PE | CR0ET | CR0PG, CR3: PML4Addr, CR4: CR4PAE, EFER: EFERLME | EFERLMA,
 		GDTBase: GDTAddr, GDTLimit: uint16(len(gdt)*8 - 1),
-		IDTBase: IDTAddr, IDTLimit: 7,
-		CS: SegmentFromGDT(gdt[1], SelectorCode),
+		IDTBase: IDTAddr, IDTLimit: 7, // one (empty) gate: any exception triple-faults
+		CS: segment(gdt, SelectorCode),
 		DS: data, ES: data, FS: data, GS: data, SS: data,
-		TR: SegmentFromGDT(gdt[3], SelectorTSS),
+		TR: segment(gdt, SelectorTSS),
 	}, nil
 }
 
-func writeGDT(mem *guestmem.Memory) error {
-	for i, e := range GDT() {
-		if err := mem.PutUint64(GDTAddr+uint64(i)*8, e); err != nil {
-			return fmt.Errorf("boot: GDT: %w", err)
-		}
-	}
-	if err := mem.Zero(IDTAddr, 8); err != nil {
-		return fmt.Errorf("boot: IDT: %w", err)
-	}
-	return nil
-}
-
-// writePageTables identity-maps the first 1 GiB with 2 MiB pages: enough
-// for the kernel's 64-bit entry, which builds its own tables at once.
-func writePageTables(mem *guestmem.Memory) error {
-	const present, writable, huge = 1, 2, 0x80
-	err := errors.Join(
-		mem.PutUint64(PML4Addr, PDPTAddr|present|writable),
-		mem.PutUint64(PDPTAddr, PDAddr|present|writable),
-	)
-	for i := uint64(0); i < 512 && err == nil; i++ {
-		err = mem.PutUint64(PDAddr+i*8, i<<21|present|writable|huge)
-	}
-	if err != nil {
-		return fmt.Errorf("boot: page tables: %w", err)
-	}
-	return nil
-}
-
-func cmdlineMax(k *Kernel) uint64 {
-	if k.Format == FormatBzImage {
-		hdr := k.SetupHeader
-		v := binary.LittleEndian.Uint16(hdr[hdrVersion-hdrSetupSects:])
-		if n := binary.LittleEndian.Uint32(hdr[hdrCmdlineSize-hdrSetupSects:]); v >= 0x0206 && n > 0 {
-			return uint64(min(n, CmdlineAddr)) // never past the next structure
-		}
-	}
-	return DefaultCmdlineMax - 1
-}
-
-func writeCmdline(mem *guestmem.Memory, k *Kernel, cmdline string) error {
-	if limit := cmdlineMax(k); uint64(len(cmdline)) > limit {
-		return fmt.Errorf("boot: kernel command line is %d bytes, the kernel accepts at most %d", len(cmdline), limit)
-	}
-	b := append([]byte(cmdline), 0)
-	if err := mem.WriteAt(b, CmdlineAddr); err != nil {
-		return fmt.Errorf("boot: command line: %w", err)
-	}
-	return nil
-}
-
-func writeBootParams(mem *guestmem.Memory, cfg Config) error {
-	bp := make([]byte, bootParamsSize)
+// pageTables returns the PML4, the PDPT and IdentityMapEnd/1 GiB page
+// directories, contiguous from PML4Addr, identity-mapping [0, IdentityMapEnd)
+// with 2 MiB pages: enough for the kernel's 64-bit entry, which soon
+// installs its own tables.
+func pageTables() []byte {
 	le := binary.LittleEndian
+	const present, writable, huge = 1, 2, 0x80
+	const pds = IdentityMapEnd >> 30
+	b := make([]byte, PDAddr-PML4Addr+pds*pageSize)
+	le.PutUint64(b, PDPTAddr|present|writable)
+	for i := range uint64(pds) {
+		le.PutUint64(b[PDPTAddr-PML4Addr+i*8:], (PDAddr+i*pageSize)|present|writable)
+	}
+	for i := range uint64(pds * 512) {
+		le.PutUint64(b[PDAddr-PML4Addr+i*8:], i<<21|present|writable|huge)
+	}
+	return b
+}
+
+// bootParams returns the zero page: a bzImage's setup header (or, for a
+// vmlinux, the few header fields the kernel reads), the loader's fields,
+// and the e820 map.
+func bootParams(mem *guestmem.Memory, cfg Config) ([]byte, error) {
+	le := binary.LittleEndian
+	bp := make([]byte, bootParamsSize)
 	k := cfg.Kernel
 	if k.SetupHeader != nil {
-		copy(bp[hdrSetupSects:], k.SetupHeader)
+		copy(bp[hdrSetupSects:setupHeaderLimit], k.SetupHeader)
 	} else {
-		le.PutUint16(bp[hdrBootFlag:], 0xaa55)
-		copy(bp[hdrMagic:], "HdrS")
+		le.PutUint16(bp[hdrBootFlag:], bootFlag)
+		copy(bp[hdrMagic:], headerMagic)
 		le.PutUint16(bp[hdrVersion:], minProtocol)
-		le.PutUint32(bp[hdrKernelAlign:], 0x0100_0000)
-		le.PutUint32(bp[hdrCmdlineSize:], DefaultCmdlineMax-1)
+		le.PutUint32(bp[hdrKernelAlign:], 0x100_0000)
 	}
-	bp[hdrTypeOfLoader] = 0xff // an undefined boot loader
+	le.PutUint32(bp[hdrCmdlineSize:], uint32(k.cmdlineMax()))
+	bp[hdrTypeOfLoader] = 0xff // no assigned boot loader id
 	bp[hdrLoadflags] |= loadedHigh | canUseHeap
 	le.PutUint16(bp[hdrHeapEndPtr:], 0xfe00)
 	le.PutUint32(bp[hdrCmdLinePtr:], CmdlineAddr)
+	le.PutUint32(bp[bpExtCmdLinePtr:], 0)
 	if cfg.InitrdSize > 0 {
 		le.PutUint32(bp[hdrRamdiskImage:], uint32(cfg.InitrdAddr))
 		le.PutUint32(bp[hdrRamdiskSize:], uint32(cfg.InitrdSize))
@@ -246,17 +259,14 @@ func writeBootParams(mem *guestmem.Memory, cfg Config) error {
 	}
 	e820, err := E820(mem.Regions())
 	if err != nil {
-		return fmt.Errorf("boot: %w", err)
+		return nil, fmt.Errorf("boot: %w", err)
 	}
 	bp[bpE820Entries] = uint8(len(e820))
 	for i, e := range e820 {
-		off := bpE820Table + i*20
+		off := bpE820Table + i*e820EntrySize
 		le.PutUint64(bp[off:], e.Addr)
 		le.PutUint64(bp[off+8:], e.Size)
 		le.PutUint32(bp[off+16:], uint32(e.Type))
 	}
-	if err := mem.WriteAt(bp, BootParamsAddr); err != nil {
-		return fmt.Errorf("boot: boot_params: %w", err)
-	}
-	return nil
+	return bp, nil
 }

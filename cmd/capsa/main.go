@@ -1,5 +1,6 @@
 // Command capsa runs microVMs on KVM.
 //
+//	capsa run [flags] -- CMD  run CMD in a sandbox, stream its output, exit with its code
 //	capsa vm [flags]        boot a kernel (the built-in one by default) and show its console
 //	capsa version           print the version
 //
@@ -32,6 +33,7 @@ type command struct {
 
 func commands() []command {
 	return []command{
+		{"run", "run a command in a sandbox and exit with its exit code", runRun},
 		{"vm", "boot a kernel in a raw microVM and show its console", runVM},
 		{"version", "print capsa's version", runVersion},
 	}

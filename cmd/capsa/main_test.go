@@ -34,6 +34,11 @@ func TestCLIErrors(t *testing.T) {
 		{[]string{"vm", "--kernel", "/nonexistent"}, 2, "--kernel: open /nonexistent"},
 		{[]string{"vm", "extra"}, 2, `unexpected argument "extra"`},
 		{[]string{"version", "--nope"}, 2, "unknown flag"},
+		{[]string{"run"}, 2, "no command given"},
+		{[]string{"run", "--cpus", "0", "--", "true"}, 2, "--cpus 0: must be between"},
+		{[]string{"run", "--memory", "100K", "--", "true"}, 2, "whole number of MiB"},
+		{[]string{"run", "-e", "NOEQ", "--", "true"}, 2, `-e "NOEQ": want KEY=VALUE`},
+		{[]string{"run", "--timeout", "soon", "--", "true"}, 2, "invalid argument"},
 	} {
 		var out, errb bytes.Buffer
 		code := dispatch(context.Background(), tc.args, &out, &errb)
@@ -47,7 +52,7 @@ func TestCLIErrors(t *testing.T) {
 }
 
 func TestHelp(t *testing.T) {
-	for _, args := range [][]string{{"--help"}, {"vm", "--help"}, {"version", "-h"}} {
+	for _, args := range [][]string{{"--help"}, {"vm", "--help"}, {"run", "--help"}, {"version", "-h"}} {
 		var out, errb bytes.Buffer
 		if code := dispatch(context.Background(), args, &out, &errb); code != 0 || !strings.Contains(out.String(), "usage:") {
 			t.Errorf("capsa %v: code %d, stdout %q", args, code, out.String())

@@ -6,3 +6,6 @@ import _ "embed"
 
 //go:embed vmlinux
 var kernel []byte
+
+//go:embed initramfs.cpio
+var initramfs []byte

@@ -2,4 +2,4 @@
 
 package builtin
 
-var kernel []byte
+var kernel, initramfs []byte

@@ -1,0 +1,156 @@
+// Command capsa-agent is the guest side of a capsa sandbox. The kernel runs
+// it as /init (PID 1): it mounts proc, sys, dev and tmp, sets the hostname,
+// brings up loopback, signals the VMM's boot marker, then starts itself
+// again as the agent server, a child, and reaps every orphan while it runs.
+// The server listens on vsock port 1024 and, once listening, connects to the
+// host's port 1023 to say it is ready.
+//
+// When the agent stops (or is asked to shut down), init syncs and reboots:
+// without ACPI a reboot is how a capsa guest ends.
+package main
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"os"
+	"os/exec"
+	"strings"
+	"time"
+
+	"github.com/mdlayher/vsock"
+	"golang.org/x/sys/unix"
+
+	"github.com/capsa-sandbox/capsa/agent"
+	"github.com/capsa-sandbox/capsa/internal/bootmark"
+)
+
+func main() {
+	log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
+	if len(os.Args) > 1 && os.Args[1] == "serve" {
+		os.Exit(serve(log))
+	}
+	if os.Getpid() != 1 {
+		fmt.Fprintln(os.Stderr, "capsa-agent: run as the guest's /init, or `capsa-agent serve`")
+		os.Exit(2)
+	}
+	initMachine(log)
+}
+
+// mounts are the filesystems every sandbox has.
+var mounts = []struct {
+	src, dst, fstype string
+	flags            uintptr
+	data             string
+}{
+	{"proc", "/proc", "proc", unix.MS_NOSUID | unix.MS_NODEV | unix.MS_NOEXEC, ""},
+	{"sysfs", "/sys", "sysfs", unix.MS_NOSUID | unix.MS_NODEV | unix.MS_NOEXEC, ""},
+	{"devtmpfs", "/dev", "devtmpfs", unix.MS_NOSUID, "mode=0755"},
+	{"devpts", "/dev/pts", "devpts", unix.MS_NOSUID | unix.MS_NOEXEC, "newinstance,ptmxmode=0666,mode=0620"},
+	{"tmpfs", "/dev/shm", "tmpfs", unix.MS_NOSUID | unix.MS_NODEV, "mode=1777"},
+	{"tmpfs", "/tmp", "tmpfs", unix.MS_NOSUID | unix.MS_NODEV, "mode=1777"},
+	{"tmpfs", "/run", "tmpfs", unix.MS_NOSUID | unix.MS_NODEV, "mode=0755"},
+}
+
+func initMachine(log *slog.Logger) {
+	// The kernel starts init with almost no environment; commands are
+	// looked up with this PATH (u-root's busybox links live in /bbin).
+	os.Setenv("PATH", agent.DefaultPath)
+	os.Setenv("HOME", "/root")
+	for _, m := range mounts {
+		os.MkdirAll(m.dst, 0o755)
+		if err := unix.Mount(m.src, m.dst, m.fstype, m.flags, m.data); err != nil {
+			log.Warn("mount", "target", m.dst, "err", err)
+		}
+	}
+	os.MkdirAll("/root", 0o700)
+	hostname := "capsa"
+	if cmdline, err := os.ReadFile("/proc/cmdline"); err == nil {
+		for _, f := range strings.Fields(string(cmdline)) {
+			if v, ok := strings.CutPrefix(f, "capsa.hostname="); ok && v != "" {
+				hostname = v
+			}
+		}
+	}
+	if err := unix.Sethostname([]byte(hostname)); err != nil {
+		log.Warn("sethostname", "err", err)
+	}
+	if err := loopbackUp(); err != nil {
+		log.Warn("loopback", "err", err)
+	}
+	if err := bootmark.Signal(); err != nil {
+		log.Warn("boot marker", "err", err)
+	}
+	self, err := os.Executable()
+	if err != nil {
+		self = "/init"
+	}
+	cmd := exec.Command(self, "serve")
+	cmd.Stdout, cmd.Stderr = os.Stdout, os.Stderr
+	if err := cmd.Start(); err != nil {
+		log.Error("start agent", "err", err)
+		reboot()
+	}
+	// Reap every child: the agent, and the orphans its processes leave.
+	for {
+		var ws unix.WaitStatus
+		pid, err := unix.Wait4(-1, &ws, 0, nil)
+		if err == unix.EINTR {
+			continue
+		}
+		if err != nil || pid == cmd.Process.Pid {
+			if err == nil && !(ws.Exited() && ws.ExitStatus() == 0) {
+				log.Error("agent stopped", "status", ws)
+			}
+			reboot()
+		}
+	}
+}
+
+// loopbackUp sets IFF_UP on lo.
+func loopbackUp() error {
+	fd, err := unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return err
+	}
+	defer unix.Close(fd)
+	ifr, err := unix.NewIfreq("lo")
+	if err != nil {
+		return err
+	}
+	if err := unix.IoctlIfreq(fd, unix.SIOCGIFFLAGS, ifr); err != nil {
+		return err
+	}
+	ifr.SetUint16(ifr.Uint16() | unix.IFF_UP)
+	return unix.IoctlIfreq(fd, unix.SIOCSIFFLAGS, ifr)
+}
+
+func reboot() {
+	unix.Sync()
+	unix.Reboot(unix.LINUX_REBOOT_CMD_RESTART)
+	select {}
+}
+
+// serve runs the agent server.
+func serve(log *slog.Logger) int {
+	l, err := vsock.Listen(agent.Port, nil)
+	if err != nil {
+		log.Error("listen", "port", agent.Port, "err", err)
+		return 1
+	}
+	// Tell the host we are ready; it may not listen (a raw VM), so a
+	// failure here is not fatal.
+	if c, err := vsock.Dial(vsock.Host, agent.ReadyPort, nil); err == nil {
+		c.Write([]byte(agent.Version + "\n"))
+		c.Close()
+	}
+	srv := &agent.Server{Log: log, Shutdown: func() {
+		time.Sleep(10 * time.Millisecond) // let the reply reach the host
+		os.Exit(0)                        // init reboots when the agent exits
+	}}
+	if err := srv.Serve(context.Background(), l); err != nil {
+		log.Error("serve", "err", err)
+		return 1
+	}
+	return 0
+}

@@ -1,0 +1,91 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"strings"
+	"time"
+
+	"github.com/capsa-sandbox/capsa/sandbox"
+	"github.com/capsa-sandbox/capsa/vmm"
+)
+
+// exitTimedOut is the exit code when --timeout kills the command, as
+// timeout(1) uses.
+const exitTimedOut = 124
+
+func runRun(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	fs := newFlags("run", "[flags] -- CMD [ARGS...]", stdout)
+	cpus := fs.Int("cpus", 1, "number of vCPUs")
+	memory := fs.String("memory", "512M", "guest memory (e.g. 512M, 2G)")
+	env := fs.StringArrayP("env", "e", nil, "set K=V in the command's environment (repeatable)")
+	dir := fs.StringP("workdir", "w", "", "working directory in the guest")
+	interactive := fs.BoolP("interactive", "i", false, "pass standard input to the command")
+	timeout := fs.Duration("timeout", 0, "kill the command after this long (e.g. 30s); exit 124")
+	kernel := fs.String("kernel", "", "use this kernel instead of the built-in one")
+	initrd := fs.String("initrd", "", "use this initramfs instead of the built-in one")
+	verbose := fs.BoolP("verbose", "v", false, "log VMM events and the guest console to stderr")
+	if code := parseFlags(fs, args, stderr); code >= 0 {
+		return code
+	}
+	fail := func(format string, a ...any) int {
+		fmt.Fprintf(stderr, "capsa run: "+format+"\n", a...)
+		return 2
+	}
+	if fs.NArg() == 0 {
+		return fail("no command given (usage: capsa run [flags] -- CMD [ARGS...])")
+	}
+	if *cpus < 1 || *cpus > vmm.MaxCPUs {
+		return fail("--cpus %d: must be between 1 and %d", *cpus, vmm.MaxCPUs)
+	}
+	mem, err := parseSize(*memory)
+	if err != nil {
+		return fail("--memory: %v", err)
+	}
+	if mem%(1<<20) != 0 {
+		return fail("--memory %s: must be a whole number of MiB", *memory)
+	}
+	for _, e := range *env {
+		if k, _, ok := strings.Cut(e, "="); !ok || k == "" {
+			return fail("-e %q: want KEY=VALUE", e)
+		}
+	}
+	if *timeout < 0 {
+		return fail("--timeout %v: must not be negative", *timeout)
+	}
+	b := sandbox.New().CPUs(*cpus).Memory(int(mem >> 20)).Env(*env...)
+	if *kernel != "" {
+		b.Kernel(*kernel)
+	}
+	if *initrd != "" {
+		b.Initrd(*initrd)
+	}
+	if *verbose {
+		b.Logger(slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: slog.LevelDebug}))).Console(stderr)
+	}
+	w := b.Run(fs.Arg(0), fs.Args()[1:]...).Stdout(stdout).Stderr(stderr).Dir(*dir).Timeout(*timeout)
+	if *interactive {
+		w.Stdin(os.Stdin)
+	}
+	sb, err := w.Start(ctx)
+	if err != nil {
+		fmt.Fprintf(stderr, "capsa run: %v\n", err)
+		return 125
+	}
+	st, err := sb.Wait(ctx)
+	shutdownCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+	defer cancel()
+	sb.Shutdown(shutdownCtx)
+	switch {
+	case err != nil:
+		fmt.Fprintf(stderr, "capsa run: %v\n", err)
+		return 125
+	case st.TimedOut:
+		fmt.Fprintf(stderr, "capsa run: %s timed out after %v\n", fs.Arg(0), *timeout)
+		return exitTimedOut
+	}
+	return st.Code
+}

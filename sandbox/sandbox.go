@@ -1,0 +1,422 @@
+// Package sandbox runs commands in hardware-isolated microVMs: capsa's
+// built-in kernel, an initramfs with u-root and the guest agent, and a
+// virtio-vsock link over which the host runs processes and moves files.
+//
+// The builder enforces its required step with types: New returns a Builder,
+// which has no Start; choosing the workload (Run now, OCI images later)
+// returns a Workload, which does.
+//
+//	sb, err := sandbox.New().CPUs(2).Memory(512).
+//		Run("sh", "-c", "sleep infinity").
+//		Start(ctx)
+//	out, err := sb.Exec(ctx, sandbox.Command("uname", "-a"))
+package sandbox
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"os"
+	"sync"
+	"time"
+
+	"github.com/capsa-sandbox/capsa/agent"
+	"github.com/capsa-sandbox/capsa/internal/builtin"
+	"github.com/capsa-sandbox/capsa/virtio"
+	"github.com/capsa-sandbox/capsa/virtio/vsock"
+	"github.com/capsa-sandbox/capsa/vmm"
+)
+
+// guestCID is every sandbox's context id: each VM has its own vsock device.
+const guestCID = 3
+
+// DefaultReadyTimeout bounds the wait for the guest agent.
+const DefaultReadyTimeout = 60 * time.Second
+
+type config struct {
+	cpus         int
+	memoryMiB    int
+	env          []string
+	kernelPath   string
+	initrdPath   string
+	log          *slog.Logger
+	console      io.Writer
+	readyTimeout time.Duration
+	errs         []error
+}
+
+// Builder configures a sandbox. Choose its workload with Run to get a
+// Workload that can Start.
+type Builder struct{ c config }
+
+// New returns a builder: 1 vCPU, 512 MiB.
+func New() *Builder {
+	return &Builder{c: config{cpus: 1, memoryMiB: 512, readyTimeout: DefaultReadyTimeout}}
+}
+
+// CPUs sets the number of vCPUs (1 to 64).
+func (b *Builder) CPUs(n int) *Builder {
+	if n < 1 || n > vmm.MaxCPUs {
+		b.c.errs = append(b.c.errs, fmt.Errorf("sandbox: %d CPUs: must be between 1 and %d", n, vmm.MaxCPUs))
+	}
+	b.c.cpus = n
+	return b
+}
+
+// Memory sets the guest memory in MiB (at least 64).
+func (b *Builder) Memory(mib int) *Builder {
+	if mib < 64 || mib > 1<<20 {
+		b.c.errs = append(b.c.errs, fmt.Errorf("sandbox: %d MiB of memory: must be between 64 and %d", mib, 1<<20))
+	}
+	b.c.memoryMiB = mib
+	return b
+}
+
+// Env adds KEY=VALUE entries to the environment of every process the
+// sandbox runs.
+func (b *Builder) Env(kv ...string) *Builder {
+	for _, e := range kv {
+		if k, _, ok := bytes.Cut([]byte(e), []byte("=")); !ok || len(k) == 0 {
+			b.c.errs = append(b.c.errs, fmt.Errorf("sandbox: environment entry %q: want KEY=VALUE", e))
+		}
+	}
+	b.c.env = append(b.c.env, kv...)
+	return b
+}
+
+// Kernel replaces the built-in kernel with a vmlinux or bzImage file.
+func (b *Builder) Kernel(path string) *Builder { b.c.kernelPath = path; return b }
+
+// Initrd replaces the built-in initramfs. It must start the capsa agent.
+func (b *Builder) Initrd(path string) *Builder { b.c.initrdPath = path; return b }
+
+// Logger receives the VMM's log.
+func (b *Builder) Logger(l *slog.Logger) *Builder { b.c.log = l; return b }
+
+// Console receives the guest's serial console (quiet unless it fails).
+func (b *Builder) Console(w io.Writer) *Builder { b.c.console = w; return b }
+
+// ReadyTimeout bounds how long Start waits for the guest agent.
+func (b *Builder) ReadyTimeout(d time.Duration) *Builder { b.c.readyTimeout = d; return b }
+
+// Run chooses the sandbox's main process: argv, run once the guest is up.
+func (b *Builder) Run(cmd string, args ...string) *Workload {
+	w := &Workload{c: b.c, main: ExecOptions{Argv: append([]string{cmd}, args...)}}
+	if cmd == "" {
+		w.c.errs = append(w.c.errs, errors.New("sandbox: Run needs a command"))
+	}
+	return w
+}
+
+// Workload is a configured sandbox with its main process chosen.
+type Workload struct {
+	c    config
+	main ExecOptions
+}
+
+// Stdin feeds the main process's standard input.
+func (w *Workload) Stdin(r io.Reader) *Workload { w.main.Stdin = r; return w }
+
+// Stdout receives the main process's standard output as it comes.
+func (w *Workload) Stdout(o io.Writer) *Workload { w.main.Stdout = o; return w }
+
+// Stderr receives the main process's standard error as it comes.
+func (w *Workload) Stderr(o io.Writer) *Workload { w.main.Stderr = o; return w }
+
+// Dir sets the main process's working directory.
+func (w *Workload) Dir(dir string) *Workload { w.main.Dir = dir; return w }
+
+// Timeout kills the main process after d.
+func (w *Workload) Timeout(d time.Duration) *Workload { w.main.Timeout = d; return w }
+
+// ExecOptions describe a process to run in the sandbox.
+type ExecOptions = agent.ExecOptions
+
+// Command returns options that run argv.
+func Command(name string, args ...string) ExecOptions {
+	return ExecOptions{Argv: append([]string{name}, args...)}
+}
+
+// Shell returns options that run script with /bin/sh -c.
+func Shell(script string) ExecOptions { return ExecOptions{Shell: script} }
+
+// Sandbox is a running sandbox.
+type Sandbox struct {
+	c       config
+	vm      *vmm.Machine
+	dev     *vsock.Device
+	client  *agent.Client
+	cancel  context.CancelFunc
+	vmDone  chan struct{}
+	exit    *vmm.Exit
+	ready   chan struct{}
+	started time.Time
+
+	mu       sync.Mutex
+	main     *agent.Process
+	mainErr  error
+	closeErr error
+	closed   bool
+}
+
+// Start boots the sandbox, waits for its agent and starts the main process.
+func (w *Workload) Start(ctx context.Context) (*Sandbox, error) {
+	if err := errors.Join(w.c.errs...); err != nil {
+		return nil, err
+	}
+	s, err := boot(ctx, w.c)
+	if err != nil {
+		return nil, err
+	}
+	if err := s.WaitReady(ctx, w.c.readyTimeout); err != nil {
+		s.Close()
+		return nil, err
+	}
+	opts := w.main
+	opts.Env = append(append([]string(nil), w.c.env...), opts.Env...)
+	p, err := s.client.Start(ctx, opts)
+	if err != nil {
+		s.Close()
+		return nil, fmt.Errorf("sandbox: start %s: %w", w.main.Argv[0], err)
+	}
+	s.mu.Lock()
+	s.main = p
+	s.mu.Unlock()
+	return s, nil
+}
+
+func readOr(path string, builtinData func() ([]byte, error)) ([]byte, error) {
+	if path != "" {
+		return os.ReadFile(path)
+	}
+	return builtinData()
+}
+
+// boot starts the VM and the host end of its vsock link.
+func boot(ctx context.Context, c config) (*Sandbox, error) {
+	start := time.Now()
+	kernel, err := readOr(c.kernelPath, builtin.Kernel)
+	if err != nil {
+		return nil, fmt.Errorf("sandbox: kernel: %w", err)
+	}
+	initrd, err := readOr(c.initrdPath, builtin.Initramfs)
+	if err != nil {
+		return nil, fmt.Errorf("sandbox: initramfs: %w", err)
+	}
+	log := c.log
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	dev, err := vsock.New(guestCID, log)
+	if err != nil {
+		return nil, err
+	}
+	readyL, err := dev.Listen(agent.ReadyPort)
+	if err != nil {
+		return nil, err
+	}
+	console := c.console
+	if console == nil {
+		console = io.Discard
+	}
+	vm, err := vmm.New(ctx, vmm.Config{
+		Kernel: kernel, Initrd: initrd, CPUs: c.cpus, MemoryBytes: uint64(c.memoryMiB) << 20,
+		Cmdline: "console=ttyS0 quiet reboot=k panic=-1", Console: console,
+		Devices: []virtio.Device{dev}, Log: log, Start: start,
+	})
+	if err != nil {
+		return nil, fmt.Errorf("sandbox: %w", err)
+	}
+	runCtx, cancel := context.WithCancel(context.WithoutCancel(ctx))
+	s := &Sandbox{
+		c: c, vm: vm, dev: dev, cancel: cancel, vmDone: make(chan struct{}), ready: make(chan struct{}), started: start,
+		client: &agent.Client{Name: "capsa", Dial: func(ctx context.Context) (net.Conn, error) {
+			return dev.Dial(ctx, agent.Port)
+		}},
+	}
+	go func() {
+		s.exit = vm.Run(runCtx)
+		close(s.vmDone)
+		readyL.Close()
+	}()
+	go func() {
+		if c, err := readyL.Accept(); err == nil {
+			c.Close()
+			close(s.ready)
+		}
+		readyL.Close()
+	}()
+	return s, nil
+}
+
+// WaitReady waits until the guest agent accepts requests.
+func (s *Sandbox) WaitReady(ctx context.Context, timeout time.Duration) error {
+	t := time.NewTimer(timeout)
+	defer t.Stop()
+	select {
+	case <-s.ready:
+		return nil
+	case <-s.vmDone:
+		return fmt.Errorf("sandbox: the VM stopped before its agent was ready: %v", s.exit)
+	case <-t.C:
+		return fmt.Errorf("sandbox: the guest agent was not ready after %v", timeout)
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+// Wait waits for the main process and returns how it ended.
+func (s *Sandbox) Wait(ctx context.Context) (*agent.ExitStatus, error) {
+	s.mu.Lock()
+	p := s.main
+	s.mu.Unlock()
+	done := make(chan struct{})
+	var st *agent.ExitStatus
+	var err error
+	go func() { st, err = p.Wait(); close(done) }()
+	select {
+	case <-done:
+		return st, s.vmErr(err)
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
+}
+
+// vmErr explains an agent error by the VM's end, if it has ended.
+func (s *Sandbox) vmErr(err error) error {
+	if err == nil {
+		return nil
+	}
+	select {
+	case <-s.vmDone:
+		return fmt.Errorf("sandbox: the VM stopped (%v): %w", s.exit, err)
+	default:
+		return err
+	}
+}
+
+// Output is what a collected exec produced.
+type Output = agent.Output
+
+// Exec runs a process to the end and collects its output.
+func (s *Sandbox) Exec(ctx context.Context, o ExecOptions) (*Output, error) {
+	o.Env = append(append([]string(nil), s.c.env...), o.Env...)
+	out, err := s.client.Output(ctx, o)
+	return out, s.vmErr(err)
+}
+
+// Stream starts a process whose output streams to o.Stdout and o.Stderr;
+// the Process can be signalled and waited for.
+func (s *Sandbox) Stream(ctx context.Context, o ExecOptions) (*agent.Process, error) {
+	o.Env = append(append([]string(nil), s.c.env...), o.Env...)
+	p, err := s.client.Start(ctx, o)
+	return p, s.vmErr(err)
+}
+
+// ReadFile returns a guest file's contents.
+func (s *Sandbox) ReadFile(ctx context.Context, path string) ([]byte, error) {
+	var b bytes.Buffer
+	_, err := s.client.ReadFile(ctx, path, &b)
+	return b.Bytes(), s.vmErr(err)
+}
+
+// ReadFileTo streams a guest file into w.
+func (s *Sandbox) ReadFileTo(ctx context.Context, path string, w io.Writer) error {
+	_, err := s.client.ReadFile(ctx, path, w)
+	return s.vmErr(err)
+}
+
+// WriteFile writes data to a guest file with mode.
+func (s *Sandbox) WriteFile(ctx context.Context, path string, data []byte, mode os.FileMode) error {
+	return s.vmErr(s.client.WriteFile(ctx, path, mode, bytes.NewReader(data)))
+}
+
+// WriteFileFrom streams r into a guest file with mode.
+func (s *Sandbox) WriteFileFrom(ctx context.Context, path string, r io.Reader, mode os.FileMode) error {
+	return s.vmErr(s.client.WriteFile(ctx, path, mode, r))
+}
+
+// Stat describes a guest path.
+func (s *Sandbox) Stat(ctx context.Context, path string) (*agent.FileInfo, error) {
+	fi, err := s.client.Stat(ctx, path)
+	return fi, s.vmErr(err)
+}
+
+// ListDir lists a guest directory.
+func (s *Sandbox) ListDir(ctx context.Context, path string) ([]agent.FileInfo, error) {
+	l, err := s.client.ListDir(ctx, path)
+	return l, s.vmErr(err)
+}
+
+// Mkdir makes a guest directory; MkdirAll its parents too.
+func (s *Sandbox) Mkdir(ctx context.Context, path string, mode os.FileMode) error {
+	return s.vmErr(s.client.Mkdir(ctx, path, mode, false))
+}
+
+// MkdirAll makes a guest directory and its parents (mkdir -p).
+func (s *Sandbox) MkdirAll(ctx context.Context, path string, mode os.FileMode) error {
+	return s.vmErr(s.client.Mkdir(ctx, path, mode, true))
+}
+
+// Remove removes a guest path; recursive removes a tree.
+func (s *Sandbox) Remove(ctx context.Context, path string, recursive bool) error {
+	return s.vmErr(s.client.Remove(ctx, path, recursive))
+}
+
+// Exists reports whether a guest path exists.
+func (s *Sandbox) Exists(ctx context.Context, path string) (bool, error) {
+	ok, err := s.client.Exists(ctx, path)
+	return ok, s.vmErr(err)
+}
+
+// Info describes the guest.
+func (s *Sandbox) Info(ctx context.Context) (*agent.Info, error) {
+	in, err := s.client.Info(ctx)
+	return in, s.vmErr(err)
+}
+
+// Shutdown asks the guest to stop and waits for the VM to end; if the guest
+// does not stop by ctx's end, the VM is stopped from the host.
+func (s *Sandbox) Shutdown(ctx context.Context) error {
+	err := s.client.Shutdown(ctx)
+	select {
+	case <-s.vmDone:
+	case <-ctx.Done():
+	}
+	return errors.Join(s.vmErr(err), s.Close())
+}
+
+// Done is closed when the VM has stopped.
+func (s *Sandbox) Done() <-chan struct{} { return s.vmDone }
+
+// Exit says why the VM stopped; nil while it runs.
+func (s *Sandbox) Exit() *vmm.Exit {
+	select {
+	case <-s.vmDone:
+		return s.exit
+	default:
+		return nil
+	}
+}
+
+// Close stops the VM if it still runs and releases everything.
+func (s *Sandbox) Close() error {
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		return s.closeErr
+	}
+	s.closed = true
+	s.mu.Unlock()
+	s.cancel()
+	<-s.vmDone
+	err := s.vm.Close()
+	s.mu.Lock()
+	s.closeErr = err
+	s.mu.Unlock()
+	return err
+}
