@@ -11,8 +11,10 @@ import (
 	"github.com/capsa-sandbox/capsa/internal/testkernel"
 )
 
-var le = binary.LittleEndian
+var tle = binary.LittleEndian
 
+// newMem maps size bytes of x86-laid-out guest RAM (MAP_NORESERVE: even
+// gigabytes cost nothing until touched).
 func newMem(t testing.TB, size uint64) *guestmem.Memory {
 	t.Helper()
 	m, err := guestmem.New(size)
@@ -25,41 +27,86 @@ func newMem(t testing.TB, size uint64) *guestmem.Memory {
 
 type seg = testkernel.Segment
 
-func makeELF(entry uint64, machine elf.Machine, class elf.Class, segs ...seg) []byte {
-	return testkernel.ELF(entry, machine, class, segs...)
+func makeELF(entry uint64, segs ...seg) []byte {
+	return testkernel.ELF(entry, elf.EM_X86_64, elf.ELFCLASS64, segs...)
+}
+
+// Offsets in the images makeELF builds.
+const (
+	phdr0    = ehdrSize // program header i is at phdr0 + i*phdrSize
+	phOffset = 8        // p_offset within a program header
+)
+
+func note(name string, typ uint32, desc []byte) []byte {
+	pad := func(b []byte) []byte { return append(b, make([]byte, (4-len(b)%4)%4)...) }
+	n := tle.AppendUint32(nil, uint32(len(name)+1))
+	n = tle.AppendUint32(n, uint32(len(desc)))
+	n = tle.AppendUint32(n, typ)
+	n = append(n, pad(append([]byte(name), 0))...)
+	return append(n, pad(desc)...)
 }
 
 func pvhNote(entry uint32) []byte {
-	n := make([]byte, 12, 20)
-	le.PutUint32(n[0:], 4)
-	le.PutUint32(n[4:], 4)
-	le.PutUint32(n[8:], xenElfNotePhys32Entry)
-	n = append(n, "Xen\x00"...)
-	return le.AppendUint32(n, entry)
+	return note("Xen", xenElfNotePhys32Entry, tle.AppendUint32(nil, entry))
 }
 
+func load(paddr, filesz, memsz uint64) seg {
+	return seg{Type: elf.PT_LOAD, Paddr: paddr, Filesz: filesz, Memsz: memsz, Data: bytes.Repeat([]byte{0x90}, int(filesz))}
+}
+
+// validELF has two PT_LOAD segments with a gap between them and a PVH note.
 func validELF() []byte {
-	code := bytes.Repeat([]byte{0x90}, 0x100)
-	return makeELF(0x100_0000, elf.EM_X86_64, elf.ELFCLASS64,
-		seg{Paddr: 0x100_0000, Filesz: 0x100, Memsz: 0x2000, Type: elf.PT_LOAD, Data: code},
-		seg{Type: elf.PT_NOTE, Filesz: 20, Memsz: 20, Data: pvhNote(0x100_0040)},
+	notes := append(note("GNU", 3, []byte("build-id")), pvhNote(0x100_0040)...)
+	return makeELF(0x100_0000,
+		load(0x100_0000, 0x100, 0x2000),
+		seg{Type: elf.PT_NOTE, Filesz: uint64(len(notes)), Memsz: uint64(len(notes)), Data: notes},
+		load(0x120_0000, 0x10, 0x1000),
 	)
 }
 
-// makeBzImage builds a minimal bzImage: boot sector, setup header, and a
-// protected-mode payload.
-func makeBzImage(version uint16, xload uint16, setupSects byte, payload int) []byte {
-	img := make([]byte, (int(setupSects)+1)*512+payload)
+// patch returns a copy of b with v written little-endian at off.
+func patch[T uint8 | uint16 | uint32 | uint64](b []byte, off int, v T) []byte {
+	b = bytes.Clone(b)
+	var buf []byte
+	switch v := any(v).(type) {
+	case uint8:
+		buf = []byte{v}
+	case uint16:
+		buf = tle.AppendUint16(nil, v)
+	case uint32:
+		buf = tle.AppendUint32(nil, v)
+	case uint64:
+		buf = tle.AppendUint64(nil, v)
+	}
+	copy(b[off:], buf)
+	return b
+}
+
+// makeBzImage builds a minimal bzImage: boot sector, a protocol 2.15 style
+// setup header (ending after init_size), setup sectors and a protected-mode
+// payload whose first byte is 0xcc. It is relocatable with a 2 MiB
+// alignment and decompresses 4 MiB at 16 MiB.
+func makeBzImage(setupSects byte, payload int) []byte {
+	sects := int(setupSects)
+	if sects == 0 {
+		sects = 4
+	}
+	img := make([]byte, (sects+1)*512+payload)
 	img[hdrSetupSects] = setupSects
-	le.PutUint16(img[hdrBootFlag:], 0xaa55)
-	img[hdrJump+1] = byte(hdrInitSize + 4 - 0x202) // header ends after init_size
-	copy(img[hdrMagic:], "HdrS")
-	le.PutUint16(img[hdrVersion:], version)
-	le.PutUint32(img[hdrInitrdAddrMax:], 0x7fff_ffff)
-	le.PutUint16(img[hdrXloadflags:], xload)
-	le.PutUint32(img[hdrCmdlineSize:], 255)
-	le.PutUint64(img[hdrPrefAddress:], 0x100_0000)
-	le.PutUint32(img[hdrInitSize:], 0x40_0000)
+	tle.PutUint16(img[hdrBootFlag:], bootFlag)
+	img[hdrJump], img[hdrJump+1] = 0xeb, byte(hdrInitSize+4-0x202) // header ends after init_size
+	copy(img[hdrMagic:], headerMagic)
+	tle.PutUint16(img[hdrVersion:], 0x020f)
+	tle.PutUint32(img[hdrInitrdAddrMax:], 0x7fff_ffff)
+	tle.PutUint32(img[hdrKernelAlign:], 0x20_0000)
+	img[hdrRelocatable] = 1
+	tle.PutUint16(img[hdrXloadflags:], xlfKernel64|2)
+	tle.PutUint32(img[hdrCmdlineSize:], 255)
+	tle.PutUint64(img[hdrPrefAddress:], 0x100_0000)
+	tle.PutUint32(img[hdrInitSize:], 0x40_0000)
+	if payload > 0 {
+		img[(sects+1)*512] = 0xcc
+	}
 	return img
 }
 
@@ -69,138 +116,361 @@ func TestLoadELF(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if k.Format != FormatELF || k.Entry != 0x100_0000 || k.End != 0x100_2000 || k.PVHEntry != 0x100_0040 {
-		t.Errorf("kernel = %+v", k)
+	want := Kernel{Format: FormatELF, Entry: 0x100_0000, End: 0x120_1000, PVHEntry: 0x100_0040}
+	if k.Format != want.Format || k.Entry != want.Entry || k.End != want.End || k.PVHEntry != want.PVHEntry || k.SetupHeader != nil {
+		t.Errorf("kernel = %+v, want %+v", *k, want)
 	}
-	b, _ := mem.Slice(0x100_0000, 0x2000)
-	if b[0] != 0x90 || b[0xff] != 0x90 || b[0x100] != 0 || b[0x1fff] != 0 {
-		t.Error("segment not copied and zero-filled")
+	for _, tc := range []struct {
+		gpa  uint64
+		want byte
+	}{
+		{0x100_0000, 0x90}, {0x100_00ff, 0x90}, {0x100_0100, 0}, {0x100_1fff, 0}, // copied, then zero-filled
+		{0x120_0000, 0x90}, {0x120_000f, 0x90}, {0x120_0010, 0},
+	} {
+		if b, _ := mem.Uint8(tc.gpa); b != tc.want {
+			t.Errorf("byte at %#x = %#x, want %#x", tc.gpa, b, tc.want)
+		}
+	}
+	// Zero-filling really clears: load over dirty memory.
+	mem.WriteAt(bytes.Repeat([]byte{0xee}, 0x2000), 0x100_0000)
+	if _, err := LoadKernel(mem, validELF()); err != nil {
+		t.Fatal(err)
+	}
+	if b, _ := mem.Uint8(0x100_1000); b != 0 {
+		t.Error("bss not cleared over dirty memory")
+	}
+}
+
+func TestPVHEntry(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		notes []byte
+		want  uint64
+	}{
+		{"alone", pvhNote(0x123456), 0x123456},
+		{"after another note", append(note("GNU", 3, []byte("abcdef")), pvhNote(0x1000)...), 0x1000},
+		{"64-bit desc", note("Xen", xenElfNotePhys32Entry, tle.AppendUint64(nil, 0x2000)), 0x2000},
+		{"other Xen note", note("Xen", 17, tle.AppendUint32(nil, 0x1000)), 0},
+		{"other name", note("Xe", xenElfNotePhys32Entry, tle.AppendUint32(nil, 0x1000)), 0},
+		{"truncated", pvhNote(0x1000)[:18], 0},
+		{"huge namesz", patch(pvhNote(0x1000), 0, uint32(0xffff_ffff)), 0},
+		{"huge descsz", patch(pvhNote(0x1000), 4, uint32(0xffff_fff0)), 0},
+	} {
+		p := prog{typ: elf.PT_NOTE, off: 0, filesz: uint64(len(tc.notes))}
+		if got := pvhEntry(tc.notes, p); got != tc.want {
+			t.Errorf("%s: PVH entry %#x, want %#x", tc.name, got, tc.want)
+		}
+	}
+	// A later PT_NOTE without the note does not hide an earlier one.
+	img := makeELF(0x100_0000, load(0x100_0000, 16, 16),
+		seg{Type: elf.PT_NOTE, Filesz: 12, Memsz: 12, Data: pvhNote(0x100_0008)},
+		seg{Type: elf.PT_NOTE, Filesz: 12, Memsz: 12, Data: note("GNU", 3, nil)})
+	if k, err := LoadKernel(newMem(t, 32<<20), img); err != nil || k.PVHEntry != 0x100_0008 {
+		t.Errorf("two notes: %+v, %v", k, err)
 	}
 }
 
 func TestLoadKernelRejectsMalformed(t *testing.T) {
 	good := validELF()
-	code := make([]byte, 16)
-	cases := map[string][]byte{
-		"empty":              nil,
-		"short":              []byte("\x7fELF"),
-		"garbage":            bytes.Repeat([]byte("x"), 1000),
-		"truncated header":   good[:40],
-		"truncated phdrs":    good[:64+30],
-		"32-bit class":       makeELF(0x100_0000, elf.EM_X86_64, elf.ELFCLASS32, seg{Paddr: 0x100_0000, Filesz: 16, Memsz: 16, Type: elf.PT_LOAD, Data: code}),
-		"wrong machine":      makeELF(0x100_0000, elf.EM_AARCH64, elf.ELFCLASS64, seg{Paddr: 0x100_0000, Filesz: 16, Memsz: 16, Type: elf.PT_LOAD, Data: code}),
-		"no load segments":   makeELF(0x100_0000, elf.EM_X86_64, elf.ELFCLASS64, seg{Type: elf.PT_NOTE, Filesz: 16, Memsz: 16, Data: code}),
-		"filesz > memsz":     makeELF(0x100_0000, elf.EM_X86_64, elf.ELFCLASS64, seg{Paddr: 0x100_0000, Filesz: 16, Memsz: 8, Type: elf.PT_LOAD, Data: code}),
-		"segment past file":  makeELF(0x100_0000, elf.EM_X86_64, elf.ELFCLASS64, seg{Paddr: 0x100_0000, Filesz: 4096, Memsz: 4096, Type: elf.PT_LOAD, Data: code}),
-		"below 1 MiB":        makeELF(0x8000, elf.EM_X86_64, elf.ELFCLASS64, seg{Paddr: 0x7000, Filesz: 16, Memsz: 16, Type: elf.PT_LOAD, Data: code}),
-		"beyond RAM":         makeELF(0x1_0000_0000, elf.EM_X86_64, elf.ELFCLASS64, seg{Paddr: 0x1_0000_0000, Filesz: 16, Memsz: 16, Type: elf.PT_LOAD, Data: code}),
-		"address overflow":   makeELF(0x100_0000, elf.EM_X86_64, elf.ELFCLASS64, seg{Paddr: 0xffff_ffff_ffff_f000, Filesz: 16, Memsz: 0x2000, Type: elf.PT_LOAD, Data: code}),
-		"entry outside":      makeELF(0x500_0000, elf.EM_X86_64, elf.ELFCLASS64, seg{Paddr: 0x100_0000, Filesz: 16, Memsz: 16, Type: elf.PT_LOAD, Data: code}),
-		"bz bad boot flag":   func() []byte { b := makeBzImage(0x020f, 1, 4, 4096); b[hdrBootFlag] = 0; return b }(),
-		"bz old protocol":    makeBzImage(0x0205, 1, 4, 4096),
-		"bz 32-bit only":     makeBzImage(0x020f, 0, 4, 4096),
-		"bz setup past file": makeBzImage(0x020f, 1, 200, 0)[:2048],
-		"bz truncated":       makeBzImage(0x020f, 1, 4, 4096)[:0x220],
-		"bz tiny payload":    makeBzImage(0x020f, 1, 4, 0x100),
-		"bz header too long": func() []byte { b := makeBzImage(0x020f, 1, 4, 4096); b[hdrJump+1] = 0xff; return b }(),
-		"bz init_size huge": func() []byte {
-			b := makeBzImage(0x020f, 1, 4, 4096)
-			le.PutUint32(b[hdrInitSize:], 0xffff_0000)
-			return b
-		}(),
-	}
-	for name, img := range cases {
+	ph := func(i, field int) int { return phdr0 + i*phdrSize + field }
+	bz := makeBzImage(4, 4096)
+	nonReloc := patch(bz, hdrRelocatable, uint8(0))
+	for _, tc := range []struct {
+		name, want string
+		img        []byte
+	}{
+		{"empty", "too short", nil},
+		{"garbage", "neither", bytes.Repeat([]byte("x"), 1000)},
+		// vmlinux ELF
+		{"truncated ELF header", "ELF header truncated", good[:40]},
+		{"truncated phdr table", "program header table truncated", good[:phdr0+30]},
+		{"phoff past file", "program header table truncated", patch(good, ePhoff, uint64(len(good)))},
+		{"phoff overflow", "program header table truncated", patch(good, ePhoff, uint64(0xffff_ffff_ffff_ffc0))},
+		{"32-bit ELF", "ELFCLASS32", testkernel.ELF(0x100_0000, elf.EM_X86_64, elf.ELFCLASS32, load(0x100_0000, 16, 16))},
+		{"big-endian", "little-endian", patch(good, eiData, uint8(elf.ELFDATA2MSB))},
+		{"wrong machine", "EM_AARCH64", testkernel.ELF(0x100_0000, elf.EM_AARCH64, elf.ELFCLASS64, load(0x100_0000, 16, 16))},
+		{"shared object", "ET_EXEC", patch(good, eType, uint16(elf.ET_DYN))},
+		{"phentsize", "program header size", patch(good, ePhentsize, uint16(32))},
+		{"no phdrs", "no program headers", patch(good, ePhnum, uint16(0))},
+		{"no PT_LOAD", "no loadable segments", makeELF(0x100_0000, seg{Type: elf.PT_NOTE, Filesz: 12, Memsz: 12, Data: pvhNote(1)})},
+		{"only empty PT_LOAD", "no loadable segments", makeELF(0x100_0000, load(0x100_0000, 0, 0))},
+		{"filesz > memsz", "exceeds memory size", makeELF(0x100_0000, load(0x100_0000, 16, 8))},
+		{"segment past file", "outside the", patch(makeELF(0x100_0000, load(0x100_0000, 16, 16)), ph(0, 32), uint64(4096))},
+		{"offset past file", "outside the", patch(good, ph(0, phOffset), uint64(len(good)))},
+		{"offset overflow", "outside the", patch(good, ph(0, phOffset), uint64(0xffff_ffff_ffff_fff8))},
+		{"below 1 MiB", "below 1 MiB", makeELF(0x8000, load(0x7000, 16, 16))},
+		{"straddles 1 MiB", "below 1 MiB", makeELF(0x10_0000, load(0xf_f000, 16, 0x2000))},
+		{"beyond RAM", "outside guest RAM", makeELF(0x1_0000_0000, load(0x1_0000_0000, 16, 16))},
+		{"past the end of RAM", "outside guest RAM", makeELF(0x3ff_f000, load(0x3ff_f000, 16, 0x2000))},
+		{"address overflow", "overflows", makeELF(0x100_0000, load(0xffff_ffff_ffff_f000, 16, 0x2000))},
+		{"zero entry", "entry point is zero", makeELF(0, load(0x100_0000, 16, 16))},
+		{"entry outside", "none of the loaded segments", makeELF(0x200_0000, load(0x100_0000, 16, 16))},
+		{"entry in gap", "none of the loaded segments", makeELF(0x110_0000, load(0x100_0000, 16, 16), load(0x120_0000, 16, 16))},
+		{"second segment bad", "segment 2", patch(good, ph(2, 24), uint64(0x5000))},
+		// bzImage
+		{"bz truncated header", "setup header truncated", bz[:0x220]},
+		{"bz boot flag", "0xaa55", patch(bz, hdrBootFlag, uint16(0))},
+		{"bz old protocol", "too old", patch(bz, hdrVersion, uint16(0x0205))},
+		{"bz 32-bit only", "XLF_KERNEL_64", patch(bz, hdrXloadflags, uint16(2))},
+		{"bz setup past file", "run past the end", makeBzImage(200, 0)[:2048]},
+		{"bz setup exactly the file", "run past the end", makeBzImage(4, 0)},
+		{"bz tiny payload", "too short for its 64-bit entry", makeBzImage(4, 0x200)},
+		{"bz header too long", "setup header ends", patch(bz, hdrJump+1, uint8(0xff))},
+		{"bz header too short", "setup header ends", patch(bz, hdrJump+1, uint8(0x10))},
+		{"bz header past setup", "setup header ends", makeBzImage(0, 100)[:0x600]}, // fine: used below with 1 sector
+		{"bz init_size zero", "init_size is zero", patch(bz, hdrInitSize, uint32(0))},
+		{"bz init_size huge", "beyond the", patch(bz, hdrInitSize, uint32(0xffff_0000))},
+		{"bz pref_address huge", "beyond the", patch(bz, hdrPrefAddress, uint64(0x1_0000_0000))},
+		{"bz bad alignment", "power of two", patch(bz, hdrKernelAlign, uint32(0x30_0000))},
+		{"bz zero alignment", "power of two", patch(bz, hdrKernelAlign, uint32(0))},
+		{"bz pref below 1 MiB", "below 1 MiB", patch(nonReloc, hdrPrefAddress, uint64(0x8000))},
+		{"bz pref overflow", "overflows", patch(nonReloc, hdrPrefAddress, uint64(0xffff_ffff_ffff_0000))},
+		{"bz payload beyond RAM", "beyond the", makeBzImage(4, 70<<20)},
+	} {
+		if tc.name == "bz header past setup" {
+			// one setup sector: the header may not extend past 0x400
+			tc.img = patch(makeBzImage(1, 4096), hdrJump+1, uint8(0xff))
+		}
 		mem := newMem(t, 64<<20)
-		k, err := LoadKernel(mem, img)
+		k, err := LoadKernel(mem, tc.img)
 		if err == nil {
-			t.Errorf("%s: loaded: %+v", name, k)
+			t.Errorf("%s: loaded: %+v", tc.name, k)
 			continue
 		}
-		if strings.Contains(err.Error(), "%!") {
-			t.Errorf("%s: badly formatted error %q", name, err)
+		if !strings.Contains(err.Error(), tc.want) || strings.Contains(err.Error(), "%!") {
+			t.Errorf("%s: error %q, want it to mention %q", tc.name, err, tc.want)
 		}
+		// A failed load writes nothing.
+		if b, _ := mem.Slice(0, 64<<20); bytes.ContainsFunc(b, func(r rune) bool { return r != 0 }) {
+			t.Errorf("%s: the failed load wrote guest memory", tc.name)
+		}
+	}
+	if _, err := LoadKernel(nil, good); err == nil {
+		t.Error("nil memory accepted")
 	}
 }
 
 func TestLoadBzImage(t *testing.T) {
-	mem := newMem(t, 64<<20)
-	img := makeBzImage(0x020f, 1, 4, 4096)
-	img[5*512] = 0xcc
-	k, err := LoadKernel(mem, img)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if k.Format != FormatBzImage || k.Entry != 0x100200 || k.End != 0x140_0000 {
-		t.Errorf("kernel = %+v", k)
-	}
-	if b, _ := mem.Uint8(HighMemStart); b != 0xcc {
-		t.Error("protected-mode kernel not loaded at 1 MiB")
-	}
-	if len(k.SetupHeader) != hdrInitSize+4-hdrSetupSects {
-		t.Errorf("setup header is %d bytes", len(k.SetupHeader))
-	}
-	// setup_sects 0 means 4.
-	img0 := makeBzImage(0x020f, 1, 4, 4096)
-	img0[hdrSetupSects] = 0
-	if _, err := LoadKernel(newMem(t, 64<<20), img0); err != nil {
-		t.Errorf("setup_sects 0: %v", err)
+	for _, tc := range []struct {
+		name    string
+		img     []byte
+		wantEnd uint64
+	}{
+		{"relocatable", makeBzImage(4, 4096), 0x100_0000 + 0x40_0000},
+		{"setup_sects 0 means 4", makeBzImage(0, 4096), 0x140_0000},
+		{"many setup sectors", makeBzImage(30, 4096), 0x140_0000},
+		{"aligned load above pref_address", patch(makeBzImage(4, 4096), hdrPrefAddress, uint64(0x10_0000)), 0x20_0000 + 0x40_0000},
+		{"non-relocatable at pref_address", patch(patch(makeBzImage(4, 4096), hdrRelocatable, uint8(0)), hdrPrefAddress, uint64(0x10_0000)), 0x10_0000 + 0x40_0000},
+		{"image longer than init_size", patch(makeBzImage(4, 6<<20), hdrInitSize, uint32(0x1000)), 0x10_0000 + 6<<20},
+	} {
+		mem := newMem(t, 64<<20)
+		k, err := LoadKernel(mem, tc.img)
+		if err != nil {
+			t.Errorf("%s: %v", tc.name, err)
+			continue
+		}
+		if k.Format != FormatBzImage || k.Entry != HighMemBase+0x200 || k.End != tc.wantEnd || k.PVHEntry != 0 {
+			t.Errorf("%s: kernel = %+v, want End %#x", tc.name, k, tc.wantEnd)
+		}
+		if b, _ := mem.Uint8(HighMemBase); b != 0xcc {
+			t.Errorf("%s: protected-mode kernel not loaded at 1 MiB", tc.name)
+		}
+		if hdr := tc.img[hdrSetupSects : hdrInitSize+4]; !bytes.Equal(k.SetupHeader, hdr) {
+			t.Errorf("%s: setup header % x, want % x", tc.name, k.SetupHeader, hdr)
+		}
 	}
 }
 
 func TestSetupBootParams(t *testing.T) {
-	mem := newMem(t, 128<<20)
+	for _, tc := range []struct {
+		name  string
+		image []byte
+		mem   func(t *testing.T) *guestmem.Memory
+		e820  []E820Entry
+		hdr   map[int]uint64 // boot_params offset -> expected little-endian value of len 1, 2 or 4
+	}{
+		{
+			name: "vmlinux", image: validELF(),
+			mem:  func(t *testing.T) *guestmem.Memory { return newMem(t, 128<<20) },
+			e820: []E820Entry{{0, 0x9fc00, E820RAM}, {0xf0000, 0x10000, E820Reserved}, {0x10_0000, 128<<20 - 0x10_0000, E820RAM}},
+			hdr:  map[int]uint64{0x1f1: 0, 0x206: 0x020c, 0x230: 0x100_0000, 0x238: 2047},
+		},
+		{
+			name: "bzImage with RAM above 4 GiB", image: makeBzImage(4, 4096),
+			mem: func(t *testing.T) *guestmem.Memory {
+				m, err := guestmem.FromRegions(guestmem.Region{GPA: 0, Host: make([]byte, 64<<20)},
+					guestmem.Region{GPA: guestmem.HighStart, Host: make([]byte, 8192)})
+				if err != nil {
+					t.Fatal(err)
+				}
+				return m
+			},
+			e820: []E820Entry{{0, 0x9fc00, E820RAM}, {0xf0000, 0x10000, E820Reserved}, {0x10_0000, 63 << 20, E820RAM}, {1 << 32, 8192, E820RAM}},
+			hdr:  map[int]uint64{0x1f1: 4, 0x201: 0x62, 0x206: 0x020f, 0x230: 0x20_0000, 0x234: 1, 0x236: 3, 0x238: 255, 0x22c: 0x7fff_ffff},
+		},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			mem := tc.mem(t)
+			k, err := LoadKernel(mem, tc.image)
+			if err != nil {
+				t.Fatal(err)
+			}
+			addr, size, err := LoadInitrd(mem, k, bytes.Repeat([]byte{1}, 10000))
+			if err != nil {
+				t.Fatal(err)
+			}
+			st, err := Setup(mem, Config{Kernel: k, Cmdline: "console=ttyS0 quiet", InitrdAddr: addr, InitrdSize: size, CPUs: 2})
+			if err != nil {
+				t.Fatal(err)
+			}
+			bp, _ := mem.Slice(BootParamsAddr, bootParamsSize)
+			get := func(off, n int) uint64 {
+				return tle.Uint64(append(bytes.Clone(bp[off:off+n]), make([]byte, 8-n)...))
+			}
+			fields := []struct {
+				name      string
+				off, n    int
+				want      uint64
+				fromTable bool
+			}{
+				{"sentinel", 0x1ef, 1, 0, false},
+				{"boot_flag", 0x1fe, 2, 0xaa55, false},
+				{"header", 0x202, 4, 0x53726448, false},
+				{"type_of_loader", 0x210, 1, 0xff, false},
+				{"loadflags", 0x211, 1, loadedHigh | canUseHeap, false},
+				{"ramdisk_image", 0x218, 4, addr, false},
+				{"ramdisk_size", 0x21c, 4, 10000, false},
+				{"heap_end_ptr", 0x224, 2, 0xfe00, false},
+				{"cmd_line_ptr", 0x228, 4, CmdlineAddr, false},
+				{"ext_ramdisk_image", 0x0c0, 4, 0, false},
+				{"ext_ramdisk_size", 0x0c4, 4, 0, false},
+				{"ext_cmd_line_ptr", 0x0c8, 4, 0, false},
+				{"e820_entries", 0x1e8, 1, uint64(len(tc.e820)), false},
+			}
+			for off, v := range tc.hdr {
+				n := 4
+				switch off {
+				case 0x1f1, 0x201, 0x234:
+					n = 1
+				case 0x206, 0x236:
+					n = 2
+				}
+				fields = append(fields, struct {
+					name      string
+					off, n    int
+					want      uint64
+					fromTable bool
+				}{"header field", off, n, v, true})
+			}
+			for _, f := range fields {
+				if got := get(f.off, f.n); got != f.want {
+					t.Errorf("%s at %#x = %#x, want %#x", f.name, f.off, got, f.want)
+				}
+			}
+			for i, e := range tc.e820 {
+				off := 0x2d0 + 20*i
+				if got := (E820Entry{tle.Uint64(bp[off:]), tle.Uint64(bp[off+8:]), E820Type(tle.Uint32(bp[off+16:]))}); got != e {
+					t.Errorf("e820[%d] = %+v, want %+v", i, got, e)
+				}
+			}
+			if rest := bp[0x2d0+20*len(tc.e820) : 0x2d0+20*128]; bytes.ContainsFunc(rest, func(r rune) bool { return r != 0 }) {
+				t.Error("e820 table has bytes past its last entry")
+			}
+			cl, _ := mem.Slice(CmdlineAddr, 20)
+			if string(cl) != "console=ttyS0 quiet\x00" {
+				t.Errorf("command line %q", cl)
+			}
+			for name, v := range map[string][2]uint64{
+				"rip": {st.RIP, k.Entry}, "rsi": {st.RSI, BootParamsAddr}, "rsp": {st.RSP, BootStackAddr},
+				"rflags": {st.RFLAGS, 2}, "cr0": {st.CR0, 0x8000_0011}, "cr3": {st.CR3, PML4Addr}, "cr4": {st.CR4, 0x20},
+				"efer": {st.EFER, 0x500}, "gdt": {st.GDTBase, GDTAddr}, "gdt limit": {uint64(st.GDTLimit), 47},
+				"idt": {st.IDTBase, IDTAddr}, "idt limit": {uint64(st.IDTLimit), 7},
+			} {
+				if v[0] != v[1] {
+					t.Errorf("%s = %#x, want %#x", name, v[0], v[1])
+				}
+			}
+		})
+	}
+}
+
+func TestSetupRejects(t *testing.T) {
+	mem := newMem(t, 64<<20)
 	k, err := LoadKernel(mem, validELF())
 	if err != nil {
 		t.Fatal(err)
 	}
-	addr, size, err := LoadInitrd(mem, k, bytes.Repeat([]byte{1}, 10000))
-	if err != nil {
-		t.Fatal(err)
-	}
-	st, err := Setup(mem, Config{Kernel: k, Cmdline: "console=ttyS0 quiet", InitrdAddr: addr, InitrdSize: size, CPUs: 2})
-	if err != nil {
-		t.Fatal(err)
-	}
-	bp, _ := mem.Slice(BootParamsAddr, bootParamsSize)
-	for name, tc := range map[string]struct{ got, want uint64 }{
-		"boot_flag":      {uint64(le.Uint16(bp[0x1fe:])), 0xaa55},
-		"header":         {uint64(le.Uint32(bp[0x202:])), 0x53726448},
-		"type_of_loader": {uint64(bp[0x210]), 0xff},
-		"loadflags":      {uint64(bp[0x211]), loadedHigh | canUseHeap},
-		"ramdisk_image":  {uint64(le.Uint32(bp[0x218:])), addr},
-		"ramdisk_size":   {uint64(le.Uint32(bp[0x21c:])), 10000},
-		"cmd_line_ptr":   {uint64(le.Uint32(bp[0x228:])), CmdlineAddr},
-		"e820_entries":   {uint64(bp[0x1e8]), 3},
-		"e820[2].addr":   {le.Uint64(bp[0x2d0+40:]), HighMemStart},
-		"e820[2].size":   {le.Uint64(bp[0x2d0+48:]), 128<<20 - HighMemStart},
-		"e820[2].type":   {uint64(le.Uint32(bp[0x2d0+56:])), 1},
-		"rip":            {st.RIP, 0x100_0000},
-		"rsi":            {st.RSI, BootParamsAddr},
-		"cr3":            {st.CR3, PML4Addr},
-		"efer":           {st.EFER, eferLME | eferLMA},
+	tiny, _ := guestmem.FromRegions(guestmem.Region{GPA: 0, Host: make([]byte, 1<<20)})
+	for _, tc := range []struct {
+		name, want string
+		mem        *guestmem.Memory
+		cfg        Config
+	}{
+		{"no kernel", "no kernel", mem, Config{CPUs: 1}},
+		{"no memory", "no guest memory", nil, Config{Kernel: k, CPUs: 1}},
+		{"no CPUs", "between 1 and 254", mem, Config{Kernel: k}},
+		{"too many CPUs", "between 1 and 254", mem, Config{Kernel: k, CPUs: 255}},
+		{"initrd outside RAM", "initramfs", mem, Config{Kernel: k, CPUs: 1, InitrdAddr: 63 << 20, InitrdSize: 2 << 20}},
+		{"initrd below 1 MiB", "initramfs", mem, Config{Kernel: k, CPUs: 1, InitrdAddr: 0x8000, InitrdSize: 16}},
+		{"no RAM above 1 MiB", "e820", tiny, Config{Kernel: &Kernel{Format: FormatELF}, CPUs: 1}},
 	} {
-		if tc.got != tc.want {
-			t.Errorf("%s = %#x, want %#x", name, tc.got, tc.want)
+		st, err := Setup(tc.mem, tc.cfg)
+		if err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%s: %+v, %v; want an error about %q", tc.name, st, err, tc.want)
 		}
 	}
-	cl, _ := mem.Slice(CmdlineAddr, 20)
-	if string(cl) != "console=ttyS0 quiet\x00" {
-		t.Errorf("command line %q", cl)
+	// Nothing was written below 1 MiB.
+	if low, _ := mem.Slice(0, HighMemBase); bytes.ContainsFunc(low, func(r rune) bool { return r != 0 }) {
+		t.Error("a failed Setup wrote boot structures")
 	}
-	if addr%4096 != 0 || addr < k.End || addr+size > mem.LowEnd() {
-		t.Errorf("initrd at %#x+%d", addr, size)
+}
+
+func TestCmdlineLimits(t *testing.T) {
+	hugeBz := patch(makeBzImage(4, 4096), hdrCmdlineSize, uint32(0xffff_ffff))
+	for _, tc := range []struct {
+		name  string
+		image []byte
+		max   int
+	}{
+		{"vmlinux: COMMAND_LINE_SIZE", validELF(), 2047},
+		{"bzImage: cmdline_size", makeBzImage(4, 4096), 255},
+		{"bzImage: capped by base memory", hugeBz, EBDAStart - CmdlineAddr - 1},
+	} {
+		mem := newMem(t, 64<<20)
+		k, err := LoadKernel(mem, tc.image)
+		if err != nil {
+			t.Fatal(err)
+		}
+		mem.WriteAt(bytes.Repeat([]byte{'z'}, tc.max+8), CmdlineAddr) // dirty: the NUL must be written
+		if _, err := Setup(mem, Config{Kernel: k, Cmdline: strings.Repeat("a", tc.max), CPUs: 1}); err != nil {
+			t.Errorf("%s: %d bytes: %v", tc.name, tc.max, err)
+		}
+		if b, _ := mem.Uint8(CmdlineAddr + uint64(tc.max)); b != 0 {
+			t.Errorf("%s: command line not NUL-terminated", tc.name)
+		}
+		if n, _ := mem.Uint32(BootParamsAddr + hdrCmdlineSize); int(n) != tc.max {
+			t.Errorf("%s: boot_params cmdline_size %d, want %d", tc.name, n, tc.max)
+		}
+		_, err = Setup(mem, Config{Kernel: k, Cmdline: strings.Repeat("a", tc.max+1), CPUs: 1})
+		if err == nil || !strings.Contains(err.Error(), "command line") {
+			t.Errorf("%s: %d bytes: %v, want a too-long error", tc.name, tc.max+1, err)
+		}
 	}
 }
 
 func TestE820(t *testing.T) {
+	low := func(end uint64) E820Entry { return E820Entry{HighMemBase, end - HighMemBase, E820RAM} }
+	base := []E820Entry{{0, EBDAStart, E820RAM}, {MPTableAddr, 0x10000, E820Reserved}}
 	for _, tc := range []struct {
 		size uint64
 		want []E820Entry
 	}{
-		{64 << 20, []E820Entry{{0, EBDAStart, E820RAM}, {MPTableAddr, 0x10000, E820Reserved}, {HighMemStart, 64<<20 - HighMemStart, E820RAM}}},
-		{guestmem.MMIOStart, []E820Entry{{0, EBDAStart, E820RAM}, {MPTableAddr, 0x10000, E820Reserved}, {HighMemStart, guestmem.MMIOStart - HighMemStart, E820RAM}}},
-		{4 << 30, []E820Entry{{0, EBDAStart, E820RAM}, {MPTableAddr, 0x10000, E820Reserved}, {HighMemStart, guestmem.MMIOStart - HighMemStart, E820RAM},
-			{guestmem.HighStart, 4<<30 - guestmem.MMIOStart, E820RAM}}},
+		{2 << 20, append(base, low(2<<20))},
+		{64 << 20, append(base, low(64<<20))},
+		{guestmem.MMIOStart - 4096, append(base, low(guestmem.MMIOStart-4096))},
+		{guestmem.MMIOStart, append(base, low(guestmem.MMIOStart))},
+		{guestmem.MMIOStart + 4096, append(base, low(guestmem.MMIOStart), E820Entry{guestmem.HighStart, 4096, E820RAM})},
+		{4 << 30, append(base, low(guestmem.MMIOStart), E820Entry{guestmem.HighStart, 4<<30 - guestmem.MMIOStart, E820RAM})},
 	} {
 		mem := newMem(t, tc.size) // MAP_NORESERVE: no real memory used
 		got, err := E820(mem.Regions())
@@ -208,7 +478,8 @@ func TestE820(t *testing.T) {
 			t.Fatal(err)
 		}
 		if len(got) != len(tc.want) {
-			t.Fatalf("size %#x: %v, want %v", tc.size, got, tc.want)
+			t.Errorf("size %#x: %v, want %v", tc.size, got, tc.want)
+			continue
 		}
 		for i := range got {
 			if got[i] != tc.want[i] {
@@ -216,195 +487,202 @@ func TestE820(t *testing.T) {
 			}
 		}
 	}
-	if _, err := E820(nil); err == nil {
-		t.Error("empty memory accepted")
+	for name, regions := range map[string][]guestmem.Region{
+		"no RAM":             nil,
+		"not at 0":           {{GPA: 0x10_0000, Host: make([]byte, 4096)}},
+		"nothing above 1MiB": {{GPA: 0, Host: make([]byte, 1<<20)}},
+	} {
+		if _, err := E820(regions); err == nil {
+			t.Errorf("%s: accepted", name)
+		}
+	}
+}
+
+// TestLayout checks that the boot structures are disjoint and below 1 MiB.
+func TestLayout(t *testing.T) {
+	mp, err := MPTable(MaxMPCPUs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	type area struct {
+		name       string
+		start, end uint64
+	}
+	areas := []area{
+		{"GDT", GDTAddr, GDTAddr + uint64(len(GDT())*8)},
+		{"IDT", IDTAddr, IDTAddr + 8},
+		{"boot_params", BootParamsAddr, BootParamsAddr + bootParamsSize},
+		{"stack", BootStackAddr - 0xff0, BootStackAddr},
+		{"page tables", PML4Addr, PML4Addr + uint64(len(pageTables()))},
+		{"command line", CmdlineAddr, EBDAStart},
+		{"MP table", MPTableAddr, MPTableAddr + uint64(len(mp))},
+	}
+	for i, a := range areas {
+		if a.end > HighMemBase || a.start >= a.end {
+			t.Errorf("%s [%#x, %#x) is not below 1 MiB", a.name, a.start, a.end)
+		}
+		for _, b := range areas[i+1:] {
+			if a.start < b.end && b.start < a.end {
+				t.Errorf("%s [%#x, %#x) overlaps %s [%#x, %#x)", a.name, a.start, a.end, b.name, b.start, b.end)
+			}
+		}
+	}
+	if PDPTAddr != PML4Addr+pageSize || PDAddr != PDPTAddr+pageSize {
+		t.Error("page tables are not contiguous")
 	}
 }
 
 func TestPageTablesIdentityMap(t *testing.T) {
 	mem := newMem(t, 64<<20)
-	if err := writePageTables(mem); err != nil {
+	if err := mem.WriteAt(pageTables(), PML4Addr); err != nil {
 		t.Fatal(err)
 	}
+	const present, writable, huge = 1, 2, 0x80
 	walk := func(va uint64) (uint64, bool) {
-		pml4e, _ := mem.Uint64(PML4Addr + (va>>39&511)*8)
-		if pml4e&1 == 0 {
+		e, _ := mem.Uint64(PML4Addr + (va>>39&511)*8)
+		if e&(present|writable) != present|writable {
 			return 0, false
 		}
-		pdpte, _ := mem.Uint64(pml4e&^0xfff + (va>>30&511)*8)
-		if pdpte&1 == 0 {
+		e, _ = mem.Uint64(e&^0xfff + (va>>30&511)*8)
+		if e&(present|writable) != present|writable {
 			return 0, false
 		}
-		pde, _ := mem.Uint64(pdpte&^0xfff + (va>>21&511)*8)
-		if pde&1 == 0 || pde&0x80 == 0 {
+		e, _ = mem.Uint64(e&^0xfff + (va>>21&511)*8)
+		if e&(present|writable|huge) != present|writable|huge {
 			return 0, false
 		}
-		return pde&^0x1fffff | va&0x1fffff, true
+		return e&^0x1f_ffff | va&0x1f_ffff, true
 	}
-	for _, va := range []uint64{0, 0x1000, 0x100_0000, 0x123_4567, 1<<30 - 1} {
+	for _, va := range []uint64{0, 0x1000, BootParamsAddr, 0x100_0000, 0x123_4567, 1<<30 - 1, 1 << 30, 0xabcd_ef01, guestmem.MMIOStart - 1, IdentityMapEnd - 1} {
 		if pa, ok := walk(va); !ok || pa != va {
 			t.Errorf("%#x translates to %#x (mapped %v)", va, pa, ok)
 		}
 	}
-	if _, ok := walk(1 << 30); ok {
-		t.Error("1 GiB is mapped; only the first GiB should be")
+	for _, va := range []uint64{IdentityMapEnd, 1 << 39, 0xffff_ffff_8100_0000} {
+		if pa, ok := walk(va); ok {
+			t.Errorf("%#x is mapped (to %#x); only the first %d GiB should be", va, pa, IdentityMapEnd>>30)
+		}
 	}
 }
 
 func TestGDTSegments(t *testing.T) {
 	g := GDT()
+	flat := Segment{Limit: 0xffff_ffff, Present: 1, G: 1}
+	code, data, tss := flat, flat, flat
+	code.Selector, code.Type, code.S, code.L = 0x10, 0xb, 1, 1
+	data.Selector, data.Type, data.S, data.DB = 0x18, 0x3, 1, 1
+	tss.Selector, tss.Type = 0x20, 0xb
 	for _, tc := range []struct {
-		entry uint64
-		sel   uint16
-		want  Segment
-	}{
-		{g[1], SelectorCode, Segment{Limit: 0xffffffff, Selector: 0x08, Type: 0xb, Present: 1, S: 1, L: 1, G: 1}},
-		{g[2], SelectorData, Segment{Limit: 0xffffffff, Selector: 0x10, Type: 0x3, Present: 1, S: 1, DB: 1, G: 1}},
-		{g[3], SelectorTSS, Segment{Limit: 0xffffffff, Selector: 0x18, Type: 0xb, Present: 1, G: 1}},
-	} {
-		if got := SegmentFromGDT(tc.entry, tc.sel); got != tc.want {
+		sel  uint16
+		want Segment
+	}{{SelectorCode, code}, {SelectorData, data}, {SelectorTSS, tss}} {
+		if got := SegmentFromGDT(g[tc.sel>>3], tc.sel); got != tc.want {
 			t.Errorf("selector %#x: %+v, want %+v", tc.sel, got, tc.want)
 		}
 	}
-	if g[1] != 0x00af9b000000ffff || g[2] != 0x00cf93000000ffff {
-		t.Errorf("GDT encodings %#x %#x", g[1], g[2])
+	if len(g) != 6 || g[0] != 0 || g[1] != 0 || g[5] != 0 {
+		t.Errorf("GDT %#x: want null, unused, code, data, 16-byte TSS", g)
 	}
-	if s := SegmentFromGDT(gdtEntry(0x0093, 0x12345678, 0xabcde), 0); s.Base != 0x12345678 || s.Limit != 0xabcde {
-		t.Errorf("byte-granular segment %+v", s)
+	if g[2] != 0x00af_9b00_0000_ffff || g[3] != 0x00cf_9300_0000_ffff || g[4] != 0x008f_8b00_0000_ffff {
+		t.Errorf("GDT encodings %#x", g)
 	}
-}
-
-func sum(b []byte) (s byte) {
-	for _, c := range b {
-		s += c
+	// Field extraction, byte granularity, and the high base of a 16-byte
+	// system descriptor.
+	if s := SegmentFromGDT(gdtEntry(0x1073, 0x1234_5678, 0xabcde), 0x2b); s != (Segment{Base: 0x1234_5678, Limit: 0xabcde, Selector: 0x2b, Type: 3, DPL: 3, S: 1, AVL: 1}) {
+		t.Errorf("decoded %+v", s)
 	}
-	return s
-}
-
-func TestMPTable(t *testing.T) {
-	for _, n := range []int{1, 2, 8, MaxMPCPUs} {
-		tb, err := MPTable(n)
-		if err != nil {
-			t.Fatal(err)
-		}
-		fp := tb[:16]
-		if string(fp[:4]) != "_MP_" || sum(fp) != 0 || fp[8] != 1 || fp[9] != 4 {
-			t.Fatalf("%d CPUs: bad floating pointer % x", n, fp)
-		}
-		if le.Uint32(fp[4:]) != MPTableAddr+16 {
-			t.Fatalf("config table pointer %#x", le.Uint32(fp[4:]))
-		}
-		hdr := tb[16:]
-		length := int(le.Uint16(hdr[4:]))
-		if string(hdr[:4]) != "PCMP" || length != len(hdr) || sum(hdr[:length]) != 0 {
-			t.Fatalf("%d CPUs: bad config header", n)
-		}
-		if MPTableAddr+len(tb) > BIOSEnd {
-			t.Fatalf("%d CPUs: table runs past the BIOS area", n)
-		}
-		counts := map[byte]int{}
-		bsp := 0
-		off := mpHeaderSize
-		for i := 0; i < int(le.Uint16(hdr[34:])); i++ {
-			typ := hdr[off]
-			counts[typ]++
-			switch typ {
-			case mpEntryProcessor:
-				if hdr[off+3]&mpCPUBSP != 0 {
-					bsp++
-				}
-				if int(hdr[off+1]) != counts[typ]-1 || hdr[off+3]&mpCPUEnabled == 0 {
-					t.Errorf("processor entry %d: apic id %d flags %#x", i, hdr[off+1], hdr[off+3])
-				}
-				off += 20
-			case mpEntryIOAPIC:
-				if int(hdr[off+1]) != n || le.Uint32(hdr[off+4:]) != mpIOAPICAddr {
-					t.Errorf("IOAPIC entry: id %d addr %#x", hdr[off+1], le.Uint32(hdr[off+4:]))
-				}
-				off += 8
-			default:
-				off += 8
-			}
-		}
-		if off != length {
-			t.Errorf("%d CPUs: entries end at %d, table length %d", n, off, length)
-		}
-		if counts[mpEntryProcessor] != n || bsp != 1 || counts[mpEntryBus] != 1 || counts[mpEntryIOAPIC] != 1 ||
-			counts[mpEntryIOIntr] != 24 || counts[mpEntryLocalIntr] != 2 {
-			t.Errorf("%d CPUs: entry counts %v, %d boot CPUs", n, counts, bsp)
-		}
-	}
-	for _, n := range []int{0, -1, MaxMPCPUs + 1} {
-		if _, err := MPTable(n); err == nil {
-			t.Errorf("MPTable(%d) succeeded", n)
-		}
+	if s := segment([]uint64{0, gdtEntry(0x0089, 0x1000, 0x67), 0xffff_8000}, 0x08); s.Base != 0xffff_8000_0000_1000 || s.Limit != 0x67 {
+		t.Errorf("system descriptor base %#x limit %#x", s.Base, s.Limit)
 	}
 }
 
-func TestInitrdPlacement(t *testing.T) {
-	mem := newMem(t, 32<<20)
-	k := &Kernel{Format: FormatELF, End: 0x180_0000}
-	addr, _, err := LoadInitrd(mem, k, make([]byte, 5000))
-	if err != nil || addr != 32<<20-8192 {
-		t.Errorf("addr %#x, %v", addr, err)
-	}
-	if _, _, err := LoadInitrd(mem, k, make([]byte, 9<<20)); err == nil {
-		t.Error("an initrd overlapping the kernel was placed")
-	}
-	if _, _, err := LoadInitrd(mem, k, nil); err == nil {
-		t.Error("an empty initrd was placed")
-	}
-	// The kernel's initrd_addr_max caps the address.
-	bz := &Kernel{Format: FormatBzImage, End: 0x180_0000, SetupHeader: make([]byte, hdrInitSize+4-hdrSetupSects)}
-	le.PutUint32(bz.SetupHeader[hdrInitrdAddrMax-hdrSetupSects:], 0x1ff_ffff)
-	if addr, _, err := LoadInitrd(mem, bz, make([]byte, 4096)); err != nil || addr != 0x1ff_f000 {
-		t.Errorf("capped addr %#x, %v", addr, err)
-	}
-}
-
-func TestCmdlineTooLong(t *testing.T) {
+// TestCPUStateMatchesMemory decodes the GDT Setup wrote and compares it with
+// the segments it returned, and checks what KVM requires of 64-bit segments.
+func TestCPUStateMatchesMemory(t *testing.T) {
 	mem := newMem(t, 64<<20)
 	k, err := LoadKernel(mem, validELF())
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := Setup(mem, Config{Kernel: k, Cmdline: strings.Repeat("a", 2047), CPUs: 1}); err != nil {
-		t.Errorf("2047 bytes: %v", err)
-	}
-	if _, err := Setup(mem, Config{Kernel: k, Cmdline: strings.Repeat("a", 2048), CPUs: 1}); err == nil {
-		t.Error("2048-byte command line accepted")
-	}
-	bzMem := newMem(t, 64<<20)
-	bz, err := LoadKernel(bzMem, makeBzImage(0x020f, 1, 4, 4096)) // cmdline_size 255
+	st, err := Setup(mem, Config{Kernel: k, Cmdline: "x", CPUs: 1})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := Setup(bzMem, Config{Kernel: bz, Cmdline: strings.Repeat("a", 256), CPUs: 1}); err == nil {
-		t.Error("command line longer than the bzImage's cmdline_size accepted")
+	raw, _ := mem.Slice(st.GDTBase, uint64(st.GDTLimit)+1)
+	var gdt []uint64
+	for i := 0; i < len(raw); i += 8 {
+		gdt = append(gdt, tle.Uint64(raw[i:]))
+	}
+	for name, s := range map[string]Segment{"cs": st.CS, "ds": st.DS, "es": st.ES, "fs": st.FS, "gs": st.GS, "ss": st.SS, "tr": st.TR} {
+		if got := segment(gdt, s.Selector); got != s {
+			t.Errorf("%s: state %+v, GDT in memory says %+v", name, s, got)
+		}
+		if s.Present != 1 || s.DPL != 0 || s.Base != 0 {
+			t.Errorf("%s: %+v is not a present flat ring-0 segment", name, s)
+		}
+	}
+	if st.CS.L != 1 || st.CS.DB != 0 || st.CS.Type&0x8 == 0 || st.CS.Selector != 0x10 {
+		t.Errorf("CS %+v is not 64-bit code at __BOOT_CS", st.CS)
+	}
+	if st.SS.Type&0x2 == 0 || st.DS.Selector != 0x18 {
+		t.Errorf("SS/DS %+v is not writable data at __BOOT_DS", st.SS)
+	}
+	if st.TR.S != 0 || st.TR.Type != 0xb {
+		t.Errorf("TR %+v is not a busy 64-bit TSS", st.TR)
+	}
+	if idt, _ := mem.Uint64(IDTAddr); idt != 0 {
+		t.Error("IDT not empty")
 	}
 }
 
-// FuzzLoadKernel: no input may panic, and a successful load writes only
-// inside guest RAM (the memory here is exactly the test's buffer).
-func FuzzLoadKernel(f *testing.F) {
-	f.Add(validELF())
-	f.Add(makeBzImage(0x020f, 1, 4, 4096))
-	f.Add(makeBzImage(0x020f, 1, 0, 600))
-	buf := make([]byte, 32<<20) // reused: the invariant does not depend on its contents
-	mem, err := guestmem.FromRegions(guestmem.Region{GPA: 0, Host: buf})
-	if err != nil {
-		f.Fatal(err)
+func TestInitrdPlacement(t *testing.T) {
+	bz := func(initrdMax uint32) *Kernel {
+		k := &Kernel{Format: FormatBzImage, End: 0x180_0000, SetupHeader: make([]byte, hdrInitSize+4-hdrSetupSects)}
+		tle.PutUint32(k.SetupHeader[hdrInitrdAddrMax-hdrSetupSects:], initrdMax)
+		return k
 	}
-	f.Fuzz(func(t *testing.T, img []byte) {
-		k, err := LoadKernel(mem, img)
-		if err != nil {
-			return
+	elfK := func(end uint64) *Kernel { return &Kernel{Format: FormatELF, End: end} }
+	const top = 32 << 20
+	for _, tc := range []struct {
+		name     string
+		k        *Kernel
+		size     int
+		wantAddr uint64 // 0: must fail
+	}{
+		{"at the top, page aligned", elfK(0x180_0000), 5000, top - 8192},
+		{"exactly a page", elfK(0x180_0000), 4096, top - 4096},
+		{"fills all above the kernel", elfK(0x180_0000), top - 0x180_0000, 0x180_0000},
+		{"overlaps the kernel", elfK(0x180_0000), top - 0x180_0000 + 1, 0},
+		{"above an unaligned kernel end", elfK(top - 8191), 4096, top - 4096},
+		{"below an unaligned kernel end", elfK(top - 8191), 4097, 0},
+		{"larger than RAM", elfK(0x180_0000), top + 1, 0},
+		{"kernel end above RAM", elfK(1 << 40), 4096, 0},
+		{"hand-made kernel: not below 1 MiB", elfK(0), top - 0x10_0000 + 1, 0},
+		{"empty", elfK(0x180_0000), 0, 0},
+		{"initrd_addr_max caps", bz(0x1ff_ffff), 4096, 0x1ff_f000},
+		{"initrd_addr_max is the last byte", bz(0x1ff_ffff), 4097, 0x1ff_e000},
+		{"initrd_addr_max 0 means 0x37ffffff", bz(0), 4096, top - 4096},
+		{"initrd_addr_max below the kernel", bz(0x17f_ffff), 4096, 0},
+		{"hand-made bzImage without header", &Kernel{Format: FormatBzImage, End: 0x180_0000}, 4096, top - 4096},
+	} {
+		mem := newMem(t, top)
+		initrd := bytes.Repeat([]byte{0x5a}, tc.size)
+		addr, size, err := LoadInitrd(mem, tc.k, initrd)
+		if tc.wantAddr == 0 {
+			if err == nil {
+				t.Errorf("%s: placed at %#x", tc.name, addr)
+			}
+			continue
 		}
-		if k.Entry < HighMemStart || k.End > uint64(len(buf)) {
-			t.Fatalf("loaded kernel claims %#x..%#x in %d bytes of RAM", k.Entry, k.End, len(buf))
+		if err != nil || addr != tc.wantAddr || size != uint64(tc.size) {
+			t.Errorf("%s: %#x+%d, %v; want %#x", tc.name, addr, size, err, tc.wantAddr)
+			continue
 		}
-		if _, err := Setup(mem, Config{Kernel: k, Cmdline: "x", CPUs: 2}); err != nil {
-			t.Fatalf("setup after a successful load: %v", err)
+		if got, _ := mem.Slice(addr, size); !bytes.Equal(got, initrd) {
+			t.Errorf("%s: contents not copied", tc.name)
 		}
-	})
+	}
+	if _, _, err := LoadInitrd(newMem(t, top), nil, []byte{1}); err == nil {
+		t.Error("nil kernel accepted")
+	}
 }

@@ -1,0 +1,185 @@
+package e2e
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"crypto/sha256"
+	"fmt"
+	"os/exec"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/capsa-sandbox/capsa/sandbox"
+)
+
+// newSandbox starts a sandbox from the built kernel and initramfs.
+func newSandbox(t testing.TB, ctx context.Context, cpus int) *sandbox.Sandbox {
+	t.Helper()
+	sb, err := sandbox.New().CPUs(cpus).Memory(256).
+		Kernel(artifact(t, "vmlinux")).Initrd(artifact(t, "initramfs.cpio")).
+		Run("sleep", "100000").Start(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { sb.Close() })
+	return sb
+}
+
+func TestRunExitCodeAndOutput(t *testing.T) {
+	r := capsa(t, 3*time.Minute, "run", "--", "sh", "-c", "echo hi; exit 3")
+	if r.code != 3 || r.stdout != "hi\n" {
+		t.Errorf("exit %d, stdout %q; want 3 and \"hi\\n\"", r.code, r.stdout)
+	}
+}
+
+func TestRunStdinAndEnv(t *testing.T) {
+	bin := artifact(t, "capsa")
+	cmd := exec.Command(bin, "run", "-i", "-e", "WHO=capsa", "-w", "/tmp", "--", "sh", "-c", `cat; echo "$WHO in $(pwd)"`)
+	cmd.Stdin = strings.NewReader("from stdin\n")
+	out, err := cmd.Output()
+	if err != nil {
+		t.Fatalf("%v: %s", err, out)
+	}
+	if string(out) != "from stdin\ncapsa in /tmp\n" {
+		t.Errorf("stdout %q", out)
+	}
+}
+
+func TestRunTimeout(t *testing.T) {
+	start := time.Now()
+	r := capsa(t, 3*time.Minute, "run", "--timeout", "2s", "--", "sh", "-c", "echo started; sleep 1000")
+	if r.code != 124 || !strings.Contains(r.stderr, "timed out") || r.stdout != "started\n" {
+		t.Errorf("exit %d stderr %q stdout %q", r.code, r.stderr, r.stdout)
+	}
+	t.Logf("timed out after %v in all", time.Since(start))
+}
+
+func TestLargeFileRoundTrip(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	sb := newSandbox(t, ctx, 1)
+	data := make([]byte, 64<<20)
+	rand.Read(data)
+	if err := sb.WriteFileFrom(ctx, "/tmp/big", bytes.NewReader(data), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	st, err := sb.Stat(ctx, "/tmp/big")
+	if err != nil || st.Size != int64(len(data)) {
+		t.Fatalf("stat %+v, %v", st, err)
+	}
+	// The guest computes the same checksum.
+	out, err := sb.Exec(ctx, sandbox.Command("shasum", "-a", "256", "/tmp/big"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := fmt.Sprintf("%x", sha256.Sum256(data))
+	if !strings.HasPrefix(string(out.Stdout), want) {
+		t.Errorf("guest sha256 %q, want %s", out.Stdout, want)
+	}
+	h := sha256.New()
+	if err := sb.ReadFileTo(ctx, "/tmp/big", h); err != nil {
+		t.Fatal(err)
+	}
+	if fmt.Sprintf("%x", h.Sum(nil)) != want {
+		t.Error("read back a different file")
+	}
+}
+
+func TestFilesystemCalls(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	sb := newSandbox(t, ctx, 1)
+	if err := sb.MkdirAll(ctx, "/tmp/a/b", 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := sb.WriteFile(ctx, "/tmp/a/b/f", []byte("x"), 0o640); err != nil {
+		t.Fatal(err)
+	}
+	ents, err := sb.ListDir(ctx, "/tmp/a/b")
+	if err != nil || len(ents) != 1 || ents[0].Name != "f" {
+		t.Fatalf("list %+v, %v", ents, err)
+	}
+	if ok, _ := sb.Exists(ctx, "/tmp/a/b/f"); !ok {
+		t.Error("written file does not exist")
+	}
+	if err := sb.Remove(ctx, "/tmp/a", true); err != nil {
+		t.Fatal(err)
+	}
+	if ok, _ := sb.Exists(ctx, "/tmp/a"); ok {
+		t.Error("removed tree exists")
+	}
+	if _, err := sb.ReadFile(ctx, "/nonexistent"); err == nil || !strings.Contains(err.Error(), "no such file") {
+		t.Errorf("missing file: %v", err)
+	}
+	info, err := sb.Info(ctx)
+	if err != nil || info.Hostname != "capsa" || info.CPUs != 1 || !strings.HasSuffix(info.KernelVersion, "-capsa") {
+		t.Errorf("info %+v, %v", info, err)
+	}
+	// Streaming exec with a signal.
+	var out bytes.Buffer
+	p, err := sb.Stream(ctx, sandbox.ExecOptions{Shell: "echo ready; sleep 1000", Stdout: &out})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for deadline := time.Now().Add(time.Minute); !strings.Contains(out.String(), "ready") && time.Now().Before(deadline); {
+		time.Sleep(10 * time.Millisecond)
+	}
+	p.Signal("SIGTERM")
+	st, err := p.Wait()
+	if err != nil || st.Signal != "SIGTERM" {
+		t.Errorf("signalled exec: %+v, %v", st, err)
+	}
+	if err := sb.Shutdown(ctx); err != nil {
+		t.Errorf("shutdown: %v", err)
+	}
+	if exit := sb.Exit(); exit == nil || !exit.Reason.Clean() {
+		t.Errorf("after shutdown the VM exit is %v", exit)
+	}
+}
+
+func TestFourSandboxesInParallel(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+	defer cancel()
+	var wg sync.WaitGroup
+	for i := range 4 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			sb, err := sandbox.New().Memory(256).
+				Kernel(artifact(t, "vmlinux")).Initrd(artifact(t, "initramfs.cpio")).
+				Run("sleep", "100000").Start(ctx)
+			if err != nil {
+				t.Errorf("sandbox %d: %v", i, err)
+				return
+			}
+			defer sb.Close()
+			// Each sandbox is its own machine: a file written in one is
+			// not in another.
+			name := fmt.Sprintf("/tmp/mine-%d", i)
+			sb.WriteFile(ctx, name, []byte("x"), 0o644)
+			out, err := sb.Exec(ctx, sandbox.Shell("ls /tmp | grep mine"))
+			if err != nil || strings.TrimSpace(string(out.Stdout)) != fmt.Sprintf("mine-%d", i) {
+				t.Errorf("sandbox %d sees %q, %v", i, out.Stdout, err)
+			}
+		}()
+	}
+	wg.Wait()
+}
+
+func TestExampleProgram(t *testing.T) {
+	bin := artifact(t, "example-sandbox")
+	cmd := exec.Command(bin)
+	var out, errb bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &errb
+	if err := cmd.Run(); err != nil {
+		t.Fatalf("%v\n%s%s", err, out.String(), errb.String())
+	}
+	for _, want := range []string{"exec: hello from capsa\n", "file: capsa was here\n", "info: kernel 6.12.117-capsa, 2 CPUs"} {
+		if !strings.Contains(out.String(), want) {
+			t.Errorf("example output lacks %q:\n%s", want, out.String())
+		}
+	}
+}
