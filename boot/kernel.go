@@ -167,7 +167,7 @@ const (
 
 // prog is one program header.
 type prog struct {
-	typ                        elf.ProgType
+	typ                       elf.ProgType
 	off, paddr, filesz, memsz uint64
 }
 
