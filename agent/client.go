@@ -2,6 +2,7 @@ package agent
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -155,7 +156,7 @@ func (cl *Client) AppendFile(ctx context.Context, path string, mode os.FileMode,
 }
 
 func (cl *Client) writeFile(ctx context.Context, req Request, r io.Reader) error {
-	c, _, done, err := cl.open(ctx, req)
+	c, nc, done, err := cl.open(ctx, req)
 	if err != nil {
 		return err
 	}
@@ -168,6 +169,13 @@ func (cl *Client) writeFile(ctx context.Context, req Request, r io.Reader) error
 		n, rerr := r.Read(buf)
 		if n > 0 {
 			if err := c.WriteFrame(FrameData, buf[:n]); err != nil {
+				// The agent stops reading when it fails (a full disk, say):
+				// its Error frame says why better than the broken stream.
+				nc.SetReadDeadline(time.Now().Add(time.Second))
+				var re *RemoteError
+				if rerr := c.ReadJSON(FrameReply, &Empty{}); errors.As(rerr, &re) {
+					return re
+				}
 				return ctxErr(ctx, fmt.Errorf("agent: write %s: %w", req.Path, err))
 			}
 		}

@@ -320,7 +320,7 @@ func loadBzImage(mem *guestmem.Memory, image []byte) (*Kernel, error) {
 		return nil, fmt.Errorf("bzImage: %d setup sectors run past the end of the %d-byte image", sects, len(image))
 	}
 	hdrEnd := 0x202 + int(image[hdrJump+1])
-	if hdrEnd < hdrMinEnd || hdrEnd > pmOff || hdrEnd > setupHeaderLimit {
+	if hdrEnd < hdrMinEnd || hdrEnd > setupHeaderLimit { // and so below pmOff >= 0x400
 		return nil, fmt.Errorf("bzImage: setup header ends at %#x (0x202 + byte at 0x201), want %#x..%#x", hdrEnd, hdrMinEnd, setupHeaderLimit)
 	}
 	pm := image[pmOff:]
@@ -345,8 +345,8 @@ func loadBzImage(mem *guestmem.Memory, image []byte) (*Kernel, error) {
 	case base+initSize < base:
 		return nil, fmt.Errorf("bzImage: pref_address %#x + init_size %#x overflows", base, initSize)
 	case !mem.Contains(HighMemBase, end-HighMemBase):
-		return nil, fmt.Errorf("bzImage: kernel needs guest RAM up to %#x (%d-byte image at %#x, %#x bytes to decompress at %#x), beyond the %d MiB of RAM below the MMIO hole",
-			end, len(pm), HighMemBase, initSize, base, mem.LowEnd()>>20)
+		return nil, fmt.Errorf("bzImage: kernel needs guest RAM up to %#x (%d-byte image at %#x, %#x bytes to decompress at %#x), beyond the end of low RAM at %#x",
+			end, len(pm), HighMemBase, initSize, base, mem.LowEnd())
 	case end > IdentityMapEnd:
 		return nil, fmt.Errorf("bzImage: kernel needs RAM up to %#x, above the identity-mapped first %d GiB", end, IdentityMapEnd>>30)
 	}

@@ -373,33 +373,32 @@ func (v *VCPU) SetCPUID2(entries []CPUIDEntry) error {
 
 // SetMSRs writes model-specific registers; it fails unless KVM took all.
 func (v *VCPU) SetMSRs(entries []MSREntry) error {
-	buf := make([]MSREntry, len(entries)+1) // entry 0 holds the header
-	copy(buf[1:], entries)
-	hdr := unsafe.Add(unsafe.Pointer(&buf[1]), -int(unsafe.Sizeof(msrsHeader{})))
-	(*msrsHeader)(hdr).NMSRs = uint32(len(entries))
-	n, err := ioctlPtr(v.fd, kvmSetMSRs, hdr)
-	if err != nil {
-		return err
-	}
-	if int(n) != len(entries) {
-		return fmt.Errorf("KVM_SET_MSRS: KVM set %d of %d MSRs; MSR %#x was refused", n, len(entries), entries[n].Index)
-	}
-	return nil
+	_, err := v.msrs(kvmSetMSRs, entries)
+	return err
 }
 
 // GetMSRs reads the MSRs whose indices are in entries.
 func (v *VCPU) GetMSRs(entries []MSREntry) error {
-	buf := make([]MSREntry, len(entries)+1)
+	buf, err := v.msrs(kvmGetMSRs, entries)
+	if err == nil {
+		copy(entries, buf)
+	}
+	return err
+}
+
+// msrs issues KVM_GET_MSRS or KVM_SET_MSRS: struct kvm_msrs followed by
+// the entries, all of which KVM must process.
+func (v *VCPU) msrs(req uintptr, entries []MSREntry) ([]MSREntry, error) {
+	buf := make([]MSREntry, len(entries)+1) // the header sits at the end of entry 0
 	copy(buf[1:], entries)
 	hdr := unsafe.Add(unsafe.Pointer(&buf[1]), -int(unsafe.Sizeof(msrsHeader{})))
 	(*msrsHeader)(hdr).NMSRs = uint32(len(entries))
-	n, err := ioctlPtr(v.fd, kvmGetMSRs, hdr)
+	n, err := ioctlPtr(v.fd, req, hdr)
 	if err != nil {
-		return err
+		return nil, err
 	}
 	if int(n) != len(entries) {
-		return fmt.Errorf("KVM_GET_MSRS: KVM read %d of %d MSRs; MSR %#x was refused", n, len(entries), entries[n].Index)
+		return nil, fmt.Errorf("%s: KVM processed %d of %d MSRs; MSR %#x was refused", opName(req), n, len(entries), entries[n].Index)
 	}
-	copy(entries, buf[1:])
-	return nil
+	return buf[1:], nil
 }

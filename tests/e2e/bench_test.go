@@ -2,12 +2,16 @@ package e2e
 
 import (
 	"bufio"
+	"bytes"
 	"context"
+	"io"
 	"os/exec"
 	"slices"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/capsa-sandbox/capsa/sandbox"
 )
 
 // benchCmdline is the same for both VMMs: a quiet console, reset on reboot.
@@ -68,11 +72,7 @@ func BenchmarkBootToUserspace(b *testing.B) {
 			for b.Loop() {
 				samples = append(samples, bootOnce(b, v.argv))
 			}
-			slices.Sort(samples)
-			ms := func(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
-			b.ReportMetric(ms(samples[0]), "ms-min")
-			b.ReportMetric(ms(samples[len(samples)/2]), "ms-median")
-			b.ReportMetric(ms(samples[len(samples)-1]), "ms-max")
+			reportSpread(b, samples)
 		})
 	}
 }
@@ -90,4 +90,77 @@ func qemuB(b *testing.B) string {
 		b.Skip("QEMU not found: run `make bench`")
 	}
 	return p
+}
+
+// BenchmarkBootToAgentReady measures sandbox.Start: from starting the VMM to
+// the guest agent announcing itself (the main process started). Compare with
+// BenchmarkBootToUserspace/qemu-microvm, QEMU's boot to init on the same
+// kernel.
+func BenchmarkBootToAgentReady(b *testing.B) {
+	kernel, initrd := artifactB(b, "vmlinux"), artifactB(b, "initramfs.cpio")
+	var samples []time.Duration
+	for b.Loop() {
+		start := time.Now()
+		sb, err := sandbox.New().Memory(256).Kernel(kernel).Initrd(initrd).Run("true").Start(context.Background())
+		if err != nil {
+			b.Fatal(err)
+		}
+		samples = append(samples, time.Since(start))
+		sb.Close()
+	}
+	reportSpread(b, samples)
+}
+
+// BenchmarkExecTrue measures the round trip of running `true` in a running
+// sandbox: connect, handshake, fork and exec in the guest, exit status.
+func BenchmarkExecTrue(b *testing.B) {
+	ctx := context.Background()
+	sb := newSandbox(b, ctx, 1)
+	var samples []time.Duration
+	for b.Loop() {
+		start := time.Now()
+		out, err := sb.Exec(ctx, sandbox.Command("true"))
+		if err != nil || out.Code != 0 {
+			b.Fatalf("true: %+v, %v", out, err)
+		}
+		samples = append(samples, time.Since(start))
+	}
+	reportSpread(b, samples)
+}
+
+// BenchmarkFileThroughput writes and reads a 64 MiB file through the agent.
+func BenchmarkFileThroughput(b *testing.B) {
+	ctx := context.Background()
+	// 1 GiB: /tmp (half of RAM) holds the file and the copy that replaces it.
+	sb, err := sandbox.New().Memory(1024).Kernel(artifactB(b, "vmlinux")).Initrd(artifactB(b, "initramfs.cpio")).
+		Run("sleep", "100000").Start(ctx)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer sb.Close()
+	data := make([]byte, 64<<20)
+	b.Run("write", func(b *testing.B) {
+		b.SetBytes(int64(len(data)))
+		for b.Loop() {
+			if err := sb.WriteFileFrom(ctx, "/tmp/bench", bytes.NewReader(data), 0o644); err != nil {
+				b.Fatal(err)
+			}
+		}
+	})
+	b.Run("read", func(b *testing.B) {
+		b.SetBytes(int64(len(data)))
+		for b.Loop() {
+			if err := sb.ReadFileTo(ctx, "/tmp/bench", io.Discard); err != nil {
+				b.Fatal(err)
+			}
+		}
+	})
+}
+
+func reportSpread(b *testing.B, samples []time.Duration) {
+	slices.Sort(samples)
+	ms := func(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
+	b.ReportMetric(ms(samples[0]), "ms-min")
+	b.ReportMetric(ms(samples[len(samples)/2]), "ms-median")
+	b.ReportMetric(ms(samples[len(samples)-1]), "ms-max")
 }
