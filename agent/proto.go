@@ -185,6 +185,18 @@ func (c *Conn) WriteFrame(t FrameType, payload []byte) error {
 	if len(payload) > MaxFrame {
 		return fmt.Errorf("agent: %v frame of %d bytes exceeds %d", t, len(payload), MaxFrame)
 	}
+	// A small frame goes out in one write. Above all, a frame never ends
+	// with a separate empty write: the peer may have read the header of an
+	// empty End frame, answered and closed by then.
+	if len(payload) <= smallFrame {
+		buf := make([]byte, 5, 5+len(payload))
+		binary.BigEndian.PutUint32(buf, uint32(len(payload)))
+		buf[4] = byte(t)
+		c.wmu.Lock()
+		defer c.wmu.Unlock()
+		_, err := c.rw.Write(append(buf, payload...))
+		return err
+	}
 	var hdr [5]byte
 	binary.BigEndian.PutUint32(hdr[:], uint32(len(payload)))
 	hdr[4] = byte(t)
@@ -196,6 +208,9 @@ func (c *Conn) WriteFrame(t FrameType, payload []byte) error {
 	_, err := c.rw.Write(payload)
 	return err
 }
+
+// smallFrame is the largest payload sent in the same write as its header.
+const smallFrame = 4096
 
 // WriteJSON sends v as a frame of type t.
 func (c *Conn) WriteJSON(t FrameType, v any) error {

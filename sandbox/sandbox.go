@@ -46,6 +46,7 @@ type config struct {
 	log          *slog.Logger
 	console      io.Writer
 	readyTimeout time.Duration
+	vsockSocket  string
 	errs         []error
 }
 
@@ -99,6 +100,12 @@ func (b *Builder) Logger(l *slog.Logger) *Builder { b.c.log = l; return b }
 
 // Console receives the guest's serial console (quiet unless it fails).
 func (b *Builder) Console(w io.Writer) *Builder { b.c.console = w; return b }
+
+// VsockSocket serves the sandbox's vsock on a Unix socket at path with
+// Firecracker's hybrid-vsock handshake ("CONNECT <port>\n", answered
+// "OK <hostport>\n"), so tools that speak it reach guest ports; guest
+// connections to a port P nobody listens on go to "<path>_P".
+func (b *Builder) VsockSocket(path string) *Builder { b.c.vsockSocket = path; return b }
 
 // ReadyTimeout bounds how long Start waits for the guest agent.
 func (b *Builder) ReadyTimeout(d time.Duration) *Builder { b.c.readyTimeout = d; return b }
@@ -155,6 +162,7 @@ type Sandbox struct {
 	exit    *vmm.Exit
 	ready   chan struct{}
 	started time.Time
+	hybrid  *vsock.HybridSocket
 
 	mu       sync.Mutex
 	main     *agent.Process
@@ -219,6 +227,12 @@ func boot(ctx context.Context, c config) (*Sandbox, error) {
 	if err != nil {
 		return nil, err
 	}
+	var hybrid *vsock.HybridSocket
+	if c.vsockSocket != "" {
+		if hybrid, err = dev.ServeUnix(c.vsockSocket); err != nil {
+			return nil, fmt.Errorf("sandbox: %w", err)
+		}
+	}
 	console := c.console
 	if console == nil {
 		console = io.Discard
@@ -229,11 +243,14 @@ func boot(ctx context.Context, c config) (*Sandbox, error) {
 		Devices: []virtio.Device{dev}, Log: log, Start: start,
 	})
 	if err != nil {
+		if hybrid != nil {
+			hybrid.Close()
+		}
 		return nil, fmt.Errorf("sandbox: %w", err)
 	}
 	runCtx, cancel := context.WithCancel(context.WithoutCancel(ctx))
 	s := &Sandbox{
-		c: c, vm: vm, dev: dev, cancel: cancel, vmDone: make(chan struct{}), ready: make(chan struct{}), started: start,
+		c: c, vm: vm, dev: dev, hybrid: hybrid, cancel: cancel, vmDone: make(chan struct{}), ready: make(chan struct{}), started: start,
 		client: &agent.Client{Name: "capsa", Dial: func(ctx context.Context) (net.Conn, error) {
 			return dev.Dial(ctx, agent.Port)
 		}},
@@ -390,6 +407,10 @@ func (s *Sandbox) Shutdown(ctx context.Context) error {
 	return errors.Join(s.vmErr(err), s.Close())
 }
 
+// Vsock is the sandbox's vsock device: Dial reaches guest ports, Listen
+// accepts guest connections to host ports.
+func (s *Sandbox) Vsock() *vsock.Device { return s.dev }
+
 // Done is closed when the VM has stopped.
 func (s *Sandbox) Done() <-chan struct{} { return s.vmDone }
 
@@ -415,6 +436,9 @@ func (s *Sandbox) Close() error {
 	s.cancel()
 	<-s.vmDone
 	err := s.vm.Close()
+	if s.hybrid != nil {
+		err = errors.Join(err, s.hybrid.Close())
+	}
 	s.mu.Lock()
 	s.closeErr = err
 	s.mu.Unlock()

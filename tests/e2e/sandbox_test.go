@@ -6,12 +6,15 @@ import (
 	"crypto/rand"
 	"crypto/sha256"
 	"fmt"
+	"net"
 	"os/exec"
+	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
+	"github.com/capsa-sandbox/capsa/agent"
 	"github.com/capsa-sandbox/capsa/sandbox"
 )
 
@@ -181,5 +184,48 @@ func TestExampleProgram(t *testing.T) {
 		if !strings.Contains(out.String(), want) {
 			t.Errorf("example output lacks %q:\n%s", want, out.String())
 		}
+	}
+}
+
+// TestHybridVsockSocket reaches the guest agent through the sandbox's Unix
+// socket with Firecracker's handshake, as a tool outside Go would.
+func TestHybridVsockSocket(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	sock := filepath.Join(t.TempDir(), "vsock.sock")
+	sb, err := sandbox.New().Memory(256).VsockSocket(sock).
+		Kernel(artifact(t, "vmlinux")).Initrd(artifact(t, "initramfs.cpio")).
+		Run("sleep", "100000").Start(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sb.Close()
+	cl := &agent.Client{Name: "hybrid-test", Dial: func(ctx context.Context) (net.Conn, error) {
+		c, err := net.Dial("unix", sock)
+		if err != nil {
+			return nil, err
+		}
+		fmt.Fprintf(c, "CONNECT %d\n", agent.Port)
+		// Read the reply a byte at a time: what follows it is the stream.
+		var line []byte
+		b := make([]byte, 1)
+		for len(line) == 0 || line[len(line)-1] != '\n' {
+			if _, err := c.Read(b); err != nil {
+				return nil, err
+			}
+			line = append(line, b[0])
+		}
+		if !strings.HasPrefix(string(line), "OK ") {
+			return nil, fmt.Errorf("handshake: %q", line)
+		}
+		return c, nil
+	}}
+	info, err := cl.Info(ctx)
+	if err != nil || info.Hostname != "capsa" {
+		t.Fatalf("info through the hybrid socket: %+v, %v", info, err)
+	}
+	out, err := cl.Output(ctx, agent.ExecOptions{Shell: "echo via unix socket"})
+	if err != nil || string(out.Stdout) != "via unix socket\n" {
+		t.Errorf("exec through the hybrid socket: %q, %v", out.Stdout, err)
 	}
 }
