@@ -39,8 +39,8 @@ func OpenPath(path string) (*System, error) {
 	}
 	fd, err := unix.Open(path, unix.O_RDWR|unix.O_CLOEXEC, 0)
 	switch {
-	case errors.Is(err, unix.ENOENT):
-		return nil, fmt.Errorf("open %s: no such device: this machine has no KVM (load the kvm module, or enable nested virtualization in the VM you are in)", path)
+	case errors.Is(err, unix.ENOENT) || errors.Is(err, unix.ENODEV) || errors.Is(err, unix.ENXIO):
+		return nil, fmt.Errorf("open %s: %w: this machine has no KVM (load the kvm module, or enable nested virtualization in the VM you are in)", path, err)
 	case errors.Is(err, unix.EACCES) || errors.Is(err, unix.EPERM):
 		return nil, fmt.Errorf("open %s: permission denied: add your user to the group that owns %s (usually kvm)", path, path)
 	case err != nil:
@@ -68,6 +68,16 @@ func OpenPath(path string) (*System, error) {
 	s.mmapSize = int(n)
 	return s, nil
 }
+
+// APIVersion returns KVM_GET_API_VERSION's answer (OpenPath checked it is 12).
+func (s *System) APIVersion() (int, error) {
+	v, err := ioctl(s.fd, kvmGetAPIVersion, 0)
+	return int(v), err
+}
+
+// VCPUMmapSize returns the size of a vCPU's run area
+// (KVM_GET_VCPU_MMAP_SIZE, read once by OpenPath).
+func (s *System) VCPUMmapSize() int { return s.mmapSize }
 
 // Close closes /dev/kvm. VMs created from it stay valid.
 func (s *System) Close() error { return closeFD(&s.fd) }
@@ -150,9 +160,7 @@ func (s *System) CheckCapabilities(caps ...Cap) error {
 // including its paravirt leaves at 0x40000000.
 func (s *System) GetSupportedCPUID() ([]CPUIDEntry, error) {
 	for n := 64; n <= 4096; n *= 2 {
-		buf := make([]CPUIDEntry, n+1) // the header sits at the end of entry 0
-		hdr := unsafe.Add(unsafe.Pointer(&buf[1]), -int(unsafe.Sizeof(cpuid2Header{})))
-		(*cpuid2Header)(hdr).Nent = uint32(n)
+		buf, hdr := flexArray(make([]CPUIDEntry, n))
 		_, err := ioctlPtr(s.fd, kvmGetSupportedCPUID, hdr)
 		if errors.Is(err, unix.E2BIG) {
 			continue
@@ -160,11 +168,11 @@ func (s *System) GetSupportedCPUID() ([]CPUIDEntry, error) {
 		if err != nil {
 			return nil, err
 		}
-		got := (*cpuid2Header)(hdr).Nent
+		got := *(*uint32)(hdr)
 		if int(got) > n {
 			return nil, fmt.Errorf("KVM_GET_SUPPORTED_CPUID: kernel reported %d entries for a %d-entry buffer", got, n)
 		}
-		return append([]CPUIDEntry(nil), buf[1:1+got]...), nil
+		return buf[1 : 1+got], nil
 	}
 	return nil, errors.New("KVM_GET_SUPPORTED_CPUID: more than 4096 entries")
 }
@@ -235,8 +243,15 @@ func (vm *VM) IRQLine(irq uint32, high bool) error {
 }
 
 // IRQFD makes a write to eventfd efd raise interrupt gsi.
-func (vm *VM) IRQFD(efd int, gsi uint32) error {
-	r := irqfd{FD: uint32(efd), GSI: gsi}
+func (vm *VM) IRQFD(efd int, gsi uint32) error { return vm.irqfd(efd, gsi, 0) }
+
+// DeassignIRQFD undoes IRQFD(efd, gsi).
+func (vm *VM) DeassignIRQFD(efd int, gsi uint32) error {
+	return vm.irqfd(efd, gsi, 1) // KVM_IRQFD_FLAG_DEASSIGN
+}
+
+func (vm *VM) irqfd(efd int, gsi, flags uint32) error {
+	r := irqfd{FD: uint32(efd), GSI: gsi, Flags: flags}
 	_, err := ioctlPtr(vm.fd, kvmIRQFD, unsafe.Pointer(&r))
 	return err
 }
@@ -245,13 +260,25 @@ func (vm *VM) IRQFD(efd int, gsi uint32) error {
 // signal eventfd efd instead of exiting to userspace. With datamatch, only
 // writes of that value do.
 func (vm *VM) IOEventFD(efd int, addr uint64, length uint32, pio bool, datamatch *uint64) error {
+	return vm.ioeventfd(efd, addr, length, pio, datamatch, false)
+}
+
+// DeassignIOEventFD undoes IOEventFD called with the same arguments.
+func (vm *VM) DeassignIOEventFD(efd int, addr uint64, length uint32, pio bool, datamatch *uint64) error {
+	return vm.ioeventfd(efd, addr, length, pio, datamatch, true)
+}
+
+func (vm *VM) ioeventfd(efd int, addr uint64, length uint32, pio bool, datamatch *uint64, deassign bool) error {
 	r := ioeventfd{Addr: addr, Len: length, FD: int32(efd)}
-	if pio {
-		r.Flags |= 1 << 1 // KVM_IOEVENTFD_FLAG_PIO
-	}
 	if datamatch != nil {
 		r.Flags |= 1 << 0 // KVM_IOEVENTFD_FLAG_DATAMATCH
 		r.Datamatch = *datamatch
+	}
+	if pio {
+		r.Flags |= 1 << 1 // KVM_IOEVENTFD_FLAG_PIO
+	}
+	if deassign {
+		r.Flags |= 1 << 2 // KVM_IOEVENTFD_FLAG_DEASSIGN
 	}
 	_, err := ioctlPtr(vm.fd, kvmIOEventFD, unsafe.Pointer(&r))
 	return err
@@ -363,10 +390,7 @@ func (v *VCPU) SetMPState(s MPState) error {
 
 // SetCPUID2 sets the CPUID leaves the guest sees.
 func (v *VCPU) SetCPUID2(entries []CPUIDEntry) error {
-	buf := make([]CPUIDEntry, len(entries)+1) // entry 0 holds the header
-	copy(buf[1:], entries)
-	hdr := unsafe.Add(unsafe.Pointer(&buf[1]), -int(unsafe.Sizeof(cpuid2Header{})))
-	(*cpuid2Header)(hdr).Nent = uint32(len(entries))
+	_, hdr := flexArray(entries)
 	_, err := ioctlPtr(v.fd, kvmSetCPUID2, hdr)
 	return err
 }
@@ -389,16 +413,29 @@ func (v *VCPU) GetMSRs(entries []MSREntry) error {
 // msrs issues KVM_GET_MSRS or KVM_SET_MSRS: struct kvm_msrs followed by
 // the entries, all of which KVM must process.
 func (v *VCPU) msrs(req uintptr, entries []MSREntry) ([]MSREntry, error) {
-	buf := make([]MSREntry, len(entries)+1) // the header sits at the end of entry 0
-	copy(buf[1:], entries)
-	hdr := unsafe.Add(unsafe.Pointer(&buf[1]), -int(unsafe.Sizeof(msrsHeader{})))
-	(*msrsHeader)(hdr).NMSRs = uint32(len(entries))
+	buf, hdr := flexArray(entries)
 	n, err := ioctlPtr(v.fd, req, hdr)
 	if err != nil {
 		return nil, err
 	}
 	if int(n) != len(entries) {
+		if int(n) > len(entries) {
+			return nil, fmt.Errorf("%s: KVM reported %d MSRs processed of %d", opName(req), n, len(entries))
+		}
 		return nil, fmt.Errorf("%s: KVM processed %d of %d MSRs; MSR %#x was refused", opName(req), n, len(entries), entries[n].Index)
 	}
 	return buf[1:], nil
+}
+
+// flexArray lays out a kernel struct ending in a flexible array (struct
+// kvm_cpuid2, struct kvm_msrs): an 8-byte header holding the __u32 entry
+// count and padding, then the entries. The header fills the last 8 bytes of
+// an extra leading element, so the entries keep their alignment and
+// buf[1:] are the entries. hdr is what the ioctl takes.
+func flexArray[E CPUIDEntry | MSREntry](entries []E) (buf []E, hdr unsafe.Pointer) {
+	buf = make([]E, len(entries)+1)
+	copy(buf[1:], entries)
+	hdr = unsafe.Add(unsafe.Pointer(&buf[0]), unsafe.Sizeof(buf[0])-flexHeaderSize)
+	*(*uint32)(hdr) = uint32(len(entries))
+	return buf, hdr
 }

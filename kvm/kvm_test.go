@@ -190,3 +190,115 @@ func TestErrorNamesIoctlOnRealKVM(t *testing.T) {
 		t.Errorf("misaligned slot: %v", err)
 	}
 }
+
+// TestVMAndVCPUState exercises the setup and state ioctls the real-mode
+// test does not, the way the vmm package uses them.
+func TestVMAndVCPUState(t *testing.T) {
+	s := openKVM(t)
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	if v, err := s.APIVersion(); err != nil || v != APIVersion {
+		t.Fatalf("APIVersion() = %d, %v", v, err)
+	}
+	vm, err := s.CreateVM()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer vm.Close()
+	// The identity map must be placed before any vCPU exists.
+	for _, err := range []error{vm.SetTSSAddr(0xfffb_d000), vm.SetIdentityMapAddr(0xfffb_c000), vm.CreateIRQChip(), vm.CreatePIT2()} {
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+
+	efd, err := unix.Eventfd(0, unix.EFD_CLOEXEC|unix.EFD_NONBLOCK)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(efd)
+	if err := vm.IRQFD(efd, 5); err != nil {
+		t.Fatal(err)
+	}
+	if err := vm.DeassignIRQFD(efd, 5); err != nil {
+		t.Fatal(err)
+	}
+	match := uint64(0xbeef)
+	if err := vm.IOEventFD(efd, 0x600, 2, true, &match); err != nil {
+		t.Fatal(err)
+	}
+	if err := vm.DeassignIOEventFD(efd, 0x600, 2, true, &match); err != nil {
+		t.Fatal(err)
+	}
+	if err := vm.DeassignIOEventFD(efd, 0x600, 2, true, &match); !errors.Is(err, unix.ENOENT) || !strings.HasPrefix(err.Error(), "KVM_IOEVENTFD: ") {
+		t.Errorf("deassigning an ioeventfd twice: %v, want KVM_IOEVENTFD: ENOENT", err)
+	}
+	if err := vm.IRQLine(4, true); err != nil {
+		t.Fatal(err)
+	}
+	if err := vm.IRQLine(4, false); err != nil {
+		t.Fatal(err)
+	}
+
+	v, err := vm.CreateVCPU(0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer v.Close()
+	cpuid, err := s.GetSupportedCPUID()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := v.SetCPUID2(cpuid); err != nil {
+		t.Fatal(err)
+	}
+
+	const sysenterCS = 0x174 // MSR_IA32_SYSENTER_CS
+	if err := v.SetMSRs([]MSREntry{{Index: sysenterCS, Data: 0x10}}); err != nil {
+		t.Fatal(err)
+	}
+	msrs := []MSREntry{{Index: sysenterCS}}
+	if err := v.GetMSRs(msrs); err != nil || msrs[0].Data != 0x10 {
+		t.Errorf("GetMSRs: %+v, %v; want data 0x10", msrs, err)
+	}
+	// KVM refuses an unknown MSR unless the kvm module ignores them.
+	if ignore, _ := os.ReadFile("/sys/module/kvm/parameters/ignore_msrs"); strings.TrimSpace(string(ignore)) != "Y" {
+		err := v.SetMSRs([]MSREntry{{Index: 0xdead_beef, Data: 1}})
+		if err == nil || !strings.HasPrefix(err.Error(), "KVM_SET_MSRS: KVM processed 0 of 1 MSRs") {
+			t.Errorf("setting a nonexistent MSR: %v", err)
+		}
+	}
+
+	f, err := v.GetFPU()
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Hardware KVM resets MXCSR to 0x1f80 and round-trips it; PVM (a
+	// software KVM some cloud VMs offer) reports 0 and ignores the field.
+	hasMXCSR := f.MXCSR != 0
+	f.FCW, f.MXCSR = 0x37e, 0x1f80
+	if err := v.SetFPU(f); err != nil {
+		t.Fatal(err)
+	}
+	if f, err = v.GetFPU(); err != nil || f.FCW != 0x37e || (hasMXCSR && f.MXCSR != 0x1f80) {
+		t.Errorf("GetFPU after SetFPU: FCW=%#x MXCSR=%#x, %v", f.FCW, f.MXCSR, err)
+	}
+
+	l, err := v.GetLAPIC()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if version := l.Regs[0x30]; version < 0x10 { // an integrated APIC: 0x1X
+		t.Errorf("LAPIC version register %#x", version)
+	}
+	if err := v.SetLAPIC(l); err != nil {
+		t.Fatal(err)
+	}
+
+	if st, err := v.GetMPState(); err != nil || st != MPStateRunnable {
+		t.Errorf("GetMPState() = %d, %v; want runnable (the BSP)", st, err)
+	}
+	if err := v.SetMPState(MPStateRunnable); err != nil {
+		t.Fatal(err)
+	}
+}

@@ -42,6 +42,11 @@ var exitNames = map[ExitReason]string{
 	ExitHypercall: "KVM_EXIT_HYPERCALL", ExitDebug: "KVM_EXIT_DEBUG", ExitHLT: "KVM_EXIT_HLT",
 	ExitMMIO: "KVM_EXIT_MMIO", ExitShutdown: "KVM_EXIT_SHUTDOWN", ExitFailEntry: "KVM_EXIT_FAIL_ENTRY",
 	ExitIntr: "KVM_EXIT_INTR", ExitInternalError: "KVM_EXIT_INTERNAL_ERROR", ExitSystemEvent: "KVM_EXIT_SYSTEM_EVENT",
+	// Named for diagnostics only: capsa does not enable what causes these.
+	7: "KVM_EXIT_IRQ_WINDOW_OPEN", 11: "KVM_EXIT_SET_TPR", 12: "KVM_EXIT_TPR_ACCESS", 16: "KVM_EXIT_NMI",
+	26: "KVM_EXIT_IOAPIC_EOI", 27: "KVM_EXIT_HYPERV", 29: "KVM_EXIT_X86_RDMSR", 30: "KVM_EXIT_X86_WRMSR",
+	31: "KVM_EXIT_DIRTY_RING_FULL", 33: "KVM_EXIT_X86_BUS_LOCK", 34: "KVM_EXIT_XEN", 37: "KVM_EXIT_NOTIFY",
+	39: "KVM_EXIT_MEMORY_FAULT",
 }
 
 func (r ExitReason) String() string {

@@ -90,6 +90,10 @@ type cpuid2Header struct {
 	_    uint32
 }
 
+// flexHeaderSize is the size of struct kvm_cpuid2 and of struct kvm_msrs,
+// the headers before their flexible entries arrays (checked below).
+const flexHeaderSize = 8
+
 // MSREntry is struct kvm_msr_entry.
 type MSREntry struct {
 	Index uint32
@@ -165,12 +169,12 @@ var (
 	_ [1024 - unsafe.Sizeof(LAPICState{})]struct{}
 	_ [unsafe.Sizeof(CPUIDEntry{}) - 40]struct{}
 	_ [40 - unsafe.Sizeof(CPUIDEntry{})]struct{}
-	_ [unsafe.Sizeof(cpuid2Header{}) - 8]struct{}
-	_ [8 - unsafe.Sizeof(cpuid2Header{})]struct{}
+	_ [unsafe.Sizeof(cpuid2Header{}) - flexHeaderSize]struct{}
+	_ [flexHeaderSize - unsafe.Sizeof(cpuid2Header{})]struct{}
 	_ [unsafe.Sizeof(MSREntry{}) - 16]struct{}
 	_ [16 - unsafe.Sizeof(MSREntry{})]struct{}
-	_ [unsafe.Sizeof(msrsHeader{}) - 8]struct{}
-	_ [8 - unsafe.Sizeof(msrsHeader{})]struct{}
+	_ [unsafe.Sizeof(msrsHeader{}) - flexHeaderSize]struct{}
+	_ [flexHeaderSize - unsafe.Sizeof(msrsHeader{})]struct{}
 	_ [unsafe.Sizeof(userspaceMemoryRegion{}) - 32]struct{}
 	_ [32 - unsafe.Sizeof(userspaceMemoryRegion{})]struct{}
 	_ [unsafe.Sizeof(irqLevel{}) - 8]struct{}

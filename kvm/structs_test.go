@@ -2,6 +2,8 @@ package kvm
 
 import (
 	"errors"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"unsafe"
@@ -9,8 +11,8 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// The expected values were printed by a C program including <linux/kvm.h>
-// (Linux 6.12 uapi headers, x86_64).
+// The expected values in this file were printed by a C program including
+// <linux/kvm.h> (Linux 6.12 uapi headers, x86_64).
 func TestIoctlNumbers(t *testing.T) {
 	for name, tc := range map[string]struct{ got, want uintptr }{
 		"KVM_GET_API_VERSION":        {kvmGetAPIVersion, 0xae00},
@@ -48,19 +50,41 @@ func TestIoctlNumbers(t *testing.T) {
 }
 
 func TestLayouts(t *testing.T) {
-	var s Sregs
-	var f FPU
+	var (
+		s   Sregs
+		seg Segment
+		f   FPU
+		c   CPUIDEntry
+		m   MSREntry
+		ie  ioeventfd
+		irq irqfd
+	)
 	for name, tc := range map[string]struct{ got, want uintptr }{
-		"kvm_sregs.gdt":       {unsafe.Offsetof(s.GDT), 0xc0},
-		"kvm_sregs.cr0":       {unsafe.Offsetof(s.CR0), 0xe0},
-		"kvm_sregs.apic_base": {unsafe.Offsetof(s.APICBase), 0x110},
-		"kvm_fpu.fcw":         {unsafe.Offsetof(f.FCW), 0x80},
-		"kvm_fpu.mxcsr":       {unsafe.Offsetof(f.MXCSR), 0x198},
+		"kvm_segment.selector":       {unsafe.Offsetof(seg.Selector), 0xc},
+		"kvm_segment.type":           {unsafe.Offsetof(seg.Type), 0xe},
+		"kvm_segment.unusable":       {unsafe.Offsetof(seg.Unusable), 0x16},
+		"kvm_sregs.gdt":              {unsafe.Offsetof(s.GDT), 0xc0},
+		"kvm_sregs.cr0":              {unsafe.Offsetof(s.CR0), 0xe0},
+		"kvm_sregs.efer":             {unsafe.Offsetof(s.EFER), 0x108},
+		"kvm_sregs.apic_base":        {unsafe.Offsetof(s.APICBase), 0x110},
+		"kvm_sregs.interrupt_bitmap": {unsafe.Offsetof(s.InterruptBitmap), 0x118},
+		"kvm_fpu.fcw":                {unsafe.Offsetof(f.FCW), 0x80},
+		"kvm_fpu.last_ip":            {unsafe.Offsetof(f.LastIP), 0x88},
+		"kvm_fpu.xmm":                {unsafe.Offsetof(f.XMM), 0x98},
+		"kvm_fpu.mxcsr":              {unsafe.Offsetof(f.MXCSR), 0x198},
+		"kvm_cpuid_entry2.eax":       {unsafe.Offsetof(c.EAX), 0xc},
+		"kvm_msr_entry.data":         {unsafe.Offsetof(m.Data), 0x8},
+		"kvm_ioeventfd.len":          {unsafe.Offsetof(ie.Len), 0x10},
+		"kvm_ioeventfd.fd":           {unsafe.Offsetof(ie.FD), 0x14},
+		"kvm_ioeventfd.flags":        {unsafe.Offsetof(ie.Flags), 0x18},
+		"kvm_irqfd.flags":            {unsafe.Offsetof(irq.Flags), 0x8},
+		"kvm_irqfd.resamplefd":       {unsafe.Offsetof(irq.ResampleFD), 0xc},
 		// struct kvm_run offsets used by run_amd64.go.
 		"kvm_run.immediate_exit":   {runImmediateExit, 0x1},
 		"kvm_run.exit_reason":      {runExitReason, 0x8},
 		"kvm_run.io":               {runExit, 0x20},
 		"kvm_run.io.data_offset":   {runIODataOffset, 0x28},
+		"kvm_run.mmio.data":        {runMMIOData, 0x28},
 		"kvm_run.mmio.len":         {runMMIOLen, 0x30},
 		"kvm_run.mmio.is_write":    {runMMIOIsWrite, 0x34},
 		"sizeof(struct kvm_run)":   {runMinSize, 0x930},
@@ -69,6 +93,29 @@ func TestLayouts(t *testing.T) {
 		if tc.got != tc.want {
 			t.Errorf("%s = %#x, want %#x", name, tc.got, tc.want)
 		}
+	}
+}
+
+// TestFlexArray checks the buffer handed to KVM_SET_CPUID2 and KVM_*_MSRS:
+// the entry count, 4 bytes of padding, then the entries.
+func TestFlexArray(t *testing.T) {
+	entries := []MSREntry{{Index: 0x174, Data: 0x10}, {Index: 0x175, Data: 0x20}}
+	_, hdr := flexArray(entries)
+	b := unsafe.Slice((*byte)(hdr), flexHeaderSize+2*16)
+	want := []byte{
+		2, 0, 0, 0, 0, 0, 0, 0, // nmsrs, pad
+		0x74, 1, 0, 0, 0, 0, 0, 0, 0x10, 0, 0, 0, 0, 0, 0, 0,
+		0x75, 1, 0, 0, 0, 0, 0, 0, 0x20, 0, 0, 0, 0, 0, 0, 0,
+	}
+	if string(b) != string(want) {
+		t.Errorf("kvm_msrs buffer % x\nwant             % x", b, want)
+	}
+	buf, hdr := flexArray([]CPUIDEntry{{Function: 7, EAX: 9}})
+	if *(*uint32)(hdr) != 1 || uintptr(hdr)+flexHeaderSize != uintptr(unsafe.Pointer(&buf[1])) {
+		t.Error("kvm_cpuid2 header is not directly before its entries")
+	}
+	if _, hdr := flexArray[CPUIDEntry](nil); *(*uint32)(hdr) != 0 {
+		t.Error("empty kvm_cpuid2: nent != 0")
 	}
 }
 
@@ -116,11 +163,24 @@ func TestErrorsNameTheIoctl(t *testing.T) {
 
 func TestOpenErrors(t *testing.T) {
 	_, err := OpenPath("/nonexistent/kvm")
-	if err == nil || !strings.Contains(err.Error(), "no KVM") {
+	if err == nil || !strings.Contains(err.Error(), "no KVM") || !errors.Is(err, os.ErrNotExist) {
 		t.Errorf("missing device: %v", err)
 	}
 	_, err = OpenPath("/dev/null")
 	if err == nil || !strings.Contains(err.Error(), "not a KVM device") {
 		t.Errorf("/dev/null: %v", err)
 	}
+	t.Run("permission", func(t *testing.T) {
+		if os.Geteuid() == 0 {
+			t.Skip("running as root: permission checks do not apply")
+		}
+		noperm := filepath.Join(t.TempDir(), "kvm")
+		if err := os.WriteFile(noperm, nil, 0); err != nil {
+			t.Fatal(err)
+		}
+		_, err := OpenPath(noperm)
+		if err == nil || !strings.Contains(err.Error(), "permission denied: add your user to the group") {
+			t.Errorf("unreadable device: %v", err)
+		}
+	})
 }

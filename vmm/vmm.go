@@ -366,7 +366,11 @@ func (m *Machine) handleExit(i int, v *kvm.VCPU) bool {
 		m.stop(StopError, fmt.Sprintf("vCPU %d: KVM_EXIT_FAIL_ENTRY, hardware entry failure reason %#x", i, v.FailEntryReason()), nil)
 		return false
 	case kvm.ExitInternalError:
-		m.stop(StopError, fmt.Sprintf("vCPU %d: KVM_EXIT_INTERNAL_ERROR, suberror %d", i, v.InternalErrorSuberror()), nil)
+		why := fmt.Sprintf("vCPU %d: KVM_EXIT_INTERNAL_ERROR, suberror %d", i, v.InternalErrorSuberror())
+		if kvm.IsPVM() {
+			why += " (this /dev/kvm is PVM, the kvm_pvm module: its instruction emulator cannot run every instruction of a stock Linux guest; use hardware KVM)"
+		}
+		m.stop(StopError, why, nil)
 		return false
 	default:
 		m.stop(StopError, fmt.Sprintf("vCPU %d: unexpected exit %v", i, reason), nil)

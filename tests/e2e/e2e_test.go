@@ -15,14 +15,16 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/capsa-sandbox/capsa/tests/nested"
 )
 
 // artifact finds a file built by `make test-e2e`: $CAPSA_E2E_DIR/name, else
 // ./name (the nested host puts the files beside the test binary).
 func artifact(t testing.TB, name string) string {
 	t.Helper()
-	if _, err := os.Stat("/dev/kvm"); err != nil {
-		t.Skip("no /dev/kvm: end-to-end tests run through `make test-e2e`")
+	if !nested.HaveKVM() {
+		t.Skip("no /dev/kvm that boots Linux: end-to-end tests run through `make test-e2e`")
 	}
 	p, err := filepath.Abs(filepath.Join(artifactDir(), name))
 	if err != nil {

@@ -69,14 +69,20 @@ func TestVsockWithRealGuest(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer m.Close()
+	// A VM that stops early ends the wait for its connections at once.
 	exitc := make(chan *vmm.Exit, 1)
-	go func() { exitc <- m.Run(ctx) }()
+	go func() {
+		e := m.Run(ctx)
+		l.Close()
+		exitc <- e
+	}()
 
 	// Guest to host.
 	c, err := l.Accept()
 	if err != nil {
-		t.Fatal(err)
+		t.Fatalf("accept: %v (VM exit: %v)\nconsole:\n%s", err, <-exitc, console.String())
 	}
+	c.SetDeadline(time.Now().Add(2 * time.Minute))
 	greeting, err := io.ReadAll(c)
 	if err != nil || string(greeting) != "hello from the guest\n" {
 		t.Fatalf("guest sent %q, %v", greeting, err)
@@ -95,6 +101,7 @@ func TestVsockWithRealGuest(t *testing.T) {
 	if err != nil {
 		t.Fatalf("dial guest: %v\nconsole:\n%s", err, console.String())
 	}
+	conn.SetDeadline(time.Now().Add(2 * time.Minute))
 	data := make([]byte, 4<<20)
 	rand.Read(data)
 	go func() {

@@ -33,6 +33,7 @@ import (
 	"time"
 
 	"github.com/capsa-sandbox/capsa/internal/cpio"
+	"github.com/capsa-sandbox/capsa/kvm"
 )
 
 // Host describes where and how jobs run. The zero value is ready to use.
@@ -73,14 +74,16 @@ type Result struct {
 // ErrNoL1 is wrapped when the L1 kernel has not been unpacked.
 var ErrNoL1 = errors.New("nested KVM host not installed (run `make nested-deps`)")
 
-// HaveKVM reports whether this machine offers /dev/kvm.
+// HaveKVM reports whether this machine offers a /dev/kvm that can boot
+// capsa's guest. PVM's /dev/kvm cannot (see kvm.IsPVM): there the jobs run
+// in the nested host like on a machine without KVM.
 func HaveKVM() bool {
 	f, err := os.OpenFile("/dev/kvm", os.O_RDWR, 0)
 	if err != nil {
 		return false
 	}
 	f.Close()
-	return true
+	return !kvm.IsPVM()
 }
 
 func (h *Host) log() *slog.Logger {
