@@ -21,12 +21,14 @@ import (
 	"log/slog"
 	"net"
 	"os"
+	"strings"
 	"sync"
 	"time"
 
 	"github.com/capsa-sandbox/capsa/agent"
 	"github.com/capsa-sandbox/capsa/internal/builtin"
 	"github.com/capsa-sandbox/capsa/virtio"
+	"github.com/capsa-sandbox/capsa/virtio/ninep"
 	"github.com/capsa-sandbox/capsa/virtio/vsock"
 	"github.com/capsa-sandbox/capsa/vmm"
 )
@@ -47,6 +49,7 @@ type config struct {
 	console      io.Writer
 	readyTimeout time.Duration
 	vsockSocket  string
+	shares       []share
 	errs         []error
 }
 
@@ -110,6 +113,10 @@ func (b *Builder) VsockSocket(path string) *Builder { b.c.vsockSocket = path; re
 // ReadyTimeout bounds how long Start waits for the guest agent.
 func (b *Builder) ReadyTimeout(d time.Duration) *Builder { b.c.readyTimeout = d; return b }
 
+// Err reports what is wrong with the configuration so far, the same
+// error Start would return before booting anything.
+func (b *Builder) Err() error { return errors.Join(b.c.errs...) }
+
 // Run chooses the sandbox's main process: argv, run once the guest is up.
 func (b *Builder) Run(cmd string, args ...string) *Workload {
 	w := &Workload{c: b.c, main: ExecOptions{Argv: append([]string{cmd}, args...)}}
@@ -163,6 +170,8 @@ type Sandbox struct {
 	ready   chan struct{}
 	started time.Time
 	hybrid  *vsock.HybridSocket
+	shares  []*ninep.Device
+	console *tailBuffer
 
 	mu       sync.Mutex
 	main     *agent.Process
@@ -233,24 +242,42 @@ func boot(ctx context.Context, c config) (*Sandbox, error) {
 			return nil, fmt.Errorf("sandbox: %w", err)
 		}
 	}
-	console := c.console
-	if console == nil {
-		console = io.Discard
+	// The console's tail explains a guest that dies before its agent runs.
+	tail := &tailBuffer{max: 4096}
+	var console io.Writer = tail
+	if c.console != nil {
+		console = io.MultiWriter(tail, c.console)
+	}
+	shares, err := shareDevices(c.shares, log)
+	if err != nil {
+		if hybrid != nil {
+			hybrid.Close()
+		}
+		return nil, err
+	}
+	cmdline := []string{"console=ttyS0 quiet reboot=k panic=-1"}
+	devices := []virtio.Device{dev}
+	for i, d := range shares {
+		cmdline = append(cmdline, shareArg(i, c.shares[i]))
+		devices = append(devices, d)
 	}
 	vm, err := vmm.New(ctx, vmm.Config{
 		Kernel: kernel, Initrd: initrd, CPUs: c.cpus, MemoryBytes: uint64(c.memoryMiB) << 20,
-		Cmdline: "console=ttyS0 quiet reboot=k panic=-1", Console: console,
-		Devices: []virtio.Device{dev}, Log: log, Start: start,
+		Cmdline: strings.Join(cmdline, " "), Console: console,
+		Devices: devices, Log: log, Start: start,
 	})
 	if err != nil {
 		if hybrid != nil {
 			hybrid.Close()
 		}
+		for _, d := range shares {
+			d.Close()
+		}
 		return nil, fmt.Errorf("sandbox: %w", err)
 	}
 	runCtx, cancel := context.WithCancel(context.WithoutCancel(ctx))
 	s := &Sandbox{
-		c: c, vm: vm, dev: dev, hybrid: hybrid, cancel: cancel, vmDone: make(chan struct{}), ready: make(chan struct{}), started: start,
+		c: c, vm: vm, dev: dev, hybrid: hybrid, shares: shares, cancel: cancel, console: tail, vmDone: make(chan struct{}), ready: make(chan struct{}), started: start,
 		client: &agent.Client{Name: "capsa", Dial: func(ctx context.Context) (net.Conn, error) {
 			return dev.Dial(ctx, agent.Port)
 		}},
@@ -278,7 +305,7 @@ func (s *Sandbox) WaitReady(ctx context.Context, timeout time.Duration) error {
 	case <-s.ready:
 		return nil
 	case <-s.vmDone:
-		return fmt.Errorf("sandbox: the VM stopped before its agent was ready: %v", s.exit)
+		return fmt.Errorf("sandbox: the VM stopped before its agent was ready: %v\nguest console:\n%s", s.exit, s.console.String())
 	case <-t.C:
 		return fmt.Errorf("sandbox: the guest agent was not ready after %v", timeout)
 	case <-ctx.Done():
@@ -439,8 +466,34 @@ func (s *Sandbox) Close() error {
 	if s.hybrid != nil {
 		err = errors.Join(err, s.hybrid.Close())
 	}
+	for _, d := range s.shares {
+		err = errors.Join(err, d.Close())
+	}
 	s.mu.Lock()
 	s.closeErr = err
 	s.mu.Unlock()
 	return err
+}
+
+// tailBuffer keeps the last max bytes written to it.
+type tailBuffer struct {
+	mu  sync.Mutex
+	max int
+	b   []byte
+}
+
+func (t *tailBuffer) Write(p []byte) (int, error) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.b = append(t.b, p...)
+	if len(t.b) > t.max {
+		t.b = append(t.b[:0], t.b[len(t.b)-t.max:]...)
+	}
+	return len(p), nil
+}
+
+func (t *tailBuffer) String() string {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return string(t.b)
 }

@@ -38,6 +38,11 @@ func TestCLIErrors(t *testing.T) {
 		{[]string{"run", "--cpus", "0", "--", "true"}, 2, "--cpus 0: must be between"},
 		{[]string{"run", "--memory", "100K", "--", "true"}, 2, "whole number of MiB"},
 		{[]string{"run", "-e", "NOEQ", "--", "true"}, 2, `-e "NOEQ": want KEY=VALUE`},
+		{[]string{"run", "-v", "relative", "--", "true"}, 2, `volume "relative": want HOST:GUEST[:ro]`},
+		{[]string{"run", "-v", "/nonexistent/dir:/data", "--", "true"}, 2, "share /nonexistent/dir: stat /nonexistent/dir: no such file or directory"},
+		{[]string{"run", "-v", "/etc/hostname:/data", "--", "true"}, 2, "share /etc/hostname: not a directory"},
+		{[]string{"run", "-v", "/tmp:/proc/x", "--", "true"}, 2, "inside /proc"},
+		{[]string{"run", "-v", "/tmp:/a", "-v", "/:/a/", "--", "true"}, 2, "guest path /a is already shared"},
 		{[]string{"run", "--timeout", "soon", "--", "true"}, 2, "invalid argument"},
 	} {
 		var out, errb bytes.Buffer

@@ -27,7 +27,8 @@ func runRun(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	timeout := fs.Duration("timeout", 0, "kill the command after this long (e.g. 30s); exit 124")
 	kernel := fs.String("kernel", "", "use this kernel instead of the built-in one")
 	initrd := fs.String("initrd", "", "use this initramfs instead of the built-in one")
-	verbose := fs.BoolP("verbose", "v", false, "log VMM events and the guest console to stderr")
+	volumes := fs.StringArrayP("volume", "v", nil, "share a host directory: HOST:GUEST[:ro] (repeatable)")
+	verbose := fs.Bool("verbose", false, "log VMM events and the guest console to stderr")
 	if code := parseFlags(fs, args, stderr); code >= 0 {
 		return code
 	}
@@ -57,6 +58,13 @@ func runRun(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		return fail("--timeout %v: must not be negative", *timeout)
 	}
 	b := sandbox.New().CPUs(*cpus).Memory(int(mem >> 20)).Env(*env...)
+	for _, v := range *volumes {
+		host, guest, mode, err := sandbox.ParseShare(v)
+		if err != nil {
+			return fail("-v: %v", err)
+		}
+		b.Share(host, guest, mode)
+	}
 	if *kernel != "" {
 		b.Kernel(*kernel)
 	}
@@ -65,6 +73,9 @@ func runRun(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	}
 	if *verbose {
 		b.Logger(slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: slog.LevelDebug}))).Console(stderr)
+	}
+	if err := b.Err(); err != nil {
+		return fail("%v", err)
 	}
 	w := b.Run(fs.Arg(0), fs.Args()[1:]...).Stdout(stdout).Stderr(stderr).Dir(*dir).Timeout(*timeout)
 	if *interactive {

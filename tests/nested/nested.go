@@ -46,7 +46,20 @@ type Host struct {
 	QEMU        string       // default qemu-system-x86_64
 	Busybox     string       // a static busybox; default /bin/busybox
 	ForceNested bool         // use L1 even where /dev/kvm exists
+	// L1Retries is how many more times a job runs when the L1 kernel
+	// itself crashes (see ErrL1Crashed); 0 means never.
+	L1Retries int
 }
+
+// ErrL1Crashed is wrapped when the L1 kernel oopsed or panicked before the
+// job finished. QEMU's TCG emulation of SVM occasionally corrupts L1 under
+// heavy nested use (seen: "BUG: TASK stack guard page was hit" in L1's
+// exception entry while L2 guests ran); that says nothing of the job, so
+// Run can run it again (Host.L1Retries).
+var ErrL1Crashed = errors.New("the nested L1 host kernel crashed")
+
+// l1CrashMarkers are what Linux prints when it oopses or panics.
+var l1CrashMarkers = []string{"Kernel panic - not syncing", "BUG: ", "Oops: ", "general protection fault"}
 
 // File is a host file or directory made available to a job at Dst, a path
 // relative to the job's working directory.
@@ -119,7 +132,14 @@ func (h *Host) Run(ctx context.Context, job Job) (*Result, error) {
 	if !h.ForceNested && HaveKVM() {
 		return h.runDirect(ctx, job)
 	}
-	return h.runL1(ctx, job)
+	for attempt := 1; ; attempt++ {
+		res, err := h.runL1(ctx, job)
+		if !errors.Is(err, ErrL1Crashed) || attempt > h.L1Retries || ctx.Err() != nil {
+			return res, err
+		}
+		fmt.Fprintf(job.Output, "capsa-nested: %v\ncapsa-nested: running the job again (attempt %d of %d)\n", err, attempt+1, h.L1Retries+1)
+		h.log().Warn("L1 crashed; running the job again", "attempt", attempt+1)
+	}
 }
 
 func checkDst(dst string) error {
@@ -386,8 +406,21 @@ func (h *Host) runL1(ctx context.Context, job Job) (*Result, error) {
 	if ctx.Err() != nil {
 		return nil, fmt.Errorf("nested: L1 guest stopped: %w\nL1 console tail:\n%s", ctx.Err(), tail)
 	}
+	if l1Crashed(tail) {
+		return nil, fmt.Errorf("nested: %w (QEMU TCG's emulated SVM; not the job's doing)\nL1 console tail:\n%s", ErrL1Crashed, tail)
+	}
 	return nil, fmt.Errorf("nested: L1 guest ended without reporting the job's status (qemu: %v %s)\nL1 console tail:\n%s",
 		err, strings.TrimSpace(qerr.String()), tail)
+}
+
+// l1Crashed reports whether L1's console shows its kernel crashed.
+func l1Crashed(console []byte) bool {
+	for _, m := range l1CrashMarkers {
+		if bytes.Contains(console, []byte(m)) {
+			return true
+		}
+	}
+	return false
 }
 
 // outputParser passes the job's output through line by line and takes the

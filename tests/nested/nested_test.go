@@ -98,3 +98,16 @@ func TestInitramfsContents(t *testing.T) {
 		t.Errorf("nonce not substituted in init")
 	}
 }
+
+func TestL1CrashDetection(t *testing.T) {
+	for console, want := range map[string]bool{
+		"[   25.09] BUG: TASK stack guard page was hit at 0000000077f1e3de\n":                              true,
+		"[   25.10] Kernel panic - not syncing: corrupted stack end\n":                                     true,
+		"[    7.01] kvm [97]: vcpu0, guest rIP: 0xffffffff810039ab Unhandled WRMSR(0xc0010007) = 0xffff\n": false,
+		"": false,
+	} {
+		if got := l1Crashed([]byte(console)); got != want {
+			t.Errorf("l1Crashed(%q) = %v", console, got)
+		}
+	}
+}

@@ -13,6 +13,7 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"net/url"
 	"os"
 	"os/exec"
 	"strings"
@@ -65,11 +66,23 @@ func initMachine(log *slog.Logger) {
 	}
 	os.MkdirAll("/root", 0o700)
 	hostname := "capsa"
+	var shares []string
 	if cmdline, err := os.ReadFile("/proc/cmdline"); err == nil {
 		for _, f := range strings.Fields(string(cmdline)) {
 			if v, ok := strings.CutPrefix(f, "capsa.hostname="); ok && v != "" {
 				hostname = v
 			}
+			if v, ok := strings.CutPrefix(f, "capsa.share="); ok {
+				shares = append(shares, v)
+			}
+		}
+	}
+	// A share that cannot be mounted ends the boot: the host reports the
+	// console, which says why, rather than run a sandbox without it.
+	for _, sh := range shares {
+		if err := mountShare(sh); err != nil {
+			log.Error("share", "err", err)
+			reboot()
 		}
 	}
 	if err := unix.Sethostname([]byte(hostname)); err != nil {
@@ -106,6 +119,38 @@ func initMachine(log *slog.Logger) {
 		}
 	}
 }
+
+// mountShare mounts a virtio-9p share named on the kernel command line as
+// TAG,ro|rw,PATH (PATH escaped as a URL path).
+func mountShare(spec string) error {
+	parts := strings.SplitN(spec, ",", 3)
+	if len(parts) != 3 || (parts[1] != "ro" && parts[1] != "rw") {
+		return fmt.Errorf("capsa.share=%s: want TAG,ro|rw,PATH", spec)
+	}
+	tag, dir := parts[0], parts[2]
+	dir, err := url.PathUnescape(dir)
+	if err != nil || !strings.HasPrefix(dir, "/") {
+		return fmt.Errorf("capsa.share=%s: bad guest path", spec)
+	}
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return fmt.Errorf("share %s: %w", tag, err)
+	}
+	var flags uintptr = unix.MS_NODEV
+	if parts[1] == "ro" {
+		flags |= unix.MS_RDONLY
+	}
+	// access=client: the guest kernel checks permissions, as on a local
+	// filesystem; the host enforces confinement and read-only itself.
+	opts := "trans=virtio,version=9p2000.L,access=client,msize=" + shareMsize
+	if err := unix.Mount(tag, dir, "9p", flags, opts); err != nil {
+		return fmt.Errorf("mount share %s on %s: %w", tag, dir, err)
+	}
+	return nil
+}
+
+// shareMsize is the 9P message size: large, for few round trips per
+// read or write (Linux's virtio transport caps it below 512 KiB).
+const shareMsize = "262144"
 
 // loopbackUp sets IFF_UP on lo.
 func loopbackUp() error {

@@ -38,6 +38,7 @@ func run() int {
 	cpus := fs.Int("cpus", 2, "L1 guest vCPUs")
 	force := fs.Bool("force-nested", false, "use the L1 guest even where /dev/kvm exists")
 	verbose := fs.BoolP("verbose", "v", false, "log progress to stderr")
+	retries := fs.Int("l1-retries", 2, "run the job again this many times if the L1 kernel crashes (QEMU TCG's emulated SVM)")
 	if err := fs.Parse(os.Args[1:]); err != nil {
 		if err == pflag.ErrHelp {
 			return 0
@@ -58,6 +59,7 @@ func run() int {
 		MemoryMB:    *mem,
 		CPUs:        *cpus,
 		ForceNested: *force,
+		L1Retries:   *retries,
 	}
 	job := nested.Job{Argv: fs.Args(), Env: *env, Output: os.Stdout}
 	for _, f := range *files {

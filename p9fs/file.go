@@ -1,0 +1,776 @@
+package p9fs
+
+import (
+	"encoding/binary"
+	"math"
+	"strings"
+	"sync"
+	"sync/atomic"
+
+	"github.com/hugelgupf/p9/linux"
+	"github.com/hugelgupf/p9/p9"
+	"golang.org/x/sys/unix"
+)
+
+// fileSeq orders Files for two-File operations (lock ordering).
+var fileSeq atomic.Uint64
+
+// file is a p9.File: one inode of the share, pinned by an O_PATH
+// descriptor.
+type file struct {
+	s   *share
+	seq uint64
+	typ uint32 // S_IFMT bits; an inode's type never changes
+
+	// mu guards the descriptors' lifetime: operations that use them hold
+	// it for reading, so Close (and Open) cannot close or replace a
+	// descriptor that a concurrent syscall is about to use, which could
+	// meanwhile be reused for another file.
+	mu     sync.RWMutex
+	fd     int  // O_PATH descriptor; -1 once closed
+	ofd    int  // descriptor opened for I/O by Open or Create; -1 if none
+	owrite bool // ofd is open for writing
+
+	dirMu sync.Mutex // serializes Readdir's seek and read on ofd
+}
+
+var _ p9.File = (*file)(nil)
+
+// newFile makes a File owning fd, charging fd to the descriptor budget;
+// over budget, fd is closed and the error is ENFILE.
+func newFile(s *share, fd int, typ uint32) (*file, error) {
+	if err := chargeFDs(1); err != nil {
+		unix.Close(fd)
+		return nil, s.deny(linux.ENFILE, "new fid", "held", fdsHeld.Load())
+	}
+	return &file{s: s, seq: fileSeq.Add(1), typ: typ & unix.S_IFMT, fd: fd, ofd: -1}, nil
+}
+
+// rlock locks f for using its descriptors and reports EBADF once closed.
+func (f *file) rlock() error {
+	f.mu.RLock()
+	if f.fd < 0 {
+		f.mu.RUnlock()
+		return linux.EBADF
+	}
+	return nil
+}
+
+// rlock2 read-locks two Files of the same share in a global order.
+// other must be a *file of f's share, else EXDEV. It returns the unlock
+// function.
+func (f *file) rlock2(other p9.File) (*file, func(), error) {
+	o, ok := other.(*file)
+	if !ok || o == nil || o.s != f.s {
+		return nil, nil, linux.EXDEV
+	}
+	if o == f {
+		if err := f.rlock(); err != nil {
+			return nil, nil, err
+		}
+		return o, f.mu.RUnlock, nil
+	}
+	a, b := f, o
+	if b.seq < a.seq {
+		a, b = b, a
+	}
+	if err := a.rlock(); err != nil {
+		return nil, nil, err
+	}
+	if err := b.rlock(); err != nil {
+		a.mu.RUnlock()
+		return nil, nil, err
+	}
+	return o, func() { b.mu.RUnlock(); a.mu.RUnlock() }, nil
+}
+
+// Walk implements p9.File.Walk. An empty walk clones f (unopened).
+func (f *file) Walk(names []string) ([]p9.QID, p9.File, error) {
+	qids, nf, _, err := f.walk(names)
+	if err != nil {
+		return nil, nil, err
+	}
+	return qids, nf, nil
+}
+
+// WalkGetAttr implements p9.File.WalkGetAttr.
+func (f *file) WalkGetAttr(names []string) ([]p9.QID, p9.File, p9.AttrMask, p9.Attr, error) {
+	qids, nf, st, err := f.walk(names)
+	if err != nil {
+		return nil, nil, p9.AttrMask{}, p9.Attr{}, err
+	}
+	return qids, nf, attrValid, f.s.attr(&st), nil
+}
+
+// walk looks up names one entry at a time, never following a symlink,
+// and returns the QIDs, a File for the last one and its stat.
+func (f *file) walk(names []string) ([]p9.QID, *file, unix.Stat_t, error) {
+	var st unix.Stat_t
+	for _, n := range names {
+		if err := checkName(n); err != nil {
+			return nil, nil, st, f.s.deny(err.(linux.Errno), "walk", "name", n)
+		}
+	}
+	if err := f.rlock(); err != nil {
+		return nil, nil, st, err
+	}
+	defer f.mu.RUnlock()
+
+	if len(names) == 0 {
+		fd, err := dupFD(f.fd)
+		if err != nil {
+			return nil, nil, st, errno(err)
+		}
+		if err := unix.Fstat(fd, &st); err != nil {
+			unix.Close(fd)
+			return nil, nil, st, errno(err)
+		}
+		nf, err := newFile(f.s, fd, st.Mode)
+		return nil, nf, st, err
+	}
+
+	qids := make([]p9.QID, 0, len(names))
+	dir, owned := f.fd, -1
+	for i, n := range names {
+		if i > 0 && st.Mode&unix.S_IFMT != unix.S_IFDIR {
+			unix.Close(owned)
+			return nil, nil, st, linux.ENOTDIR
+		}
+		fd, err := f.s.openat(dir, n, unix.O_PATH, 0)
+		if owned >= 0 {
+			unix.Close(owned)
+		}
+		if err != nil {
+			return nil, nil, st, errno(err)
+		}
+		owned, dir = fd, fd
+		if err := unix.Fstat(fd, &st); err != nil {
+			unix.Close(fd)
+			return nil, nil, st, errno(err)
+		}
+		qids = append(qids, f.s.qid(&st))
+	}
+	nf, err := newFile(f.s, owned, st.Mode)
+	if err != nil {
+		return nil, nil, st, err
+	}
+	return qids, nf, st, nil
+}
+
+// StatFS implements p9.File.StatFS.
+func (f *file) StatFS() (p9.FSStat, error) {
+	if err := f.rlock(); err != nil {
+		return p9.FSStat{}, err
+	}
+	defer f.mu.RUnlock()
+	var sfs unix.Statfs_t
+	if err := unix.Fstatfs(f.fd, &sfs); err != nil {
+		return p9.FSStat{}, errno(err)
+	}
+	return p9.FSStat{
+		Type:            v9fsMagic,
+		BlockSize:       uint32(sfs.Bsize),
+		Blocks:          sfs.Blocks,
+		BlocksFree:      sfs.Bfree,
+		BlocksAvailable: sfs.Bavail,
+		Files:           sfs.Files,
+		FilesFree:       sfs.Ffree,
+		FSID:            uint64(uint32(sfs.Fsid.Val[0])) | uint64(uint32(sfs.Fsid.Val[1]))<<32,
+		NameLength:      uint32(sfs.Namelen),
+	}, nil
+}
+
+// stat is fstat of the pinned inode; f must be locked.
+func (f *file) stat() (unix.Stat_t, error) {
+	var st unix.Stat_t
+	err := unix.Fstat(f.fd, &st)
+	return st, errno(err)
+}
+
+// GetAttr implements p9.File.GetAttr. It always returns the basic
+// attributes, whatever req asks.
+func (f *file) GetAttr(req p9.AttrMask) (p9.QID, p9.AttrMask, p9.Attr, error) {
+	if err := f.rlock(); err != nil {
+		return p9.QID{}, p9.AttrMask{}, p9.Attr{}, err
+	}
+	defer f.mu.RUnlock()
+	st, err := f.stat()
+	if err != nil {
+		return p9.QID{}, p9.AttrMask{}, p9.Attr{}, err
+	}
+	return f.s.qid(&st), attrValid, f.s.attr(&st), nil
+}
+
+// SetAttr implements p9.File.SetAttr: permissions (without setuid and
+// setgid), size, and times. Ownership changes are accepted only when they
+// change nothing the guest sees. Everything is checked before anything is
+// changed.
+func (f *file) SetAttr(valid p9.SetAttrMask, a p9.SetAttr) error {
+	if valid.Empty() {
+		return nil
+	}
+	if f.s.ro {
+		return linux.EROFS
+	}
+	if err := f.rlock(); err != nil {
+		return err
+	}
+	defer f.mu.RUnlock()
+
+	if valid.UID || valid.GID {
+		st, err := f.stat()
+		if err != nil {
+			return err
+		}
+		if valid.UID && a.UID.Ok() && uint32(a.UID) != f.s.uid && uint32(a.UID) != f.s.guestUID(st.Uid) {
+			return f.s.deny(linux.EPERM, "chown", "uid", uint32(a.UID))
+		}
+		if valid.GID && a.GID.Ok() && uint32(a.GID) != f.s.gid && uint32(a.GID) != f.s.guestGID(st.Gid) {
+			return f.s.deny(linux.EPERM, "chown", "gid", uint32(a.GID))
+		}
+	}
+	link := f.typ == unix.S_IFLNK
+	if valid.Permissions && link {
+		return linux.EOPNOTSUPP // as lchmod(2)
+	}
+	if valid.Size {
+		switch {
+		case f.typ == unix.S_IFDIR:
+			return linux.EISDIR
+		case f.typ != unix.S_IFREG:
+			return linux.EINVAL
+		case a.Size > math.MaxInt64:
+			return linux.EFBIG
+		}
+	}
+	var ts [2]unix.Timespec
+	if valid.ATime || valid.MTime {
+		var err error
+		if ts[0], err = utime(valid.ATime, valid.ATimeNotSystemTime, a.ATimeSeconds, a.ATimeNanoSeconds); err != nil {
+			return err
+		}
+		if ts[1], err = utime(valid.MTime, valid.MTimeNotSystemTime, a.MTimeSeconds, a.MTimeNanoSeconds); err != nil {
+			return err
+		}
+	}
+
+	if valid.Permissions {
+		if err := unix.Chmod(procPath(f.fd), safeMode(a.Permissions)); err != nil {
+			return errno(err)
+		}
+	}
+	if valid.Size {
+		// An fid open for writing may truncate even a file whose mode
+		// no longer allows writing, as ftruncate(2) would.
+		var err error
+		if f.ofd >= 0 && f.owrite {
+			err = unix.Ftruncate(f.ofd, int64(a.Size))
+		} else {
+			err = unix.Truncate(procPath(f.fd), int64(a.Size))
+		}
+		if err != nil {
+			return errno(err)
+		}
+	}
+	if valid.ATime || valid.MTime {
+		// AT_EMPTY_PATH acts on the descriptor's inode, a symlink
+		// included; kernels without it for utimensat get the magic
+		// link instead, which is fine for anything but a symlink.
+		err := unix.UtimesNanoAt(f.fd, "", ts[:], unix.AT_EMPTY_PATH|unix.AT_SYMLINK_NOFOLLOW)
+		if err == unix.EINVAL && !link {
+			err = unix.UtimesNanoAt(unix.AT_FDCWD, procPath(f.fd), ts[:], 0)
+		}
+		if err != nil {
+			return errno(err)
+		}
+	}
+	return nil
+}
+
+// utime is one utimensat timestamp for a SetAttr time field.
+func utime(set, given bool, sec, nsec uint64) (unix.Timespec, error) {
+	switch {
+	case !set:
+		return unix.Timespec{Nsec: unix.UTIME_OMIT}, nil
+	case !given:
+		return unix.Timespec{Nsec: unix.UTIME_NOW}, nil
+	case nsec >= 1e9 || sec > math.MaxInt64:
+		return unix.Timespec{}, linux.EINVAL
+	}
+	return unix.Timespec{Sec: int64(sec), Nsec: int64(nsec)}, nil
+}
+
+// Close implements p9.File.Close, releasing f's descriptors.
+func (f *file) Close() error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.ofd >= 0 {
+		unix.Close(f.ofd)
+		f.ofd = -1
+		releaseFDs(1)
+	}
+	if f.fd >= 0 {
+		unix.Close(f.fd)
+		f.fd = -1
+		releaseFDs(1)
+	}
+	return nil
+}
+
+// Open implements p9.File.Open. Only regular files and directories can
+// be opened; a symlink fails with ELOOP, anything else with EPERM.
+func (f *file) Open(mode p9.OpenFlags) (p9.QID, uint32, error) {
+	fl, err := hostOpenFlags(mode)
+	if err != nil {
+		return p9.QID{}, 0, err
+	}
+	switch f.typ {
+	case unix.S_IFREG:
+		if f.s.ro && (fl&unix.O_ACCMODE != unix.O_RDONLY || fl&unix.O_TRUNC != 0) {
+			return p9.QID{}, 0, linux.EROFS
+		}
+	case unix.S_IFDIR:
+		if fl&unix.O_ACCMODE != unix.O_RDONLY {
+			return p9.QID{}, 0, linux.EISDIR
+		}
+		fl = unix.O_RDONLY | unix.O_DIRECTORY
+	case unix.S_IFLNK:
+		return p9.QID{}, 0, linux.ELOOP
+	default:
+		return p9.QID{}, 0, f.s.deny(linux.EPERM, "open", "type", f.typ)
+	}
+
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.fd < 0 {
+		return p9.QID{}, 0, linux.EBADF
+	}
+	if f.ofd >= 0 {
+		return p9.QID{}, 0, linux.EINVAL
+	}
+	if err := chargeFDs(1); err != nil {
+		return p9.QID{}, 0, f.s.deny(linux.ENFILE, "open", "held", fdsHeld.Load())
+	}
+	ofd, err := reopen(f.fd, fl)
+	if err != nil {
+		releaseFDs(1)
+		return p9.QID{}, 0, errno(err)
+	}
+	var st unix.Stat_t
+	if err := unix.Fstat(ofd, &st); err != nil {
+		unix.Close(ofd)
+		releaseFDs(1)
+		return p9.QID{}, 0, errno(err)
+	}
+	f.ofd = ofd
+	f.owrite = fl&unix.O_ACCMODE != unix.O_RDONLY
+	return f.s.qid(&st), 0, nil
+}
+
+// openFD returns the I/O descriptor with f read-locked; the caller must
+// RUnlock.
+func (f *file) openFD() (int, error) {
+	if err := f.rlock(); err != nil {
+		return -1, err
+	}
+	if f.ofd < 0 {
+		f.mu.RUnlock()
+		return -1, linux.EBADF
+	}
+	return f.ofd, nil
+}
+
+// ReadAt implements p9.File.ReadAt with pread(2).
+func (f *file) ReadAt(p []byte, off int64) (int, error) {
+	if off < 0 {
+		return 0, linux.EINVAL
+	}
+	fd, err := f.openFD()
+	if err != nil {
+		return 0, err
+	}
+	defer f.mu.RUnlock()
+	for {
+		n, err := unix.Pread(fd, p, off)
+		if err == unix.EINTR {
+			continue
+		}
+		if err != nil {
+			return 0, errno(err)
+		}
+		return n, nil
+	}
+}
+
+// WriteAt implements p9.File.WriteAt with pwrite(2).
+func (f *file) WriteAt(p []byte, off int64) (int, error) {
+	if f.s.ro {
+		return 0, linux.EROFS
+	}
+	if off < 0 {
+		return 0, linux.EINVAL
+	}
+	fd, err := f.openFD()
+	if err != nil {
+		return 0, err
+	}
+	defer f.mu.RUnlock()
+	for {
+		n, err := unix.Pwrite(fd, p, off)
+		if err == unix.EINTR {
+			continue
+		}
+		if err != nil {
+			return 0, errno(err)
+		}
+		return n, nil
+	}
+}
+
+// FSync implements p9.File.FSync.
+func (f *file) FSync() error {
+	fd, err := f.openFD()
+	if err != nil {
+		return err
+	}
+	defer f.mu.RUnlock()
+	return errno(unix.Fsync(fd))
+}
+
+// Lock implements p9.File.Lock. It always grants the lock: the guest
+// kernel tracks its own locks, and one guest is the only client.
+func (f *file) Lock(pid int, locktype p9.LockType, flags p9.LockFlags, start, length uint64, client string) (p9.LockStatus, error) {
+	return p9.LockStatusOK, nil
+}
+
+// dirLocked checks that f is a directory and read-locks it for a
+// creation in it. The caller must RUnlock.
+func (f *file) dirLocked(name string, op string) error {
+	if f.s.ro {
+		return linux.EROFS
+	}
+	if err := checkName(name); err != nil {
+		return f.s.deny(err.(linux.Errno), op, "name", name)
+	}
+	if f.typ != unix.S_IFDIR {
+		return linux.ENOTDIR
+	}
+	return f.rlock()
+}
+
+// Create implements p9.File.Create: a new regular file (never an existing
+// one, never through a symlink), opened as flags say.
+func (f *file) Create(name string, flags p9.OpenFlags, perm p9.FileMode, _ p9.UID, _ p9.GID) (p9.File, p9.QID, uint32, error) {
+	fl, err := hostOpenFlags(flags)
+	if err != nil {
+		return nil, p9.QID{}, 0, err
+	}
+	if err := f.dirLocked(name, "create"); err != nil {
+		return nil, p9.QID{}, 0, err
+	}
+	defer f.mu.RUnlock()
+
+	mode := safeMode(perm)
+	fl = fl&^unix.O_TRUNC | unix.O_CREAT | unix.O_EXCL
+	if err := chargeFDs(1); err != nil {
+		return nil, p9.QID{}, 0, f.s.deny(linux.ENFILE, "create", "held", fdsHeld.Load())
+	}
+	ofd, err := f.s.openat(f.fd, name, fl, mode)
+	if err != nil {
+		releaseFDs(1)
+		return nil, p9.QID{}, 0, errno(err)
+	}
+	// Apply the mode exactly, whatever the VMM's umask.
+	if err := unix.Fchmod(ofd, mode); err != nil {
+		f.s.log.Debug("chmod of new file failed", "name", name, "err", err)
+	}
+	fail := func(err error) (p9.File, p9.QID, uint32, error) {
+		unix.Close(ofd)
+		releaseFDs(1)
+		return nil, p9.QID{}, 0, err
+	}
+	pfd, err := reopen(ofd, unix.O_PATH)
+	if err != nil {
+		return fail(errno(err))
+	}
+	var st unix.Stat_t
+	if err := unix.Fstat(pfd, &st); err != nil {
+		unix.Close(pfd)
+		return fail(errno(err))
+	}
+	nf, err := newFile(f.s, pfd, st.Mode)
+	if err != nil {
+		return fail(err)
+	}
+	nf.ofd = ofd
+	nf.owrite = fl&unix.O_ACCMODE != unix.O_RDONLY
+	return nf, f.s.qid(&st), 0, nil
+}
+
+// finishNode applies mode exactly to the entry name just made in f and
+// returns its QID. The entry is looked up without following symlinks and
+// must have type typ, so a racing replacement is never chmod'ed.
+func (f *file) finishNode(name string, typ, mode uint32) (p9.QID, error) {
+	fd, err := f.s.openat(f.fd, name, unix.O_PATH, 0)
+	if err != nil {
+		return p9.QID{}, errno(err)
+	}
+	defer unix.Close(fd)
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		return p9.QID{}, errno(err)
+	}
+	if st.Mode&unix.S_IFMT != typ {
+		return p9.QID{}, linux.EEXIST
+	}
+	if st.Mode&07777 != mode {
+		if err := unix.Chmod(procPath(fd), mode); err != nil {
+			f.s.log.Debug("chmod of new node failed", "name", name, "err", err)
+		} else if err := unix.Fstat(fd, &st); err != nil {
+			return p9.QID{}, errno(err)
+		}
+	}
+	return f.s.qid(&st), nil
+}
+
+// Mkdir implements p9.File.Mkdir.
+func (f *file) Mkdir(name string, perm p9.FileMode, _ p9.UID, _ p9.GID) (p9.QID, error) {
+	if err := f.dirLocked(name, "mkdir"); err != nil {
+		return p9.QID{}, err
+	}
+	defer f.mu.RUnlock()
+	mode := safeMode(perm)
+	if err := unix.Mkdirat(f.fd, name, mode); err != nil {
+		return p9.QID{}, errno(err)
+	}
+	return f.finishNode(name, unix.S_IFDIR, mode)
+}
+
+// Symlink implements p9.File.Symlink: newName becomes a symlink whose text
+// is target. The text is stored as is and never followed by the server.
+func (f *file) Symlink(target, newName string, _ p9.UID, _ p9.GID) (p9.QID, error) {
+	if err := f.dirLocked(newName, "symlink"); err != nil {
+		return p9.QID{}, err
+	}
+	defer f.mu.RUnlock()
+	switch {
+	case target == "", strings.IndexByte(target, 0) >= 0:
+		return p9.QID{}, linux.EINVAL
+	case len(target) > symlinkMax:
+		return p9.QID{}, linux.ENAMETOOLONG
+	}
+	if err := unix.Symlinkat(target, f.fd, newName); err != nil {
+		return p9.QID{}, errno(err)
+	}
+	var st unix.Stat_t
+	if err := unix.Fstatat(f.fd, newName, &st, unix.AT_SYMLINK_NOFOLLOW); err != nil {
+		return p9.QID{}, errno(err)
+	}
+	return f.s.qid(&st), nil
+}
+
+// Link implements p9.File.Link: newName in f becomes a hard link to the
+// inode target pins (a symlink links the symlink, not its target). target
+// must belong to the same share.
+func (f *file) Link(target p9.File, newName string) error {
+	if err := f.dirLocked(newName, "link"); err != nil {
+		return err
+	}
+	f.mu.RUnlock() // rlock2 takes both in order
+	t, unlock, err := f.rlock2(target)
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	if t.typ == unix.S_IFDIR {
+		return linux.EPERM
+	}
+	// linkat with AT_SYMLINK_FOLLOW on the magic link links the inode
+	// itself and, unlike AT_EMPTY_PATH, needs no CAP_DAC_READ_SEARCH.
+	return errno(unix.Linkat(unix.AT_FDCWD, procPath(t.fd), f.fd, newName, unix.AT_SYMLINK_FOLLOW))
+}
+
+// Mknod implements p9.File.Mknod for regular files, fifos and sockets;
+// device nodes fail with EPERM.
+func (f *file) Mknod(name string, mode p9.FileMode, _, _ uint32, _ p9.UID, _ p9.GID) (p9.QID, error) {
+	var typ uint32
+	switch mode.FileType() {
+	case 0, p9.ModeRegular:
+		typ = unix.S_IFREG
+	case p9.ModeNamedPipe:
+		typ = unix.S_IFIFO
+	case p9.ModeSocket:
+		typ = unix.S_IFSOCK
+	case p9.ModeCharacterDevice, p9.ModeBlockDevice:
+		if f.s.ro {
+			return p9.QID{}, linux.EROFS
+		}
+		return p9.QID{}, f.s.deny(linux.EPERM, "mknod", "name", name, "mode", uint32(mode))
+	default:
+		return p9.QID{}, linux.EINVAL
+	}
+	if err := f.dirLocked(name, "mknod"); err != nil {
+		return p9.QID{}, err
+	}
+	defer f.mu.RUnlock()
+	perm := safeMode(mode)
+	if err := unix.Mknodat(f.fd, name, typ|perm, 0); err != nil {
+		return p9.QID{}, errno(err)
+	}
+	return f.finishNode(name, typ, perm)
+}
+
+// Rename implements p9.File.Rename. p9's server always uses RenameAt,
+// and a File does not know its own name, so this is ENOSYS.
+func (f *file) Rename(p9.File, string) error {
+	return linux.ENOSYS
+}
+
+// RenameAt implements p9.File.RenameAt. Both directories must be Files of
+// this share; renameat(2) never follows a symlink in the final component,
+// so renaming over a symlink replaces the symlink.
+func (f *file) RenameAt(oldName string, newDir p9.File, newName string) error {
+	if err := f.dirLocked(oldName, "rename"); err != nil {
+		return err
+	}
+	f.mu.RUnlock()
+	if err := checkName(newName); err != nil {
+		return f.s.deny(err.(linux.Errno), "rename", "name", newName)
+	}
+	nd, unlock, err := f.rlock2(newDir)
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	if nd.typ != unix.S_IFDIR {
+		return linux.ENOTDIR
+	}
+	return errno(unix.Renameat(f.fd, oldName, nd.fd, newName))
+}
+
+// UnlinkAt implements p9.File.UnlinkAt; flags may hold AT_REMOVEDIR.
+func (f *file) UnlinkAt(name string, flags uint32) error {
+	if err := f.dirLocked(name, "unlink"); err != nil {
+		return err
+	}
+	defer f.mu.RUnlock()
+	return errno(unix.Unlinkat(f.fd, name, int(flags&unix.AT_REMOVEDIR)))
+}
+
+// Readdir implements p9.File.Readdir. offset is a cookie from a previous
+// entry's Offset (0 for the start); count is the reply's byte budget.
+func (f *file) Readdir(offset uint64, count uint32) (p9.Dirents, error) {
+	if f.typ != unix.S_IFDIR {
+		return nil, linux.ENOTDIR
+	}
+	if offset > math.MaxInt64 {
+		return nil, linux.EINVAL
+	}
+	fd, err := f.openFD()
+	if err != nil {
+		return nil, err
+	}
+	defer f.mu.RUnlock()
+	f.dirMu.Lock()
+	defer f.dirMu.Unlock()
+
+	var self unix.Stat_t
+	if err := unix.Fstat(fd, &self); err != nil {
+		return nil, errno(err)
+	}
+	isRoot := self.Dev == f.s.rootDev && self.Ino == f.s.rootIno
+	if _, err := unix.Seek(fd, int64(offset), unix.SEEK_SET); err != nil {
+		return nil, errno(err)
+	}
+
+	ents := p9.Dirents{}
+	size := 0
+	buf := make([]byte, 32<<10)
+	for size < int(count) {
+		n, err := unix.Getdents(fd, buf)
+		if err == unix.EINTR {
+			continue
+		}
+		if err != nil {
+			return nil, errno(err)
+		}
+		if n <= 0 {
+			break
+		}
+		for b := buf[:n]; len(b) >= 19 && size < int(count); {
+			// struct linux_dirent64: ino u64, off s64, reclen u16,
+			// type u8, name NUL-terminated.
+			ino := binary.NativeEndian.Uint64(b[0:])
+			off := binary.NativeEndian.Uint64(b[8:])
+			reclen := int(binary.NativeEndian.Uint16(b[16:]))
+			typ := b[18]
+			if reclen < 19 || reclen > len(b) {
+				return nil, linux.EIO
+			}
+			name := b[19:reclen]
+			if i := indexNUL(name); i >= 0 {
+				name = name[:i]
+			}
+			b = b[reclen:]
+			d := f.dirent(fd, &self, isRoot, string(name), ino, typ)
+			d.Offset = off
+			ents = append(ents, d)
+			size += 24 + len(d.Name) // qid[13] offset[8] type[1] name[s]
+		}
+	}
+	return ents, nil
+}
+
+func indexNUL(b []byte) int {
+	for i, c := range b {
+		if c == 0 {
+			return i
+		}
+	}
+	return -1
+}
+
+// dirent builds the entry for name in directory fd (stat'ed as self).
+// "." and ".." are not looked up; at the share root ".." is the root
+// itself, so the host's parent is not described.
+func (f *file) dirent(fd int, self *unix.Stat_t, isRoot bool, name string, ino uint64, typ uint8) p9.Dirent {
+	switch name {
+	case ".":
+		return p9.Dirent{Name: name, QID: f.s.qid(self), Type: unix.DT_DIR}
+	case "..":
+		if isRoot {
+			return p9.Dirent{Name: name, QID: f.s.qid(self), Type: unix.DT_DIR}
+		}
+		return p9.Dirent{Name: name, QID: p9.QID{Type: p9.TypeDir, Path: f.s.qidPath(self.Dev, ino)}, Type: unix.DT_DIR}
+	}
+	var st unix.Stat_t
+	if err := unix.Fstatat(fd, name, &st, unix.AT_SYMLINK_NOFOLLOW); err == nil {
+		return p9.Dirent{Name: name, QID: f.s.qid(&st), Type: p9.QIDType(dtype(st.Mode))}
+	}
+	// Gone since getdents: describe it from the entry itself.
+	return p9.Dirent{Name: name, QID: p9.QID{Type: qidTypeOfDT(typ), Path: f.s.qidPath(self.Dev, ino)}, Type: p9.QIDType(typ)}
+}
+
+// Readlink implements p9.File.Readlink.
+func (f *file) Readlink() (string, error) {
+	if f.typ != unix.S_IFLNK {
+		return "", linux.EINVAL
+	}
+	if err := f.rlock(); err != nil {
+		return "", err
+	}
+	defer f.mu.RUnlock()
+	buf := make([]byte, symlinkMax+1)
+	n, err := unix.Readlinkat(f.fd, "", buf)
+	if err != nil {
+		return "", errno(err)
+	}
+	if n > symlinkMax {
+		return "", linux.ENAMETOOLONG
+	}
+	return string(buf[:n]), nil
+}
+
+// Renamed implements p9.File.Renamed. A File is a descriptor, not a
+// path, so there is nothing to update.
+func (f *file) Renamed(p9.File, string) {}

@@ -1,0 +1,148 @@
+package sandbox
+
+import (
+	"fmt"
+	"log/slog"
+	"net/url"
+	"os"
+	"path"
+	"path/filepath"
+	"strings"
+
+	"github.com/capsa-sandbox/capsa/p9fs"
+	"github.com/capsa-sandbox/capsa/virtio/ninep"
+)
+
+// ShareMode says whether the guest may change a shared directory.
+type ShareMode int
+
+const (
+	// ReadWrite lets the guest create, change and remove files.
+	ReadWrite ShareMode = iota
+	// ReadOnly refuses every change with EROFS, on the host side.
+	ReadOnly
+)
+
+func (m ShareMode) String() string {
+	if m == ReadOnly {
+		return "ro"
+	}
+	return "rw"
+}
+
+// MaxShares is the most directories one sandbox can share (each is a
+// virtio device with its own interrupt line).
+const MaxShares = 16
+
+type share struct {
+	host, guest string
+	mode        ShareMode
+}
+
+// Share makes the host directory hostPath appear in the guest at guestPath
+// (an absolute path, created if missing), over virtio-9p. The guest cannot
+// reach anything outside hostPath through it: not by symlinks, "..",
+// renames or hard links. Several directories may be shared.
+func (b *Builder) Share(hostPath, guestPath string, mode ShareMode) *Builder {
+	sh, err := checkShare(hostPath, guestPath, mode)
+	if err != nil {
+		b.c.errs = append(b.c.errs, err)
+		return b
+	}
+	for _, o := range b.c.shares {
+		if o.guest == sh.guest {
+			b.c.errs = append(b.c.errs, fmt.Errorf("sandbox: share %s: guest path %s is already shared from %s", hostPath, sh.guest, o.host))
+			return b
+		}
+	}
+	if len(b.c.shares) == MaxShares {
+		b.c.errs = append(b.c.errs, fmt.Errorf("sandbox: share %s: at most %d shares", hostPath, MaxShares))
+		return b
+	}
+	b.c.shares = append(b.c.shares, sh)
+	return b
+}
+
+// reservedGuestPaths are mounted by the guest's init; a share there would
+// hide them.
+var reservedGuestPaths = []string{"/proc", "/sys", "/dev", "/run", "/bin", "/bbin", "/init"}
+
+func checkShare(hostPath, guestPath string, mode ShareMode) (share, error) {
+	if mode != ReadOnly && mode != ReadWrite {
+		return share{}, fmt.Errorf("sandbox: share %s: unknown mode %d", hostPath, mode)
+	}
+	if hostPath == "" {
+		return share{}, fmt.Errorf("sandbox: share: empty host path")
+	}
+	abs, err := filepath.Abs(hostPath)
+	if err != nil {
+		return share{}, fmt.Errorf("sandbox: share %s: %w", hostPath, err)
+	}
+	fi, err := os.Stat(abs)
+	switch {
+	case err != nil:
+		return share{}, fmt.Errorf("sandbox: share %s: %w", hostPath, err)
+	case !fi.IsDir():
+		return share{}, fmt.Errorf("sandbox: share %s: not a directory", hostPath)
+	}
+	if !path.IsAbs(guestPath) {
+		return share{}, fmt.Errorf("sandbox: share %s: guest path %q must be absolute", hostPath, guestPath)
+	}
+	if strings.ContainsRune(guestPath, 0) {
+		return share{}, fmt.Errorf("sandbox: share %s: guest path %q holds a NUL byte", hostPath, guestPath)
+	}
+	g := path.Clean(guestPath)
+	if g == "/" {
+		return share{}, fmt.Errorf("sandbox: share %s: cannot share over the guest's root", hostPath)
+	}
+	for _, r := range reservedGuestPaths {
+		if g == r || strings.HasPrefix(g, r+"/") {
+			return share{}, fmt.Errorf("sandbox: share %s: guest path %s is inside %s, which the guest's init owns", hostPath, g, r)
+		}
+	}
+	return share{host: abs, guest: g, mode: mode}, nil
+}
+
+// ParseShare parses the CLI's volume syntax HOST:GUEST[:ro|:rw].
+func ParseShare(spec string) (hostPath, guestPath string, mode ShareMode, err error) {
+	s := spec
+	mode = ReadWrite
+	if rest, ok := strings.CutSuffix(s, ":ro"); ok {
+		s, mode = rest, ReadOnly
+	} else if rest, ok := strings.CutSuffix(s, ":rw"); ok {
+		s = rest
+	}
+	// The guest path is absolute, so the split is at the last ":/".
+	i := strings.LastIndex(s, ":/")
+	if i <= 0 {
+		return "", "", 0, fmt.Errorf("volume %q: want HOST:GUEST[:ro], GUEST an absolute path", spec)
+	}
+	return s[:i], s[i+1:], mode, nil
+}
+
+// shareTag names share i's virtio-9p device.
+func shareTag(i int) string { return fmt.Sprintf("capsa%d", i) }
+
+// shareArg is the kernel command-line word telling the guest's init to
+// mount share i: capsa.share=TAG,MODE,PATH with PATH escaped so that no
+// space or quote reaches the command line.
+func shareArg(i int, sh share) string {
+	return fmt.Sprintf("capsa.share=%s,%s,%s", shareTag(i), sh.mode, url.PathEscape(sh.guest))
+}
+
+// shareDevices makes each share's confined file server and device.
+func shareDevices(shares []share, log *slog.Logger) ([]*ninep.Device, error) {
+	var devs []*ninep.Device
+	for i, sh := range shares {
+		a, err := p9fs.New(sh.host, p9fs.Options{ReadOnly: sh.mode == ReadOnly, Logger: log})
+		if err != nil {
+			return nil, fmt.Errorf("sandbox: share %s: %w", sh.host, err)
+		}
+		d, err := ninep.New(shareTag(i), a, log)
+		if err != nil {
+			return nil, fmt.Errorf("sandbox: share %s: %w", sh.host, err)
+		}
+		devs = append(devs, d)
+	}
+	return devs, nil
+}

@@ -1,0 +1,69 @@
+package sandbox
+
+import (
+	"strings"
+	"testing"
+)
+
+func TestParseShare(t *testing.T) {
+	for spec, want := range map[string]share{
+		"/srv/data:/data":        {"/srv/data", "/data", ReadWrite},
+		"/srv/data:/data:ro":     {"/srv/data", "/data", ReadOnly},
+		"/srv/data:/data:rw":     {"/srv/data", "/data", ReadWrite},
+		"rel/dir:/mnt/x":         {"rel/dir", "/mnt/x", ReadWrite},
+		"/a:b/c:/mnt/with:colon": {"/a:b/c", "/mnt/with:colon", ReadWrite},
+	} {
+		h, g, m, err := ParseShare(spec)
+		if err != nil || (share{h, g, m}) != want {
+			t.Errorf("ParseShare(%q) = %q %q %v, %v; want %+v", spec, h, g, m, err, want)
+		}
+	}
+	for _, bad := range []string{"", "/data", ":/data", "/srv:data", "/srv/data:ro"} {
+		if _, _, _, err := ParseShare(bad); err == nil || !strings.Contains(err.Error(), "HOST:GUEST") {
+			t.Errorf("ParseShare(%q): %v, want an error naming the syntax", bad, err)
+		}
+	}
+}
+
+func TestShareChecks(t *testing.T) {
+	dir := t.TempDir()
+	b := New().Share(dir, "/data/../work/", ReadOnly)
+	if err := b.Err(); err != nil || len(b.c.shares) != 1 || b.c.shares[0].guest != "/work" {
+		t.Fatalf("share: %v %+v", err, b.c.shares)
+	}
+	for _, tc := range []struct {
+		host, guest, want string
+		mode              ShareMode
+	}{
+		{dir + "/missing", "/x", "no such file or directory", ReadWrite},
+		{"", "/x", "empty host path", ReadWrite},
+		{dir, "x", "must be absolute", ReadWrite},
+		{dir, "/", "guest's root", ReadWrite},
+		{dir, "/dev/shm", "inside /dev", ReadWrite},
+		{dir, "/x\x00y", "NUL", ReadWrite},
+		{dir, "/x", "unknown mode", ShareMode(7)},
+		{dir, "/work", "already shared", ReadWrite},
+	} {
+		err := New().Share(dir, "/work", ReadOnly).Share(tc.host, tc.guest, tc.mode).Err()
+		if err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("Share(%q, %q): %v, want %q", tc.host, tc.guest, err, tc.want)
+		}
+	}
+	b = New()
+	for i := range MaxShares + 1 {
+		b.Share(dir, "/s/"+string(rune('a'+i)), ReadOnly)
+	}
+	if err := b.Err(); err == nil || !strings.Contains(err.Error(), "at most 16") {
+		t.Errorf("17 shares: %v", err)
+	}
+}
+
+func TestShareArgEscapesThePath(t *testing.T) {
+	got := shareArg(2, share{guest: "/my data/\"q\"", mode: ReadOnly})
+	if got != "capsa.share=capsa2,ro,%2Fmy%20data%2F%22q%22" && got != "capsa.share=capsa2,ro,/my%20data/%22q%22" {
+		t.Errorf("shareArg = %q", got)
+	}
+	if strings.ContainsAny(got, " \"") {
+		t.Errorf("shareArg %q holds a space or quote", got)
+	}
+}

@@ -1,0 +1,436 @@
+// Package ninep is the virtio-9p device (virtio 1.2 §5.11 is silent on the
+// protocol; Linux's 9p virtio transport defines it): each descriptor chain
+// carries one 9P2000.L request in its readable buffers and receives the
+// reply in its writable ones. The 9P messages themselves are served by
+// github.com/hugelgupf/p9 over an in-memory stream, so this package only
+// frames: it checks each request's header before the server sees it, and
+// routes each reply back to the chain whose tag it carries.
+//
+// The guest is hostile: a request whose header lies about its size, is too
+// large, or reuses a tag still in flight gets an Rlerror reply from the
+// device itself and never reaches the server; a guest that breaks the queue
+// gets the device marked NEEDS_RESET. Neither stops the VMM.
+package ninep
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"sync"
+
+	"github.com/hugelgupf/p9/p9"
+
+	"github.com/capsa-sandbox/capsa/virtio"
+)
+
+const (
+	queueSize = 128
+	// MaxMessage is the largest 9P message the server accepts (the p9
+	// package's own limit); the guest's msize is capped to it.
+	MaxMessage = 4 << 20
+	// MaxTagLen is the longest mount tag (the Linux driver's limit is
+	// the config field's u16, but tags are short names).
+	MaxTagLen = 64
+
+	featureMountTag = 1 << 0 // VIRTIO_9P_MOUNT_TAG
+
+	headerLen = 7 // size[4] type[1] tag[2]
+	tversion  = 100
+	rlerror   = 7
+)
+
+// Device is a virtio-9p device serving one p9.Attacher under a mount tag.
+type Device struct {
+	tag      string
+	attacher p9.Attacher
+	log      *slog.Logger
+
+	mu      sync.Mutex
+	act     *virtio.Activation
+	sess    *session // the current 9P connection, nil while reset
+	kick    chan struct{}
+	stop    chan struct{}
+	workers sync.WaitGroup
+}
+
+// New returns a device that serves a under mount tag (what the guest names
+// in `mount -t 9p TAG DIR`).
+func New(tag string, a p9.Attacher, log *slog.Logger) (*Device, error) {
+	if tag == "" || len(tag) > MaxTagLen {
+		return nil, fmt.Errorf("virtio-9p: mount tag %q: must be 1 to %d bytes", tag, MaxTagLen)
+	}
+	for _, r := range tag {
+		if r <= ' ' || r > '~' {
+			return nil, fmt.Errorf("virtio-9p: mount tag %q: only printable ASCII without spaces", tag)
+		}
+	}
+	if a == nil {
+		return nil, errors.New("virtio-9p: no filesystem to serve")
+	}
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	return &Device{tag: tag, attacher: a, log: log.With("dev", "9p", "tag", tag)}, nil
+}
+
+// Tag is the mount tag.
+func (d *Device) Tag() string { return d.tag }
+
+// Type implements virtio.Device.
+func (d *Device) Type() uint32 { return virtio.Type9P }
+
+// Features implements virtio.Device.
+func (d *Device) Features() uint64 { return featureMountTag }
+
+// QueueSizes implements virtio.Device: one request queue.
+func (d *Device) QueueSizes() []uint16 { return []uint16{queueSize} }
+
+// ReadConfig implements virtio.Device: le16 tag_len, then the tag.
+func (d *Device) ReadConfig(off uint64, data []byte) {
+	cfg := make([]byte, 2+len(d.tag))
+	binary.LittleEndian.PutUint16(cfg, uint16(len(d.tag)))
+	copy(cfg[2:], d.tag)
+	clear(data)
+	if off < uint64(len(cfg)) {
+		copy(data, cfg[off:])
+	}
+}
+
+// WriteConfig implements virtio.Device: the config space is read-only.
+func (d *Device) WriteConfig(uint64, []byte) {}
+
+// Activate implements virtio.Device: a new 9P session starts.
+func (d *Device) Activate(a virtio.Activation) error {
+	if len(a.Queues) != 1 || a.Queues[0] == nil {
+		return errors.New("virtio-9p: the driver did not set up the request queue")
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.act = &a
+	d.kick = make(chan struct{}, 1)
+	d.stop = make(chan struct{})
+	d.sess = d.newSession(&a)
+	d.workers.Add(1)
+	go d.worker(d.kick, d.stop)
+	return nil
+}
+
+// Reset implements virtio.Device: the session ends, and with it every fid.
+func (d *Device) Reset() {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.teardown()
+}
+
+// Close stops the device and waits for its server to let go of every file.
+func (d *Device) Close() error {
+	d.Reset()
+	d.workers.Wait()
+	return nil
+}
+
+// Notify implements virtio.Device.
+func (d *Device) Notify(int) {
+	d.mu.Lock()
+	if d.kick != nil {
+		select {
+		case d.kick <- struct{}{}:
+		default:
+		}
+	}
+	d.mu.Unlock()
+}
+
+// teardown ends the session; d.mu is held.
+func (d *Device) teardown() {
+	if d.act == nil {
+		return
+	}
+	close(d.stop)
+	d.sess.close()
+	d.act, d.sess, d.kick, d.stop = nil, nil, nil, nil
+}
+
+func (d *Device) worker(kick, stop chan struct{}) {
+	defer d.workers.Done()
+	for {
+		select {
+		case <-stop:
+			return
+		case <-kick:
+		}
+		d.mu.Lock()
+		act, s := d.act, d.sess
+		var irq bool
+		var err error
+		if act != nil {
+			irq, err = d.takeRequests(s)
+			if err != nil {
+				d.teardown()
+			}
+		}
+		d.mu.Unlock()
+		switch {
+		case err != nil:
+			act.Fail(err)
+		case irq:
+			act.Interrupt()
+		}
+	}
+}
+
+// takeRequests passes every available request to the server, answering
+// malformed ones itself; d.mu is held.
+func (d *Device) takeRequests(s *session) (bool, error) {
+	q := d.act.Queues[0]
+	irq := false
+	for {
+		c, err := q.Next()
+		if err != nil {
+			return false, err
+		}
+		if c == nil {
+			return irq, nil
+		}
+		msg, tag, errno, err := s.admit(c)
+		if err == nil {
+			s.requests <- msg // never blocks: at most queueSize are in flight
+			continue
+		}
+		d.log.Debug("bad 9P request", "err", err)
+		if reply := errorReply(tag, errno); c.WritableLen() >= len(reply) {
+			c.Write(reply)
+		}
+		more, err := q.Push(c)
+		if err != nil {
+			return false, err
+		}
+		irq = irq || more
+	}
+}
+
+// complete writes the server's reply into its chain and returns the chain
+// to the driver.
+func (d *Device) complete(s *session, c *virtio.Chain, msg []byte) {
+	d.mu.Lock()
+	if d.sess != s {
+		// Reset meanwhile: the chain's buffers may already hold
+		// something else of the guest's.
+		d.mu.Unlock()
+		return
+	}
+	c.Write(msg)
+	act := d.act
+	irq, err := act.Queues[0].Push(c)
+	if err != nil {
+		d.teardown()
+	}
+	d.mu.Unlock()
+	switch {
+	case err != nil:
+		act.Fail(err)
+	case irq:
+		act.Interrupt()
+	}
+}
+
+const errnoEINVAL = 22
+
+// errorReply is an Rlerror message: size[4] type[1] tag[2] ecode[4].
+func errorReply(tag uint16, errno uint32) []byte {
+	b := make([]byte, headerLen+4)
+	binary.LittleEndian.PutUint32(b, uint32(len(b)))
+	b[4] = rlerror
+	binary.LittleEndian.PutUint16(b[5:], tag)
+	binary.LittleEndian.PutUint32(b[7:], errno)
+	return b
+}
+
+// session is one 9P connection between the driver and the server: the
+// requests admitted, in order, as the server's input stream, and the
+// server's replies routed back by tag.
+type session struct {
+	dev      *Device
+	requests chan []byte
+	done     chan struct{}
+	closed   sync.Once
+
+	mu      sync.Mutex
+	pending map[uint16]*virtio.Chain
+	msize   uint32 // the largest request accepted, from Tversion
+}
+
+func (d *Device) newSession(a *virtio.Activation) *session {
+	s := &session{
+		dev:      d,
+		requests: make(chan []byte, queueSize),
+		done:     make(chan struct{}),
+		pending:  map[uint16]*virtio.Chain{},
+		msize:    MaxMessage,
+	}
+	srv := p9.NewServer(d.attacher, p9.WithServerLogger(p9Logger{d.log}))
+	d.workers.Add(1)
+	go func() {
+		defer d.workers.Done()
+		// Handle returns when the request stream ends, after every
+		// handler has finished and every fid is released.
+		srv.Handle(&requestStream{s: s}, &replyStream{s: s})
+	}()
+	return s
+}
+
+func (s *session) close() {
+	s.closed.Do(func() { close(s.done) })
+}
+
+// admit checks a request chain's message and records it as waiting for
+// the reply with its tag. It returns the request's bytes, or the errno to
+// answer it with.
+func (s *session) admit(c *virtio.Chain) ([]byte, uint16, uint32, error) {
+	msg, tag, err := s.check(c)
+	if err != nil {
+		return nil, tag, errnoEINVAL, err
+	}
+	if errno, err := checkBody(msg[4], msg[headerLen:]); err != nil {
+		return nil, tag, errno, fmt.Errorf("request tag %d: %w", tag, err)
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.pending[tag] != nil {
+		return nil, tag, errnoEINVAL, fmt.Errorf("request tag %d: the tag is already in flight", tag)
+	}
+	if msg[4] == tversion {
+		// The server caps msize the same way; a larger request would end
+		// the whole connection instead of getting an error.
+		s.msize = min(max(binary.LittleEndian.Uint32(msg[headerLen:]), 4096), MaxMessage)
+	}
+	s.pending[tag] = c
+	return msg, tag, 0, nil
+}
+
+// check reads a request's header and bytes from its chain.
+func (s *session) check(c *virtio.Chain) ([]byte, uint16, error) {
+	var hdr [headerLen]byte
+	if _, err := io.ReadFull(c, hdr[:]); err != nil {
+		return nil, 0xffff, fmt.Errorf("request of %d bytes is shorter than a 9P header", c.ReadableLen())
+	}
+	size := binary.LittleEndian.Uint32(hdr[:])
+	tag := binary.LittleEndian.Uint16(hdr[5:])
+	s.mu.Lock()
+	msize := s.msize
+	s.mu.Unlock()
+	switch {
+	case size < headerLen || size > uint32(c.ReadableLen()):
+		return nil, tag, fmt.Errorf("request tag %d: header says %d bytes, the buffers hold %d", tag, size, c.ReadableLen())
+	case size > msize:
+		return nil, tag, fmt.Errorf("request tag %d: %d bytes exceed msize %d", tag, size, msize)
+	case c.WritableLen() < headerLen+4:
+		// Not even room for an error: the driver gets the chain back
+		// with nothing written.
+		return nil, tag, fmt.Errorf("request tag %d: %d writable bytes cannot hold a reply", tag, c.WritableLen())
+	}
+	msg := make([]byte, size)
+	copy(msg, hdr[:])
+	if _, err := io.ReadFull(c, msg[headerLen:]); err != nil {
+		return nil, tag, fmt.Errorf("request tag %d: %v", tag, err)
+	}
+	return msg, tag, nil
+}
+
+// reply routes one whole reply message from the server to its chain.
+func (s *session) reply(msg []byte) {
+	tag := binary.LittleEndian.Uint16(msg[5:])
+	s.mu.Lock()
+	c := s.pending[tag]
+	delete(s.pending, tag)
+	s.mu.Unlock()
+	if c == nil {
+		s.dev.log.Warn("9P reply for a tag not in flight", "tag", tag)
+		return
+	}
+	if len(msg) > c.WritableLen() {
+		// The driver sized its buffers for less than it asked for (an
+		// Rread larger than the room it gave): it gets an error instead.
+		s.dev.log.Debug("9P reply does not fit the driver's buffers", "tag", tag, "reply", len(msg), "room", c.WritableLen())
+		msg = errorReply(tag, errnoEINVAL)
+	}
+	s.dev.complete(s, c, msg)
+}
+
+// requestStream is the server's input: the admitted requests, one after
+// another. It ends when the session does.
+type requestStream struct {
+	s   *session
+	cur []byte
+}
+
+func (r *requestStream) Read(p []byte) (int, error) {
+	for len(r.cur) == 0 {
+		select {
+		case m := <-r.s.requests:
+			r.cur = m
+		case <-r.s.done:
+			return 0, io.EOF
+		}
+	}
+	n := copy(p, r.cur)
+	r.cur = r.cur[n:]
+	return n, nil
+}
+
+func (r *requestStream) Close() error { r.s.close(); return nil }
+
+// replyStream is the server's output. The server writes each reply whole
+// (under its send lock) but in several pieces, so pieces are gathered
+// until the size in the header is reached.
+type replyStream struct {
+	s   *session
+	buf []byte
+}
+
+func (w *replyStream) Write(p []byte) (int, error) {
+	select {
+	case <-w.s.done:
+		return 0, io.ErrClosedPipe
+	default:
+	}
+	w.buf = append(w.buf, p...)
+	for len(w.buf) >= headerLen {
+		size := binary.LittleEndian.Uint32(w.buf)
+		if size < headerLen {
+			// Never from the p9 server; refuse rather than loop.
+			return 0, fmt.Errorf("virtio-9p: server wrote a %d-byte message", size)
+		}
+		if uint32(len(w.buf)) < size {
+			break
+		}
+		msg := make([]byte, size)
+		copy(msg, w.buf)
+		w.buf = w.buf[size:]
+		w.s.reply(msg)
+	}
+	if len(w.buf) == 0 {
+		w.buf = nil
+	}
+	return len(p), nil
+}
+
+func (w *replyStream) Close() error { return nil }
+
+// p9Logger sends the p9 server's per-message trace to debug logging.
+type p9Logger struct{ log *slog.Logger }
+
+func (l p9Logger) Printf(format string, v ...any) {
+	if l.log.Enabled(context.Background(), slog.LevelDebug) {
+		l.log.Debug(fmt.Sprintf(format, v...))
+	}
+}
+
+func (l p9Logger) Print(v ...any) {
+	if l.log.Enabled(context.Background(), slog.LevelDebug) {
+		l.log.Debug(fmt.Sprint(v...))
+	}
+}

@@ -1,0 +1,313 @@
+package ninep
+
+import (
+	"bytes"
+	"encoding/binary"
+	"io"
+	"net"
+	"os"
+	"path/filepath"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/hugelgupf/p9/p9"
+
+	"github.com/capsa-sandbox/capsa/p9fs"
+	"github.com/capsa-sandbox/capsa/virtio"
+	"github.com/capsa-sandbox/capsa/virtio/virtiotest"
+)
+
+// guest drives the device through a real split queue in test memory.
+type guest struct {
+	t      *testing.T
+	dev    *Device
+	drv    *virtiotest.Driver
+	q      *virtiotest.Queue
+	failed atomic.Value
+}
+
+func newGuest(t *testing.T, root string, ro bool) *guest {
+	return newGuestMem(t, root, ro, 64<<20)
+}
+
+func newGuestMem(t *testing.T, root string, ro bool, mem int) *guest {
+	t.Helper()
+	a, err := p9fs.New(root, p9fs.Options{ReadOnly: ro})
+	if err != nil {
+		t.Fatal(err)
+	}
+	dev, err := New("share0", a, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	g := &guest{t: t, dev: dev, drv: virtiotest.NewDriver(mem)}
+	g.q = g.drv.NewQueue(queueSize)
+	err = dev.Activate(virtio.Activation{
+		Mem: g.drv.Mem, Queues: []*virtio.Queue{g.q.Device()},
+		Interrupt: func() {},
+		Fail:      func(err error) { g.failed.Store(err) },
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { dev.Close() })
+	return g
+}
+
+// roundTrip sends one raw request and returns the device's reply.
+func (g *guest) roundTrip(req []byte, room int) []byte {
+	g.t.Helper()
+	if _, err := g.q.Add(req, room); err != nil {
+		g.t.Fatal(err)
+	}
+	g.dev.Notify(0)
+	used := g.q.WaitUsed(1, 5*time.Second)
+	if len(used) != 1 {
+		g.t.Fatalf("device returned %d chains, want 1 (failed: %v)", len(used), g.failed.Load())
+	}
+	return used[0].Written
+}
+
+// bridge connects a real p9 client to the device: each message the client
+// sends becomes one descriptor chain, each reply goes back on the pipe.
+func (g *guest) bridge(msize uint32) *p9.Client {
+	g.t.Helper()
+	clientEnd, devEnd := net.Pipe()
+	var wmu sync.Mutex
+	go func() { // client → queue
+		for {
+			var hdr [4]byte
+			if _, err := io.ReadFull(devEnd, hdr[:]); err != nil {
+				return
+			}
+			msg := make([]byte, binary.LittleEndian.Uint32(hdr[:]))
+			copy(msg, hdr[:])
+			if _, err := io.ReadFull(devEnd, msg[4:]); err != nil {
+				return
+			}
+			if _, err := g.q.Add(msg, int(msize)); err != nil {
+				g.t.Error(err)
+				return
+			}
+			g.dev.Notify(0)
+		}
+	}()
+	done := make(chan struct{})
+	go func() { // queue → client
+		for {
+			select {
+			case <-done:
+				return
+			case <-time.After(200 * time.Microsecond):
+			}
+			for _, u := range g.q.TakeUsed() {
+				wmu.Lock()
+				devEnd.Write(u.Written)
+				wmu.Unlock()
+			}
+		}
+	}()
+	c, err := p9.NewClient(clientEnd, p9.WithMessageSize(msize))
+	if err != nil {
+		g.t.Fatal(err)
+	}
+	g.t.Cleanup(func() { c.Close(); close(done); devEnd.Close() })
+	return c
+}
+
+func TestConfigSpaceHoldsTheTag(t *testing.T) {
+	g := newGuest(t, t.TempDir(), false)
+	buf := make([]byte, 10)
+	g.dev.ReadConfig(0, buf)
+	if want := append([]byte{6, 0}, "share0"...); !bytes.Equal(buf[:8], want) || buf[8] != 0 {
+		t.Errorf("config space % x, want % x", buf, want)
+	}
+	g.dev.ReadConfig(2, buf[:3])
+	if string(buf[:3]) != "sha" {
+		t.Errorf("config at offset 2: %q", buf[:3])
+	}
+	if g.dev.Features()&featureMountTag == 0 || g.dev.Type() != virtio.Type9P {
+		t.Error("the device must offer VIRTIO_9P_MOUNT_TAG and be type 9")
+	}
+}
+
+func TestNewRejectsBadTags(t *testing.T) {
+	a, err := p9fs.New(t.TempDir(), p9fs.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, tag := range []string{"", "has space", "tab\t", string(make([]byte, MaxTagLen+1)), "é"} {
+		if _, err := New(tag, a, nil); err == nil {
+			t.Errorf("New(%q) succeeded", tag)
+		}
+	}
+	if _, err := New("ok", nil, nil); err == nil {
+		t.Error("New without a filesystem succeeded")
+	}
+}
+
+// TestRealClientThroughTheQueue runs the p9 package's client against the
+// device, request by request through descriptor chains.
+func TestRealClientThroughTheQueue(t *testing.T) {
+	root := t.TempDir()
+	if err := os.WriteFile(filepath.Join(root, "hello.txt"), []byte("hello from the host\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	g := newGuest(t, root, false)
+	c := g.bridge(256 << 10)
+	rootf, err := c.Attach("")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, f, err := rootf.Walk([]string{"hello.txt"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := f.Open(p9.ReadOnly); err != nil {
+		t.Fatal(err)
+	}
+	buf := make([]byte, 100)
+	n, err := f.ReadAt(buf, 0)
+	if err != nil && err != io.EOF {
+		t.Fatal(err)
+	}
+	if string(buf[:n]) != "hello from the host\n" {
+		t.Errorf("read %q", buf[:n])
+	}
+	f.Close()
+
+	// A write larger than one page crosses several buffers.
+	_, dir, err := rootf.Walk(nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	nf, _, _, err := dir.Create("new.bin", p9.WriteOnly, 0o644, 0, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	data := bytes.Repeat([]byte("0123456789abcdef"), 10000)
+	if n, err := nf.WriteAt(data, 0); err != nil || n != len(data) {
+		t.Fatalf("WriteAt: %d, %v", n, err)
+	}
+	nf.Close()
+	got, err := os.ReadFile(filepath.Join(root, "new.bin"))
+	if err != nil || !bytes.Equal(got, data) {
+		t.Errorf("host sees %d bytes, %v; want %d", len(got), err, len(data))
+	}
+	if err := g.failed.Load(); err != nil {
+		t.Errorf("device failed: %v", err)
+	}
+}
+
+// rawRequest builds a 9P message: size[4] type[1] tag[2] body.
+func rawRequest(typ byte, tag uint16, body []byte) []byte {
+	b := make([]byte, headerLen, headerLen+len(body))
+	binary.LittleEndian.PutUint32(b, uint32(headerLen+len(body)))
+	b[4] = typ
+	binary.LittleEndian.PutUint16(b[5:], tag)
+	return append(b, body...)
+}
+
+func isError(reply []byte, tag uint16) bool {
+	return len(reply) == headerLen+4 && reply[4] == rlerror && binary.LittleEndian.Uint16(reply[5:]) == tag &&
+		binary.LittleEndian.Uint32(reply) == headerLen+4
+}
+
+func TestHostileRequestsGetErrors(t *testing.T) {
+	g := newGuest(t, t.TempDir(), false)
+	version := func(tag uint16, msize uint32) []byte {
+		body := binary.LittleEndian.AppendUint32(nil, msize)
+		body = binary.LittleEndian.AppendUint16(body, 8)
+		return rawRequest(tversion, tag, append(body, "9P2000.L"...))
+	}
+	if r := g.roundTrip(version(0xffff, 8192), 8192); len(r) < headerLen || r[4] != tversion+1 {
+		t.Fatalf("Tversion reply % x", r)
+	}
+
+	lying := rawRequest(120, 1, []byte{1, 2, 3})
+	binary.LittleEndian.PutUint32(lying, 1000) // more than the buffers hold
+	tooBig := rawRequest(120, 2, make([]byte, 9000))
+	tiny := rawRequest(120, 3, nil)
+	binary.LittleEndian.PutUint32(tiny, 3)
+	for name, tc := range map[string]struct {
+		req []byte
+		tag uint16
+	}{
+		"size beyond buffers": {lying, 1},
+		"beyond msize":        {tooBig, 2},
+		"size below header":   {tiny, 3},
+		"unknown type":        {rawRequest(250, 4, nil), 4},
+		"truncated body":      {rawRequest(110 /* Twalk */, 5, []byte{1}), 5},
+	} {
+		if r := g.roundTrip(tc.req, 64); !isError(r, tc.tag) {
+			t.Errorf("%s: reply % x, want Rlerror for tag %d", name, r, tc.tag)
+		}
+	}
+	if r := g.roundTrip([]byte{1, 2, 3}, 64); !isError(r, 0xffff) {
+		t.Errorf("a 3-byte request: reply % x", r)
+	}
+	if r := g.roundTrip(version(7, 8192), 4); len(r) != 0 {
+		t.Errorf("no room for a reply: the device wrote % x", r)
+	}
+	if err := g.failed.Load(); err != nil {
+		t.Errorf("malformed messages broke the device: %v", err)
+	}
+	// The session still works.
+	if r := g.roundTrip(version(0xffff, 8192), 8192); len(r) < headerLen || r[4] != tversion+1 {
+		t.Fatalf("Tversion after the bad requests: % x", r)
+	}
+}
+
+func FuzzRequests(f *testing.F) {
+	f.Add(rawRequest(tversion, 0xffff, []byte{0, 32, 0, 0, 8, 0, '9', 'P', '2', '0', '0', '0', '.', 'L'}))
+	f.Add(rawRequest(104 /* Tattach */, 1, make([]byte, 20)))
+	f.Add([]byte{0xff, 0xff, 0xff, 0xff, 1, 2})
+	root := f.TempDir()
+	os.WriteFile(filepath.Join(root, "f"), []byte("x"), 0o644)
+	f.Fuzz(func(t *testing.T, req []byte) {
+		if len(req) == 0 {
+			return
+		}
+		g := newGuestMem(t, root, true, 1<<20)
+		if _, err := g.q.Add(req, 1024); err != nil {
+			t.Fatal(err)
+		}
+		g.dev.Notify(0)
+		used := g.q.WaitUsed(1, 5*time.Second)
+		if len(used) != 1 {
+			t.Fatalf("request % x never came back", req)
+		}
+	})
+}
+
+func TestCheckBody(t *testing.T) {
+	str := func(s string) []byte { return append(binary.LittleEndian.AppendUint16(nil, uint16(len(s))), s...) }
+	cat := func(parts ...[]byte) []byte { return bytes.Join(parts, nil) }
+	u32 := func(v uint32) []byte { return binary.LittleEndian.AppendUint32(nil, v) }
+	u64 := func(v uint64) []byte { return binary.LittleEndian.AppendUint64(nil, v) }
+	for _, tc := range []struct {
+		name  string
+		typ   byte
+		body  []byte
+		errno uint32
+	}{
+		{"version", tversion, cat(u32(8192), str("9P2000.L")), 0},
+		{"version short string", tversion, cat(u32(8192), []byte{8, 0, '9'}), errnoEINVAL},
+		{"walk two names", 110, cat(u32(1), u32(2), []byte{2, 0}, str("a"), str("b")), 0},
+		{"walk missing name", 110, cat(u32(1), u32(2), []byte{2, 0}, str("a")), errnoEINVAL},
+		{"write exact", 118, cat(u32(1), u64(0), u32(3), []byte("abc")), 0},
+		{"write count lies", 118, cat(u32(1), u64(0), u32(4), []byte("abc")), errnoEINVAL},
+		{"setattr", 26, make([]byte, 4+4+12+40), 0},
+		{"setattr short", 26, make([]byte, 59), errnoEINVAL},
+		{"a reply type", rlerror, u32(5), errnoENOSYS},
+		{"getlock (not served)", 54, nil, errnoENOSYS},
+		{"extra bytes are ignored, as the server does", 120, cat(u32(1), u32(9)), 0},
+	} {
+		errno, err := checkBody(tc.typ, tc.body)
+		if errno != tc.errno || (err == nil) != (tc.errno == 0) {
+			t.Errorf("%s: errno %d, %v; want %d", tc.name, errno, err, tc.errno)
+		}
+	}
+}
