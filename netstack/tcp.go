@@ -1,0 +1,139 @@
+package netstack
+
+import (
+	"context"
+	"errors"
+	"io"
+	"net"
+	"net/netip"
+
+	"gvisor.dev/gvisor/pkg/tcpip/adapters/gonet"
+	"gvisor.dev/gvisor/pkg/tcpip/transport/tcp"
+	"gvisor.dev/gvisor/pkg/waiter"
+)
+
+const spliceBufSize = 32 << 10
+
+// handleTCP runs (in its own goroutine, started by the gVisor forwarder) for
+// each SYN from the guest that no local endpoint claims. The handshake with
+// the guest is completed only once the host dial succeeded; any refusal or
+// failure answers the SYN with RST so the guest's connect fails at once.
+func (s *Stack) handleTCP(r *tcp.ForwarderRequest) {
+	if !s.enter() {
+		r.Complete(true)
+		return
+	}
+	defer s.wg.Done()
+
+	id := r.ID()
+	dst, port := fromTCPIP(id.LocalAddress), id.LocalPort
+	src := fromTCPIP(id.RemoteAddress)
+	refuse := func() {
+		s.stats.tcpRefused.Add(1)
+		r.Complete(true)
+	}
+	if src != s.cfg.GuestIP {
+		refuse()
+		return
+	}
+	host, ok := s.hostTarget(dst)
+	if !ok {
+		s.logDenied("TCP connection refused", "dst", netip.AddrPortFrom(dst, port), "reason", "no host-side destination")
+		refuse()
+		return
+	}
+	v, names := s.decide("tcp", dst, host, port)
+	if !v.Allowed {
+		s.logDenied("TCP connection refused by policy", "dst", netip.AddrPortFrom(dst, port),
+			"host", host, "names", names, "reason", v.Reason)
+		refuse()
+		return
+	}
+	if s.tcpConns.Add(1) > int64(s.cfg.MaxConns) {
+		s.tcpConns.Add(-1)
+		s.logDenied("TCP connection refused", "dst", netip.AddrPortFrom(dst, port), "reason", "connection limit reached")
+		refuse()
+		return
+	}
+	defer s.tcpConns.Add(-1)
+
+	hostAddr := netip.AddrPortFrom(host, port).String()
+	ctx, cancel := context.WithTimeout(s.ctx, s.cfg.DialTimeout)
+	hc, err := s.cfg.Dial(ctx, "tcp", hostAddr)
+	cancel()
+	if err != nil {
+		s.log.Debug("TCP dial failed", "addr", hostAddr, "err", err)
+		refuse()
+		return
+	}
+
+	var wq waiter.Queue
+	ep, terr := r.CreateEndpoint(&wq)
+	r.Complete(false)
+	if terr != nil {
+		// The guest gave up or the handshake failed; gVisor has answered.
+		s.log.Debug("TCP accept from guest failed", "addr", hostAddr, "err", tcpipErr("create endpoint", terr))
+		hc.Close()
+		s.stats.tcpRefused.Add(1)
+		return
+	}
+	s.stats.tcpForwarded.Add(1)
+	s.log.Debug("TCP forwarded", "dst", netip.AddrPortFrom(dst, port), "host", hostAddr, "names", names)
+	s.splice(gonet.NewTCPConn(&wq, ep), hc, ep.Abort)
+}
+
+// splice copies both ways between a guest-side and a host-side connection,
+// propagating half-close (FIN) and turning an error on either side into an
+// abort (RST) of both. It returns when both directions are done.
+func (s *Stack) splice(guest, host net.Conn, abortGuest func()) {
+	if !s.track(guest) {
+		host.Close()
+		return
+	}
+	defer s.untrack(guest)
+	if !s.track(host) {
+		guest.Close()
+		return
+	}
+	defer s.untrack(host)
+
+	abort := func() {
+		if tc, ok := host.(*net.TCPConn); ok {
+			_ = tc.SetLinger(0)
+		}
+		host.Close()
+		if abortGuest != nil {
+			abortGuest()
+		}
+		guest.Close()
+	}
+	errc := make(chan error, 2)
+	go func() { errc <- pipe(host, guest) }() // guest → host
+	go func() { errc <- pipe(guest, host) }() // host → guest
+	for range 2 {
+		if err := <-errc; err != nil {
+			abort()
+		}
+	}
+	host.Close()
+	guest.Close()
+}
+
+// pipe copies src to dst until EOF, then half-closes dst. It hides the
+// ReaderFrom/WriterTo fast paths so the fixed buffer is used.
+func pipe(dst, src net.Conn) error {
+	buf := make([]byte, spliceBufSize)
+	_, err := io.CopyBuffer(struct{ io.Writer }{dst}, struct{ io.Reader }{src}, buf)
+	if err != nil {
+		if errors.Is(err, net.ErrClosed) {
+			return nil // closed by the other direction or by Close
+		}
+		return err
+	}
+	if cw, ok := dst.(interface{ CloseWrite() error }); ok {
+		_ = cw.CloseWrite()
+	} else {
+		dst.Close()
+	}
+	return nil
+}
