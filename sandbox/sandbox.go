@@ -50,6 +50,7 @@ type config struct {
 	readyTimeout time.Duration
 	vsockSocket  string
 	shares       []share
+	net          *netConfig
 	errs         []error
 }
 
@@ -115,7 +116,9 @@ func (b *Builder) ReadyTimeout(d time.Duration) *Builder { b.c.readyTimeout = d;
 
 // Err reports what is wrong with the configuration so far, the same
 // error Start would return before booting anything.
-func (b *Builder) Err() error { return errors.Join(b.c.errs...) }
+func (b *Builder) Err() error { return b.c.err() }
+
+func (c *config) err() error { return errors.Join(append(c.errs, c.checkNetwork())...) }
 
 // Run chooses the sandbox's main process: argv, run once the guest is up.
 func (b *Builder) Run(cmd string, args ...string) *Workload {
@@ -171,6 +174,7 @@ type Sandbox struct {
 	started time.Time
 	hybrid  *vsock.HybridSocket
 	shares  []*ninep.Device
+	net     *network
 	console *tailBuffer
 
 	mu       sync.Mutex
@@ -182,7 +186,7 @@ type Sandbox struct {
 
 // Start boots the sandbox, waits for its agent and starts the main process.
 func (w *Workload) Start(ctx context.Context) (*Sandbox, error) {
-	if err := errors.Join(w.c.errs...); err != nil {
+	if err := w.c.err(); err != nil {
 		return nil, err
 	}
 	s, err := boot(ctx, w.c)
@@ -214,7 +218,7 @@ func readOr(path string, builtinData func() ([]byte, error)) ([]byte, error) {
 }
 
 // boot starts the VM and the host end of its vsock link.
-func boot(ctx context.Context, c config) (*Sandbox, error) {
+func boot(ctx context.Context, c config) (_ *Sandbox, err error) {
 	start := time.Now()
 	kernel, err := readOr(c.kernelPath, builtin.Kernel)
 	if err != nil {
@@ -228,60 +232,63 @@ func boot(ctx context.Context, c config) (*Sandbox, error) {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	dev, err := vsock.New(guestCID, log)
+	s := &Sandbox{c: c, vmDone: make(chan struct{}), ready: make(chan struct{}), started: start}
+	// Until the VM runs, a failure releases what was set up so far.
+	defer func() {
+		if err != nil {
+			s.release()
+		}
+	}()
+	if s.dev, err = vsock.New(guestCID, log); err != nil {
+		return nil, err
+	}
+	readyL, err := s.dev.Listen(agent.ReadyPort)
 	if err != nil {
 		return nil, err
 	}
-	readyL, err := dev.Listen(agent.ReadyPort)
-	if err != nil {
-		return nil, err
-	}
-	var hybrid *vsock.HybridSocket
 	if c.vsockSocket != "" {
-		if hybrid, err = dev.ServeUnix(c.vsockSocket); err != nil {
+		if s.hybrid, err = s.dev.ServeUnix(c.vsockSocket); err != nil {
 			return nil, fmt.Errorf("sandbox: %w", err)
 		}
 	}
 	// The console's tail explains a guest that dies before its agent runs.
-	tail := &tailBuffer{max: 4096}
-	var console io.Writer = tail
+	s.console = &tailBuffer{max: 4096}
+	var console io.Writer = s.console
 	if c.console != nil {
-		console = io.MultiWriter(tail, c.console)
-	}
-	shares, err := shareDevices(c.shares, log)
-	if err != nil {
-		if hybrid != nil {
-			hybrid.Close()
-		}
-		return nil, err
+		console = io.MultiWriter(s.console, c.console)
 	}
 	cmdline := []string{"console=ttyS0 quiet reboot=k panic=-1"}
-	devices := []virtio.Device{dev}
-	for i, d := range shares {
+	devices := []virtio.Device{s.dev}
+	if c.net != nil {
+		var ipArg string
+		if s.net, ipArg, err = startNetwork(context.WithoutCancel(ctx), c.net, log); err != nil {
+			return nil, err
+		}
+		cmdline = append(cmdline, ipArg)
+		devices = append(devices, s.net.nic)
+	}
+	if s.shares, err = shareDevices(c.shares, log); err != nil {
+		return nil, err
+	}
+	for i, d := range s.shares {
 		cmdline = append(cmdline, shareArg(i, c.shares[i]))
 		devices = append(devices, d)
 	}
-	vm, err := vmm.New(ctx, vmm.Config{
+	s.vm, err = vmm.New(ctx, vmm.Config{
 		Kernel: kernel, Initrd: initrd, CPUs: c.cpus, MemoryBytes: uint64(c.memoryMiB) << 20,
 		Cmdline: strings.Join(cmdline, " "), Console: console,
 		Devices: devices, Log: log, Start: start,
 	})
 	if err != nil {
-		if hybrid != nil {
-			hybrid.Close()
-		}
-		for _, d := range shares {
-			d.Close()
-		}
 		return nil, fmt.Errorf("sandbox: %w", err)
 	}
 	runCtx, cancel := context.WithCancel(context.WithoutCancel(ctx))
-	s := &Sandbox{
-		c: c, vm: vm, dev: dev, hybrid: hybrid, shares: shares, cancel: cancel, console: tail, vmDone: make(chan struct{}), ready: make(chan struct{}), started: start,
-		client: &agent.Client{Name: "capsa", Dial: func(ctx context.Context) (net.Conn, error) {
-			return dev.Dial(ctx, agent.Port)
-		}},
-	}
+	s.cancel = cancel
+	dev := s.dev
+	s.client = &agent.Client{Name: "capsa", Dial: func(ctx context.Context) (net.Conn, error) {
+		return dev.Dial(ctx, agent.Port)
+	}}
+	vm := s.vm
 	go func() {
 		s.exit = vm.Run(runCtx)
 		close(s.vmDone)
@@ -295,6 +302,22 @@ func boot(ctx context.Context, c config) (*Sandbox, error) {
 		readyL.Close()
 	}()
 	return s, nil
+}
+
+// release frees the VM and its devices' host resources; the VM must
+// have stopped or never run.
+func (s *Sandbox) release() error {
+	var err error
+	if s.vm != nil {
+		err = s.vm.Close()
+	}
+	if s.hybrid != nil {
+		err = errors.Join(err, s.hybrid.Close())
+	}
+	for _, d := range s.shares {
+		err = errors.Join(err, d.Close())
+	}
+	return errors.Join(err, s.net.close())
 }
 
 // WaitReady waits until the guest agent accepts requests.
@@ -462,13 +485,7 @@ func (s *Sandbox) Close() error {
 	s.mu.Unlock()
 	s.cancel()
 	<-s.vmDone
-	err := s.vm.Close()
-	if s.hybrid != nil {
-		err = errors.Join(err, s.hybrid.Close())
-	}
-	for _, d := range s.shares {
-		err = errors.Join(err, d.Close())
-	}
+	err := s.release()
 	s.mu.Lock()
 	s.closeErr = err
 	s.mu.Unlock()

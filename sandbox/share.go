@@ -130,17 +130,18 @@ func shareArg(i int, sh share) string {
 	return fmt.Sprintf("capsa.share=%s,%s,%s", shareTag(i), sh.mode, url.PathEscape(sh.guest))
 }
 
-// shareDevices makes each share's confined file server and device.
+// shareDevices makes each share's confined file server and device. On
+// error it returns the devices made so far, for the caller to close.
 func shareDevices(shares []share, log *slog.Logger) ([]*ninep.Device, error) {
 	var devs []*ninep.Device
 	for i, sh := range shares {
 		a, err := p9fs.New(sh.host, p9fs.Options{ReadOnly: sh.mode == ReadOnly, Logger: log})
 		if err != nil {
-			return nil, fmt.Errorf("sandbox: share %s: %w", sh.host, err)
+			return devs, fmt.Errorf("sandbox: share %s: %w", sh.host, err)
 		}
 		d, err := ninep.New(shareTag(i), a, log)
 		if err != nil {
-			return nil, fmt.Errorf("sandbox: share %s: %w", sh.host, err)
+			return devs, fmt.Errorf("sandbox: share %s: %w", sh.host, err)
 		}
 		devs = append(devs, d)
 	}

@@ -9,6 +9,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/capsa-sandbox/capsa/netstack"
 	"github.com/capsa-sandbox/capsa/sandbox"
 	"github.com/capsa-sandbox/capsa/vmm"
 )
@@ -28,6 +29,12 @@ func runRun(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	kernel := fs.String("kernel", "", "use this kernel instead of the built-in one")
 	initrd := fs.String("initrd", "", "use this initramfs instead of the built-in one")
 	volumes := fs.StringArrayP("volume", "v", nil, "share a host directory: HOST:GUEST[:ro] (repeatable)")
+	netMode := fs.String("net", "none", "network: none (no NIC), public-only, allow-all or deny-all; --net alone is public-only")
+	fs.Lookup("net").NoOptDefVal = "public-only"
+	allow := fs.StringArray("allow", nil, "allow destinations: CIDR, IP, [udp/]HOST[:PORT[-PORT]], DOMAIN or *.DOMAIN (repeatable)")
+	deny := fs.StringArray("deny", nil, "deny destinations, same syntax as --allow; deny beats allow (repeatable)")
+	publish := fs.StringArrayP("publish", "p", nil, "publish a guest port: [HOSTIP:]HOSTPORT:GUESTPORT[/udp], on 127.0.0.1 by default (repeatable)")
+	dnsServer := fs.String("dns-server", "", "resolve the guest's DNS queries through this IP:PORT instead of the host's resolver")
 	verbose := fs.Bool("verbose", false, "log VMM events and the guest console to stderr")
 	if code := parseFlags(fs, args, stderr); code >= 0 {
 		return code
@@ -58,6 +65,22 @@ func runRun(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		return fail("--timeout %v: must not be negative", *timeout)
 	}
 	b := sandbox.New().CPUs(*cpus).Memory(int(mem >> 20)).Env(*env...)
+	switch {
+	case *netMode != "none":
+		policy, err := netstack.ParsePolicy(*netMode, *allow, *deny)
+		if err != nil {
+			return fail("--net: %v", err)
+		}
+		b.Network(policy)
+	case len(*allow) > 0 || len(*deny) > 0 || len(*publish) > 0 || *dnsServer != "":
+		return fail("--allow, --deny, --publish and --dns-server need a network: add --net")
+	}
+	for _, p := range *publish {
+		b.Publish(p)
+	}
+	if *dnsServer != "" {
+		b.DNSServer(*dnsServer)
+	}
 	for _, v := range *volumes {
 		host, guest, mode, err := sandbox.ParseShare(v)
 		if err != nil {

@@ -4,13 +4,19 @@ import (
 	"bufio"
 	"bytes"
 	"context"
+	"fmt"
 	"io"
+	"net"
+	"os"
 	"os/exec"
+	"path/filepath"
 	"slices"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/capsa-sandbox/capsa/netstack"
 	"github.com/capsa-sandbox/capsa/sandbox"
 )
 
@@ -163,4 +169,149 @@ func reportSpread(b *testing.B, samples []time.Duration) {
 	b.ReportMetric(ms(samples[0]), "ms-min")
 	b.ReportMetric(ms(samples[len(samples)/2]), "ms-median")
 	b.ReportMetric(ms(samples[len(samples)-1]), "ms-max")
+}
+
+// BenchmarkShareThroughput copies a 64 MiB file between the host and the
+// guest's /tmp both ways, over a virtio-9p share and through the agent's
+// file API.
+func BenchmarkShareThroughput(b *testing.B) {
+	ctx := context.Background()
+	dir := b.TempDir()
+	data := make([]byte, 64<<20)
+	for i := range data {
+		data[i] = byte(i * 7)
+	}
+	if err := os.WriteFile(filepath.Join(dir, "in.bin"), data, 0o644); err != nil {
+		b.Fatal(err)
+	}
+	sb, err := sandbox.New().Memory(1024).Kernel(artifactB(b, "vmlinux")).Initrd(artifactB(b, "initramfs.cpio")).
+		Share(dir, "/mnt/share", sandbox.ReadWrite).Run("sleep", "100000").Start(ctx)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer sb.Close()
+	sh := func(b *testing.B, script string) {
+		if r, err := sb.Exec(ctx, sandbox.Shell(script)); err != nil || r.Code != 0 {
+			b.Fatalf("%s: %v %s %s", script, err, r.Stdout, r.Stderr)
+		}
+	}
+	b.Run("9p-host-to-guest", func(b *testing.B) {
+		b.SetBytes(int64(len(data)))
+		for b.Loop() {
+			sh(b, "dd if=/mnt/share/in.bin of=/tmp/copy bs=1048576")
+		}
+	})
+	b.Run("9p-guest-to-host", func(b *testing.B) {
+		b.SetBytes(int64(len(data)))
+		for b.Loop() {
+			sh(b, "dd if=/tmp/copy of=/mnt/share/out.bin bs=1048576")
+		}
+	})
+	b.Run("agent-host-to-guest", func(b *testing.B) {
+		b.SetBytes(int64(len(data)))
+		for b.Loop() {
+			if err := sb.WriteFileFrom(ctx, "/tmp/copy", bytes.NewReader(data), 0o644); err != nil {
+				b.Fatal(err)
+			}
+		}
+	})
+	b.Run("agent-guest-to-host", func(b *testing.B) {
+		b.SetBytes(int64(len(data)))
+		for b.Loop() {
+			f, err := os.Create(filepath.Join(dir, "out2.bin"))
+			if err != nil {
+				b.Fatal(err)
+			}
+			err = sb.ReadFileTo(ctx, "/tmp/copy", f)
+			f.Close()
+			if err != nil {
+				b.Fatal(err)
+			}
+		}
+	})
+}
+
+// BenchmarkNAT measures TCP through the user-mode NAT between a guest
+// program and a host listener on loopback (the guest dials the gateway,
+// 10.0.2.2): 64 MiB each way, and sequential connection setup.
+func BenchmarkNAT(b *testing.B) {
+	ctx := context.Background()
+	self, err := os.Executable()
+	if err != nil {
+		b.Fatal(err)
+	}
+	sb, err := sandbox.New().Memory(512).Kernel(artifactB(b, "vmlinux")).Initrd(artifactB(b, "initramfs.cpio")).
+		Network(netstack.AllowAll()).Run("sleep", "100000").Start(ctx)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer sb.Close()
+	f, err := os.Open(self)
+	if err != nil {
+		b.Fatal(err)
+	}
+	err = sb.WriteFileFrom(ctx, "/tmp/netbench", f, 0o755)
+	f.Close()
+	if err != nil {
+		b.Fatal(err)
+	}
+	const size = 64 << 20
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer l.Close()
+	port := l.Addr().(*net.TCPAddr).Port
+	// The host end: serve(c) runs for each accepted connection.
+	var serve atomic.Pointer[func(net.Conn)]
+	go func() {
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			go func() { (*serve.Load())(c); c.Close() }()
+		}
+	}()
+	guest := func(b *testing.B, job string) {
+		r, err := sb.Exec(ctx, sandbox.ExecOptions{Argv: []string{"/tmp/netbench"}, Env: []string{netBenchEnv + "=" + job}})
+		if err != nil || r.Code != 0 {
+			b.Fatalf("guest %s: %v %s", job, err, r.Stderr)
+		}
+	}
+	b.Run("guest-to-host", func(b *testing.B) {
+		sink := func(c net.Conn) { io.Copy(io.Discard, c) }
+		serve.Store(&sink)
+		b.SetBytes(size)
+		for b.Loop() {
+			guest(b, fmt.Sprintf("send 10.0.2.2:%d %d", port, size))
+		}
+	})
+	b.Run("host-to-guest", func(b *testing.B) {
+		buf := make([]byte, 256<<10)
+		source := func(c net.Conn) {
+			for n := 0; n < size; n += len(buf) {
+				if _, err := c.Write(buf); err != nil {
+					return
+				}
+			}
+		}
+		serve.Store(&source)
+		b.SetBytes(size)
+		for b.Loop() {
+			guest(b, fmt.Sprintf("recv 10.0.2.2:%d", port))
+		}
+	})
+	b.Run("connect", func(b *testing.B) {
+		nothing := func(net.Conn) {}
+		serve.Store(&nothing)
+		const conns = 200
+		var elapsed time.Duration
+		for b.Loop() {
+			start := time.Now()
+			guest(b, fmt.Sprintf("connect 10.0.2.2:%d %d", port, conns))
+			elapsed += time.Since(start)
+		}
+		b.ReportMetric(float64(conns*b.N)/elapsed.Seconds(), "conns/s")
+	})
 }

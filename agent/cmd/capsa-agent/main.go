@@ -91,6 +91,14 @@ func initMachine(log *slog.Logger) {
 	if err := loopbackUp(); err != nil {
 		log.Warn("loopback", "err", err)
 	}
+	// With a network, the kernel configured the NIC from ip= and lists
+	// the name server in /proc/net/pnp, in resolv.conf's format.
+	if pnp, err := os.ReadFile("/proc/net/pnp"); err == nil && strings.Contains(string(pnp), "nameserver") {
+		os.MkdirAll("/etc", 0o755)
+		if err := os.WriteFile("/etc/resolv.conf", pnp, 0o644); err != nil {
+			log.Warn("resolv.conf", "err", err)
+		}
+	}
 	if err := bootmark.Signal(); err != nil {
 		log.Warn("boot marker", "err", err)
 	}

@@ -1,0 +1,127 @@
+package sandbox
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/netip"
+
+	"github.com/capsa-sandbox/capsa/netstack"
+	virtionet "github.com/capsa-sandbox/capsa/virtio/net"
+)
+
+// guestMAC is every sandbox NIC's address: each sandbox has its own
+// network, so they never meet on one link. (A locally administered
+// unicast address.)
+var guestMAC = net.HardwareAddr{0x52, 0x54, 0x00, 0xca, 0x95, 0x01}
+
+// netConfig is a sandbox's network: nil in config means none, no NIC.
+type netConfig struct {
+	policy    *netstack.Policy
+	publish   []netstack.PortMapping
+	dnsServer string
+}
+
+// Network gives the sandbox a NIC behind capsa's user-mode NAT, which lets
+// the guest reach what policy allows (nil: netstack.PublicOnly(), public
+// addresses only). Without Network a sandbox has no network interface at
+// all, only loopback.
+func (b *Builder) Network(policy *netstack.Policy) *Builder {
+	if policy == nil {
+		policy = netstack.PublicOnly()
+	}
+	if b.c.net == nil {
+		b.c.net = &netConfig{}
+	}
+	b.c.net.policy = policy
+	return b
+}
+
+// Publish forwards a host port to a guest port:
+// "[HOSTIP:]HOSTPORT:GUESTPORT[/udp]", bound to 127.0.0.1 unless HOSTIP is
+// given; HOSTPORT 0 picks a free port (see Sandbox.Published). It needs
+// Network.
+func (b *Builder) Publish(spec string) *Builder {
+	m, err := netstack.ParsePublish(spec)
+	if err != nil {
+		b.c.errs = append(b.c.errs, fmt.Errorf("sandbox: publish: %w", err))
+		return b
+	}
+	if b.c.net == nil {
+		b.c.net = &netConfig{}
+	}
+	b.c.net.publish = append(b.c.net.publish, m)
+	return b
+}
+
+// DNSServer makes the sandbox's DNS server resolve names through the DNS
+// server at addr (HOST:PORT) instead of the host's resolver.
+func (b *Builder) DNSServer(addr string) *Builder {
+	if _, err := netip.ParseAddrPort(addr); err != nil {
+		b.c.errs = append(b.c.errs, fmt.Errorf("sandbox: DNS server %q: want IP:PORT", addr))
+		return b
+	}
+	if b.c.net == nil {
+		b.c.net = &netConfig{}
+	}
+	b.c.net.dnsServer = addr
+	return b
+}
+
+// checkNetwork reports options that need Network without it.
+func (c *config) checkNetwork() error {
+	if c.net != nil && c.net.policy == nil {
+		return errors.New("sandbox: published ports and a DNS server need Network (the sandbox has no network)")
+	}
+	return nil
+}
+
+// network is a running sandbox network: the NAT and the NIC.
+type network struct {
+	stack *netstack.Stack
+	nic   *virtionet.Device
+}
+
+func startNetwork(ctx context.Context, nc *netConfig, log *slog.Logger) (*network, string, error) {
+	cfg := netstack.Config{GuestMAC: guestMAC, Policy: nc.policy, Publish: nc.publish, Logger: log}
+	if nc.dnsServer != "" {
+		upstream := nc.dnsServer
+		cfg.Resolver = &net.Resolver{PreferGo: true, Dial: func(ctx context.Context, network, _ string) (net.Conn, error) {
+			var d net.Dialer
+			return d.DialContext(ctx, network, upstream)
+		}}
+	}
+	st, err := netstack.New(ctx, cfg)
+	if err != nil {
+		return nil, "", fmt.Errorf("sandbox: network: %w", err)
+	}
+	a := st.Addrs()
+	nic, err := virtionet.New(guestMAC, uint16(a.MTU), st, log)
+	if err != nil {
+		st.Close()
+		return nil, "", fmt.Errorf("sandbox: network: %w", err)
+	}
+	// The kernel configures the NIC before init runs (CONFIG_IP_PNP):
+	// ip=CLIENT::GATEWAY:NETMASK:HOSTNAME:DEVICE:AUTOCONF:DNS.
+	mask := net.IP(net.CIDRMask(a.GuestIP.Bits(), 32)).String()
+	arg := fmt.Sprintf("ip=%s::%s:%s::eth0:off:%s", a.GuestIP.Addr(), a.Gateway, mask, a.DNS)
+	return &network{stack: st, nic: nic}, arg, nil
+}
+
+func (n *network) close() error {
+	if n == nil {
+		return nil
+	}
+	return errors.Join(n.nic.Close(), n.stack.Close())
+}
+
+// Published lists the sandbox's published ports with the host addresses
+// they listen on.
+func (s *Sandbox) Published() []netstack.Published {
+	if s.net == nil {
+		return nil
+	}
+	return s.net.stack.Published()
+}

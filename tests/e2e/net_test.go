@@ -1,0 +1,357 @@
+package e2e
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/netip"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"golang.org/x/net/dns/dnsmessage"
+
+	"github.com/capsa-sandbox/capsa/netstack"
+	"github.com/capsa-sandbox/capsa/sandbox"
+)
+
+// serveEnv makes the test binary an HTTP server instead of a test run: the
+// network tests start it in a network namespace on this machine, and copy
+// it into a guest to serve from there.
+const serveEnv = "CAPSA_E2E_SERVE_HTTP"
+
+func TestMain(m *testing.M) {
+	if job := os.Getenv(netBenchEnv); job != "" {
+		if err := netBenchClient(job); err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			os.Exit(1)
+		}
+		os.Exit(0)
+	}
+	if addr := os.Getenv(serveEnv); addr != "" {
+		body := os.Getenv("CAPSA_E2E_SERVE_BODY")
+		err := http.ListenAndServe(addr, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			io.WriteString(w, body)
+		}))
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(1)
+	}
+	os.Exit(m.Run())
+}
+
+// netBenchEnv makes the test binary, copied into a guest, the guest end of
+// the network benchmarks: "send ADDR BYTES" writes BYTES to ADDR, "recv
+// ADDR" reads ADDR to its end, "connect ADDR N" opens and closes N
+// connections one after another.
+const netBenchEnv = "CAPSA_E2E_NETBENCH"
+
+func netBenchClient(job string) error {
+	f := strings.Fields(job)
+	if len(f) != 3 && !(len(f) == 2 && f[0] == "recv") {
+		return fmt.Errorf("%s=%q: bad job", netBenchEnv, job)
+	}
+	switch f[0] {
+	case "send":
+		n, err := strconv.ParseInt(f[2], 10, 64)
+		if err != nil {
+			return err
+		}
+		c, err := net.Dial("tcp", f[1])
+		if err != nil {
+			return err
+		}
+		buf := make([]byte, 256<<10)
+		for n > 0 {
+			k, err := c.Write(buf[:min(int64(len(buf)), n)])
+			if err != nil {
+				return err
+			}
+			n -= int64(k)
+		}
+		c.(*net.TCPConn).CloseWrite()
+		io.Copy(io.Discard, c) // the host closes once it has it all
+		return c.Close()
+	case "recv":
+		c, err := net.Dial("tcp", f[1])
+		if err != nil {
+			return err
+		}
+		_, err = io.Copy(io.Discard, c)
+		c.Close()
+		return err
+	case "connect":
+		n, err := strconv.Atoi(f[2])
+		if err != nil {
+			return err
+		}
+		for range n {
+			c, err := net.Dial("tcp", f[1])
+			if err != nil {
+				return err
+			}
+			c.Close()
+		}
+		return nil
+	}
+	return fmt.Errorf("%s=%q: bad job", netBenchEnv, job)
+}
+
+// The stand-in public server's address, from a documentation range. It
+// lives in its own network namespace behind a veth pair, so it is not one
+// of this machine's addresses.
+const (
+	publicIP   = "203.0.113.10"
+	publicPeer = "203.0.113.1"
+)
+
+// netWorld is what the network tests reach: a public server in a network
+// namespace, a server on this machine's loopback, and a DNS server that
+// names them.
+type netWorld struct {
+	dns      string // IP:PORT of the DNS server
+	loopPort int    // the loopback HTTP server's port
+}
+
+func setupNetWorld(t *testing.T) *netWorld {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		t.Skip("the network tests build a network namespace: run as root (the nested host does)")
+	}
+	run := func(args ...string) {
+		t.Helper()
+		if out, err := exec.Command(args[0], args[1:]...).CombinedOutput(); err != nil {
+			t.Fatalf("%s: %v\n%s", strings.Join(args, " "), err, out)
+		}
+	}
+	run("ip", "link", "set", "lo", "up")
+
+	// The public server: this binary in serve mode, in a new network
+	// namespace, joined to this one by a veth pair.
+	srv := exec.Command("unshare", "-n", os.Args[0])
+	srv.Env = append(os.Environ(), serveEnv+"=:80", "CAPSA_E2E_SERVE_BODY=public page\n")
+	if err := srv.Start(); err != nil {
+		t.Fatalf("start the public server: %v", err)
+	}
+	t.Cleanup(func() { srv.Process.Kill(); srv.Wait() })
+	host := fmt.Sprintf("capsapub%d", os.Getpid()%1000)
+	run("ip", "link", "add", host, "type", "veth")
+	t.Cleanup(func() { exec.Command("ip", "link", "del", host).Run() })
+	peer := vethPeer(t, host)
+	pid := strconv.Itoa(srv.Process.Pid)
+	run("ip", "link", "set", peer, "netns", pid)
+	run("nsenter", "-t", pid, "-n", "ip", "addr", "add", publicIP+"/24", "dev", peer)
+	run("nsenter", "-t", pid, "-n", "ip", "link", "set", peer, "up")
+	run("ip", "addr", "add", publicPeer+"/24", "dev", host)
+	run("ip", "link", "set", host, "up")
+	waitHTTP(t, "http://"+publicIP+"/", "public page\n")
+
+	// The loopback server.
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	hs := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		io.WriteString(w, "loopback secret\n")
+	})}
+	go hs.Serve(l)
+	t.Cleanup(func() { hs.Close() })
+
+	// DNS: names for both, one of them a rebinding attempt.
+	dns := startDNS(t, map[string]string{
+		"public.example.test.":  publicIP,
+		"blocked.example.test.": publicIP,
+		"rebind.example.test.":  "127.0.0.1",
+	})
+	return &netWorld{dns: dns, loopPort: l.Addr().(*net.TCPAddr).Port}
+}
+
+// vethPeer finds the other end of veth dev (busybox's ip cannot name it).
+func vethPeer(t *testing.T, dev string) string {
+	t.Helper()
+	b, err := os.ReadFile("/sys/class/net/" + dev + "/iflink")
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := strings.TrimSpace(string(b))
+	ifs, _ := filepath.Glob("/sys/class/net/*/ifindex")
+	for _, f := range ifs {
+		if b, err := os.ReadFile(f); err == nil && strings.TrimSpace(string(b)) == want {
+			return filepath.Base(filepath.Dir(f))
+		}
+	}
+	t.Fatalf("no peer of %s (ifindex %s)", dev, want)
+	return ""
+}
+
+func waitHTTP(t *testing.T, url, want string) {
+	t.Helper()
+	var last error
+	for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline); time.Sleep(50 * time.Millisecond) {
+		resp, err := http.Get(url)
+		if err != nil {
+			last = err
+			continue
+		}
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if string(b) == want {
+			return
+		}
+		last = fmt.Errorf("got %q", b)
+	}
+	t.Fatalf("%s: %v", url, last)
+}
+
+// startDNS serves A records for names on a loopback UDP port.
+func startDNS(t *testing.T, names map[string]string) string {
+	t.Helper()
+	pc, err := net.ListenPacket("udp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { pc.Close() })
+	go func() {
+		buf := make([]byte, 1500)
+		for {
+			n, from, err := pc.ReadFrom(buf)
+			if err != nil {
+				return
+			}
+			var p dnsmessage.Parser
+			h, err := p.Start(buf[:n])
+			if err != nil {
+				continue
+			}
+			q, err := p.Question()
+			if err != nil {
+				continue
+			}
+			rh := dnsmessage.Header{ID: h.ID, Response: true, Authoritative: true}
+			ip, ok := names[strings.ToLower(q.Name.String())]
+			if !ok {
+				rh.RCode = dnsmessage.RCodeNameError
+			}
+			b := dnsmessage.NewBuilder(nil, rh)
+			b.StartQuestions()
+			b.Question(q)
+			b.StartAnswers()
+			if ok && q.Type == dnsmessage.TypeA {
+				b.AResource(dnsmessage.ResourceHeader{Name: q.Name, Class: dnsmessage.ClassINET, TTL: 60},
+					dnsmessage.AResource{A: netip.MustParseAddr(ip).As4()})
+			}
+			if msg, err := b.Finish(); err == nil {
+				pc.WriteTo(msg, from)
+			}
+		}
+	}()
+	return pc.LocalAddr().String()
+}
+
+// netSandbox starts a sandbox with the given network setup.
+func netSandbox(t *testing.T, ctx context.Context, setup func(*sandbox.Builder)) *sandbox.Sandbox {
+	t.Helper()
+	b := sandbox.New().Memory(256).Kernel(artifact(t, "vmlinux")).Initrd(artifact(t, "initramfs.cpio"))
+	setup(b)
+	sb, err := b.Run("sleep", "100000").Start(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { sb.Close() })
+	return sb
+}
+
+// fetch runs wget in the guest and returns the page, or the error output.
+func fetch(t *testing.T, ctx context.Context, sb *sandbox.Sandbox, url string) (string, bool) {
+	t.Helper()
+	r, err := sb.Exec(ctx, sandbox.ExecOptions{Shell: "rm -f /tmp/page; wget -O /tmp/page " + url + " && cat /tmp/page", Timeout: 90 * time.Second})
+	if err != nil {
+		t.Fatalf("exec wget: %v", err)
+	}
+	if r.Code != 0 {
+		return string(r.Stdout) + string(r.Stderr), false
+	}
+	return string(r.Stdout), true
+}
+
+func TestNetworkPolicies(t *testing.T) {
+	artifact(t, "vmlinux")
+	w := setupNetWorld(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+	defer cancel()
+	loop := fmt.Sprintf("http://10.0.2.2:%d/", w.loopPort) // the gateway stands for the host
+
+	policy, err := netstack.ParsePolicy("public-only", nil, []string{"blocked.example.test"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	pub := netSandbox(t, ctx, func(b *sandbox.Builder) { b.Network(policy).DNSServer(w.dns) })
+	if page, ok := fetch(t, ctx, pub, "http://public.example.test/"); !ok || page != "public page\n" {
+		t.Errorf("public-only: the public server by name (DNS over UDP, then TCP): ok=%v %q", ok, page)
+	}
+	if out, ok := fetch(t, ctx, pub, "http://"+publicIP+"/"); !ok || out != "public page\n" {
+		t.Errorf("public-only: the public server by address: ok=%v %q", ok, out)
+	}
+	if out, ok := fetch(t, ctx, pub, loop); ok || strings.Contains(out, "loopback secret") {
+		t.Errorf("public-only reached the host's loopback: %q", out)
+	}
+	rebind := fmt.Sprintf("http://rebind.example.test:%d/", w.loopPort)
+	if out, ok := fetch(t, ctx, pub, rebind); ok || strings.Contains(out, "loopback secret") {
+		t.Errorf("public-only reached loopback through a name resolving to 127.0.0.1: %q", out)
+	}
+	if out, ok := fetch(t, ctx, pub, "http://blocked.example.test/"); ok || !strings.Contains(out, "no such host") {
+		t.Errorf("a blocked domain: ok=%v %q, want a DNS failure", ok, out)
+	}
+	r, err := pub.Exec(ctx, sandbox.Shell("cat /etc/resolv.conf; ls /sys/class/net"))
+	if err != nil || !strings.Contains(string(r.Stdout), "nameserver 10.0.2.3") || !strings.Contains(string(r.Stdout), "eth0") {
+		t.Errorf("guest network setup: %q, %v", r.Stdout, err)
+	}
+
+	all := netSandbox(t, ctx, func(b *sandbox.Builder) { b.Network(netstack.AllowAll()) })
+	if out, ok := fetch(t, ctx, all, loop); !ok || out != "loopback secret\n" {
+		t.Errorf("allow-all: the host's loopback: ok=%v %q", ok, out)
+	}
+
+	none := netSandbox(t, ctx, func(*sandbox.Builder) {})
+	r, err = none.Exec(ctx, sandbox.Shell("ls /sys/class/net"))
+	if err != nil || strings.Fields(string(r.Stdout))[0] != "lo" || len(strings.Fields(string(r.Stdout))) != 1 {
+		t.Errorf("no network: interfaces %q, %v; want only lo", r.Stdout, err)
+	}
+}
+
+func TestPublishedPort(t *testing.T) {
+	artifact(t, "vmlinux")
+	self, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+	defer cancel()
+	sb := netSandbox(t, ctx, func(b *sandbox.Builder) { b.Network(nil).Publish("0:8080") })
+	f, err := os.Open(self)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if err := sb.WriteFileFrom(ctx, "/tmp/server", f, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	p, err := sb.Stream(ctx, sandbox.ExecOptions{
+		Argv: []string{"/tmp/server"},
+		Env:  []string{serveEnv + "=:8080", "CAPSA_E2E_SERVE_BODY=served from the guest\n"},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Signal("SIGKILL")
+	pubs := sb.Published()
+	if len(pubs) != 1 || !strings.HasPrefix(pubs[0].Addr.String(), "127.0.0.1:") {
+		t.Fatalf("published %v, want one port on 127.0.0.1", pubs)
+	}
+	waitHTTP(t, "http://"+pubs[0].Addr.String()+"/", "served from the guest\n")
+}
