@@ -385,21 +385,7 @@ func (f *file) ReadAt(p []byte, off int64) (int, error) {
 	if off < 0 {
 		return 0, linux.EINVAL
 	}
-	fd, err := f.openFD()
-	if err != nil {
-		return 0, err
-	}
-	defer f.mu.RUnlock()
-	for {
-		n, err := unix.Pread(fd, p, off)
-		if err == unix.EINTR {
-			continue
-		}
-		if err != nil {
-			return 0, errno(err)
-		}
-		return n, nil
-	}
+	return f.io(unix.Pread, p, off)
 }
 
 // WriteAt implements p9.File.WriteAt with pwrite(2).
@@ -410,13 +396,18 @@ func (f *file) WriteAt(p []byte, off int64) (int, error) {
 	if off < 0 {
 		return 0, linux.EINVAL
 	}
+	return f.io(unix.Pwrite, p, off)
+}
+
+// io runs pread or pwrite on the open file, retrying on EINTR.
+func (f *file) io(op func(fd int, p []byte, off int64) (int, error), p []byte, off int64) (int, error) {
 	fd, err := f.openFD()
 	if err != nil {
 		return 0, err
 	}
 	defer f.mu.RUnlock()
 	for {
-		n, err := unix.Pwrite(fd, p, off)
+		n, err := op(fd, p, off)
 		if err == unix.EINTR {
 			continue
 		}

@@ -62,6 +62,19 @@ type Activation struct {
 	Fail func(error)
 }
 
+// Report tells the driver how a round of queue work ended: Fail when err
+// is set, else an interrupt when irq says the driver wants one. Devices
+// call it after releasing their own lock, since the transport holds its
+// lock when it calls into them.
+func (a *Activation) Report(irq bool, err error) {
+	switch {
+	case err != nil:
+		a.Fail(err)
+	case irq:
+		a.Interrupt()
+	}
+}
+
 // virtio-mmio register offsets (§4.2.2).
 const (
 	regMagic            = 0x000

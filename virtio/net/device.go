@@ -321,12 +321,7 @@ func (d *Device) finish(r *run, irq bool, err error) {
 		d.stopLocked()
 	}
 	d.mu.Unlock()
-	switch {
-	case err != nil:
-		r.act.Fail(err)
-	case irq:
-		r.act.Interrupt()
-	}
+	r.act.Report(irq, err)
 }
 
 // reader takes frames for the guest from the backend, queues them and

@@ -173,12 +173,7 @@ func (d *Device) worker(kick, stop chan struct{}) {
 			}
 		}
 		d.mu.Unlock()
-		switch {
-		case err != nil:
-			act.Fail(err)
-		case irq:
-			act.Interrupt()
-		}
+		act.Report(irq, err)
 	}
 }
 
@@ -229,12 +224,7 @@ func (d *Device) complete(s *session, c *virtio.Chain, msg []byte) {
 		d.teardown()
 	}
 	d.mu.Unlock()
-	switch {
-	case err != nil:
-		act.Fail(err)
-	case irq:
-		act.Interrupt()
-	}
+	act.Report(irq, err)
 }
 
 const errnoEINVAL = 22

@@ -161,12 +161,7 @@ func (d *Device) worker(kick, stop chan struct{}) {
 			}
 		}
 		d.mu.Unlock()
-		switch {
-		case err != nil:
-			act.Fail(err)
-		case irq:
-			act.Interrupt()
-		}
+		act.Report(irq, err)
 	}
 }
 
