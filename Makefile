@@ -71,9 +71,8 @@ test-e2e: capsa testinitrd nested-deps $(NESTED)
 	@rm -rf $(BUILD)/e2e && mkdir -p $(BUILD)/e2e
 	CGO_ENABLED=0 $(GO) test -c -o $(BUILD)/e2e/e2e.test ./tests/e2e
 	CGO_ENABLED=0 $(GO) build -tags capsa_builtin -o $(BUILD)/e2e/example-sandbox ./examples/sandbox
-	$(NESTED) -f $(BUILD)/e2e/e2e.test -f $(BUILD)/capsa -f $(BUILD)/testinitrd.cpio -f $(BUILD)/kernel/vmlinux \
-		-f $(BUILD)/initramfs.cpio -f $(BUILD)/e2e/example-sandbox -- \
-		./e2e.test -test.v -test.timeout 20m
+	tests/run-e2e.sh $(NESTED) $(BUILD)/e2e $(BUILD)/capsa $(BUILD)/testinitrd.cpio $(BUILD)/kernel/vmlinux \
+		$(BUILD)/initramfs.cpio $(BUILD)/e2e/example-sandbox
 
 # Benchmarks, in the nested host where this machine has no /dev/kvm: boot to
 # guest userspace, capsa beside QEMU's microvm on the same kernel and initramfs.

@@ -292,6 +292,9 @@ func boot(ctx context.Context, c config) (_ *Sandbox, err error) {
 	go func() {
 		s.exit = vm.Run(runCtx)
 		close(s.vmDone)
+		// A stopped guest answers nothing more: every vsock connection
+		// fails now rather than waiting on its context.
+		dev.Reset()
 		readyL.Close()
 	}()
 	go func() {

@@ -191,8 +191,10 @@ func BenchmarkShareThroughput(b *testing.B) {
 	}
 	defer sb.Close()
 	sh := func(b *testing.B, script string) {
-		if r, err := sb.Exec(ctx, sandbox.Shell(script)); err != nil || r.Code != 0 {
-			b.Fatalf("%s: %v %s %s", script, err, r.Stdout, r.Stderr)
+		if r, err := sb.Exec(ctx, sandbox.Shell(script)); err != nil {
+			b.Fatalf("%s: %v", script, err)
+		} else if r.Code != 0 {
+			b.Fatalf("%s: exit %d %s %s", script, r.Code, r.Stdout, r.Stderr)
 		}
 	}
 	b.Run("9p-host-to-guest", func(b *testing.B) {
@@ -275,8 +277,10 @@ func BenchmarkNAT(b *testing.B) {
 	}()
 	guest := func(b *testing.B, job string) {
 		r, err := sb.Exec(ctx, sandbox.ExecOptions{Argv: []string{"/tmp/netbench"}, Env: []string{netBenchEnv + "=" + job}})
-		if err != nil || r.Code != 0 {
-			b.Fatalf("guest %s: %v %s", job, err, r.Stderr)
+		if err != nil {
+			b.Fatalf("guest %s: %v", job, err)
+		} else if r.Code != 0 {
+			b.Fatalf("guest %s: exit %d %s", job, r.Code, r.Stderr)
 		}
 	}
 	b.Run("guest-to-host", func(b *testing.B) {

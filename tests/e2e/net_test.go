@@ -282,7 +282,7 @@ func fetch(t *testing.T, ctx context.Context, sb *sandbox.Sandbox, url string) (
 func TestNetworkPolicies(t *testing.T) {
 	artifact(t, "vmlinux")
 	w := setupNetWorld(t)
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
 	loop := fmt.Sprintf("http://10.0.2.2:%d/", w.loopPort) // the gateway stands for the host
 
@@ -307,9 +307,10 @@ func TestNetworkPolicies(t *testing.T) {
 	if out, ok := fetch(t, ctx, pub, "http://blocked.example.test/"); ok || !strings.Contains(out, "no such host") {
 		t.Errorf("a blocked domain: ok=%v %q, want a DNS failure", ok, out)
 	}
-	r, err := pub.Exec(ctx, sandbox.Shell("cat /etc/resolv.conf; ls /sys/class/net"))
-	if err != nil || !strings.Contains(string(r.Stdout), "nameserver 10.0.2.3") || !strings.Contains(string(r.Stdout), "eth0") {
-		t.Errorf("guest network setup: %q, %v", r.Stdout, err)
+	if r, err := pub.Exec(ctx, sandbox.Shell("cat /etc/resolv.conf; ls /sys/class/net")); err != nil {
+		t.Errorf("guest network setup: %v", err)
+	} else if !strings.Contains(string(r.Stdout), "nameserver 10.0.2.3") || !strings.Contains(string(r.Stdout), "eth0") {
+		t.Errorf("guest network setup: %q", r.Stdout)
 	}
 
 	all := netSandbox(t, ctx, func(b *sandbox.Builder) { b.Network(netstack.AllowAll()) })
@@ -318,9 +319,10 @@ func TestNetworkPolicies(t *testing.T) {
 	}
 
 	none := netSandbox(t, ctx, func(*sandbox.Builder) {})
-	r, err = none.Exec(ctx, sandbox.Shell("ls /sys/class/net"))
-	if err != nil || strings.Fields(string(r.Stdout))[0] != "lo" || len(strings.Fields(string(r.Stdout))) != 1 {
-		t.Errorf("no network: interfaces %q, %v; want only lo", r.Stdout, err)
+	if r, err := none.Exec(ctx, sandbox.Shell("ls /sys/class/net")); err != nil {
+		t.Errorf("no network: %v", err)
+	} else if f := strings.Fields(string(r.Stdout)); len(f) != 1 || f[0] != "lo" {
+		t.Errorf("no network: interfaces %q; want only lo", r.Stdout)
 	}
 }
 
@@ -330,7 +332,7 @@ func TestPublishedPort(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 	defer cancel()
 	sb := netSandbox(t, ctx, func(b *sandbox.Builder) { b.Network(nil).Publish("0:8080") })
 	f, err := os.Open(self)

@@ -144,7 +144,7 @@ func TestFilesystemCalls(t *testing.T) {
 }
 
 func TestFourSandboxesInParallel(t *testing.T) {
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
 	var wg sync.WaitGroup
 	for i := range 4 {
@@ -162,10 +162,17 @@ func TestFourSandboxesInParallel(t *testing.T) {
 			// Each sandbox is its own machine: a file written in one is
 			// not in another.
 			name := fmt.Sprintf("/tmp/mine-%d", i)
-			sb.WriteFile(ctx, name, []byte("x"), 0o644)
+			if err := sb.WriteFile(ctx, name, []byte("x"), 0o644); err != nil {
+				t.Errorf("sandbox %d: write %s: %v", i, name, err)
+				return
+			}
 			out, err := sb.Exec(ctx, sandbox.Shell("ls /tmp | grep mine"))
-			if err != nil || strings.TrimSpace(string(out.Stdout)) != fmt.Sprintf("mine-%d", i) {
-				t.Errorf("sandbox %d sees %q, %v", i, out.Stdout, err)
+			if err != nil {
+				t.Errorf("sandbox %d: exec: %v", i, err)
+				return
+			}
+			if got := strings.TrimSpace(string(out.Stdout)); got != fmt.Sprintf("mine-%d", i) {
+				t.Errorf("sandbox %d sees %q", i, got)
 			}
 		}()
 	}
@@ -225,7 +232,40 @@ func TestHybridVsockSocket(t *testing.T) {
 		t.Fatalf("info through the hybrid socket: %+v, %v", info, err)
 	}
 	out, err := cl.Output(ctx, agent.ExecOptions{Shell: "echo via unix socket"})
-	if err != nil || string(out.Stdout) != "via unix socket\n" {
-		t.Errorf("exec through the hybrid socket: %q, %v", out.Stdout, err)
+	if err != nil {
+		t.Errorf("exec through the hybrid socket: %v", err)
+	} else if string(out.Stdout) != "via unix socket\n" {
+		t.Errorf("exec through the hybrid socket: %q", out.Stdout)
+	}
+}
+
+// TestGuestDeathEndsExecs: when the guest goes away, calls in flight fail
+// at once with the VM's exit, not when their contexts run out.
+func TestGuestDeathEndsExecs(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	sb := newSandbox(t, ctx, 1)
+	errc := make(chan error, 1)
+	go func() {
+		_, err := sb.Exec(ctx, sandbox.Shell("sleep 100000"))
+		errc <- err
+	}()
+	// Killing the agent makes the guest's init reboot the machine.
+	if _, err := sb.Exec(ctx, sandbox.Shell("sleep 1; kill -9 $PPID")); err == nil {
+		t.Log("the exec that killed the agent returned without error")
+	}
+	// The exec fails when its connection drops with the agent, or when
+	// the VM stops, whichever comes first; never by its context.
+	err := <-errc
+	if err == nil || ctx.Err() != nil {
+		t.Fatalf("exec in flight when the guest died: %v (context: %v)", err, ctx.Err())
+	}
+	select {
+	case <-sb.Done():
+	case <-ctx.Done():
+		t.Fatal("the VM did not stop after its agent was killed")
+	}
+	if _, err := sb.Exec(ctx, sandbox.Command("true")); err == nil {
+		t.Error("exec after the guest died succeeded")
 	}
 }

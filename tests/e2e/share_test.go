@@ -4,7 +4,9 @@ import (
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
+	"errors"
 	"fmt"
+	"log/slog"
 	"os"
 	"path/filepath"
 	"sort"
@@ -33,7 +35,7 @@ func TestShareReadFromTheCLI(t *testing.T) {
 }
 
 func TestShares(t *testing.T) {
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 	defer cancel()
 	base := t.TempDir()
 	rw, ro, tree := filepath.Join(base, "rw"), filepath.Join(base, "ro"), filepath.Join(base, "tree")
@@ -56,7 +58,15 @@ func TestShares(t *testing.T) {
 	}
 	want := makeTree(t, tree)
 
+	// The VMM's log and the guest console explain a failure.
+	var vmmLog, console syncBuffer
+	defer func() {
+		if t.Failed() {
+			t.Logf("VMM log:\n%s\nguest console:\n%s", vmmLog.String(), console.String())
+		}
+	}()
 	sb, err := sandbox.New().Memory(256).
+		Logger(slog.New(slog.NewTextHandler(&vmmLog, &slog.HandlerOptions{Level: slog.LevelInfo}))).Console(&console).
 		Kernel(artifact(t, "vmlinux")).Initrd(artifact(t, "initramfs.cpio")).
 		Share(rw, "/mnt/rw", sandbox.ReadWrite).
 		Share(ro, "/mnt/ro", sandbox.ReadOnly).
@@ -68,8 +78,21 @@ func TestShares(t *testing.T) {
 	defer sb.Close()
 	sh := func(script string) (string, int) {
 		t.Helper()
-		r, err := sb.Exec(ctx, sandbox.Shell(script))
+		ectx, cancel := context.WithTimeout(ctx, 90*time.Second)
+		defer cancel()
+		r, err := sb.Exec(ectx, sandbox.ExecOptions{Shell: script, Timeout: time.Minute})
+		if err == nil && r.TimedOut {
+			err = errors.New("timed out")
+		}
 		if err != nil {
+			// What every guest process waits on.
+			dctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+			defer cancel()
+			diag, _ := sb.Exec(dctx, sandbox.ExecOptions{Timeout: 20 * time.Second,
+				Shell: `for p in /proc/[0-9]*; do echo "$p $(cat $p/comm) $(cat $p/wchan) $(cat $p/stat)"; done`})
+			if diag != nil {
+				t.Logf("guest processes:\n%s", diag.Stdout)
+			}
 			t.Fatalf("exec %q: %v", script, err)
 		}
 		return string(r.Stdout) + string(r.Stderr), r.Code
@@ -114,6 +137,9 @@ func TestShares(t *testing.T) {
 	}
 
 	// A pipeline over a shared tree gives the host's checksums.
+	sh("cd /srv/tree && find . -type f > /tmp/list && wc -l /tmp/list")
+	sh("sort /tmp/list > /tmp/sorted && wc -l /tmp/sorted")
+	sh("cd /srv/tree && xargs shasum -a 256 < /tmp/sorted > /tmp/sums && wc -l /tmp/sums")
 	out, code := sh("cd /srv/tree && find . -type f | sort | xargs shasum -a 256")
 	if code != 0 {
 		t.Fatalf("find | xargs shasum: %d %s", code, out)

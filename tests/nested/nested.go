@@ -46,6 +46,8 @@ type Host struct {
 	QEMU        string       // default qemu-system-x86_64
 	Busybox     string       // a static busybox; default /bin/busybox
 	ForceNested bool         // use L1 even where /dev/kvm exists
+	// KernelArgs are added to L1's kernel command line.
+	KernelArgs string
 	// L1Retries is how many more times a job runs when the L1 kernel
 	// itself crashes (see ErrL1Crashed); 0 means never.
 	L1Retries int
@@ -58,8 +60,38 @@ type Host struct {
 // Run can run it again (Host.L1Retries).
 var ErrL1Crashed = errors.New("the nested L1 host kernel crashed")
 
-// l1CrashMarkers are what Linux prints when it oopses or panics.
-var l1CrashMarkers = []string{"Kernel panic - not syncing", "BUG: ", "Oops: ", "general protection fault"}
+// l1TimerArgs keep L1's timer interrupts coming under TCG's emulated SVM:
+// with the TSC-deadline timer and a tickless kernel, L1 sometimes stopped
+// getting timer interrupts while it ran guests and then sat idle for good
+// (RCU: "timer wakeup didn't happen ... Possible timer handling issue").
+// The LAPIC's own timer and a periodic tick make that rarer.
+const l1TimerArgs = "lapic=notscdeadline nohz=off"
+
+// l1CrashMarkers are what Linux prints when it oopses or panics, or when
+// it stalls (seen: L1's timer on one vCPU stops firing, and RCU and the
+// hung-task detector report it while everything waits).
+var l1CrashMarkers = []string{
+	"Kernel panic - not syncing", "BUG: ", "Oops: ", "general protection fault",
+	"rcu: INFO: rcu_preempt detected stalls", "rcu_preempt kthread starved", "blocked for more than",
+}
+
+// watchL1Console polls L1's console file and calls crashed once if it
+// shows a crash or stall, until ctx ends.
+func watchL1Console(ctx context.Context, path string, crashed func()) {
+	t := time.NewTicker(2 * time.Second)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		if b, err := os.ReadFile(path); err == nil && l1Crashed(b) {
+			crashed()
+			return
+		}
+	}
+}
 
 // File is a host file or directory made available to a job at Dst, a path
 // relative to the job's working directory.
@@ -253,6 +285,7 @@ mount -t proc proc /proc
 mount -t sysfs sysfs /sys
 mount -t devtmpfs devtmpfs /dev
 mount -t tmpfs tmpfs /tmp
+ip link set lo up
 stty -F /dev/ttyS1 raw -echo
 exec 3>/dev/ttyS1
 finish() { echo "@@capsa-nested exit @NONCE@ $1" >&3; sync; poweroff -f; }
@@ -383,11 +416,18 @@ func (h *Host) runL1(ctx context.Context, job Job) (*Result, error) {
 		"-smp", strconv.Itoa(cpus), "-m", strconv.Itoa(mem),
 		"-nodefaults", "-no-user-config", "-display", "none", "-no-reboot", "-nic", "none",
 		"-kernel", vmlinuz, "-initrd", initrd,
-		"-append", "console=ttyS0 quiet panic=-1",
+		"-append", strings.TrimSpace("console=ttyS0 quiet panic=-1 " + l1TimerArgs + " " + h.KernelArgs),
 		"-serial", "file:" + console, "-serial", "stdio",
 	}
 	h.log().Info("booting nested KVM host", "qemu", qemu, "kernel", vmlinuz, "memory_mb", mem, "cpus", cpus)
-	cmd := exec.CommandContext(ctx, qemu, args...)
+	// A watcher stops L1 as soon as its console shows its kernel crashed
+	// or stalled: a stalled L1 (its timers dead) would otherwise hold the
+	// job until the overall timeout.
+	runCtx, stopRun := context.WithCancel(ctx)
+	defer stopRun()
+	crashed := make(chan struct{})
+	go watchL1Console(runCtx, console, func() { close(crashed); stopRun() })
+	cmd := exec.CommandContext(runCtx, qemu, args...)
 	cmd.WaitDelay = 5 * time.Second
 	p := &outputParser{nonce: nonce, out: job.Output, start: start, exit: -1}
 	cmd.Stdout = p
@@ -403,6 +443,11 @@ func (h *Host) runL1(ctx context.Context, job Job) (*Result, error) {
 	tail, _ := os.ReadFile(console)
 	if len(tail) > 4000 {
 		tail = tail[len(tail)-4000:]
+	}
+	select {
+	case <-crashed:
+		return nil, fmt.Errorf("nested: %w (QEMU TCG's emulated SVM; not the job's doing)\nL1 console tail:\n%s", ErrL1Crashed, tail)
+	default:
 	}
 	if ctx.Err() != nil {
 		return nil, fmt.Errorf("nested: L1 guest stopped: %w\nL1 console tail:\n%s", ctx.Err(), tail)

@@ -38,6 +38,7 @@ func run() int {
 	cpus := fs.Int("cpus", 2, "L1 guest vCPUs")
 	force := fs.Bool("force-nested", false, "use the L1 guest even where /dev/kvm exists")
 	verbose := fs.BoolP("verbose", "v", false, "log progress to stderr")
+	kargs := fs.String("l1-append", "", "add these to L1's kernel command line")
 	retries := fs.Int("l1-retries", 2, "run the job again this many times if the L1 kernel crashes (QEMU TCG's emulated SVM)")
 	if err := fs.Parse(os.Args[1:]); err != nil {
 		if err == pflag.ErrHelp {
@@ -60,6 +61,7 @@ func run() int {
 		CPUs:        *cpus,
 		ForceNested: *force,
 		L1Retries:   *retries,
+		KernelArgs:  *kargs,
 	}
 	job := nested.Job{Argv: fs.Args(), Env: *env, Output: os.Stdout}
 	for _, f := range *files {
