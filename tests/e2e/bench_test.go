@@ -171,13 +171,13 @@ func reportSpread(b *testing.B, samples []time.Duration) {
 	b.ReportMetric(ms(samples[len(samples)-1]), "ms-max")
 }
 
-// BenchmarkShareThroughput copies a 64 MiB file between the host and the
+// BenchmarkShareThroughput copies a 16 MiB file between the host and the
 // guest's /tmp both ways, over a virtio-9p share and through the agent's
 // file API.
 func BenchmarkShareThroughput(b *testing.B) {
 	ctx := context.Background()
 	dir := b.TempDir()
-	data := make([]byte, 64<<20)
+	data := make([]byte, 16<<20)
 	for i := range data {
 		data[i] = byte(i * 7)
 	}
