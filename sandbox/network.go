@@ -32,10 +32,7 @@ func (b *Builder) Network(policy *netstack.Policy) *Builder {
 	if policy == nil {
 		policy = netstack.PublicOnly()
 	}
-	if b.c.net == nil {
-		b.c.net = &netConfig{}
-	}
-	b.c.net.policy = policy
+	b.netConfig().policy = policy
 	return b
 }
 
@@ -49,10 +46,8 @@ func (b *Builder) Publish(spec string) *Builder {
 		b.c.errs = append(b.c.errs, fmt.Errorf("sandbox: publish: %w", err))
 		return b
 	}
-	if b.c.net == nil {
-		b.c.net = &netConfig{}
-	}
-	b.c.net.publish = append(b.c.net.publish, m)
+	nc := b.netConfig()
+	nc.publish = append(nc.publish, m)
 	return b
 }
 
@@ -63,11 +58,16 @@ func (b *Builder) DNSServer(addr string) *Builder {
 		b.c.errs = append(b.c.errs, fmt.Errorf("sandbox: DNS server %q: want IP:PORT", addr))
 		return b
 	}
+	b.netConfig().dnsServer = addr
+	return b
+}
+
+// netConfig returns the builder's network settings, made on first use.
+func (b *Builder) netConfig() *netConfig {
 	if b.c.net == nil {
 		b.c.net = &netConfig{}
 	}
-	b.c.net.dnsServer = addr
-	return b
+	return b.c.net
 }
 
 // checkNetwork reports options that need Network without it.
