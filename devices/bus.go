@@ -24,6 +24,11 @@ type Device interface {
 // IRQ raises an edge-triggered interrupt on a fixed line.
 type IRQ func()
 
+// IRQLevel sets the level of a fixed interrupt line: a device that models
+// its interrupt output as a level (high while an interrupt is pending)
+// calls it when the level changes.
+type IRQLevel func(high bool)
+
 type busRange struct {
 	base, size uint64
 	dev        Device

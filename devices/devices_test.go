@@ -14,10 +14,21 @@ func rd(d Device, off uint64) uint8 {
 
 func wr(d Device, off uint64, v uint8) { d.Write(off, []byte{v}) }
 
+// edges returns an IRQLevel that counts rising edges, and reads the level.
+func edges() (IRQLevel, *int, *bool) {
+	n, level := new(int), new(bool)
+	return func(high bool) {
+		if high && !*level {
+			*n++
+		}
+		*level = high
+	}, n, level
+}
+
 func TestSerialTransmit(t *testing.T) {
 	var out bytes.Buffer
-	irqs := 0
-	s := NewSerial(&out, func() { irqs++ })
+	irq, irqs, _ := edges()
+	s := NewSerial(&out, irq)
 	for _, c := range []byte("hi\n") {
 		if rd(s, uartLSR)&lsrTHRE == 0 {
 			t.Fatal("transmitter not ready")
@@ -27,30 +38,39 @@ func TestSerialTransmit(t *testing.T) {
 	if out.String() != "hi\n" {
 		t.Errorf("output %q", out.String())
 	}
-	if irqs != 0 {
-		t.Errorf("%d interrupts with IER=0", irqs)
+	if *irqs != 0 {
+		t.Errorf("%d interrupts with IER=0", *irqs)
 	}
 }
 
 func TestSerialTHREInterrupt(t *testing.T) {
-	irqs := 0
-	s := NewSerial(nil, func() { irqs++ })
+	irq, irqs, level := edges()
+	s := NewSerial(nil, irq)
 	if got := rd(s, uartIIR); got != iirNone {
 		t.Fatalf("IIR idle = %#x", got)
 	}
 	wr(s, uartIER, ierTHRE)
-	if irqs != 1 {
-		t.Fatalf("enabling THRE with an empty transmitter raised %d interrupts, want 1", irqs)
+	if *irqs != 1 || !*level {
+		t.Fatalf("enabling THRE with an empty transmitter raised %d interrupts (line high %v), want 1", *irqs, *level)
 	}
 	if got := rd(s, uartIIR); got != iirTHRE {
 		t.Fatalf("IIR = %#x, want THRE", got)
+	}
+	if *level {
+		t.Fatal("the line stays high after THRE was identified")
 	}
 	if got := rd(s, uartIIR); got != iirNone {
 		t.Fatalf("IIR after identification = %#x, want none", got)
 	}
 	wr(s, uartTHR, 'x')
-	if irqs != 2 || rd(s, uartIIR) != iirTHRE {
-		t.Fatalf("after THR write: irqs=%d", irqs)
+	if *irqs != 2 || !*level {
+		t.Fatalf("after THR write: %d interrupts, line high %v", *irqs, *level)
+	}
+	// A second character before the first THRE was identified still makes
+	// an edge: each transmitted byte is an interrupt the driver waits for.
+	wr(s, uartTHR, 'x')
+	if *irqs != 3 || rd(s, uartIIR) != iirTHRE {
+		t.Fatalf("after a second THR write: %d interrupts", *irqs)
 	}
 	wr(s, uartFCR, 0x07)
 	wr(s, uartTHR, 'y')
@@ -60,15 +80,15 @@ func TestSerialTHREInterrupt(t *testing.T) {
 }
 
 func TestSerialReceive(t *testing.T) {
-	irqs := 0
-	s := NewSerial(nil, func() { irqs++ })
+	irq, irqs, level := edges()
+	s := NewSerial(nil, irq)
 	s.Input([]byte("ab"))
-	if irqs != 0 {
+	if *irqs != 0 {
 		t.Fatal("interrupt with RDA disabled")
 	}
 	wr(s, uartIER, ierRDA)
-	if irqs != 1 {
-		t.Fatalf("enabling RDA with data pending raised %d interrupts", irqs)
+	if *irqs != 1 {
+		t.Fatalf("enabling RDA with data pending raised %d interrupts", *irqs)
 	}
 	if rd(s, uartIIR) != iirRDA || rd(s, uartLSR)&lsrDR == 0 {
 		t.Fatal("data not signalled")
@@ -76,7 +96,7 @@ func TestSerialReceive(t *testing.T) {
 	if a, b := rd(s, uartRBR), rd(s, uartRBR); a != 'a' || b != 'b' {
 		t.Fatalf("read %q %q", a, b)
 	}
-	if rd(s, uartLSR)&lsrDR != 0 || rd(s, uartIIR) != iirNone {
+	if rd(s, uartLSR)&lsrDR != 0 || rd(s, uartIIR) != iirNone || *level {
 		t.Fatal("data still signalled after draining")
 	}
 	s.Input(make([]byte, serialRxLimit+100))

@@ -48,10 +48,18 @@ const (
 // Serial is an 8250-compatible UART: what the guest transmits goes to an
 // io.Writer, what the host queues with Input the guest receives. The FIFO is
 // modelled as always ready, so transmission never waits.
+//
+// Its interrupt output is a level, as on the chip: high while IIR names a
+// pending interrupt, set under the UART's lock whenever it changes, so that
+// the line the guest's interrupt controller sees always agrees with IIR.
+// (Pulsing the line for each event instead loses interrupts: two threads'
+// pulses can interleave into one edge, and an edge that comes while the
+// guest has the pin masked is gone.)
 type Serial struct {
 	mu         sync.Mutex
 	out        io.Writer
-	irq        IRQ
+	irq        IRQLevel
+	line       bool // the level last set
 	ier, lcr   uint8
 	mcr, scr   uint8
 	dll, dlm   uint8
@@ -60,13 +68,14 @@ type Serial struct {
 	rx         []byte
 }
 
-// NewSerial returns a UART writing the guest's output to out and raising irq.
-func NewSerial(out io.Writer, irq IRQ) *Serial {
+// NewSerial returns a UART writing the guest's output to out and driving
+// the interrupt line irq.
+func NewSerial(out io.Writer, irq IRQLevel) *Serial {
 	if out == nil {
 		out = io.Discard
 	}
 	if irq == nil {
-		irq = func() {}
+		irq = func(bool) {}
 	}
 	return &Serial{out: out, irq: irq, dll: 12} // 9600 baud until the guest sets it
 }
@@ -75,15 +84,20 @@ func NewSerial(out io.Writer, irq IRQ) *Serial {
 // Bytes beyond an internal limit are dropped, as a real UART overruns.
 func (s *Serial) Input(p []byte) {
 	s.mu.Lock()
+	defer s.mu.Unlock()
 	room := serialRxLimit - len(s.rx)
 	if len(p) > room {
 		p = p[:room]
 	}
 	s.rx = append(s.rx, p...)
-	raise := len(p) > 0 && s.ier&ierRDA != 0
-	s.mu.Unlock()
-	if raise {
-		s.irq()
+	s.updateIRQ()
+}
+
+// updateIRQ sets the interrupt line to what IIR says; s.mu is held.
+func (s *Serial) updateIRQ() {
+	if pending := s.iir()&iirNone == 0; pending != s.line {
+		s.line = pending
+		s.irq(pending)
 	}
 }
 
@@ -111,6 +125,7 @@ func (s *Serial) Read(off uint64, data []byte) {
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	defer s.updateIRQ()
 	dlab := s.lcr&lcrDLAB != 0
 	var v uint8
 	switch off {
@@ -163,7 +178,6 @@ func (s *Serial) Write(off uint64, data []byte) {
 	v := data[0]
 	s.mu.Lock()
 	dlab := s.lcr&lcrDLAB != 0
-	raise := false
 	var out []byte
 	switch off {
 	case uartTHR:
@@ -175,12 +189,15 @@ func (s *Serial) Write(off uint64, data []byte) {
 			if len(s.rx) < serialRxLimit {
 				s.rx = append(s.rx, v)
 			}
-			raise = s.ier&ierRDA != 0
 		} else {
 			out = []byte{v}
 		}
+		// Sent at once: the holding register is empty again, and a THRE
+		// interrupt is owed. Clearing it first makes a fresh edge when
+		// the previous one was never identified.
+		s.thrPending = false
+		s.updateIRQ()
 		s.thrPending = true
-		raise = raise || s.ier&ierTHRE != 0
 	case uartIER:
 		if dlab {
 			s.dlm = v
@@ -192,12 +209,11 @@ func (s *Serial) Write(off uint64, data []byte) {
 		// at once; Linux's 8250 driver depends on that.
 		if old&ierTHRE == 0 && s.ier&ierTHRE != 0 {
 			s.thrPending = true
-			raise = true
-		}
-		if s.ier&ierRDA != 0 && len(s.rx) > 0 {
-			raise = true
 		}
 	case uartFCR:
+		if s.lcr == 0xbf {
+			break // with LCR 0xbf this address is the 16650's EFR, not the FCR
+		}
 		s.fcr = v
 		if v&0x02 != 0 {
 			s.rx = s.rx[:0]
@@ -209,11 +225,9 @@ func (s *Serial) Write(off uint64, data []byte) {
 	case uartSCR:
 		s.scr = v
 	}
+	s.updateIRQ()
 	s.mu.Unlock()
 	if out != nil {
 		s.out.Write(out) // a failing console must not stop the guest
-	}
-	if raise {
-		s.irq()
 	}
 }

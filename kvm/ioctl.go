@@ -53,6 +53,7 @@ var (
 	kvmSetCPUID2           = iow(0x90, unsafe.Sizeof(cpuid2Header{}))
 	kvmGetMPState          = ior(0x98, unsafe.Sizeof(MPState(0)))
 	kvmSetMPState          = iow(0x99, unsafe.Sizeof(MPState(0)))
+	kvmGetVCPUEvents       = ior(0x9f, unsafe.Sizeof(VCPUEvents{}))
 )
 
 // ioctlNames names each request in errors.
@@ -68,6 +69,7 @@ var ioctlNames = map[uintptr]string{
 	kvmGetMSRs: "KVM_GET_MSRS", kvmSetMSRs: "KVM_SET_MSRS", kvmGetFPU: "KVM_GET_FPU",
 	kvmSetFPU: "KVM_SET_FPU", kvmGetLAPIC: "KVM_GET_LAPIC", kvmSetLAPIC: "KVM_SET_LAPIC",
 	kvmSetCPUID2: "KVM_SET_CPUID2", kvmGetMPState: "KVM_GET_MP_STATE", kvmSetMPState: "KVM_SET_MP_STATE",
+	kvmGetVCPUEvents: "KVM_GET_VCPU_EVENTS",
 }
 
 // IoctlError is a failed KVM ioctl. Its message names the ioctl, as in

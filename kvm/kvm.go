@@ -108,6 +108,7 @@ const (
 	CapIOEventFD          Cap = 36
 	CapSetIdentityMapAddr Cap = 37
 	CapMaxVCPUs           Cap = 66
+	CapTSCDeadlineTimer   Cap = 72
 	CapImmediateExit      Cap = 136
 )
 
@@ -116,7 +117,8 @@ var capNames = map[Cap]string{
 	CapSetTSSAddr: "KVM_CAP_SET_TSS_ADDR", CapExtCPUID: "KVM_CAP_EXT_CPUID", CapNrVCPUs: "KVM_CAP_NR_VCPUS",
 	CapMPState: "KVM_CAP_MP_STATE", CapIRQFD: "KVM_CAP_IRQFD", CapPIT2: "KVM_CAP_PIT2",
 	CapIOEventFD: "KVM_CAP_IOEVENTFD", CapSetIdentityMapAddr: "KVM_CAP_SET_IDENTITY_MAP_ADDR",
-	CapMaxVCPUs: "KVM_CAP_MAX_VCPUS", CapImmediateExit: "KVM_CAP_IMMEDIATE_EXIT",
+	CapMaxVCPUs: "KVM_CAP_MAX_VCPUS", CapTSCDeadlineTimer: "KVM_CAP_TSC_DEADLINE_TIMER",
+	CapImmediateExit: "KVM_CAP_IMMEDIATE_EXIT",
 }
 
 func (c Cap) String() string {
@@ -386,6 +388,14 @@ func (v *VCPU) GetMPState() (MPState, error) {
 func (v *VCPU) SetMPState(s MPState) error {
 	_, err := ioctlPtr(v.fd, kvmSetMPState, unsafe.Pointer(&s))
 	return err
+}
+
+// GetVCPUEvents reads the exceptions, interrupts and NMIs pending or being
+// injected.
+func (v *VCPU) GetVCPUEvents() (*VCPUEvents, error) {
+	var e VCPUEvents
+	_, err := ioctlPtr(v.fd, kvmGetVCPUEvents, unsafe.Pointer(&e))
+	return &e, err
 }
 
 // SetCPUID2 sets the CPUID leaves the guest sees.

@@ -107,6 +107,34 @@ type msrsHeader struct {
 	_     uint32
 }
 
+// VCPUEvents is struct kvm_vcpu_events: exceptions, interrupts, NMIs and
+// SMIs pending or being injected.
+type VCPUEvents struct {
+	ExceptionInjected     uint8
+	ExceptionNr           uint8
+	ExceptionHasErrorCode uint8
+	ExceptionPending      uint8
+	ExceptionErrorCode    uint32
+	InterruptInjected     uint8
+	InterruptNr           uint8
+	InterruptSoft         uint8
+	InterruptShadow       uint8
+	NMIInjected           uint8
+	NMIPending            uint8
+	NMIMasked             uint8
+	_                     uint8
+	SIPIVector            uint32
+	Flags                 uint32
+	SMM                   uint8
+	SMIPending            uint8
+	SMMInsideNMI          uint8
+	LatchedInit           uint8
+	TripleFaultPending    uint8
+	_                     [26]uint8
+	ExceptionHasPayload   uint8
+	ExceptionPayload      uint64
+}
+
 // MPState is struct kvm_mp_state.
 type MPState uint32
 
@@ -167,6 +195,8 @@ var (
 	_ [416 - unsafe.Sizeof(FPU{})]struct{}
 	_ [unsafe.Sizeof(LAPICState{}) - 1024]struct{}
 	_ [1024 - unsafe.Sizeof(LAPICState{})]struct{}
+	_ [unsafe.Sizeof(VCPUEvents{}) - 64]struct{}
+	_ [64 - unsafe.Sizeof(VCPUEvents{})]struct{}
 	_ [unsafe.Sizeof(CPUIDEntry{}) - 40]struct{}
 	_ [40 - unsafe.Sizeof(CPUIDEntry{})]struct{}
 	_ [unsafe.Sizeof(cpuid2Header{}) - flexHeaderSize]struct{}

@@ -39,6 +39,7 @@ func TestIoctlNumbers(t *testing.T) {
 		"KVM_SET_CPUID2":             {kvmSetCPUID2, 0x4008ae90},
 		"KVM_GET_MP_STATE":           {kvmGetMPState, 0x8004ae98},
 		"KVM_SET_MP_STATE":           {kvmSetMPState, 0x4004ae99},
+		"KVM_GET_VCPU_EVENTS":        {kvmGetVCPUEvents, 0x8040ae9f},
 	} {
 		if tc.got != tc.want {
 			t.Errorf("%s = %#x, want %#x", name, tc.got, tc.want)
@@ -57,28 +58,36 @@ func TestLayouts(t *testing.T) {
 		c   CPUIDEntry
 		m   MSREntry
 		ie  ioeventfd
+		ev  VCPUEvents
 		irq irqfd
 	)
 	for name, tc := range map[string]struct{ got, want uintptr }{
-		"kvm_segment.selector":       {unsafe.Offsetof(seg.Selector), 0xc},
-		"kvm_segment.type":           {unsafe.Offsetof(seg.Type), 0xe},
-		"kvm_segment.unusable":       {unsafe.Offsetof(seg.Unusable), 0x16},
-		"kvm_sregs.gdt":              {unsafe.Offsetof(s.GDT), 0xc0},
-		"kvm_sregs.cr0":              {unsafe.Offsetof(s.CR0), 0xe0},
-		"kvm_sregs.efer":             {unsafe.Offsetof(s.EFER), 0x108},
-		"kvm_sregs.apic_base":        {unsafe.Offsetof(s.APICBase), 0x110},
-		"kvm_sregs.interrupt_bitmap": {unsafe.Offsetof(s.InterruptBitmap), 0x118},
-		"kvm_fpu.fcw":                {unsafe.Offsetof(f.FCW), 0x80},
-		"kvm_fpu.last_ip":            {unsafe.Offsetof(f.LastIP), 0x88},
-		"kvm_fpu.xmm":                {unsafe.Offsetof(f.XMM), 0x98},
-		"kvm_fpu.mxcsr":              {unsafe.Offsetof(f.MXCSR), 0x198},
-		"kvm_cpuid_entry2.eax":       {unsafe.Offsetof(c.EAX), 0xc},
-		"kvm_msr_entry.data":         {unsafe.Offsetof(m.Data), 0x8},
-		"kvm_ioeventfd.len":          {unsafe.Offsetof(ie.Len), 0x10},
-		"kvm_ioeventfd.fd":           {unsafe.Offsetof(ie.FD), 0x14},
-		"kvm_ioeventfd.flags":        {unsafe.Offsetof(ie.Flags), 0x18},
-		"kvm_irqfd.flags":            {unsafe.Offsetof(irq.Flags), 0x8},
-		"kvm_irqfd.resamplefd":       {unsafe.Offsetof(irq.ResampleFD), 0xc},
+		"kvm_segment.selector":                  {unsafe.Offsetof(seg.Selector), 0xc},
+		"kvm_segment.type":                      {unsafe.Offsetof(seg.Type), 0xe},
+		"kvm_segment.unusable":                  {unsafe.Offsetof(seg.Unusable), 0x16},
+		"kvm_sregs.gdt":                         {unsafe.Offsetof(s.GDT), 0xc0},
+		"kvm_sregs.cr0":                         {unsafe.Offsetof(s.CR0), 0xe0},
+		"kvm_sregs.efer":                        {unsafe.Offsetof(s.EFER), 0x108},
+		"kvm_sregs.apic_base":                   {unsafe.Offsetof(s.APICBase), 0x110},
+		"kvm_sregs.interrupt_bitmap":            {unsafe.Offsetof(s.InterruptBitmap), 0x118},
+		"kvm_fpu.fcw":                           {unsafe.Offsetof(f.FCW), 0x80},
+		"kvm_fpu.last_ip":                       {unsafe.Offsetof(f.LastIP), 0x88},
+		"kvm_fpu.xmm":                           {unsafe.Offsetof(f.XMM), 0x98},
+		"kvm_fpu.mxcsr":                         {unsafe.Offsetof(f.MXCSR), 0x198},
+		"kvm_cpuid_entry2.eax":                  {unsafe.Offsetof(c.EAX), 0xc},
+		"kvm_msr_entry.data":                    {unsafe.Offsetof(m.Data), 0x8},
+		"kvm_ioeventfd.len":                     {unsafe.Offsetof(ie.Len), 0x10},
+		"kvm_ioeventfd.fd":                      {unsafe.Offsetof(ie.FD), 0x14},
+		"kvm_ioeventfd.flags":                   {unsafe.Offsetof(ie.Flags), 0x18},
+		"kvm_irqfd.flags":                       {unsafe.Offsetof(irq.Flags), 0x8},
+		"kvm_vcpu_events.interrupt":             {unsafe.Offsetof(ev.InterruptInjected), 0x8},
+		"kvm_vcpu_events.nmi":                   {unsafe.Offsetof(ev.NMIInjected), 0xc},
+		"kvm_vcpu_events.sipi_vector":           {unsafe.Offsetof(ev.SIPIVector), 0x10},
+		"kvm_vcpu_events.smi":                   {unsafe.Offsetof(ev.SMM), 0x18},
+		"kvm_vcpu_events.triple_fault":          {unsafe.Offsetof(ev.TripleFaultPending), 0x1c},
+		"kvm_vcpu_events.exception_has_payload": {unsafe.Offsetof(ev.ExceptionHasPayload), 0x37},
+		"kvm_vcpu_events.exception_payload":     {unsafe.Offsetof(ev.ExceptionPayload), 0x38},
+		"kvm_irqfd.resamplefd":                  {unsafe.Offsetof(irq.ResampleFD), 0xc},
 		// struct kvm_run offsets used by run_amd64.go.
 		"kvm_run.immediate_exit":   {runImmediateExit, 0x1},
 		"kvm_run.exit_reason":      {runExitReason, 0x8},

@@ -175,7 +175,6 @@ type Sandbox struct {
 	hybrid  *vsock.HybridSocket
 	shares  []*ninep.Device
 	net     *network
-	console *tailBuffer
 
 	mu       sync.Mutex
 	main     *agent.Process
@@ -251,12 +250,6 @@ func boot(ctx context.Context, c config) (_ *Sandbox, err error) {
 			return nil, fmt.Errorf("sandbox: %w", err)
 		}
 	}
-	// The console's tail explains a guest that dies before its agent runs.
-	s.console = &tailBuffer{max: 4096}
-	var console io.Writer = s.console
-	if c.console != nil {
-		console = io.MultiWriter(s.console, c.console)
-	}
 	cmdline := []string{"console=ttyS0 quiet reboot=k panic=-1"}
 	devices := []virtio.Device{s.dev}
 	if c.net != nil {
@@ -276,7 +269,7 @@ func boot(ctx context.Context, c config) (_ *Sandbox, err error) {
 	}
 	s.vm, err = vmm.New(ctx, vmm.Config{
 		Kernel: kernel, Initrd: initrd, CPUs: c.cpus, MemoryBytes: uint64(c.memoryMiB) << 20,
-		Cmdline: strings.Join(cmdline, " "), Console: console,
+		Cmdline: strings.Join(cmdline, " "), Console: c.console,
 		Devices: devices, Log: log, Start: start,
 	})
 	if err != nil {
@@ -331,7 +324,7 @@ func (s *Sandbox) WaitReady(ctx context.Context, timeout time.Duration) error {
 	case <-s.ready:
 		return nil
 	case <-s.vmDone:
-		return fmt.Errorf("sandbox: the VM stopped before its agent was ready: %v\nguest console:\n%s", s.exit, s.console.String())
+		return fmt.Errorf("sandbox: the VM stopped before its agent was ready: %v\nguest console:\n%s", s.exit, s.vm.ConsoleTail())
 	case <-t.C:
 		return fmt.Errorf("sandbox: the guest agent was not ready after %v", timeout)
 	case <-ctx.Done():
@@ -464,6 +457,22 @@ func (s *Sandbox) Shutdown(ctx context.Context) error {
 // accepts guest connections to host ports.
 func (s *Sandbox) Vsock() *vsock.Device { return s.dev }
 
+// Debug returns the VM's state for diagnosing a hang or a failure: each
+// vCPU's registers and pending interrupts, the virtqueues' indices, the
+// exits to the VMM and the console's tail. A running VM goes on running.
+// After Close it is the state taken when the VM stopped, if it failed.
+func (s *Sandbox) Debug(ctx context.Context) *vmm.Debug {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		if e := s.Exit(); e != nil {
+			return e.Debug
+		}
+		return nil
+	}
+	return s.vm.Debug(ctx)
+}
+
 // Done is closed when the VM has stopped.
 func (s *Sandbox) Done() <-chan struct{} { return s.vmDone }
 
@@ -493,27 +502,4 @@ func (s *Sandbox) Close() error {
 	s.closeErr = err
 	s.mu.Unlock()
 	return err
-}
-
-// tailBuffer keeps the last max bytes written to it.
-type tailBuffer struct {
-	mu  sync.Mutex
-	max int
-	b   []byte
-}
-
-func (t *tailBuffer) Write(p []byte) (int, error) {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	t.b = append(t.b, p...)
-	if len(t.b) > t.max {
-		t.b = append(t.b[:0], t.b[len(t.b)-t.max:]...)
-	}
-	return len(p), nil
-}
-
-func (t *tailBuffer) String() string {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	return string(t.b)
 }

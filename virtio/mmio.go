@@ -2,6 +2,7 @@ package virtio
 
 import (
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"log/slog"
 	"sync"
@@ -394,4 +395,64 @@ func (t *MMIO) Close() {
 		t.dev.Reset()
 		t.active = false
 	}
+}
+
+// TransportDebug is a transport's state for diagnostics: the registers the
+// driver set and, for each ready queue, the ring indices as they are in
+// guest memory now.
+type TransportDebug struct {
+	Name      string
+	Type      uint32
+	Status    uint32
+	Interrupt uint32 // InterruptStatus: bits raised and not yet acknowledged
+	Active    bool
+	Queues    []QueueDebug
+}
+
+// QueueDebug is one queue's indices. A driver waiting on a device shows
+// AvailIdx ahead of UsedIdx; NoInterrupt is the driver's
+// VIRTQ_AVAIL_F_NO_INTERRUPT.
+type QueueDebug struct {
+	Index             int
+	Size              uint16
+	Ready             bool
+	AvailIdx, UsedIdx uint16
+	NoInterrupt       bool
+	Desc, Avail, Used uint64
+	Err               error
+}
+
+func (d TransportDebug) String() string {
+	s := fmt.Sprintf("%s: type %d status %#x interrupt %#x active %v", d.Name, d.Type, d.Status, d.Interrupt, d.Active)
+	for _, q := range d.Queues {
+		if !q.Ready {
+			continue
+		}
+		s += fmt.Sprintf("\n  queue %d: size %d avail.idx %d used.idx %d no_interrupt %v", q.Index, q.Size, q.AvailIdx, q.UsedIdx, q.NoInterrupt)
+		if q.Err != nil {
+			s += fmt.Sprintf(" (%v)", q.Err)
+		}
+	}
+	return s
+}
+
+// Debug reports the transport's registers and its queues' indices.
+func (t *MMIO) Debug(name string) TransportDebug {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	d := TransportDebug{Name: name, Type: t.dev.Type(), Status: t.status, Interrupt: t.interrupt, Active: t.active}
+	for i, c := range t.queues {
+		q := QueueDebug{Index: i, Size: c.num, Ready: c.ready, Desc: c.desc, Avail: c.avail, Used: c.used}
+		if c.ready {
+			var err1, err2, err3 error
+			var flags uint16
+			flags, err1 = t.mem.LoadUint16(c.avail)
+			q.AvailIdx, err2 = t.mem.LoadUint16(c.avail + 2)
+			q.UsedIdx, err3 = t.mem.LoadUint16(c.used + 2)
+			q.NoInterrupt = flags&availFNoInterrupt != 0
+			q.Err = errors.Join(err1, err2, err3)
+		}
+		d.Queues = append(d.Queues, q)
+	}
+	return d
 }

@@ -38,7 +38,9 @@ const (
 
 // CPUID bits capsa adjusts per vCPU.
 const (
-	cpuidHypervisor = 1 << 31 // leaf 1 ECX
+	cpuidHypervisor   = 1 << 31 // leaf 1 ECX
+	cpuidTSCDeadline  = 1 << 24 // leaf 1 ECX
+	cpuidHyperThreads = 1 << 28 // leaf 1 EDX: EBX[23:16] counts logical CPUs
 )
 
 func (m *Machine) createVCPUs(state *boot.CPUState) error {
@@ -46,14 +48,23 @@ func (m *Machine) createVCPUs(state *boot.CPUState) error {
 	if err != nil {
 		return err
 	}
+	// KVM emulates the TSC-deadline timer but leaves its CPUID bit out of
+	// KVM_GET_SUPPORTED_CPUID; it says so with a capability instead.
+	tscDeadline, err := m.sys.CheckExtension(kvm.CapTSCDeadlineTimer)
+	if err != nil {
+		return err
+	}
 	m.tids = make([]atomic.Int32, m.cfg.CPUs)
+	for range m.cfg.CPUs {
+		m.track = append(m.track, newVCPUTrack())
+	}
 	for i := 0; i < m.cfg.CPUs; i++ {
 		v, err := m.vm.CreateVCPU(i)
 		if err != nil {
 			return err
 		}
 		m.vcpus = append(m.vcpus, v)
-		if err := v.SetCPUID2(vcpuCPUID(supported, i, m.cfg.CPUs)); err != nil {
+		if err := v.SetCPUID2(vcpuCPUID(supported, i, m.cfg.CPUs, tscDeadline > 0)); err != nil {
 			return err
 		}
 		if err := setupMSRs(v); err != nil {
@@ -79,7 +90,12 @@ func (m *Machine) createVCPUs(state *boot.CPUState) error {
 // vcpuCPUID derives vCPU id's CPUID table from what KVM supports: each vCPU
 // reports its own APIC id, and the guest learns it runs on a hypervisor
 // (KVM's paravirt leaves 0x40000000.. come from KVM_GET_SUPPORTED_CPUID).
-func vcpuCPUID(supported []kvm.CPUIDEntry, id, ncpus int) []kvm.CPUIDEntry {
+//
+// The TSC-deadline timer is offered when KVM has it, as QEMU and
+// Firecracker do: without it Linux programs its local APIC timer through
+// the APIC's memory-mapped registers, each write an exit that KVM decodes
+// and emulates, where with it a timer is one MSR write.
+func vcpuCPUID(supported []kvm.CPUIDEntry, id, ncpus int, tscDeadline bool) []kvm.CPUIDEntry {
 	out := make([]kvm.CPUIDEntry, len(supported))
 	copy(out, supported)
 	for i := range out {
@@ -88,6 +104,12 @@ func vcpuCPUID(supported []kvm.CPUIDEntry, id, ncpus int) []kvm.CPUIDEntry {
 		case 1:
 			e.EBX = e.EBX&0x0000_ffff | uint32(ncpus)<<16 | uint32(id)<<24
 			e.ECX |= cpuidHypervisor
+			if tscDeadline {
+				e.ECX |= cpuidTSCDeadline
+			}
+			if ncpus > 1 {
+				e.EDX |= cpuidHyperThreads
+			}
 		case 0xb, 0x1f:
 			e.EDX = uint32(id) // x2APIC id
 		case 0x8000_001e:

@@ -24,6 +24,10 @@ const (
 	// StopError: the VMM could not go on (a failed ioctl, an entry failure,
 	// an internal KVM error).
 	StopError
+	// StopTripleFault: a vCPU hit a fault while delivering a double
+	// fault (KVM_EXIT_SHUTDOWN). A PC resets then; capsa reports it as the
+	// guest's failure, never as a clean reboot.
+	StopTripleFault
 )
 
 func (r StopReason) String() string {
@@ -40,6 +44,8 @@ func (r StopReason) String() string {
 		return "stopped by the host"
 	case StopError:
 		return "VMM error"
+	case StopTripleFault:
+		return "guest triple fault"
 	}
 	return fmt.Sprintf("StopReason(%d)", int(r))
 }
@@ -55,6 +61,9 @@ type Exit struct {
 	// BootTime is the time from the VMM's start to the guest's boot marker;
 	// zero if the guest never wrote it.
 	BootTime time.Duration
+	// Debug is the VM's state after a stop that is not clean: the vCPUs'
+	// registers, the virtqueues, the console's tail.
+	Debug *Debug
 }
 
 func (e *Exit) String() string {

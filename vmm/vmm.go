@@ -27,6 +27,10 @@ import (
 	"github.com/capsa-sandbox/capsa/virtio"
 )
 
+// consoleFlushWait bounds how long Run waits for the console writer to take
+// the guest's last output.
+const consoleFlushWait = 5 * time.Second
+
 // MaxCPUs is the largest vCPU count capsa configures (the guest kernel's
 // NR_CPUS).
 const MaxCPUs = 64
@@ -73,6 +77,12 @@ type Machine struct {
 	console *consoleWatch
 	marker  *devices.BootMarker
 	virtio  []*virtioSlot
+
+	track []*vcpuTrack
+
+	// runMu guards running against Debug and Close.
+	runMu   sync.Mutex
+	running bool
 
 	stopOnce sync.Once
 	stopped  chan struct{}
@@ -181,7 +191,7 @@ func (m *Machine) loadGuest(cmdline string) (*boot.CPUState, error) {
 
 func (m *Machine) attachDevices() error {
 	m.console = &consoleWatch{out: m.cfg.Console}
-	m.serial = devices.NewSerial(m.console, m.edgeIRQ(devices.SerialIRQCOM1))
+	m.serial = devices.NewSerial(m.console, m.irqLevel(devices.SerialIRQCOM1))
 	m.marker = devices.NewBootMarker(m.cfg.Start, func(d time.Duration) {
 		m.log.Debug("guest reached userspace", "after", d)
 	})
@@ -201,17 +211,18 @@ func (m *Machine) attachDevices() error {
 	return nil
 }
 
-// edgeIRQ returns a callback that pulses an interrupt line of the in-kernel
-// PIC and IOAPIC.
-func (m *Machine) edgeIRQ(line uint32) devices.IRQ {
-	return func() {
-		if err := m.vm.IRQLine(line, true); err != nil {
-			m.log.Warn("raise interrupt", "line", line, "err", err)
-			return
+// irqLevel returns a callback that sets the level of an interrupt line of
+// the in-kernel PIC and IOAPIC.
+func (m *Machine) irqLevel(line uint32) devices.IRQLevel {
+	return func(high bool) {
+		if err := m.vm.IRQLine(line, high); err != nil {
+			m.log.Warn("set interrupt line", "line", line, "high", high, "err", err)
 		}
-		m.vm.IRQLine(line, false)
 	}
 }
+
+// ConsoleTail returns the last few KiB of the guest's console.
+func (m *Machine) ConsoleTail() string { return m.console.Tail() }
 
 // Memory returns the guest's memory (for devices added by later layers).
 func (m *Machine) Memory() *guestmem.Memory { return m.mem }
@@ -221,10 +232,14 @@ func (m *Machine) Run(ctx context.Context) *Exit {
 	if m.ran.Swap(true) {
 		return &Exit{Reason: StopError, Err: errors.New("vmm: Run called twice")}
 	}
+	m.console.start()
 	if in := m.cfg.ConsoleInput; in != nil {
 		go m.pumpInput(in)
 	}
 	m.startVirtio()
+	m.runMu.Lock()
+	m.running = true
+	m.runMu.Unlock()
 	var wg sync.WaitGroup
 	for i := range m.vcpus {
 		wg.Add(1)
@@ -240,11 +255,18 @@ func (m *Machine) Run(ctx context.Context) *Exit {
 	}
 	m.kickAll()
 	wg.Wait()
+	m.runMu.Lock()
+	m.running = false
+	m.runMu.Unlock()
+	m.console.flush(consoleFlushWait)
 	exit := m.exit
 	exit.BootTime, _ = m.marker.Elapsed()
 	// A panic is followed by a reset (panic=-1): report the panic.
 	if msg, ok := m.console.Panic(); ok && (exit.Reason == StopReboot || exit.Reason == StopHalted) {
 		exit.Reason, exit.Detail = StopPanic, msg
+	}
+	if !exit.Reason.Clean() {
+		exit.Debug = m.Debug(context.Background())
 	}
 	return &exit
 }
@@ -291,11 +313,11 @@ func (m *Machine) runVCPU(i int) {
 	m.tids[i].Store(int32(unix.Gettid()))
 	defer m.tids[i].Store(0)
 	v := m.vcpus[i]
+	t := m.track[i]
 	for !m.stopping.Load() {
 		if err := v.Run(); err != nil {
 			if errors.Is(err, unix.EINTR) || errors.Is(err, unix.EAGAIN) {
-				if m.stopping.Load() {
-					// Kicked: keep the kicker's immediate_exit set.
+				if !m.interrupted(i) {
 					return
 				}
 				continue
@@ -303,21 +325,44 @@ func (m *Machine) runVCPU(i int) {
 			m.stop(StopError, fmt.Sprintf("vCPU %d", i), err)
 			return
 		}
-		if !m.handleExit(i, v) {
+		ok := m.handleExit(i, v, t)
+		t.leave()
+		if !ok {
 			return
 		}
 	}
 }
 
+// interrupted handles a KVM_RUN that a signal or immediate_exit ended: a
+// stop (false: the vCPU is done; the kicker's immediate_exit stays set) or
+// a request for the vCPU's state, answered here on its own thread.
+func (m *Machine) interrupted(i int) bool {
+	if m.stopping.Load() {
+		return false
+	}
+	// Cleared before the requests are taken and the stop flag read again,
+	// so that neither a new request nor a stop is missed.
+	m.vcpus[i].SetImmediateExit(false)
+	if m.stopping.Load() {
+		m.vcpus[i].SetImmediateExit(true)
+		return false
+	}
+	m.serveDebug(i)
+	return true
+}
+
 // handleExit handles one VM exit; false means this vCPU is done.
-func (m *Machine) handleExit(i int, v *kvm.VCPU) bool {
-	switch reason := v.ExitReason(); reason {
+func (m *Machine) handleExit(i int, v *kvm.VCPU, t *vcpuTrack) bool {
+	reason := v.ExitReason()
+	t.enter(reason, 0)
+	switch reason {
 	case kvm.ExitIO:
 		io, err := v.IO()
 		if err != nil {
 			m.stop(StopError, fmt.Sprintf("vCPU %d: port I/O exit", i), err)
 			return false
 		}
+		t.busyAddr.Store(uint64(io.Port))
 		size := int(io.Size)
 		for c := 0; c+size <= len(io.Data); c += size {
 			chunk := io.Data[c : c+size]
@@ -333,6 +378,7 @@ func (m *Machine) handleExit(i int, v *kvm.VCPU) bool {
 		}
 	case kvm.ExitMMIO:
 		mmio := v.MMIO()
+		t.busyAddr.Store(mmio.PhysAddr)
 		var claimed bool
 		if mmio.IsWrite {
 			claimed = m.mmio.Write(mmio.PhysAddr, mmio.Data)
@@ -343,7 +389,7 @@ func (m *Machine) handleExit(i int, v *kvm.VCPU) bool {
 			m.unhandled("mmio", mmio.PhysAddr, mmio.IsWrite)
 		}
 	case kvm.ExitShutdown:
-		m.stop(StopReboot, "reset through a triple fault", nil)
+		m.stop(StopTripleFault, fmt.Sprintf("vCPU %d: KVM_EXIT_SHUTDOWN", i), nil)
 		return false
 	case kvm.ExitSystemEvent:
 		switch ev := v.SystemEventType(); ev {
@@ -361,7 +407,8 @@ func (m *Machine) handleExit(i int, v *kvm.VCPU) bool {
 		m.stop(StopHalted, fmt.Sprintf("vCPU %d executed HLT", i), nil)
 		return false
 	case kvm.ExitIntr:
-		// A signal arrived; the loop checks whether to stop.
+		// A signal arrived: a stop or a state request.
+		return m.interrupted(i)
 	case kvm.ExitFailEntry:
 		m.stop(StopError, fmt.Sprintf("vCPU %d: KVM_EXIT_FAIL_ENTRY, hardware entry failure reason %#x", i, v.FailEntryReason()), nil)
 		return false
@@ -393,6 +440,8 @@ func (m *Machine) unhandled(kind string, addr uint64, write bool) {
 // Close releases the vCPUs, the VM, its memory and KVM. It is safe to call
 // on a partly built Machine.
 func (m *Machine) Close() error {
+	m.runMu.Lock()
+	defer m.runMu.Unlock()
 	errs := []error{m.closeVirtio()}
 	for _, v := range m.vcpus {
 		errs = append(errs, v.Close())

@@ -88,8 +88,11 @@ func TestBootParamsReachTheKernel(t *testing.T) {
 func TestTripleFault(t *testing.T) {
 	needKVM(t)
 	exit, _ := runCode(t, context.Background(), codeTripleFault, 1)
-	if exit.Reason != StopReboot || !strings.Contains(exit.Detail, "triple fault") {
-		t.Errorf("exit %v, want a reset through a triple fault", exit)
+	if exit.Reason != StopTripleFault || exit.Reason.Clean() {
+		t.Errorf("exit %v, want a triple fault that is not a clean stop", exit)
+	}
+	if exit.Debug == nil || len(exit.Debug.VCPUs) != 1 || exit.Debug.VCPUs[0].Err != nil {
+		t.Errorf("a triple fault came with no vCPU state: %+v", exit.Debug)
 	}
 }
 

@@ -6,6 +6,8 @@ import (
 	"io"
 	"log/slog"
 	"os"
+	"os/signal"
+	"syscall"
 
 	"github.com/capsa-sandbox/capsa/internal/builtin"
 	"github.com/capsa-sandbox/capsa/vmm"
@@ -80,7 +82,19 @@ func runVM(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "capsa vm: %v\n", err)
 		return 1
 	}
+	// SIGQUIT prints the VM's state (vCPUs, virtqueues, console tail) and
+	// lets it run on: how to look inside a guest that seems stuck.
+	quit := make(chan os.Signal, 1)
+	signal.Notify(quit, syscall.SIGQUIT)
+	defer signal.Stop(quit)
+	go func() {
+		for range quit {
+			fmt.Fprintf(stderr, "capsa vm: SIGQUIT: %s", m.Debug(ctx))
+		}
+	}()
 	exit := m.Run(ctx)
+	signal.Stop(quit)
+	close(quit)
 	m.Close()
 	if *bootTime {
 		if exit.BootTime > 0 {
@@ -90,6 +104,9 @@ func runVM(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		}
 	}
 	fmt.Fprintf(stderr, "capsa vm: %s\n", exit)
+	if exit.Debug != nil && exit.Reason != vmm.StopCanceled {
+		fmt.Fprintf(stderr, "capsa vm: %s", exit.Debug)
+	}
 	if exit.Reason.Clean() {
 		return 0
 	}

@@ -68,7 +68,7 @@ func BenchmarkBootToUserspace(b *testing.B) {
 	}{
 		{"capsa", []string{artifactB(b, "capsa"), "vm", "--kernel", kernel, "--initrd", initrd,
 			"--memory", "256M", "--cmdline", benchCmdline}},
-		{"qemu-microvm", []string{qemuB(b), "-M", "microvm", "-accel", "kvm", "-cpu", "host", "-m", "256",
+		{"qemu-microvm", []string{qemuPath(b), "-M", "microvm", "-accel", "kvm", "-cpu", "host", "-m", "256",
 			"-smp", "1", "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot", "-serial", "stdio",
 			"-kernel", kernel, "-initrd", initrd, "-append", benchCmdline}},
 	}
@@ -84,19 +84,6 @@ func BenchmarkBootToUserspace(b *testing.B) {
 }
 
 func artifactB(b *testing.B, name string) string { return artifact(b, name) }
-
-// qemuB finds QEMU: the bundle `make bench` brings into the nested host
-// (qemu/qemu), else qemu-system-x86_64 on PATH.
-func qemuB(b *testing.B) string {
-	if p, err := exec.LookPath(artifactDir() + "/qemu/qemu"); err == nil {
-		return p
-	}
-	p, err := exec.LookPath("qemu-system-x86_64")
-	if err != nil {
-		b.Skip("QEMU not found: run `make bench`")
-	}
-	return p
-}
 
 // BenchmarkBootToAgentReady measures sandbox.Start: from starting the VMM to
 // the guest agent announcing itself (the main process started). Compare with

@@ -6,6 +6,11 @@
 //	panic   exit, so the kernel panics with "Attempted to kill init"
 //	hang    sleep forever
 //	vsock   talk to the host over vsock (see vsockTest), then reboot
+//	stress  run the stress workload capsa.stress=CONFIG names (see
+//	        tests/stressload), mounting the 9p share tagged "stress" first
+//
+// Run as a program rather than as init (`testinit stress CONFIG`), it runs
+// the stress workload and exits: that is how a capsa sandbox runs it.
 //
 // It prints its report to /dev/console.
 package main
@@ -15,6 +20,7 @@ import (
 	"io"
 	"os"
 	"runtime"
+	"slices"
 	"strings"
 	"time"
 
@@ -22,9 +28,21 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/capsa-sandbox/capsa/internal/bootmark"
+	"github.com/capsa-sandbox/capsa/tests/stressload"
 )
 
 func main() {
+	if os.Getpid() != 1 {
+		if len(os.Args) == 3 && os.Args[1] == "stress" {
+			if err := stress(os.Args[2], false); err != nil {
+				fmt.Fprintf(os.Stderr, "testinit: %v\n", err)
+				os.Exit(1)
+			}
+			return
+		}
+		fmt.Fprintln(os.Stderr, "usage: testinit stress CONFIG (or as a VM's /init)")
+		os.Exit(2)
+	}
 	unix.Mount("proc", "/proc", "proc", 0, "")
 	unix.Mount("sysfs", "/sys", "sysfs", 0, "")
 	unix.Mount("devtmpfs", "/dev", "devtmpfs", 0, "")
@@ -37,10 +55,13 @@ func main() {
 	unix.Uname(&uts)
 	fmt.Printf("capsa-testinit: userspace reached; kernel=%s cpus=%d online=%s\n",
 		unix.ByteSliceToString(uts.Release[:]), runtime.NumCPU(), strings.TrimSpace(string(online)))
-	action := ""
+	action, stressConfig := "", ""
 	for _, f := range strings.Fields(string(cmdline)) {
 		if v, ok := strings.CutPrefix(f, "capsa.test="); ok {
 			action = v
+		}
+		if v, ok := strings.CutPrefix(f, "capsa.stress="); ok {
+			stressConfig = v
 		}
 	}
 	switch action {
@@ -52,6 +73,11 @@ func main() {
 			fmt.Printf("capsa-testinit: vsock: %v\n", err)
 		} else {
 			fmt.Println("capsa-testinit: vsock ok")
+		}
+		reboot()
+	case "stress":
+		if err := stress(stressConfig, true); err != nil {
+			fmt.Printf("capsa-testinit: stress: %v\n", err)
 		}
 		reboot()
 	case "hang":
@@ -107,4 +133,22 @@ func vsockTest() error {
 	e.(*vsock.Conn).CloseWrite()
 	fmt.Printf("capsa-testinit: echoed %d bytes\n", n)
 	return nil
+}
+
+// stress runs the stress workload; as init, it first mounts the 9p share
+// tagged "stress" at the workload's directory, as capsa's agent mounts a
+// share (the same options).
+func stress(config string, mount bool) error {
+	c, err := stressload.Parse(config)
+	if err != nil {
+		return err
+	}
+	if mount && slices.Contains(c.Work, "9p") {
+		os.MkdirAll(c.Dir, 0o755)
+		if err := unix.Mount("stress", c.Dir, "9p", 0, "trans=virtio,version=9p2000.L,access=client,msize=262144"); err != nil {
+			return fmt.Errorf("mount 9p share at %s: %w", c.Dir, err)
+		}
+		defer unix.Unmount(c.Dir, 0)
+	}
+	return stressload.Run(c, os.Stdout)
 }

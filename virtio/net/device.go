@@ -248,8 +248,10 @@ func (d *Device) Activate(a virtio.Activation) error {
 	go d.reader(r, prev)
 	go d.rxWorker(r)
 	go d.txWorker(r)
-	// Frames the guest queued before DRIVER_OK.
+	// Frames and receive buffers the guest queued before DRIVER_OK came
+	// with notifications the transport could not pass on.
 	kick(r.txKick)
+	kick(r.rxKick)
 	return nil
 }
 

@@ -39,6 +39,8 @@ const (
 
 	headerLen = 7 // size[4] type[1] tag[2]
 	tversion  = 100
+	tflush    = 108
+	rflush    = 109
 	rlerror   = 7
 )
 
@@ -115,6 +117,9 @@ func (d *Device) Activate(a virtio.Activation) error {
 	d.sess = d.newSession(&a)
 	d.workers.Add(1)
 	go d.worker(d.kick, d.stop)
+	// Requests the driver queued before DRIVER_OK came with notifications
+	// the transport could not pass on: look at once.
+	d.kick <- struct{}{}
 	return nil
 }
 
@@ -190,13 +195,15 @@ func (d *Device) takeRequests(s *session) (bool, error) {
 		if c == nil {
 			return irq, nil
 		}
-		msg, tag, errno, err := s.admit(c)
-		if err == nil {
+		msg, tag, reply, err := s.admit(c)
+		switch {
+		case err != nil:
+			d.log.Debug("bad 9P request", "tag", tag, "err", err)
+		case reply == nil:
 			s.requests <- msg // never blocks: at most queueSize are in flight
 			continue
 		}
-		d.log.Debug("bad 9P request", "err", err)
-		if reply := errorReply(tag, errno); c.WritableLen() >= len(reply) {
+		if c.WritableLen() >= len(reply) {
 			c.Write(reply)
 		}
 		more, err := q.Push(c)
@@ -229,6 +236,15 @@ func (d *Device) complete(s *session, c *virtio.Chain, msg []byte) {
 
 const errnoEINVAL = 22
 
+// flushReply is an Rflush message: size[4] type[1] tag[2].
+func flushReply(tag uint16) []byte {
+	b := make([]byte, headerLen)
+	binary.LittleEndian.PutUint32(b, headerLen)
+	b[4] = rflush
+	binary.LittleEndian.PutUint16(b[5:], tag)
+	return b
+}
+
 // errorReply is an Rlerror message: size[4] type[1] tag[2] ecode[4].
 func errorReply(tag uint16, errno uint32) []byte {
 	b := make([]byte, headerLen+4)
@@ -251,6 +267,11 @@ type session struct {
 	mu      sync.Mutex
 	pending map[uint16]*virtio.Chain
 	msize   uint32 // the largest request accepted, from Tversion
+	// Flushes in flight: each Tflush's tag to the tag it flushes, and the
+	// Rflush replies held back until the flushed request's reply is
+	// returned (by the flushed tag).
+	flushes map[uint16]uint16
+	held    map[uint16][]byte
 }
 
 func (d *Device) newSession(a *virtio.Activation) *session {
@@ -259,6 +280,8 @@ func (d *Device) newSession(a *virtio.Activation) *session {
 		requests: make(chan []byte, queueSize),
 		done:     make(chan struct{}),
 		pending:  map[uint16]*virtio.Chain{},
+		flushes:  map[uint16]uint16{},
+		held:     map[uint16][]byte{},
 		msize:    MaxMessage,
 	}
 	srv := p9.NewServer(d.attacher, p9.WithServerLogger(p9Logger{d.log}))
@@ -277,20 +300,32 @@ func (s *session) close() {
 }
 
 // admit checks a request chain's message and records it as waiting for
-// the reply with its tag. It returns the request's bytes, or the errno to
-// answer it with.
-func (s *session) admit(c *virtio.Chain) ([]byte, uint16, uint32, error) {
-	msg, tag, err := s.check(c)
+// the reply with its tag. It returns the request's bytes for the server,
+// or the reply the device gives itself (an error, with err saying why, or
+// an Rflush).
+func (s *session) admit(c *virtio.Chain) (msg []byte, tag uint16, reply []byte, err error) {
+	msg, tag, err = s.check(c)
 	if err != nil {
-		return nil, tag, errnoEINVAL, err
+		return nil, tag, errorReply(tag, errnoEINVAL), err
 	}
 	if errno, err := checkBody(msg[4], msg[headerLen:]); err != nil {
-		return nil, tag, errno, fmt.Errorf("request tag %d: %w", tag, err)
+		return nil, tag, errorReply(tag, errno), fmt.Errorf("request tag %d: %w", tag, err)
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.pending[tag] != nil {
-		return nil, tag, errnoEINVAL, fmt.Errorf("request tag %d: the tag is already in flight", tag)
+		return nil, tag, errorReply(tag, errnoEINVAL), fmt.Errorf("request tag %d: the tag is already in flight", tag)
+	}
+	if msg[4] == tflush {
+		// The server waits for the flushed request to finish. A flush
+		// of nothing in flight, of itself, or of another flush (two
+		// flushes naming each other) would make it wait forever, so the
+		// device answers those at once: there is nothing to wait for.
+		old := binary.LittleEndian.Uint16(msg[headerLen:])
+		if _, isFlush := s.flushes[old]; old == tag || s.pending[old] == nil || isFlush {
+			return nil, tag, flushReply(tag), nil
+		}
+		s.flushes[tag] = old
 	}
 	if msg[4] == tversion {
 		// The server caps msize the same way; a larger request would end
@@ -298,7 +333,7 @@ func (s *session) admit(c *virtio.Chain) ([]byte, uint16, uint32, error) {
 		s.msize = min(max(binary.LittleEndian.Uint32(msg[headerLen:]), 4096), MaxMessage)
 	}
 	s.pending[tag] = c
-	return msg, tag, 0, nil
+	return msg, tag, nil, nil
 }
 
 // check reads a request's header and bytes from its chain.
@@ -331,16 +366,47 @@ func (s *session) check(c *virtio.Chain) ([]byte, uint16, error) {
 }
 
 // reply routes one whole reply message from the server to its chain.
+//
+// An Rflush is returned to the driver only after the reply of the request
+// it flushed. The p9 server can send it first (it clears the old tag
+// before sending the old reply); Linux then frees the flushed request and
+// its buffers on Rflush, and the late reply would be written into freed
+// guest memory and completed for a freed request. QEMU orders them the
+// same way.
 func (s *session) reply(msg []byte) {
 	tag := binary.LittleEndian.Uint16(msg[5:])
 	s.mu.Lock()
 	c := s.pending[tag]
-	delete(s.pending, tag)
-	s.mu.Unlock()
 	if c == nil {
+		s.mu.Unlock()
 		s.dev.log.Warn("9P reply for a tag not in flight", "tag", tag)
 		return
 	}
+	if old, ok := s.flushes[tag]; ok && msg[4] == rflush {
+		delete(s.flushes, tag)
+		if s.pending[old] != nil {
+			s.held[old] = msg
+			s.mu.Unlock()
+			return
+		}
+	}
+	delete(s.pending, tag)
+	flush, flushChain := s.held[tag], (*virtio.Chain)(nil)
+	if flush != nil {
+		delete(s.held, tag)
+		ftag := binary.LittleEndian.Uint16(flush[5:])
+		flushChain = s.pending[ftag]
+		delete(s.pending, ftag)
+	}
+	s.mu.Unlock()
+	s.deliver(tag, c, msg)
+	if flushChain != nil {
+		s.deliver(binary.LittleEndian.Uint16(flush[5:]), flushChain, flush)
+	}
+}
+
+// deliver writes a reply into its chain and returns the chain.
+func (s *session) deliver(tag uint16, c *virtio.Chain, msg []byte) {
 	if len(msg) > c.WritableLen() {
 		// The driver sized its buffers for less than it asked for (an
 		// Rread larger than the room it gave): it gets an error instead.

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/binary"
 	"io"
+	"log/slog"
 	"net"
 	"os"
 	"path/filepath"
@@ -309,5 +310,109 @@ func TestCheckBody(t *testing.T) {
 		if errno != tc.errno || (err == nil) != (tc.errno == 0) {
 			t.Errorf("%s: errno %d, %v; want %d", tc.name, errno, err, tc.errno)
 		}
+	}
+}
+
+// TestRequestsQueuedBeforeActivation: a request the driver made available
+// before DRIVER_OK (its notification went nowhere) is served once the
+// device starts, not left until the next notification.
+func TestRequestsQueuedBeforeActivation(t *testing.T) {
+	a, err := p9fs.New(t.TempDir(), p9fs.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	dev, err := New("share0", a, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer dev.Close()
+	drv := virtiotest.NewDriver(16 << 20)
+	q := drv.NewQueue(queueSize)
+	body := binary.LittleEndian.AppendUint32(nil, 8192)
+	body = binary.LittleEndian.AppendUint16(body, 8)
+	if _, err := q.Add(rawRequest(tversion, 0xffff, append(body, "9P2000.L"...)), 8192); err != nil {
+		t.Fatal(err)
+	}
+	err = dev.Activate(virtio.Activation{Mem: drv.Mem, Queues: []*virtio.Queue{q.Device()}, Interrupt: func() {}, Fail: func(error) {}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if u := q.WaitUsed(1, 5*time.Second); len(u) != 1 {
+		t.Fatalf("WaitUsed after activation = %d chains, want the Tversion queued before it", len(u))
+	}
+}
+
+// TestFlushesTheServerCannotWaitFor: a Tflush of its own tag, of a tag not
+// in flight, or of another flush gets its Rflush from the device at once
+// (the p9 server would wait forever for the first and last), and Close
+// still returns promptly.
+func TestFlushesTheServerCannotWaitFor(t *testing.T) {
+	g := newGuest(t, t.TempDir(), false)
+	body := binary.LittleEndian.AppendUint32(nil, 8192)
+	body = binary.LittleEndian.AppendUint16(body, 8)
+	if r := g.roundTrip(rawRequest(tversion, 0xffff, append(body, "9P2000.L"...)), 8192); len(r) < headerLen || r[4] != tversion+1 {
+		t.Fatalf("Tversion: % x", r)
+	}
+	for name, req := range map[string][]byte{
+		"its own tag":    rawRequest(tflush, 3, []byte{3, 0}),
+		"an idle tag":    rawRequest(tflush, 4, []byte{9, 0}),
+		"a NOTAG flush":  rawRequest(tflush, 0xffff, []byte{0xff, 0xff}),
+		"a high old tag": rawRequest(tflush, 5, []byte{0x34, 0x12}),
+	} {
+		r := g.roundTrip(req, 64)
+		want := flushReply(binary.LittleEndian.Uint16(req[5:]))
+		if !bytes.Equal(r, want) {
+			t.Errorf("Tflush of %s: reply % x, want % x", name, r, want)
+		}
+	}
+	done := make(chan struct{})
+	go func() { g.dev.Close(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(5 * time.Second):
+		t.Fatal("Close did not return after the flushes")
+	}
+}
+
+// TestRflushFollowsTheFlushedReply: the driver gets the flushed request's
+// chain back before the Rflush, whatever order the server answers in:
+// Linux frees the flushed request on Rflush, so a reply after it would be
+// written into freed memory.
+func TestRflushFollowsTheFlushedReply(t *testing.T) {
+	drv := virtiotest.NewDriver(16 << 20)
+	q := drv.NewQueue(queueSize)
+	d := &Device{log: slog.New(slog.DiscardHandler)}
+	act := &virtio.Activation{Mem: drv.Mem, Queues: []*virtio.Queue{q.Device()}, Interrupt: func() {}, Fail: func(error) {}}
+	s := &session{dev: d, pending: map[uint16]*virtio.Chain{}, flushes: map[uint16]uint16{}, held: map[uint16][]byte{}, msize: MaxMessage}
+	d.act, d.sess = act, s
+	read := rawRequest(116, 5, make([]byte, 16))  // Tread fid offset count
+	flush := rawRequest(tflush, 6, []byte{5, 0}) // Tflush oldtag 5
+	hRead, _ := q.Add(read, 4096)
+	hFlush, _ := q.Add(flush, 64)
+	for _, want := range []uint16{5, 6} {
+		c, err := act.Queues[0].Next()
+		if err != nil || c == nil {
+			t.Fatalf("Next() = %v, %v", c, err)
+		}
+		if _, tag, reply, err := s.admit(c); err != nil || reply != nil || tag != want {
+			t.Fatalf("admit(tag %d) = tag %d, reply % x, err %v", want, tag, reply, err)
+		}
+	}
+	s.reply(flushReply(6)) // the server's Rflush comes first
+	if u := q.TakeUsed(); len(u) != 0 {
+		t.Fatalf("Rflush returned before the flushed request: %+v", u)
+	}
+	rread := rawRequest(117, 5, []byte{0, 0, 0, 0}) // Rread count 0
+	s.reply(rread)
+	u := q.TakeUsed()
+	if len(u) != 2 || u[0].Head != hRead || u[1].Head != hFlush {
+		t.Fatalf("used chains %+v, want the read (head %d) then the flush (head %d)", u, hRead, hFlush)
+	}
+	if !bytes.Equal(u[0].Written, rread) || !bytes.Equal(u[1].Written, flushReply(6)) {
+		t.Errorf("replies % x and % x", u[0].Written, u[1].Written)
+	}
+	// Tags are free again: both can be reused.
+	if len(s.pending) != 0 || len(s.flushes) != 0 || len(s.held) != 0 {
+		t.Errorf("session still holds pending %v flushes %v held %v", s.pending, s.flushes, s.held)
 	}
 }

@@ -111,6 +111,9 @@ func (d *Device) Activate(a virtio.Activation) error {
 	d.kick = make(chan struct{}, 1)
 	d.stop = make(chan struct{})
 	go d.worker(d.kick, d.stop)
+	// Buffers the driver made available before DRIVER_OK came with
+	// notifications the transport could not pass on: look at once.
+	d.wake()
 	return nil
 }
 

@@ -11,6 +11,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"net/url"
@@ -184,6 +185,29 @@ func reboot() {
 	select {}
 }
 
+// announceReady tells the host the agent listens, by connecting to its
+// ready port. A connect can time out in the guest before the host ever
+// sees it (Linux gives up on a vsock connect after 2 s, and a loaded or
+// nested guest may not get its request out by then), so it is tried again
+// until the host has heard it; a host that does not listen (a raw VM)
+// refuses at once, and then it stops.
+func announceReady(log *slog.Logger) {
+	for attempt, wait := 1, 100*time.Millisecond; ; attempt++ {
+		c, err := vsock.Dial(vsock.Host, agent.ReadyPort, nil)
+		if err == nil {
+			c.Write([]byte(agent.Version + "\n"))
+			c.Close()
+			return
+		}
+		if errors.Is(err, unix.ECONNREFUSED) || errors.Is(err, unix.ECONNRESET) || attempt == 20 {
+			log.Debug("ready announcement not taken", "attempt", attempt, "err", err)
+			return
+		}
+		time.Sleep(wait)
+		wait = min(2*wait, 2*time.Second)
+	}
+}
+
 // serve runs the agent server.
 func serve(log *slog.Logger) int {
 	l, err := vsock.Listen(agent.Port, nil)
@@ -191,12 +215,7 @@ func serve(log *slog.Logger) int {
 		log.Error("listen", "port", agent.Port, "err", err)
 		return 1
 	}
-	// Tell the host we are ready; it may not listen (a raw VM), so a
-	// failure here is not fatal.
-	if c, err := vsock.Dial(vsock.Host, agent.ReadyPort, nil); err == nil {
-		c.Write([]byte(agent.Version + "\n"))
-		c.Close()
-	}
+	go announceReady(log)
 	srv := &agent.Server{Log: log, Shutdown: func() {
 		time.Sleep(10 * time.Millisecond) // let the reply reach the host
 		os.Exit(0)                        // init reboots when the agent exits

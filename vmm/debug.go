@@ -1,0 +1,278 @@
+package vmm
+
+import (
+	"context"
+	"encoding/binary"
+	"fmt"
+	"strings"
+	"sync/atomic"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/capsa-sandbox/capsa/kvm"
+	"github.com/capsa-sandbox/capsa/virtio"
+)
+
+// Debug is what a VM was doing when it was asked: enough to diagnose a
+// hang or a failure from one occurrence. Machine.Debug takes it from a
+// running VM (each vCPU reports its own state between two KVM_RUNs) or
+// from a stopped one.
+type Debug struct {
+	Taken   time.Time
+	Running bool
+	VCPUs   []VCPUDebug
+	Virtio  []virtio.TransportDebug
+	// Exits counts the VM exits to userspace by reason, over all vCPUs.
+	Exits map[string]uint64
+	// Console is the tail of the guest's serial console.
+	Console string
+}
+
+// VCPUDebug is one vCPU's state.
+type VCPUDebug struct {
+	ID int
+	// Err is set when the state could not be read: the vCPU did not leave
+	// KVM_RUN in time, or is stuck in the VMM handling an exit (Busy says
+	// which).
+	Err  error
+	Busy string
+
+	Regs    kvm.Regs
+	Sregs   kvm.Sregs
+	Events  kvm.VCPUEvents
+	MPState kvm.MPState
+	// LAPIC registers: the interrupt request and in-service vectors, the
+	// task priority, the timer's LVT and current count.
+	IRR, ISR  []int
+	TPR       uint32
+	LVTTimer  uint32
+	TimerCCR  uint32
+	LAPICBase uint64
+}
+
+// LAPIC register offsets in struct kvm_lapic_state used by Debug.
+const (
+	apicTPR      = 0x80
+	apicISR      = 0x100
+	apicIRR      = 0x200
+	apicLVTTimer = 0x320
+	apicTimerCCR = 0x390
+)
+
+// String formats the report for a log or a test failure.
+func (d *Debug) String() string {
+	var b strings.Builder
+	state := "stopped"
+	if d.Running {
+		state = "running"
+	}
+	fmt.Fprintf(&b, "VM debug state (%s, taken %s)\n", state, d.Taken.Format(time.RFC3339Nano))
+	for _, v := range d.VCPUs {
+		if v.Err != nil {
+			fmt.Fprintf(&b, "vCPU %d: %v", v.ID, v.Err)
+			if v.Busy != "" {
+				fmt.Fprintf(&b, " (busy: %s)", v.Busy)
+			}
+			b.WriteString("\n")
+			continue
+		}
+		r, s, e := &v.Regs, &v.Sregs, &v.Events
+		fmt.Fprintf(&b, "vCPU %d: mp_state %s rip %#x rsp %#x rflags %#x cs %#x cpl %d\n",
+			v.ID, mpStateName(v.MPState), r.RIP, r.RSP, r.RFLAGS, s.CS.Selector, s.CS.DPL)
+		fmt.Fprintf(&b, "  rax %#x rbx %#x rcx %#x rdx %#x rsi %#x rdi %#x rbp %#x\n", r.RAX, r.RBX, r.RCX, r.RDX, r.RSI, r.RDI, r.RBP)
+		fmt.Fprintf(&b, "  cr0 %#x cr2 %#x cr3 %#x cr4 %#x cr8 %#x efer %#x apic_base %#x gdt %#x/%#x idt %#x/%#x\n",
+			s.CR0, s.CR2, s.CR3, s.CR4, s.CR8, s.EFER, s.APICBase, s.GDT.Base, s.GDT.Limit, s.IDT.Base, s.IDT.Limit)
+		fmt.Fprintf(&b, "  events: exception injected=%d pending=%d nr=%d err=%#x; interrupt injected=%d nr=%d shadow=%d; nmi injected=%d pending=%d masked=%d\n",
+			e.ExceptionInjected, e.ExceptionPending, e.ExceptionNr, e.ExceptionErrorCode,
+			e.InterruptInjected, e.InterruptNr, e.InterruptShadow, e.NMIInjected, e.NMIPending, e.NMIMasked)
+		fmt.Fprintf(&b, "  lapic: irr %v isr %v tpr %#x lvt_timer %#x timer_ccr %d\n", v.IRR, v.ISR, v.TPR, v.LVTTimer, v.TimerCCR)
+	}
+	for _, t := range d.Virtio {
+		b.WriteString(t.String())
+		b.WriteString("\n")
+	}
+	if len(d.Exits) > 0 {
+		fmt.Fprintf(&b, "exits to the VMM: %v\n", d.Exits)
+	}
+	if d.Console != "" {
+		fmt.Fprintf(&b, "console tail:\n%s\n", d.Console)
+	}
+	return b.String()
+}
+
+func mpStateName(s kvm.MPState) string {
+	switch s {
+	case kvm.MPStateRunnable:
+		return "runnable"
+	case kvm.MPStateUninitialized:
+		return "uninitialized"
+	case kvm.MPStateHalted:
+		return "halted"
+	}
+	return fmt.Sprintf("%d", s)
+}
+
+// vcpuTrack is what the VMM records about one vCPU for diagnostics, and
+// its channel for state requests.
+type vcpuTrack struct {
+	exits [64]atomic.Uint64 // by exit reason; larger reasons count in [0]
+	// While the vCPU thread handles an exit: the reason, the port or
+	// address, and when it started (unix nanoseconds); 0 in the guest.
+	busyReason atomic.Uint32
+	busyAddr   atomic.Uint64
+	busySince  atomic.Int64
+	requests   chan chan VCPUDebug
+}
+
+func newVCPUTrack() *vcpuTrack { return &vcpuTrack{requests: make(chan chan VCPUDebug, 4)} }
+
+func (t *vcpuTrack) enter(reason kvm.ExitReason, addr uint64) {
+	if int(reason) < len(t.exits) {
+		t.exits[reason].Add(1)
+	} else {
+		t.exits[0].Add(1)
+	}
+	t.busyReason.Store(uint32(reason))
+	t.busyAddr.Store(addr)
+	t.busySince.Store(time.Now().UnixNano())
+}
+
+func (t *vcpuTrack) leave() { t.busySince.Store(0) }
+
+func (t *vcpuTrack) busy() string {
+	since := t.busySince.Load()
+	if since == 0 {
+		return ""
+	}
+	return fmt.Sprintf("handling %v at %#x for %v", kvm.ExitReason(t.busyReason.Load()), t.busyAddr.Load(),
+		time.Since(time.Unix(0, since)).Round(time.Millisecond))
+}
+
+// debugWait bounds how long Debug waits for a running vCPU to report.
+const debugWait = 2 * time.Second
+
+// Debug returns the VM's state. While the VM runs, each vCPU is made to
+// leave KVM_RUN (as for a stop, but it goes on afterwards) and reports its
+// own state; a vCPU that does not report within a few seconds is named
+// with what it is busy with. It never stops the VM.
+func (m *Machine) Debug(ctx context.Context) *Debug {
+	d := &Debug{Taken: time.Now(), Console: m.console.Tail(), Exits: map[string]uint64{}}
+	m.runMu.Lock()
+	running := m.running
+	defer m.runMu.Unlock()
+	d.Running = running
+	replies := make([]chan VCPUDebug, len(m.vcpus))
+	for i, v := range m.vcpus {
+		if !running {
+			continue
+		}
+		replies[i] = make(chan VCPUDebug, 1)
+		select {
+		case m.track[i].requests <- replies[i]:
+		default:
+			replies[i] = nil // a full queue: requests already pending
+			continue
+		}
+		v.SetImmediateExit(true)
+		if tid := m.tids[i].Load(); tid != 0 {
+			unix.Tgkill(unix.Getpid(), int(tid), unix.SIGURG)
+		}
+	}
+	timeout := time.NewTimer(debugWait)
+	defer timeout.Stop()
+	for i := range m.vcpus {
+		switch {
+		case !running:
+			d.VCPUs = append(d.VCPUs, m.vcpuDebug(i))
+		case replies[i] == nil:
+			d.VCPUs = append(d.VCPUs, VCPUDebug{ID: i, Err: fmt.Errorf("earlier state requests still pending"), Busy: m.track[i].busy()})
+		default:
+			select {
+			case r := <-replies[i]:
+				d.VCPUs = append(d.VCPUs, r)
+			case <-timeout.C:
+				d.VCPUs = append(d.VCPUs, VCPUDebug{ID: i, Err: fmt.Errorf("did not report within %v", debugWait), Busy: m.track[i].busy()})
+			case <-ctx.Done():
+				d.VCPUs = append(d.VCPUs, VCPUDebug{ID: i, Err: ctx.Err(), Busy: m.track[i].busy()})
+			}
+		}
+	}
+	for _, t := range m.track {
+		for r := range t.exits {
+			if n := t.exits[r].Load(); n > 0 {
+				name := kvm.ExitReason(r).String()
+				if r == 0 {
+					name = "other"
+				}
+				d.Exits[name] += n
+			}
+		}
+	}
+	for _, s := range m.virtio {
+		d.Virtio = append(d.Virtio, s.transport.Debug(fmt.Sprintf("virtio-mmio@%#x gsi %d", s.base, s.gsi)))
+	}
+	return d
+}
+
+// serveDebug answers pending state requests on vCPU i's own thread, between
+// two KVM_RUNs.
+func (m *Machine) serveDebug(i int) {
+	for {
+		select {
+		case reply := <-m.track[i].requests:
+			reply <- m.vcpuDebug(i)
+		default:
+			return
+		}
+	}
+}
+
+// vcpuDebug reads vCPU i's state; the vCPU must not be in KVM_RUN.
+func (m *Machine) vcpuDebug(i int) VCPUDebug {
+	v := m.vcpus[i]
+	d := VCPUDebug{ID: i}
+	fail := func(err error) VCPUDebug { d.Err = err; return d }
+	regs, err := v.GetRegs()
+	if err != nil {
+		return fail(err)
+	}
+	sregs, err := v.GetSregs()
+	if err != nil {
+		return fail(err)
+	}
+	ev, err := v.GetVCPUEvents()
+	if err != nil {
+		return fail(err)
+	}
+	if d.MPState, err = v.GetMPState(); err != nil {
+		return fail(err)
+	}
+	lapic, err := v.GetLAPIC()
+	if err != nil {
+		return fail(err)
+	}
+	d.Regs, d.Sregs, d.Events = *regs, *sregs, *ev
+	d.IRR, d.ISR = apicVectors(lapic, apicIRR), apicVectors(lapic, apicISR)
+	le := binary.LittleEndian
+	d.TPR = le.Uint32(lapic.Regs[apicTPR:])
+	d.LVTTimer = le.Uint32(lapic.Regs[apicLVTTimer:])
+	d.TimerCCR = le.Uint32(lapic.Regs[apicTimerCCR:])
+	d.LAPICBase = sregs.APICBase
+	return d
+}
+
+// apicVectors lists the vectors set in a 256-bit LAPIC register (IRR, ISR):
+// eight 32-bit words, each on a 16-byte boundary.
+func apicVectors(l *kvm.LAPICState, off int) []int {
+	var vs []int
+	for w := range 8 {
+		bits := binary.LittleEndian.Uint32(l.Regs[off+16*w:])
+		for b := range 32 {
+			if bits&(1<<b) != 0 {
+				vs = append(vs, 32*w+b)
+			}
+		}
+	}
+	return vs
+}
