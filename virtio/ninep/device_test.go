@@ -385,7 +385,7 @@ func TestRflushFollowsTheFlushedReply(t *testing.T) {
 	act := &virtio.Activation{Mem: drv.Mem, Queues: []*virtio.Queue{q.Device()}, Interrupt: func() {}, Fail: func(error) {}}
 	s := &session{dev: d, pending: map[uint16]*virtio.Chain{}, flushes: map[uint16]uint16{}, held: map[uint16][]byte{}, msize: MaxMessage}
 	d.act, d.sess = act, s
-	read := rawRequest(116, 5, make([]byte, 16))  // Tread fid offset count
+	read := rawRequest(116, 5, make([]byte, 16)) // Tread fid offset count
 	flush := rawRequest(tflush, 6, []byte{5, 0}) // Tflush oldtag 5
 	hRead, _ := q.Add(read, 4096)
 	hFlush, _ := q.Add(flush, 64)
