@@ -167,6 +167,37 @@ func TestI8042Reset(t *testing.T) {
 	}
 }
 
+// TestI8042AnswersProbes: every command a guest driver waits on has its
+// reply ready on the first status read, and the replies say the
+// controller is fine and has no mouse port (Linux's i8042_check_aux).
+func TestI8042AnswersProbes(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		writes [][2]uint8
+		want   uint8
+	}{
+		{"controller self test", [][2]uint8{{4, 0xaa}}, 0x55},
+		{"keyboard port test", [][2]uint8{{4, 0xab}}, 0x00},
+		{"aux loopback", [][2]uint8{{4, 0xd3}, {0, 0x5a}}, 0xa5},
+		{"aux port test", [][2]uint8{{4, 0xa9}}, 0x01},
+	} {
+		k := NewI8042(nil)
+		for _, w := range tc.writes {
+			wr(k, uint64(w[0]), w[1])
+		}
+		if rd(k, 4)&i8042StatusOutputFull == 0 {
+			t.Errorf("%s: no reply ready", tc.name)
+			continue
+		}
+		if got := rd(k, 0); got != tc.want {
+			t.Errorf("%s: reply %#x, want %#x", tc.name, got, tc.want)
+		}
+		if rd(k, 4)&i8042StatusOutputFull != 0 {
+			t.Errorf("%s: more than one reply byte", tc.name)
+		}
+	}
+}
+
 func TestPortBus(t *testing.T) {
 	b := NewPortBus()
 	s := NewSerial(nil, nil)

@@ -6,6 +6,12 @@ import "sync"
 // (Linux's reboot=k): port 0x64 reads as an idle controller, and the pulse
 // reset command 0xfe, or an output-port write with the reset bit low, calls
 // the reset callback.
+//
+// The controller's self tests and the auxiliary port's loopback are
+// answered at once, the answers saying there is no mouse port: a guest
+// kernel with an i8042 driver (a distribution's) otherwise polls the status
+// port thousands of times per test waiting for a reply, each poll an exit
+// to the VMM, which takes tens of seconds under nested virtualization.
 type I8042 struct {
 	mu         sync.Mutex
 	reset      func()
@@ -21,8 +27,16 @@ const (
 
 	i8042CmdReadCmdByte  = 0x20
 	i8042CmdWriteCmdByte = 0x60
+	i8042CmdAuxTest      = 0xa9
+	i8042CmdSelfTest     = 0xaa
+	i8042CmdKbdTest      = 0xab
 	i8042CmdWriteOutput  = 0xd1
+	i8042CmdAuxLoop      = 0xd3
 	i8042CmdResetPulse   = 0xfe
+
+	i8042SelfTestOK  = 0x55
+	i8042KbdTestOK   = 0x00
+	i8042AuxTestFail = 0x01 // "clock line stuck low": no auxiliary port
 
 	i8042StatusOutputFull = 0x01
 	i8042StatusSystem     = 0x04
@@ -74,6 +88,11 @@ func (k *I8042) Write(off uint64, data []byte) {
 			k.commandReg = v
 		case i8042CmdWriteOutput:
 			reset = v&0x01 == 0 // bit 0 is the CPU reset line, active low
+		case i8042CmdAuxLoop:
+			// A real port echoes the byte back as if from the mouse; a
+			// different byte fails Linux's loopback test, and the port
+			// test that follows says there is no port.
+			k.outBuf = append(k.outBuf[:0], ^v)
 		}
 		k.cmd = 0
 	case 4:
@@ -82,8 +101,14 @@ func (k *I8042) Write(off uint64, data []byte) {
 			reset = true
 		case i8042CmdReadCmdByte:
 			k.outBuf = append(k.outBuf[:0], k.commandReg)
-		case i8042CmdWriteCmdByte, i8042CmdWriteOutput:
+		case i8042CmdWriteCmdByte, i8042CmdWriteOutput, i8042CmdAuxLoop:
 			k.cmd = v
+		case i8042CmdSelfTest:
+			k.outBuf = append(k.outBuf[:0], i8042SelfTestOK)
+		case i8042CmdKbdTest:
+			k.outBuf = append(k.outBuf[:0], i8042KbdTestOK)
+		case i8042CmdAuxTest:
+			k.outBuf = append(k.outBuf[:0], i8042AuxTestFail)
 		}
 	}
 	k.mu.Unlock()

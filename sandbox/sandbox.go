@@ -48,6 +48,7 @@ type config struct {
 	log          *slog.Logger
 	console      io.Writer
 	readyTimeout time.Duration
+	watchdog     time.Duration
 	vsockSocket  string
 	shares       []share
 	net          *netConfig
@@ -113,6 +114,13 @@ func (b *Builder) VsockSocket(path string) *Builder { b.c.vsockSocket = path; re
 
 // ReadyTimeout bounds how long Start waits for the guest agent.
 func (b *Builder) ReadyTimeout(d time.Duration) *Builder { b.c.readyTimeout = d; return b }
+
+func (c config) logger() *slog.Logger {
+	if c.log == nil {
+		return slog.New(slog.DiscardHandler)
+	}
+	return c.log
+}
 
 // Err reports what is wrong with the configuration so far, the same
 // error Start would return before booting anything.
@@ -206,6 +214,9 @@ func (w *Workload) Start(ctx context.Context) (*Sandbox, error) {
 	s.mu.Lock()
 	s.main = p
 	s.mu.Unlock()
+	if w.c.watchdog > 0 {
+		go s.watch(w.c.watchdog)
+	}
 	return s, nil
 }
 
@@ -227,10 +238,7 @@ func boot(ctx context.Context, c config) (_ *Sandbox, err error) {
 	if err != nil {
 		return nil, fmt.Errorf("sandbox: initramfs: %w", err)
 	}
-	log := c.log
-	if log == nil {
-		log = slog.New(slog.DiscardHandler)
-	}
+	log := c.logger()
 	s := &Sandbox{c: c, vmDone: make(chan struct{}), ready: make(chan struct{}), started: start}
 	// Until the VM runs, a failure releases what was set up so far.
 	defer func() {

@@ -3,6 +3,7 @@ package vmm
 import (
 	"testing"
 
+	"github.com/capsa-sandbox/capsa/guestmem"
 	"github.com/capsa-sandbox/capsa/kvm"
 )
 
@@ -43,5 +44,40 @@ func TestVCPUCPUID(t *testing.T) {
 	}
 	if supported[1].ECX&cpuidHypervisor != 0 {
 		t.Error("vcpuCPUID modified the table it was given")
+	}
+}
+
+// TestReadVirt walks hand-built 4-level page tables: a 4 KiB page, a 2 MiB
+// page, a read across two pages, and an unmapped address.
+func TestReadVirt(t *testing.T) {
+	mem, err := guestmem.FromRegions(guestmem.Region{GPA: 0, Host: make([]byte, 8<<20)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	m := &Machine{mem: mem}
+	const pml4, pdpt, pd, pt = 0x1000, 0x2000, 0x3000, 0x4000
+	va4k := uint64(0xffff_8000_0000_0000) // PML4 256, PDPT 0, PD 0, PT 0
+	put := func(addr, v uint64) { mem.PutUint64(addr, v) }
+	put(pml4+8*256, pdpt|ptePres)
+	put(pdpt, pd|ptePres)
+	put(pd, pt|ptePres)
+	put(pt, 0x10000|ptePres)                  // va4k -> 0x10000
+	put(pt+8, 0x20000|ptePres)                // va4k+4K -> 0x20000
+	put(pd+8, 0x200000|ptePres|ptePS)         // va4k+2M -> 2 MiB page at 0x200000
+	mem.WriteAt([]byte("ABCD"), 0x10000+4094) // spans into the next page
+	mem.WriteAt([]byte("EF"), 0x20000)
+	mem.WriteAt([]byte("big page"), 0x200000+0x1234)
+	s := &kvm.Sregs{CR0: cr0PG, CR4: cr4PAE, EFER: eferLMA, CR3: pml4}
+	if got := string(m.readVirt(s, va4k+4094, 4)); got != "ABEF" {
+		t.Errorf("readVirt(across pages) = %q, want %q", got, "ABEF")
+	}
+	if got := string(m.readVirt(s, va4k+2<<20+0x1234, 8)); got != "big page" {
+		t.Errorf("readVirt(2 MiB page) = %q", got)
+	}
+	if got := m.readVirt(s, va4k+4<<20, 8); len(got) != 0 {
+		t.Errorf("readVirt(unmapped) = % x, want nothing", got)
+	}
+	if got := m.readVirt(&kvm.Sregs{}, va4k, 8); len(got) != 0 {
+		t.Errorf("readVirt without paging = % x", got)
 	}
 }

@@ -49,6 +49,10 @@ type VCPUDebug struct {
 	LVTTimer  uint32
 	TimerCCR  uint32
 	LAPICBase uint64
+	// Stack is the first words at RSP and Code the bytes at RIP, read
+	// through the guest's page tables (empty where they map nothing).
+	Stack []uint64
+	Code  []byte
 }
 
 // LAPIC register offsets in struct kvm_lapic_state used by Debug.
@@ -87,6 +91,16 @@ func (d *Debug) String() string {
 			e.ExceptionInjected, e.ExceptionPending, e.ExceptionNr, e.ExceptionErrorCode,
 			e.InterruptInjected, e.InterruptNr, e.InterruptShadow, e.NMIInjected, e.NMIPending, e.NMIMasked)
 		fmt.Fprintf(&b, "  lapic: irr %v isr %v tpr %#x lvt_timer %#x timer_ccr %d\n", v.IRR, v.ISR, v.TPR, v.LVTTimer, v.TimerCCR)
+		if len(v.Code) > 0 {
+			fmt.Fprintf(&b, "  code at rip: % x\n", v.Code)
+		}
+		if len(v.Stack) > 0 {
+			fmt.Fprintf(&b, "  stack:")
+			for _, w := range v.Stack {
+				fmt.Fprintf(&b, " %#x", w)
+			}
+			b.WriteString("\n")
+		}
 	}
 	for _, t := range d.Virtio {
 		b.WriteString(t.String())
@@ -128,9 +142,13 @@ type vcpuTrack struct {
 func newVCPUTrack() *vcpuTrack { return &vcpuTrack{requests: make(chan chan VCPUDebug, 4)} }
 
 func (t *vcpuTrack) enter(reason kvm.ExitReason, addr uint64) {
-	if int(reason) < len(t.exits) {
+	switch {
+	case reason == kvm.ExitIntr:
+		// A signal, often the VMM's own kick (Debug, a stop): not the
+		// guest's doing, so not counted.
+	case int(reason) < len(t.exits):
 		t.exits[reason].Add(1)
-	} else {
+	default:
 		t.exits[0].Add(1)
 	}
 	t.busyReason.Store(uint32(reason))
@@ -259,7 +277,71 @@ func (m *Machine) vcpuDebug(i int) VCPUDebug {
 	d.LVTTimer = le.Uint32(lapic.Regs[apicLVTTimer:])
 	d.TimerCCR = le.Uint32(lapic.Regs[apicTimerCCR:])
 	d.LAPICBase = sregs.APICBase
+	d.Code = m.readVirt(sregs, regs.RIP, 32)
+	if stack := m.readVirt(sregs, regs.RSP, 16*8); len(stack) > 0 {
+		for i := 0; i+8 <= len(stack); i += 8 {
+			d.Stack = append(d.Stack, le.Uint64(stack[i:]))
+		}
+	}
 	return d
+}
+
+// Paging bits for readVirt.
+const (
+	cr0PG    = 1 << 31
+	cr4PAE   = 1 << 5
+	cr4LA57  = 1 << 12
+	eferLMA  = 1 << 10
+	ptePres  = 1 << 0
+	ptePS    = 1 << 7
+	pteAddr  = 0x000f_ffff_ffff_f000
+	pageSize = 4096
+)
+
+// readVirt reads up to n bytes at a guest virtual address through the
+// vCPU's 4- or 5-level page tables (64-bit mode only), stopping at the
+// first unmapped page; it reads guest memory and never fails otherwise.
+func (m *Machine) readVirt(s *kvm.Sregs, va uint64, n int) []byte {
+	if s.CR0&cr0PG == 0 || s.CR4&cr4PAE == 0 || s.EFER&eferLMA == 0 {
+		return nil
+	}
+	var out []byte
+	for len(out) < n {
+		gpa, ok := m.translate(s.CR3, s.CR4&cr4LA57 != 0, va)
+		if !ok {
+			break
+		}
+		k := min(n-len(out), int(pageSize-va%pageSize))
+		buf := make([]byte, k)
+		if m.mem.ReadAt(buf, gpa) != nil {
+			break
+		}
+		out = append(out, buf...)
+		va += uint64(k)
+	}
+	return out
+}
+
+// translate walks the guest's page tables for va.
+func (m *Machine) translate(cr3 uint64, la57 bool, va uint64) (uint64, bool) {
+	levels := 4
+	if la57 {
+		levels = 5
+	}
+	table := cr3 & pteAddr
+	for l := levels; l >= 1; l-- {
+		shift := 12 + 9*uint(l-1)
+		pte, err := m.mem.Uint64(table + 8*((va>>shift)&0x1ff))
+		if err != nil || pte&ptePres == 0 {
+			return 0, false
+		}
+		if l <= 3 && l > 1 && pte&ptePS != 0 { // a 1 GiB or 2 MiB page
+			mask := uint64(1)<<shift - 1
+			return pte&pteAddr&^mask | va&mask, true
+		}
+		table = pte & pteAddr
+	}
+	return table | va&(pageSize-1), true
 }
 
 // apicVectors lists the vectors set in a 256-bit LAPIC register (IRR, ISR):

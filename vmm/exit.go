@@ -28,6 +28,10 @@ const (
 	// fault (KVM_EXIT_SHUTDOWN). A PC resets then; capsa reports it as the
 	// guest's failure, never as a clean reboot.
 	StopTripleFault
+	// StopHung: the host stopped a guest that made no progress (for
+	// example the sandbox's watchdog: its agent stopped answering and its
+	// vCPUs stood still).
+	StopHung
 )
 
 func (r StopReason) String() string {
@@ -46,6 +50,8 @@ func (r StopReason) String() string {
 		return "VMM error"
 	case StopTripleFault:
 		return "guest triple fault"
+	case StopHung:
+		return "guest hung"
 	}
 	return fmt.Sprintf("StopReason(%d)", int(r))
 }

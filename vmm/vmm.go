@@ -284,6 +284,10 @@ func (m *Machine) pumpInput(in io.Reader) {
 	}
 }
 
+// Stop makes a running VM stop for the host's reason: Run returns an Exit
+// with it (unless the VM was stopping already).
+func (m *Machine) Stop(reason StopReason, detail string) { m.stop(reason, detail, nil) }
+
 // stop records the first reason the VM stops and wakes Run.
 func (m *Machine) stop(reason StopReason, detail string, err error) {
 	m.stopOnce.Do(func() {

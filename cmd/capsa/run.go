@@ -18,6 +18,10 @@ import (
 // timeout(1) uses.
 const exitTimedOut = 124
 
+// defaultWatchdog is generous: a guest only counts as hung when its agent
+// is silent and its vCPUs stand still for all of it.
+const defaultWatchdog = 5 * time.Minute
+
 func runRun(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	fs := newFlags("run", "[flags] -- CMD [ARGS...]", stdout)
 	cpus := fs.Int("cpus", 1, "number of vCPUs")
@@ -36,6 +40,7 @@ func runRun(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	publish := fs.StringArrayP("publish", "p", nil, "publish a guest port: [HOSTIP:]HOSTPORT:GUESTPORT[/udp], on 127.0.0.1 by default (repeatable)")
 	dnsServer := fs.String("dns-server", "", "resolve the guest's DNS queries through this IP:PORT instead of the host's resolver")
 	verbose := fs.Bool("verbose", false, "log VMM events and the guest console to stderr")
+	watchdog := fs.Duration("watchdog", defaultWatchdog, "stop the sandbox as hung when its agent has not answered for this long and no vCPU moved; 0 turns it off")
 	if code := parseFlags(fs, args, stderr); code >= 0 {
 		return code
 	}
@@ -64,7 +69,10 @@ func runRun(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	if *timeout < 0 {
 		return fail("--timeout %v: must not be negative", *timeout)
 	}
-	b := sandbox.New().CPUs(*cpus).Memory(int(mem >> 20)).Env(*env...)
+	if *watchdog < 0 {
+		return fail("--watchdog %v: must not be negative", *watchdog)
+	}
+	b := sandbox.New().CPUs(*cpus).Memory(int(mem >> 20)).Env(*env...).Watchdog(*watchdog)
 	switch {
 	case *netMode != "none":
 		policy, err := netstack.ParsePolicy(*netMode, *allow, *deny)
@@ -116,6 +124,9 @@ func runRun(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	switch {
 	case err != nil:
 		fmt.Fprintf(stderr, "capsa run: %v\n", err)
+		if e := sb.Exit(); e != nil && e.Reason == vmm.StopHung && e.Debug != nil {
+			fmt.Fprintf(stderr, "capsa run: %s", e.Debug)
+		}
 		return 125
 	case st.TimedOut:
 		fmt.Fprintf(stderr, "capsa run: %s timed out after %v\n", fs.Arg(0), *timeout)

@@ -16,6 +16,7 @@ import (
 
 	"github.com/capsa-sandbox/capsa/agent"
 	"github.com/capsa-sandbox/capsa/sandbox"
+	"github.com/capsa-sandbox/capsa/vmm"
 )
 
 // newSandbox starts a sandbox from the built kernel and initramfs.
@@ -268,4 +269,36 @@ func TestGuestDeathEndsExecs(t *testing.T) {
 	if _, err := sb.Exec(ctx, sandbox.Command("true")); err == nil {
 		t.Error("exec after the guest died succeeded")
 	}
+}
+
+// TestWatchdogReportsAHungGuest: a guest whose agent stops answering while
+// its vCPUs idle is stopped by the host as hung, with its state, instead
+// of leaving the caller waiting forever.
+func TestWatchdogReportsAHungGuest(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+	defer cancel()
+	sb, err := sandbox.New().Memory(256).Watchdog(20*time.Second).
+		Kernel(artifact(t, "vmlinux")).Initrd(artifact(t, "initramfs.cpio")).
+		Run("sleep", "100000").Start(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sb.Close()
+	// The exec's parent is the agent's server: stopping it silences the
+	// agent, and the guest goes idle.
+	_, err = sb.Exec(ctx, sandbox.Shell("kill -STOP $PPID; sleep 1"))
+	if err == nil {
+		t.Fatal("Exec returned no error from a guest whose agent was stopped")
+	}
+	if ctx.Err() != nil {
+		t.Fatalf("Exec waited until the test's deadline: %v", err)
+	}
+	e := sb.Exit()
+	if e == nil || e.Reason != vmm.StopHung {
+		t.Fatalf("Exit() = %v, want %v", e, vmm.StopHung)
+	}
+	if e.Debug == nil || len(e.Debug.VCPUs) != 1 || !strings.Contains(err.Error(), "guest hung") {
+		t.Errorf("a hung guest's error %q and state %v", err, e.Debug)
+	}
+	t.Logf("reported: %v\n%s", err, e.Debug)
 }

@@ -17,21 +17,26 @@ import (
 	"time"
 
 	"github.com/capsa-sandbox/capsa/netstack"
+	"github.com/capsa-sandbox/capsa/p9fs"
 	"github.com/capsa-sandbox/capsa/sandbox"
 	"github.com/capsa-sandbox/capsa/tests/stressload"
+	"github.com/capsa-sandbox/capsa/virtio"
+	virtionet "github.com/capsa-sandbox/capsa/virtio/net"
+	"github.com/capsa-sandbox/capsa/virtio/ninep"
 	"github.com/capsa-sandbox/capsa/vmm"
 )
 
 // The stress run's size. `make test` runs TestStress with these defaults
 // (a short run); `make stress` passes larger counts.
 var (
-	stressBoots   = flag.Int("stress.boots", 8, "TestStress: boots of the test init under each VMM")
-	stressRounds  = flag.Int("stress.rounds", 1, "TestStress: rounds of the 9p and network workload under each VMM")
-	stressBytes   = flag.Int64("stress.bytes", 16<<20, "TestStress: bytes each way over TCP")
-	stressFile    = flag.Int64("stress.filebytes", 16<<20, "TestStress: the size of the file copied over 9p")
-	stressKernel2 = flag.String("stress.kernel2", "", "TestStress: a second kernel (e.g. a distribution's bzImage) to boot too")
-	stressBoots2  = flag.Int("stress.boots2", 3, "TestStress: boots of -stress.kernel2 under each VMM")
-	stressWait    = flag.Duration("stress.watchdog", 5*time.Minute, "TestStress: a run that takes longer is counted as a hang")
+	stressBoots     = flag.Int("stress.boots", 8, "TestStress: boots of the test init under each VMM")
+	stressRounds    = flag.Int("stress.rounds", 1, "TestStress: rounds of the 9p and network workload under each VMM")
+	stressBytes     = flag.Int64("stress.bytes", 16<<20, "TestStress: bytes each way over TCP")
+	stressFile      = flag.Int64("stress.filebytes", 16<<20, "TestStress: the size of the file copied over 9p")
+	stressKernel2   = flag.String("stress.kernel2", "", "TestStress: a second kernel (e.g. a distribution's bzImage) to boot too")
+	stressBoots2    = flag.Int("stress.boots2", 3, "TestStress: boots of -stress.kernel2 under each VMM")
+	stressKernelIRQ = flag.Bool("stress.qemu-kernel-irqchip", false, "TestStress: also run the workload under QEMU with KVM's in-kernel IOAPIC and PIC, as capsa has them")
+	stressWait      = flag.Duration("stress.watchdog", 5*time.Minute, "TestStress: a run that takes longer is counted as a hang")
 )
 
 // outcome is how one run of a guest ended.
@@ -105,7 +110,10 @@ func TestStress(t *testing.T) {
 	defer func() {
 		var b strings.Builder
 		for _, p := range phases {
-			for _, v := range []string{"capsa", "qemu-microvm"} {
+			for _, v := range []string{"capsa", "capsa-raw", "qemu-microvm", "qemu-microvm-kirq"} {
+				if results[p][v] == nil {
+					continue
+				}
 				fmt.Fprintf(&b, "stress: %-34s %-13s %s\n", p, v, results[p][v])
 			}
 		}
@@ -126,7 +134,7 @@ func TestStress(t *testing.T) {
 		for i := range n {
 			o := runCapsaVM(t, []string{"vm", "--kernel", kernel, "--initrd", initrd, "--cpus", "2", "--memory", "256M", "--cmdline", bootCmdline})
 			record(phase, "capsa", o)
-			o = runQEMU(t, qemu, machine, kernel, initrd, bootCmdline, "2", nil, "capsa-testinit: rebooting", nil)
+			o = runQEMU(t, qemu, machine, "kvm", kernel, initrd, bootCmdline, "2", nil, "capsa-testinit: rebooting", nil)
 			record(phase, "qemu-microvm", o)
 			t.Logf("%s: boot %d of %d done", phase, i+1, n)
 		}
@@ -183,12 +191,23 @@ func TestStress(t *testing.T) {
 		os.Remove(filepath.Join(dir, "out.bin"))
 		c := work("/mnt")
 		cmdline := "console=ttyS0 reboot=k panic=-1 ip=10.0.2.15::10.0.2.2:255.255.255.0::eth0:off capsa.test=stress capsa.stress=" + c.String()
-		o := runQEMU(t, qemu, "microvm,acpi=off", kernel, initrd, cmdline, "1", []string{
+		record(phase, "capsa-raw", runCapsaRaw(t, kernel, initrd, cmdline, dir, c))
+		qemuDevices := []string{
 			"-fsdev", "local,id=s0,security_model=none,path=" + dir,
 			"-device", "virtio-9p-device,fsdev=s0,mount_tag=stress",
 			"-netdev", "user,id=n0", "-device", "virtio-net-device,netdev=n0",
-		}, stressload.Prefix+"done", func(out string) error { return stressload.Check(c, out, dir) })
+		}
+		check := func(out string) error { return stressload.Check(c, out, dir) }
+		os.Remove(filepath.Join(dir, "out.bin"))
+		o := runQEMU(t, qemu, "microvm,acpi=off", "kvm", kernel, initrd, cmdline, "1", qemuDevices, stressload.Prefix+"done", check)
 		record(phase, "qemu-microvm", o)
+		if *stressKernelIRQ {
+			// QEMU's microvm keeps the IOAPIC and PIC in userspace
+			// (split irqchip); capsa uses KVM's in-kernel ones.
+			os.Remove(filepath.Join(dir, "out.bin"))
+			o := runQEMU(t, qemu, "microvm,acpi=off", "kvm,kernel-irqchip=on", kernel, initrd, cmdline, "1", qemuDevices, stressload.Prefix+"done", check)
+			record(phase, "qemu-microvm-kirq", o)
+		}
 		t.Logf("%s: round %d of %d done", phase, i+1, *stressRounds)
 	}
 }
@@ -280,6 +299,72 @@ func runCapsaWorkload(t *testing.T, dir string, c stressload.Config) outcome {
 	return o
 }
 
+// runCapsaRaw runs the workload as QEMU's control does, with the test init
+// as the guest's init, on capsa's VMM and devices (9p, net) without the
+// agent and vsock: the same guest software as under QEMU.
+func runCapsaRaw(t *testing.T, kernel, initrd, cmdline, dir string, c stressload.Config) outcome {
+	ctx, cancel := context.WithTimeout(context.Background(), *stressWait)
+	defer cancel()
+	var console syncBuffer
+	log := slog.New(slog.DiscardHandler)
+	attacher, err := p9fs.New(dir, p9fs.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	share, err := ninep.New("stress", attacher, log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer share.Close()
+	st, err := netstack.New(ctx, netstack.Config{GuestMAC: net.HardwareAddr{0x52, 0x54, 0, 0x12, 0x34, 0x56}, Policy: netstack.AllowAll(), Logger: log})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer st.Close()
+	nic, err := virtionet.New(net.HardwareAddr{0x52, 0x54, 0, 0x12, 0x34, 0x56}, uint16(st.Addrs().MTU), st, log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer nic.Close()
+	k, err1 := os.ReadFile(kernel)
+	i, err2 := os.ReadFile(initrd)
+	if err := errors.Join(err1, err2); err != nil {
+		t.Fatal(err)
+	}
+	m, err := vmm.New(ctx, vmm.Config{Kernel: k, Initrd: i, Cmdline: cmdline, CPUs: 1, MemoryBytes: 512 << 20,
+		Console: &console, Devices: []virtio.Device{nic, share}, Log: log})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	exit := m.Run(ctx)
+	out := console.String()
+	o := outcomeOK
+	switch {
+	case exit.Reason == vmm.StopCanceled:
+		o = outcomeHang
+	case exit.Reason == vmm.StopTripleFault:
+		o = outcomeReset
+	case exit.Reason == vmm.StopPanic:
+		o = outcomePanic
+	case !exit.Reason.Clean():
+		o = outcomeError
+	default:
+		if err := stressload.Check(c, out, dir); err != nil {
+			t.Logf("capsa-raw: wrong output: %v", err)
+			o = outcomeWrong
+		}
+	}
+	if o != outcomeOK {
+		var debug string
+		if exit.Debug != nil {
+			debug = exit.Debug.String()
+		}
+		t.Logf("capsa-raw: %s: %v\n%s\nconsole tail:\n%s", o, exit, debug, tail(out, 3000))
+	}
+	return o
+}
+
 // classifySandbox names how a sandbox's run failed.
 func classifySandbox(sb *sandbox.Sandbox, ctx context.Context, err error) outcome {
 	if sb != nil {
@@ -309,8 +394,8 @@ func classifySandbox(sb *sandbox.Sandbox, ctx context.Context, err error) outcom
 // classifies the end: finished is the console line that says the guest
 // did its work; check, if set, checks its output. QEMU is killed once the
 // guest has finished (it can take tens of seconds to exit under nesting).
-func runQEMU(t *testing.T, qemu, machine, kernel, initrd, cmdline, cpus string, extra []string, finished string, check func(string) error) outcome {
-	args := append([]string{"-M", machine, "-accel", "kvm", "-cpu", "host", "-m", "512", "-smp", cpus,
+func runQEMU(t *testing.T, qemu, machine, accel, kernel, initrd, cmdline, cpus string, extra []string, finished string, check func(string) error) outcome {
+	args := append([]string{"-M", machine, "-accel", accel, "-cpu", "host", "-m", "512", "-smp", cpus,
 		"-nodefaults", "-no-user-config", "-display", "none", "-no-reboot", "-serial", "stdio",
 		"-global", "virtio-mmio.force-legacy=false",
 		"-kernel", kernel, "-initrd", initrd, "-append", cmdline}, extra...)

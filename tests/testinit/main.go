@@ -6,6 +6,7 @@
 //	panic   exit, so the kernel panics with "Attempted to kill init"
 //	hang    sleep forever
 //	vsock   talk to the host over vsock (see vsockTest), then reboot
+//	info    print the CPU flags and the kernel log, then reboot
 //	stress  run the stress workload capsa.stress=CONFIG names (see
 //	        tests/stressload), mounting the 9p share tagged "stress" first
 //
@@ -78,6 +79,18 @@ func main() {
 	case "stress":
 		if err := stress(stressConfig, true); err != nil {
 			fmt.Printf("capsa-testinit: stress: %v\n", err)
+		}
+		reboot()
+	case "info":
+		cpuinfo, _ := os.ReadFile("/proc/cpuinfo")
+		for _, l := range strings.Split(string(cpuinfo), "\n") {
+			if strings.HasPrefix(l, "flags") || strings.HasPrefix(l, "model name") {
+				fmt.Printf("capsa-testinit: %s\n", l)
+			}
+		}
+		buf := make([]byte, 1<<20)
+		if n, err := unix.Klogctl(unix.SYSLOG_ACTION_READ_ALL, buf); err == nil {
+			fmt.Printf("capsa-testinit: kernel log:\n%s\n", buf[:n])
 		}
 		reboot()
 	case "hang":
