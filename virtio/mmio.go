@@ -153,7 +153,7 @@ func NewMMIO(dev Device, mem *guestmem.Memory, irq func(), log *slog.Logger) *MM
 	return &MMIO{dev: dev, mem: mem, irq: irq, log: log, queues: make([]queueConfig, len(dev.QueueSizes()))}
 }
 
-func (t *MMIO) features() uint64 { return t.dev.Features() | FeatureVersion1 }
+func (t *MMIO) features() uint64 { return t.dev.Features() | FeatureVersion1 | FeatureEventIdx }
 
 // Read implements devices.Device for the device's MMIO range.
 func (t *MMIO) Read(off uint64, data []byte) {
@@ -329,6 +329,7 @@ func (t *MMIO) activate() {
 			t.failLocked(fmt.Errorf("queue %d: %w", i, err))
 			return
 		}
+		q.SetEventIdx(t.drvFeatures&FeatureEventIdx != 0)
 		qs[i] = q
 	}
 	err := t.dev.Activate(Activation{
@@ -428,7 +429,8 @@ func (d TransportDebug) String() string {
 		if !q.Ready {
 			continue
 		}
-		s += fmt.Sprintf("\n  queue %d: size %d avail.idx %d used.idx %d no_interrupt %v", q.Index, q.Size, q.AvailIdx, q.UsedIdx, q.NoInterrupt)
+		s += fmt.Sprintf("\n  queue %d: size %d avail.idx %d used.idx %d no_interrupt %v (desc %#x avail %#x used %#x)",
+			q.Index, q.Size, q.AvailIdx, q.UsedIdx, q.NoInterrupt, q.Desc, q.Avail, q.Used)
 		if q.Err != nil {
 			s += fmt.Sprintf(" (%v)", q.Err)
 		}

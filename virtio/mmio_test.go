@@ -107,8 +107,8 @@ func TestMMIOIdentity(t *testing.T) {
 	lo := d.r(regDeviceFeatures)
 	d.w(regDeviceFeatSel, 1)
 	hi := d.r(regDeviceFeatures)
-	if lo != 1<<3 || hi != 1 {
-		t.Errorf("features %#x:%#x, want VERSION_1 and bit 3", hi, lo)
+	if lo != 1<<3|FeatureEventIdx || hi != 1 {
+		t.Errorf("features %#x:%#x, want VERSION_1, EVENT_IDX and bit 3", hi, lo)
 	}
 	b := make([]byte, 4)
 	d.m.Read(regConfig, b)

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"errors"
 	"io"
+	"slices"
 	"testing"
 
 	"github.com/capsa-sandbox/capsa/guestmem"
@@ -240,4 +241,49 @@ func FuzzChain(f *testing.F) {
 			}
 		}
 	})
+}
+
+// TestEventIdx: with VIRTIO_F_EVENT_IDX the device interrupts only when it
+// uses the entry the driver named in used_event, and when it finds the ring
+// empty it names in avail_event the entry it wants a notification for.
+func TestEventIdx(t *testing.T) {
+	d, q := newDriver(t, 8)
+	q.SetEventIdx(true)
+	usedEvent := func(v uint16) { d.mem.PutUint16(d.avail+4+2*uint64(d.size), v) }
+	availEvent := func() uint16 { v, _ := d.mem.Uint16(d.used + 4 + 8*uint64(d.size)); return v }
+	var irqs []bool
+	usedEvent(2) // interrupt me once entry 2 is used
+	for i := range uint16(4) {
+		d.add(i, buf{testData + 0x100*uint64(i), 16, true})
+		c, err := q.Next()
+		if err != nil || c == nil {
+			t.Fatalf("Next() = %v, %v", c, err)
+		}
+		irq, err := q.Push(c)
+		if err != nil {
+			t.Fatal(err)
+		}
+		irqs = append(irqs, irq)
+	}
+	if want := []bool{false, false, true, false}; !slices.Equal(irqs, want) {
+		t.Errorf("Push interrupts %v, want %v (used_event 2)", irqs, want)
+	}
+	if c, err := q.Next(); c != nil || err != nil {
+		t.Fatalf("Next() on an empty ring = %v, %v", c, err)
+	}
+	if got := availEvent(); got != 4 {
+		t.Errorf("avail_event = %d after consuming 4 entries, want 4", got)
+	}
+	// Without the feature, the flags decide, and avail_event is left alone.
+	d2, q2 := newDriver(t, 8)
+	d2.mem.PutUint16(d2.used+4+8*uint64(d2.size), 77)
+	d2.add(0, buf{testData, 16, true})
+	c, _ := q2.Next()
+	if irq, _ := q2.Push(c); !irq {
+		t.Error("no interrupt without EVENT_IDX and without NO_INTERRUPT")
+	}
+	q2.Next()
+	if v, _ := d2.mem.Uint16(d2.used + 4 + 8*uint64(d2.size)); v != 77 {
+		t.Errorf("avail_event written without EVENT_IDX: %d", v)
+	}
 }

@@ -39,6 +39,12 @@ var (
 	stressWait      = flag.Duration("stress.watchdog", 5*time.Minute, "TestStress: a run that takes longer is counted as a hang")
 )
 
+// The lines TestStress prints for each run, for tests/cmd/stress-summary.
+const (
+	stressStart  = "stress-start: "
+	stressResult = "stress-result: "
+)
+
 // outcome is how one run of a guest ended.
 type outcome string
 
@@ -107,6 +113,16 @@ func TestStress(t *testing.T) {
 		}
 		results[phase][vmm][o]++
 	}
+	// run runs one guest and records how it ended. The start and result
+	// lines go to standard output as they happen, so that a run cut short
+	// by L1's own crash is still counted, against the VMM that was running
+	// (tests/cmd/stress-summary adds up the lines of several sessions).
+	run := func(phase, vmm string, f func() outcome) {
+		fmt.Printf("%s%s|%s\n", stressStart, phase, vmm)
+		o := f()
+		fmt.Printf("%s%s|%s|%s\n", stressResult, phase, vmm, o)
+		record(phase, vmm, o)
+	}
 	defer func() {
 		var b strings.Builder
 		for _, p := range phases {
@@ -132,10 +148,12 @@ func TestStress(t *testing.T) {
 	// as capsa does. A distribution kernel boots with ACPI on, its default.
 	bootPhase := func(phase, kernel, machine string, n int) {
 		for i := range n {
-			o := runCapsaVM(t, []string{"vm", "--kernel", kernel, "--initrd", initrd, "--cpus", "2", "--memory", "256M", "--cmdline", bootCmdline})
-			record(phase, "capsa", o)
-			o = runQEMU(t, qemu, machine, "kvm", kernel, initrd, bootCmdline, "2", nil, "capsa-testinit: rebooting", nil)
-			record(phase, "qemu-microvm", o)
+			run(phase, "capsa", func() outcome {
+				return runCapsaVM(t, []string{"vm", "--kernel", kernel, "--initrd", initrd, "--cpus", "2", "--memory", "256M", "--cmdline", bootCmdline})
+			})
+			run(phase, "qemu-microvm", func() outcome {
+				return runQEMU(t, qemu, machine, "kvm", kernel, initrd, bootCmdline, "2", nil, "capsa-testinit: rebooting", nil)
+			})
 			t.Logf("%s: boot %d of %d done", phase, i+1, n)
 		}
 	}
@@ -187,11 +205,11 @@ func TestStress(t *testing.T) {
 	phase := "9p tree hash + copy, TCP both ways"
 	for i := range *stressRounds {
 		os.Remove(filepath.Join(dir, "out.bin"))
-		record(phase, "capsa", runCapsaWorkload(t, dir, work("/mnt/stress")))
+		run(phase, "capsa", func() outcome { return runCapsaWorkload(t, dir, work("/mnt/stress")) })
 		os.Remove(filepath.Join(dir, "out.bin"))
 		c := work("/mnt")
 		cmdline := "console=ttyS0 reboot=k panic=-1 ip=10.0.2.15::10.0.2.2:255.255.255.0::eth0:off capsa.test=stress capsa.stress=" + c.String()
-		record(phase, "capsa-raw", runCapsaRaw(t, kernel, initrd, cmdline, dir, c))
+		run(phase, "capsa-raw", func() outcome { return runCapsaRaw(t, kernel, initrd, cmdline, dir, c) })
 		qemuDevices := []string{
 			"-fsdev", "local,id=s0,security_model=none,path=" + dir,
 			"-device", "virtio-9p-device,fsdev=s0,mount_tag=stress",
@@ -199,14 +217,16 @@ func TestStress(t *testing.T) {
 		}
 		check := func(out string) error { return stressload.Check(c, out, dir) }
 		os.Remove(filepath.Join(dir, "out.bin"))
-		o := runQEMU(t, qemu, "microvm,acpi=off", "kvm", kernel, initrd, cmdline, "1", qemuDevices, stressload.Prefix+"done", check)
-		record(phase, "qemu-microvm", o)
+		run(phase, "qemu-microvm", func() outcome {
+			return runQEMU(t, qemu, "microvm,acpi=off", "kvm", kernel, initrd, cmdline, "1", qemuDevices, stressload.Prefix+"done", check)
+		})
 		if *stressKernelIRQ {
 			// QEMU's microvm keeps the IOAPIC and PIC in userspace
 			// (split irqchip); capsa uses KVM's in-kernel ones.
 			os.Remove(filepath.Join(dir, "out.bin"))
-			o := runQEMU(t, qemu, "microvm,acpi=off", "kvm,kernel-irqchip=on", kernel, initrd, cmdline, "1", qemuDevices, stressload.Prefix+"done", check)
-			record(phase, "qemu-microvm-kirq", o)
+			run(phase, "qemu-microvm-kirq", func() outcome {
+				return runQEMU(t, qemu, "microvm,acpi=off", "kvm,kernel-irqchip=on", kernel, initrd, cmdline, "1", qemuDevices, stressload.Prefix+"done", check)
+			})
 		}
 		t.Logf("%s: round %d of %d done", phase, i+1, *stressRounds)
 	}

@@ -15,6 +15,7 @@ package nested
 import (
 	"bufio"
 	"bytes"
+	"cmp"
 	"context"
 	"crypto/rand"
 	"encoding/hex"
@@ -48,6 +49,9 @@ type Host struct {
 	ForceNested bool         // use L1 even where /dev/kvm exists
 	// KernelArgs are added to L1's kernel command line.
 	KernelArgs string
+	// Accel is QEMU's -accel for L1; default "tcg,thread=multi" (one host
+	// thread per L1 vCPU).
+	Accel string
 	// L1Retries is how many more times a job runs when the L1 kernel
 	// itself crashes (see ErrL1Crashed); 0 means never.
 	L1Retries int
@@ -412,7 +416,7 @@ func (h *Host) runL1(ctx context.Context, job Job) (*Result, error) {
 	}
 	console := filepath.Join(tmp, "console.log")
 	args := []string{
-		"-M", "q35", "-accel", "tcg,thread=multi", "-cpu", "EPYC,+svm,+npt",
+		"-M", "q35", "-accel", cmp.Or(h.Accel, "tcg,thread=multi"), "-cpu", "EPYC,+svm,+npt",
 		"-smp", strconv.Itoa(cpus), "-m", strconv.Itoa(mem),
 		"-nodefaults", "-no-user-config", "-display", "none", "-no-reboot", "-nic", "none",
 		"-kernel", vmlinuz, "-initrd", initrd,

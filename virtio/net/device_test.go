@@ -305,7 +305,7 @@ func TestThroughTransport(t *testing.T) {
 		t.Errorf("device id %d", id)
 	}
 	m.Write(0x014, []byte{0, 0, 0, 0})
-	if f := binary.LittleEndian.Uint32(reg(0x010, 4)); f != featureMAC|featureMTU|featureStatus {
+	if f := binary.LittleEndian.Uint32(reg(0x010, 4)); f != featureMAC|featureMTU|featureStatus|virtio.FeatureEventIdx {
 		t.Errorf("features[0] %#x", f)
 	}
 	if mac := reg(0x100, 6); !bytes.Equal(mac, testMAC) {

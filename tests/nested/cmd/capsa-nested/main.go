@@ -39,6 +39,7 @@ func run() int {
 	force := fs.Bool("force-nested", false, "use the L1 guest even where /dev/kvm exists")
 	verbose := fs.BoolP("verbose", "v", false, "log progress to stderr")
 	kargs := fs.String("l1-append", "", "add these to L1's kernel command line")
+	accel := fs.String("l1-accel", "", "QEMU's -accel for L1 (default tcg,thread=multi)")
 	retries := fs.Int("l1-retries", 2, "run the job again this many times if the L1 kernel crashes (QEMU TCG's emulated SVM)")
 	if err := fs.Parse(os.Args[1:]); err != nil {
 		if err == pflag.ErrHelp {
@@ -62,6 +63,7 @@ func run() int {
 		ForceNested: *force,
 		L1Retries:   *retries,
 		KernelArgs:  *kargs,
+		Accel:       *accel,
 	}
 	job := nested.Job{Argv: fs.Args(), Env: *env, Output: os.Stdout}
 	for _, f := range *files {
