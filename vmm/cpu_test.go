@@ -81,3 +81,24 @@ func TestReadVirt(t *testing.T) {
 		t.Errorf("readVirt without paging = % x", got)
 	}
 }
+
+// TestImpossibleState: a page table root outside guest memory is flagged,
+// one inside is not.
+func TestImpossibleState(t *testing.T) {
+	mem, err := guestmem.FromRegions(guestmem.Region{GPA: 0, Host: make([]byte, 8<<20)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	m := &Machine{mem: mem}
+	for _, tc := range []struct {
+		cr3  uint64
+		want bool
+	}{{0x1000, false}, {0x100348000, true}, {8 << 20, true}} {
+		s := &kvm.Sregs{CR0: cr0PG, CR4: cr4PAE, EFER: eferLMA, CR3: tc.cr3}
+		d := VCPUDebug{}
+		m.checkState(&d, s)
+		if got := d.Impossible != ""; got != tc.want {
+			t.Errorf("checkState(CR3 %#x): impossible %v (%q), want %v", tc.cr3, got, d.Impossible, tc.want)
+		}
+	}
+}

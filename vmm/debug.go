@@ -53,6 +53,12 @@ type VCPUDebug struct {
 	// through the guest's page tables (empty where they map nothing).
 	Stack []uint64
 	Code  []byte
+	// Impossible says why this state cannot be the guest's own doing,
+	// when it cannot: a page table root outside the guest's memory is
+	// what a hypervisor below capsa leaves when it loads its own state
+	// into the vCPU (seen under QEMU TCG's emulated SVM: the registers
+	// of L1's VMRUN). Empty otherwise.
+	Impossible string
 }
 
 // LAPIC register offsets in struct kvm_lapic_state used by Debug.
@@ -63,6 +69,17 @@ const (
 	apicLVTTimer = 0x320
 	apicTimerCCR = 0x390
 )
+
+// Impossible reports whether some vCPU's state cannot come from the guest
+// (VCPUDebug.Impossible), and why.
+func (d *Debug) Impossible() (string, bool) {
+	for _, v := range d.VCPUs {
+		if v.Impossible != "" {
+			return fmt.Sprintf("vCPU %d: %s", v.ID, v.Impossible), true
+		}
+	}
+	return "", false
+}
 
 // String formats the report for a log or a test failure.
 func (d *Debug) String() string {
@@ -84,6 +101,9 @@ func (d *Debug) String() string {
 		r, s, e := &v.Regs, &v.Sregs, &v.Events
 		fmt.Fprintf(&b, "vCPU %d: mp_state %s rip %#x rsp %#x rflags %#x cs %#x cpl %d\n",
 			v.ID, mpStateName(v.MPState), r.RIP, r.RSP, r.RFLAGS, s.CS.Selector, s.CS.DPL)
+		if v.Impossible != "" {
+			fmt.Fprintf(&b, "  impossible state: %s\n", v.Impossible)
+		}
 		fmt.Fprintf(&b, "  rax %#x rbx %#x rcx %#x rdx %#x rsi %#x rdi %#x rbp %#x\n", r.RAX, r.RBX, r.RCX, r.RDX, r.RSI, r.RDI, r.RBP)
 		fmt.Fprintf(&b, "  cr0 %#x cr2 %#x cr3 %#x cr4 %#x cr8 %#x efer %#x apic_base %#x gdt %#x/%#x idt %#x/%#x\n",
 			s.CR0, s.CR2, s.CR3, s.CR4, s.CR8, s.EFER, s.APICBase, s.GDT.Base, s.GDT.Limit, s.IDT.Base, s.IDT.Limit)
@@ -277,6 +297,7 @@ func (m *Machine) vcpuDebug(i int) VCPUDebug {
 	d.LVTTimer = le.Uint32(lapic.Regs[apicLVTTimer:])
 	d.TimerCCR = le.Uint32(lapic.Regs[apicTimerCCR:])
 	d.LAPICBase = sregs.APICBase
+	m.checkState(&d, sregs)
 	d.Code = m.readVirt(sregs, regs.RIP, 32)
 	if stack := m.readVirt(sregs, regs.RSP, 16*8); len(stack) > 0 {
 		for i := 0; i+8 <= len(stack); i += 8 {
@@ -284,6 +305,13 @@ func (m *Machine) vcpuDebug(i int) VCPUDebug {
 		}
 	}
 	return d
+}
+
+// checkState sets d.Impossible when the vCPU's state cannot be the guest's.
+func (m *Machine) checkState(d *VCPUDebug, s *kvm.Sregs) {
+	if s.CR0&cr0PG != 0 && !m.mem.Contains(s.CR3&pteAddr, pageSize) {
+		d.Impossible = fmt.Sprintf("CR3 %#x is outside the guest's %d MiB of memory: the guest cannot have loaded it; the hypervisor below capsa replaced the vCPU's state", s.CR3, m.mem.Size()>>20)
+	}
 }
 
 // Paging bits for readVirt.

@@ -124,7 +124,7 @@ func runRun(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	switch {
 	case err != nil:
 		fmt.Fprintf(stderr, "capsa run: %v\n", err)
-		if e := sb.Exit(); e != nil && e.Reason == vmm.StopHung && e.Debug != nil {
+		if e := sb.Exit(); e != nil && e.Reason != vmm.StopCanceled && !e.Reason.Clean() && e.Debug != nil {
 			fmt.Fprintf(stderr, "capsa run: %s", e.Debug)
 		}
 		return 125

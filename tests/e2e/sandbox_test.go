@@ -28,7 +28,12 @@ func newSandbox(t testing.TB, ctx context.Context, cpus int) *sandbox.Sandbox {
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { sb.Close() })
+	t.Cleanup(func() {
+		if t.Failed() {
+			t.Logf("the sandbox's state at the failure:\n%s", sb.Debug(context.Background()))
+		}
+		sb.Close()
+	})
 	return sb
 }
 

