@@ -8,7 +8,7 @@ NESTED := $(BUILD)/capsa-nested
 KVM_PKGS := ./kvm ./vmm
 BENCHTIME ?= 5x
 
-.PHONY: all deps kernel initramfs nested-deps qemu-bundle capsa testinitrd vm run test test-unit test-kvm test-e2e bench stress clean
+.PHONY: fuzz all deps kernel initramfs nested-deps qemu-bundle capsa testinitrd vm run test test-unit test-kvm test-e2e bench stress clean
 
 all: capsa
 
@@ -58,6 +58,16 @@ test-unit: deps
 	$(GO) vet ./...
 	cd initramfs && $(GO) vet .
 	$(GO) test ./...
+
+# Every fuzz target, each for FUZZTIME: a target that dies at once (a bug
+# in the harness, not the code) fails here, not only when someone fuzzes.
+FUZZTIME ?= 10s
+fuzz: deps
+	@set -e; for f in $$(grep -rl --include='*_test.go' '^func Fuzz' --exclude-dir=initramfs .); do \
+		for t in $$(sed -n 's/^func \(Fuzz[A-Za-z0-9_]*\)(.*/\1/p' $$f); do \
+			echo "fuzz: $$t in ./$$(dirname $$f) for $(FUZZTIME)"; \
+			$(GO) test -run '^$$' -fuzz "^$$t\$$" -fuzztime $(FUZZTIME) ./$$(dirname $$f); \
+		done; done
 
 # Tier 2: the KVM tests, run where /dev/kvm works (the nested host when absent).
 test-kvm: deps nested-deps $(NESTED)
@@ -115,6 +125,7 @@ bench: capsa testinitrd nested-deps qemu-bundle $(NESTED)
 # Everything, tier by tier; stops at the first failing tier and names it.
 test:
 	@$(MAKE) --no-print-directory test-unit || { echo "make test: FAILED in tier 1 (unit tests)"; exit 1; }
+	@$(MAKE) --no-print-directory fuzz || { echo "make test: FAILED in tier 1 (fuzzing)"; exit 1; }
 	@$(MAKE) --no-print-directory test-kvm || { echo "make test: FAILED in tier 2 (KVM tests)"; exit 1; }
 	@$(MAKE) --no-print-directory test-e2e || { echo "make test: FAILED in tier 3 (end-to-end tests)"; exit 1; }
 	@echo "make test: all tiers passed"

@@ -97,6 +97,11 @@ func (q *Queue) Add(out []byte, in int) (uint16, error) {
 	if in > 0 {
 		bufs = append(bufs, buffer{q.d.alloc(uint64(in), 8), uint32(in), true})
 	}
+	if len(bufs) == 0 {
+		// Nothing either way: one empty readable descriptor, as a
+		// (hostile) driver may post.
+		bufs = append(bufs, buffer{q.d.alloc(8, 8), 0, false})
+	}
 	if len(bufs) > len(q.free) {
 		return 0, fmt.Errorf("virtiotest: queue full")
 	}
