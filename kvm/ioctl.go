@@ -36,6 +36,7 @@ var (
 	kvmSetIdentityMapAddr  = iow(0x48, 8)
 	kvmCreateIRQChip       = io_(0x60)
 	kvmIRQLine             = iow(0x61, unsafe.Sizeof(irqLevel{}))
+	kvmReinjectControl     = io_(0x71) // takes a struct kvm_reinject_control pointer
 	kvmIRQFD               = iow(0x76, unsafe.Sizeof(irqfd{}))
 	kvmCreatePIT2          = iow(0x77, unsafe.Sizeof(pitConfig{}))
 	kvmIOEventFD           = iow(0x79, unsafe.Sizeof(ioeventfd{}))
@@ -63,7 +64,7 @@ var ioctlNames = map[uintptr]string{
 	kvmGetSupportedCPUID: "KVM_GET_SUPPORTED_CPUID", kvmCreateVCPU: "KVM_CREATE_VCPU",
 	kvmSetUserMemoryRegion: "KVM_SET_USER_MEMORY_REGION", kvmSetTSSAddr: "KVM_SET_TSS_ADDR",
 	kvmSetIdentityMapAddr: "KVM_SET_IDENTITY_MAP_ADDR", kvmCreateIRQChip: "KVM_CREATE_IRQCHIP",
-	kvmIRQLine: "KVM_IRQ_LINE", kvmIRQFD: "KVM_IRQFD", kvmCreatePIT2: "KVM_CREATE_PIT2",
+	kvmIRQLine: "KVM_IRQ_LINE", kvmReinjectControl: "KVM_REINJECT_CONTROL", kvmIRQFD: "KVM_IRQFD", kvmCreatePIT2: "KVM_CREATE_PIT2",
 	kvmIOEventFD: "KVM_IOEVENTFD", kvmRun: "KVM_RUN", kvmGetRegs: "KVM_GET_REGS",
 	kvmSetRegs: "KVM_SET_REGS", kvmGetSregs: "KVM_GET_SREGS", kvmSetSregs: "KVM_SET_SREGS",
 	kvmGetMSRs: "KVM_GET_MSRS", kvmSetMSRs: "KVM_SET_MSRS", kvmGetFPU: "KVM_GET_FPU",

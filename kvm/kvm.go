@@ -234,6 +234,18 @@ func (vm *VM) CreatePIT2() error {
 	return err
 }
 
+// SetPITReinject turns the in-kernel PIT's catching up on missed ticks on
+// or off (KVM_REINJECT_CONTROL). With it on, a vCPU that ran late gets a
+// burst of the ticks it missed.
+func (vm *VM) SetPITReinject(on bool) error {
+	var c reinjectControl
+	if on {
+		c.PITReinject = 1
+	}
+	_, err := ioctlPtr(vm.fd, kvmReinjectControl, unsafe.Pointer(&c))
+	return err
+}
+
 // IRQLine sets the level of an interrupt line of the in-kernel irqchip.
 func (vm *VM) IRQLine(irq uint32, high bool) error {
 	l := irqLevel{IRQ: irq}

@@ -163,6 +163,12 @@ type pitConfig struct {
 	_     [15]uint32
 }
 
+// reinjectControl is struct kvm_reinject_control.
+type reinjectControl struct {
+	PITReinject uint8
+	_           [31]uint8
+}
+
 type irqfd struct {
 	FD         uint32
 	GSI        uint32
@@ -211,6 +217,8 @@ var (
 	_ [8 - unsafe.Sizeof(irqLevel{})]struct{}
 	_ [unsafe.Sizeof(pitConfig{}) - 64]struct{}
 	_ [64 - unsafe.Sizeof(pitConfig{})]struct{}
+	_ [unsafe.Sizeof(reinjectControl{}) - 32]struct{}
+	_ [32 - unsafe.Sizeof(reinjectControl{})]struct{}
 	_ [unsafe.Sizeof(irqfd{}) - 32]struct{}
 	_ [32 - unsafe.Sizeof(irqfd{})]struct{}
 	_ [unsafe.Sizeof(ioeventfd{}) - 64]struct{}

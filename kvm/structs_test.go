@@ -22,6 +22,7 @@ func TestIoctlNumbers(t *testing.T) {
 		"KVM_SET_USER_MEMORY_REGION": {kvmSetUserMemoryRegion, 0x4020ae46},
 		"KVM_SET_IDENTITY_MAP_ADDR":  {kvmSetIdentityMapAddr, 0x4008ae48},
 		"KVM_IRQ_LINE":               {kvmIRQLine, 0x4008ae61},
+		"KVM_REINJECT_CONTROL":       {kvmReinjectControl, 0xae71},
 		"KVM_IRQFD":                  {kvmIRQFD, 0x4020ae76},
 		"KVM_CREATE_PIT2":            {kvmCreatePIT2, 0x4040ae77},
 		"KVM_IOEVENTFD":              {kvmIOEventFD, 0x4040ae79},

@@ -143,6 +143,12 @@ func (m *Machine) build(ctx context.Context) (err error) {
 	if err = m.vm.CreatePIT2(); err != nil {
 		return err
 	}
+	// The guest keeps time with kvm-clock and its local APIC timer; the
+	// PIT ticks only early in boot. Ticks it missed while the vCPU was
+	// descheduled are not worth a burst of interrupts when it runs again.
+	if err = m.vm.SetPITReinject(false); err != nil {
+		return err
+	}
 	if m.mem, err = guestmem.New(cfg.MemoryBytes); err != nil {
 		return err
 	}

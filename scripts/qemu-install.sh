@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# qemu-install.sh: installs QEMU 10 or later for the nested KVM host, from
+# Debian's packages. QEMU 7.2 (Debian 12's own) emulates AMD SVM with bugs
+# that stop nested guests now and then (see README, "Guest stalls"): on
+# Debian 12 this takes qemu-system-x86 from bookworm-backports, adding
+# that suite to apt's sources when it is missing.
+set -euo pipefail
+here=$(cd "$(dirname "$0")/.." && pwd)
+want=10
+have() {
+	local v
+	v=$(dpkg-query -W -f='${Version}' qemu-system-x86 2>/dev/null) || return 1
+	v=${v#*:}
+	[ "${v%%.*}" -ge "$want" ] 2>/dev/null
+}
+have && exit 0
+sudo=""
+[ "$(id -u)" = 0 ] || sudo=sudo
+. /etc/os-release
+if [ "${VERSION_CODENAME:-}" = bookworm ]; then
+	src=/etc/apt/sources.list.d/capsa-bookworm-backports.sources
+	if ! grep -rqs "bookworm-backports" /etc/apt/sources.list /etc/apt/sources.list.d/; then
+		printf 'Types: deb\nURIs: http://deb.debian.org/debian\nSuites: bookworm-backports\nComponents: main\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n' | $sudo tee "$src" >/dev/null
+	fi
+	$sudo apt-get update -qq
+	DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends -t bookworm-backports qemu-system-x86 >/dev/null
+else
+	"$here/scripts/apt-install.sh" qemu-system-x86
+fi
+have || { echo "qemu-install: qemu-system-x86 $(dpkg-query -W -f='${Version}' qemu-system-x86) is older than $want" >&2; exit 1; }
