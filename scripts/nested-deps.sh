@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # Installs what the nested KVM test host needs and prints the directory of the
 # unpacked L1 kernel:
-#   - qemu-system-x86 (TCG with emulated AMD SVM runs the L1 guest),
+#   - qemu-system-x86 10 or later (TCG with emulated AMD SVM runs the L1
+#     guest; scripts/qemu-install.sh says why not Debian 12's 7.2),
 #   - busybox-static (the L1 userland),
 #   - Debian's linux-image-cloud-amd64 kernel and its KVM modules, downloaded
 #     and unpacked under $CAPSA_CACHE/l1/<version>, never installed into /boot.
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 cache=${CAPSA_CACHE:-$HOME/.cache/capsa}
-"$here/scripts/apt-install.sh" qemu-system-x86 busybox-static
+"$here/scripts/qemu-install.sh"
+"$here/scripts/apt-install.sh" busybox-static
 
 # The meta package names the versioned kernel package it depends on.
 if ! apt-cache show linux-image-cloud-amd64 >/dev/null 2>&1; then

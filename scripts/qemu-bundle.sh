@@ -6,7 +6,7 @@
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 out=$1
-"$here/scripts/apt-install.sh" qemu-system-x86
+"$here/scripts/qemu-install.sh"
 bin=$(command -v qemu-system-x86_64)
 rm -rf "$out"
 mkdir -p "$out/lib" "$out/share"
