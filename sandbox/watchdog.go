@@ -25,15 +25,16 @@ func (b *Builder) Watchdog(d time.Duration) *Builder {
 }
 
 // watch is the watchdog's loop, from the agent's first answer until the VM
-// stops. It asks the agent a small question every quarter of the period;
-// while no answer comes it samples the vCPUs, and stops the VM once the
-// period has passed with neither.
+// stops. It asks the agent a small question every quarter of the period.
+// Once no answer has come for the whole period, it looks at the vCPUs
+// twice, a little apart and without asking the agent anything in between
+// (its questions are guest work too), and stops the VM if none moved.
 func (s *Sandbox) watch(period time.Duration) {
 	interval := max(period/4, time.Second)
+	gap := min(interval, 5*time.Second)
 	tick := time.NewTicker(interval)
 	defer tick.Stop()
 	lastAnswer := time.Now()
-	var first *vmm.Debug // the state when the agent first failed to answer
 	for {
 		select {
 		case <-s.vmDone:
@@ -44,23 +45,40 @@ func (s *Sandbox) watch(period time.Duration) {
 		_, err := s.client.Info(ctx)
 		cancel()
 		if err == nil {
-			lastAnswer, first = time.Now(), nil
+			lastAnswer = time.Now()
 			continue
 		}
-		cur := s.vm.Debug(context.Background())
-		if first == nil {
-			first = cur
+		silent := time.Since(lastAnswer)
+		if silent < period {
 			continue
 		}
-		if progressed(first, cur) {
-			first = cur
-			continue
-		}
-		if silent := time.Since(lastAnswer); silent >= period {
-			s.c.logger().Error("sandbox hung", "silent", silent, "state", cur.String())
-			s.vm.Stop(vmm.StopHung, fmt.Sprintf("watchdog: the agent did not answer for %v and no vCPU moved", silent.Round(time.Second)))
+		// Let the guest finish with the failed question, then watch it.
+		if !s.sleepUnlessDone(gap) {
 			return
 		}
+		first := s.vm.Debug(context.Background())
+		if !s.sleepUnlessDone(gap) {
+			return
+		}
+		cur := s.vm.Debug(context.Background())
+		if progressed(first, cur) {
+			continue
+		}
+		s.c.logger().Error("sandbox hung", "silent", silent, "state", cur.String())
+		s.vm.Stop(vmm.StopHung, fmt.Sprintf("watchdog: the agent did not answer for %v and no vCPU moved", silent.Round(time.Second)))
+		return
+	}
+}
+
+// sleepUnlessDone waits d, or less if the VM stops (then false).
+func (s *Sandbox) sleepUnlessDone(d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-s.vmDone:
+		return false
+	case <-t.C:
+		return true
 	}
 }
 

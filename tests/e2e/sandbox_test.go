@@ -289,11 +289,12 @@ func TestWatchdogReportsAHungGuest(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer sb.Close()
-	// The exec's parent is the agent's server: stopping it silences the
-	// agent, and the guest goes idle.
-	_, err = sb.Exec(ctx, sandbox.Shell("kill -STOP $PPID; sleep 1"))
+	// The agent's server is the process named capsa-agent other than
+	// PID 1 (init, which the kernel keeps SIGSTOP from): stopping it
+	// silences the agent, and the guest goes idle. (19 is SIGSTOP: u-root's kill takes no names.)
+	r, err := sb.Exec(ctx, sandbox.Shell(`for d in /proc/[0-9]*; do p=${d#/proc/}; if [ "$(cat $d/comm)" = capsa-agent ] && [ "$p" != 1 ]; then kill -19 $p; fi; done; sleep 1`))
 	if err == nil {
-		t.Fatal("Exec returned no error from a guest whose agent was stopped")
+		t.Fatalf("Exec returned no error from a guest whose agent was stopped: exit %d, stdout %q, stderr %q", r.Code, r.Stdout, r.Stderr)
 	}
 	if ctx.Err() != nil {
 		t.Fatalf("Exec waited until the test's deadline: %v", err)

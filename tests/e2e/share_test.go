@@ -76,6 +76,11 @@ func TestShares(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer sb.Close()
+	defer func() {
+		if t.Failed() {
+			t.Logf("the sandbox's state at the failure:\n%s", sb.Debug(context.Background()))
+		}
+	}()
 	sh := func(script string) (string, int) {
 		t.Helper()
 		ectx, cancel := context.WithTimeout(ctx, 90*time.Second)
