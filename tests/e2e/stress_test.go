@@ -240,14 +240,7 @@ func TestStress(t *testing.T) {
 func runCapsaVM(t *testing.T, args []string) outcome {
 	ctx, cancel := context.WithTimeout(context.Background(), *stressWait)
 	defer cancel()
-	cmd := exec.Command(artifact(t, "capsa"), args...)
-	var out, errb syncBuffer
-	cmd.Stdout, cmd.Stderr = &out, &errb
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	done := make(chan error, 1)
-	go func() { done <- cmd.Wait() }()
+	cmd, out, errb, done := startGuest(t, artifact(t, "capsa"), args)
 	var err error
 	select {
 	case err = <-done:
@@ -433,14 +426,7 @@ func runQEMU(t *testing.T, qemu, machine, accel, kernel, initrd, cmdline, cpus s
 		"-nodefaults", "-no-user-config", "-display", "none", "-no-reboot", "-serial", "stdio",
 		"-global", "virtio-mmio.force-legacy=false",
 		"-kernel", kernel, "-initrd", initrd, "-append", cmdline}, extra...)
-	cmd := exec.Command(qemu, args...)
-	var out, errb syncBuffer
-	cmd.Stdout, cmd.Stderr = &out, &errb
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	done := make(chan error, 1)
-	go func() { done <- cmd.Wait() }()
+	cmd, out, errb, done := startGuest(t, qemu, args)
 	deadline := time.After(*stressWait)
 	tick := time.NewTicker(100 * time.Millisecond)
 	defer tick.Stop()
@@ -483,6 +469,20 @@ func runQEMU(t *testing.T, qemu, machine, accel, kernel, initrd, cmdline, cpus s
 		t.Logf("qemu: %s: %s\nstderr:\n%s\nconsole tail:\n%s", o, cmdline, errb.String(), tail(console, 3000))
 	}
 	return o
+}
+
+// startGuest starts a VMM process with its output collected; done gets
+// its end.
+func startGuest(t *testing.T, bin string, args []string) (cmd *exec.Cmd, stdout, stderr *syncBuffer, done chan error) {
+	cmd = exec.Command(bin, args...)
+	stdout, stderr = &syncBuffer{}, &syncBuffer{}
+	cmd.Stdout, cmd.Stderr = stdout, stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	done = make(chan error, 1)
+	go func() { done <- cmd.Wait() }()
+	return cmd, stdout, stderr, done
 }
 
 func tail(s string, n int) string {
