@@ -112,7 +112,7 @@ stress: capsa testinitrd nested-deps qemu-bundle $(NESTED)
 			./e2e.test -test.run '^TestStress$$' -test.v -test.timeout 75m -stress.kernel2 vmlinuz-debian $(STRESS_ARGS) \
 			2>&1 | tee $(BUILD)/stress/session-$$i.log; done
 	@echo "=== make stress: all sessions"
-	$(BUILD)/stress/stress-summary -fail-if-worse capsa,qemu-microvm $(BUILD)/stress/session-*.log | tee $(BUILD)/stress/results.txt
+	set -o pipefail; $(BUILD)/stress/stress-summary -fail-if-worse capsa,qemu-microvm $(BUILD)/stress/session-*.log | tee $(BUILD)/stress/results.txt
 
 # Benchmarks, in the nested host where this machine has no /dev/kvm: boot to
 # guest userspace, capsa beside QEMU's microvm on the same kernel and initramfs.
