@@ -3,7 +3,7 @@
 // marker port, and the bus that routes port I/O to them.
 //
 // Devices know nothing about KVM: they see port reads and writes as byte
-// slices and raise interrupts through an IRQ callback. The vmm package wires
+// slices and set interrupt lines through IRQLevel callbacks. The vmm package wires
 // them to vCPU exits.
 package devices
 
@@ -20,9 +20,6 @@ type Device interface {
 	Read(offset uint64, data []byte)
 	Write(offset uint64, data []byte)
 }
-
-// IRQ raises an edge-triggered interrupt on a fixed line.
-type IRQ func()
 
 // IRQLevel sets the level of a fixed interrupt line: a device that models
 // its interrupt output as a level (high while an interrupt is pending)

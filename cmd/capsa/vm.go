@@ -86,7 +86,6 @@ func runVM(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	// lets it run on: how to look inside a guest that seems stuck.
 	quit := make(chan os.Signal, 1)
 	signal.Notify(quit, syscall.SIGQUIT)
-	defer signal.Stop(quit)
 	go func() {
 		for range quit {
 			fmt.Fprintf(stderr, "capsa vm: SIGQUIT: %s", m.Debug(ctx))

@@ -391,17 +391,18 @@ func (s *session) reply(msg []byte) {
 		}
 	}
 	delete(s.pending, tag)
+	var ftag uint16
 	flush, flushChain := s.held[tag], (*virtio.Chain)(nil)
 	if flush != nil {
 		delete(s.held, tag)
-		ftag := binary.LittleEndian.Uint16(flush[5:])
+		ftag = binary.LittleEndian.Uint16(flush[5:])
 		flushChain = s.pending[ftag]
 		delete(s.pending, ftag)
 	}
 	s.mu.Unlock()
 	s.deliver(tag, c, msg)
 	if flushChain != nil {
-		s.deliver(binary.LittleEndian.Uint16(flush[5:]), flushChain, flush)
+		s.deliver(ftag, flushChain, flush)
 	}
 }
 
