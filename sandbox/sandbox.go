@@ -28,6 +28,7 @@ import (
 	"github.com/capsa-sandbox/capsa/agent"
 	"github.com/capsa-sandbox/capsa/internal/builtin"
 	"github.com/capsa-sandbox/capsa/virtio"
+	virtioblk "github.com/capsa-sandbox/capsa/virtio/blk"
 	"github.com/capsa-sandbox/capsa/virtio/ninep"
 	"github.com/capsa-sandbox/capsa/virtio/vsock"
 	"github.com/capsa-sandbox/capsa/vmm"
@@ -51,6 +52,7 @@ type config struct {
 	watchdog     time.Duration
 	vsockSocket  string
 	shares       []share
+	disks        []disk
 	net          *netConfig
 	errs         []error
 }
@@ -182,6 +184,7 @@ type Sandbox struct {
 	started time.Time
 	hybrid  *vsock.HybridSocket
 	shares  []*ninep.Device
+	disks   []*virtioblk.Device
 	net     *network
 
 	mu       sync.Mutex
@@ -275,6 +278,12 @@ func boot(ctx context.Context, c config) (_ *Sandbox, err error) {
 		cmdline = append(cmdline, shareArg(i, c.shares[i]))
 		devices = append(devices, d)
 	}
+	if s.disks, err = diskDevices(c.disks, c); err != nil {
+		return nil, err
+	}
+	for _, d := range s.disks {
+		devices = append(devices, d)
+	}
 	s.vm, err = vmm.New(ctx, vmm.Config{
 		Kernel: kernel, Initrd: initrd, CPUs: c.cpus, MemoryBytes: uint64(c.memoryMiB) << 20,
 		Cmdline: strings.Join(cmdline, " "), Console: c.console,
@@ -321,6 +330,7 @@ func (s *Sandbox) release() error {
 	for _, d := range s.shares {
 		err = errors.Join(err, d.Close())
 	}
+	err = errors.Join(err, closeDisks(s.disks))
 	return errors.Join(err, s.net.close())
 }
 

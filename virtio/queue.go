@@ -281,3 +281,46 @@ func (c *Chain) Write(p []byte) (int, error) {
 	}
 	return n, nil
 }
+
+// TakeReadable consumes up to n bytes of the readable buffers and returns
+// them as slices of guest memory, for a device that hands them to a system
+// call (pwritev) instead of copying them. It returns fewer bytes only when
+// the chain has fewer left.
+func (c *Chain) TakeReadable(n int) [][]byte {
+	var out [][]byte
+	for n > 0 && c.rIdx < len(c.readable) {
+		b := c.readable[c.rIdx][c.rOff:]
+		k := min(n, len(b))
+		if k > 0 {
+			out = append(out, b[:k])
+		}
+		n -= k
+		c.rOff += k
+		if c.rOff == len(c.readable[c.rIdx]) {
+			c.rIdx, c.rOff = c.rIdx+1, 0
+		}
+	}
+	return out
+}
+
+// TakeWritable consumes up to n bytes of the writable buffers, counts them
+// as written, and returns them as slices of guest memory for the device
+// to fill (preadv). It returns fewer bytes only when the chain has fewer
+// left.
+func (c *Chain) TakeWritable(n int) [][]byte {
+	var out [][]byte
+	for n > 0 && c.wIdx < len(c.writable) {
+		b := c.writable[c.wIdx][c.wOff:]
+		k := min(n, len(b))
+		if k > 0 {
+			out = append(out, b[:k])
+		}
+		n -= k
+		c.wOff += k
+		c.written += uint32(k)
+		if c.wOff == len(c.writable[c.wIdx]) {
+			c.wIdx, c.wOff = c.wIdx+1, 0
+		}
+	}
+	return out
+}

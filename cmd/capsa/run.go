@@ -33,6 +33,7 @@ func runRun(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	kernel := fs.String("kernel", "", "use this kernel instead of the built-in one")
 	initrd := fs.String("initrd", "", "use this initramfs instead of the built-in one")
 	volumes := fs.StringArrayP("volume", "v", nil, "share a host directory: HOST:GUEST[:ro] (repeatable)")
+	disks := fs.StringArray("disk", nil, "attach a host file as a block device, /dev/vda, /dev/vdb... in order: PATH[:ro] (repeatable)")
 	netMode := fs.String("net", "none", "network: none (no NIC), public-only, allow-all or deny-all; --net alone is public-only")
 	fs.Lookup("net").NoOptDefVal = "public-only"
 	allow := fs.StringArray("allow", nil, "allow destinations: CIDR, IP, [udp/]HOST[:PORT[-PORT]], DOMAIN or *.DOMAIN (repeatable)")
@@ -95,6 +96,13 @@ func runRun(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 			return fail("-v: %v", err)
 		}
 		b.Share(host, guest, mode)
+	}
+	for _, d := range *disks {
+		path, mode, err := sandbox.ParseDisk(d)
+		if err != nil {
+			return fail("--disk: %v", err)
+		}
+		b.Disk(path, mode)
 	}
 	if *kernel != "" {
 		b.Kernel(*kernel)

@@ -10,6 +10,8 @@ import (
 	"syscall"
 
 	"github.com/capsa-sandbox/capsa/internal/builtin"
+	"github.com/capsa-sandbox/capsa/sandbox"
+	virtioblk "github.com/capsa-sandbox/capsa/virtio/blk"
 	"github.com/capsa-sandbox/capsa/vmm"
 )
 
@@ -27,6 +29,7 @@ func runVM(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	memory := fs.String("memory", "512M", "guest memory (e.g. 512M, 2G)")
 	console := fs.String("console", "-", "where the guest console goes: - for the terminal, or a file path")
 	bootTime := fs.Bool("boot-time", false, "print the time from VMM start to guest userspace")
+	disks := fs.StringArray("disk", nil, "attach a host file as a virtio block device, /dev/vda, /dev/vdb... in order: PATH[:ro] (repeatable)")
 	verbose := fs.BoolP("verbose", "v", false, "log VMM events to stderr")
 	if code := parseFlags(fs, args, stderr); code >= 0 {
 		return code
@@ -76,6 +79,24 @@ func runVM(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		level = slog.LevelDebug
 	}
 	cfg.Log = slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: level}))
+	for i, d := range *disks {
+		path, mode, err := sandbox.ParseDisk(d)
+		if err != nil {
+			return fail("--disk: %v", err)
+		}
+		ro := mode == sandbox.ReadOnly
+		f, err := virtioblk.Open(path, ro)
+		if err != nil {
+			return fail("--disk %s: %v", d, err)
+		}
+		dev, err := virtioblk.New(f, virtioblk.Options{ReadOnly: ro, ID: fmt.Sprintf("capsa-disk-%d", i)}, cfg.Log)
+		if err != nil {
+			f.Close()
+			return fail("--disk %s: %v", d, err)
+		}
+		defer dev.Close()
+		cfg.Devices = append(cfg.Devices, dev)
+	}
 
 	m, err := vmm.New(ctx, cfg)
 	if err != nil {

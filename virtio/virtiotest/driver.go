@@ -86,20 +86,34 @@ func (q *Queue) Device() *virtio.Queue {
 // Add makes a chain of one readable buffer holding out (if any) and one
 // writable buffer of in bytes (if in > 0) available to the device.
 func (q *Queue) Add(out []byte, in int) (uint16, error) {
+	var outs [][]byte
+	if len(out) > 0 {
+		outs = append(outs, out)
+	}
+	var ins []int
+	if in > 0 {
+		ins = append(ins, in)
+	}
+	return q.AddChain(outs, ins)
+}
+
+// AddChain makes a chain available to the device: one readable buffer per
+// element of outs, holding it, then one writable buffer of each size in
+// ins. With neither, the chain is one empty readable descriptor, as a
+// (hostile) driver may post.
+func (q *Queue) AddChain(outs [][]byte, ins []int) (uint16, error) {
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	var bufs []buffer
-	if len(out) > 0 {
-		a := q.d.alloc(uint64(len(out)), 8)
+	for _, out := range outs {
+		a := q.d.alloc(uint64(max(len(out), 1)), 8)
 		q.d.Mem.WriteAt(out, a)
 		bufs = append(bufs, buffer{a, uint32(len(out)), false})
 	}
-	if in > 0 {
-		bufs = append(bufs, buffer{q.d.alloc(uint64(in), 8), uint32(in), true})
+	for _, in := range ins {
+		bufs = append(bufs, buffer{q.d.alloc(uint64(max(in, 1)), 8), uint32(in), true})
 	}
 	if len(bufs) == 0 {
-		// Nothing either way: one empty readable descriptor, as a
-		// (hostile) driver may post.
 		bufs = append(bufs, buffer{q.d.alloc(8, 8), 0, false})
 	}
 	if len(bufs) > len(q.free) {
@@ -137,7 +151,7 @@ func (q *Queue) Add(out []byte, in int) (uint16, error) {
 type Used struct {
 	Head    uint16
 	Len     uint32
-	Written []byte // the first Len bytes of the writable buffer
+	Written []byte // the first Len bytes of the writable buffers
 }
 
 // TakeUsed returns the chains the device returned since the last call and
@@ -153,11 +167,13 @@ func (q *Queue) TakeUsed() []Used {
 		n, _ := q.d.Mem.Uint32(e + 4)
 		u := Used{Head: uint16(id), Len: n}
 		ch := q.chains[uint16(id)]
+		left := n
 		for _, b := range ch.bufs {
-			if b.write {
-				data := make([]byte, min(n, b.len))
+			if b.write && left > 0 {
+				data := make([]byte, min(left, b.len))
 				q.d.Mem.ReadAt(data, b.addr)
-				u.Written = data
+				u.Written = append(u.Written, data...)
+				left -= uint32(len(data))
 			}
 		}
 		delete(q.chains, uint16(id))
