@@ -3,19 +3,29 @@ module github.com/capsa-sandbox/capsa
 go 1.26.3
 
 require (
+	github.com/erofs/go-erofs v0.3.1
+	github.com/google/go-containerregistry v0.22.1
 	github.com/hugelgupf/p9 v0.4.1
 	github.com/mdlayher/vsock v1.4.0
 	github.com/spf13/pflag v1.1.0
+	go.etcd.io/bbolt v1.5.0
 	golang.org/x/net v0.62.0
 	golang.org/x/sys v0.49.0
 	gvisor.dev/gvisor v0.0.0-20260701204157-69c2d17aea96
 )
 
 require (
+	github.com/docker/cli v29.7.2+incompatible // indirect
+	github.com/docker/docker-credential-helpers v0.9.3 // indirect
 	github.com/google/btree v1.1.2 // indirect
+	github.com/klauspost/compress v1.19.2 // indirect
 	github.com/mdlayher/socket v0.8.0 // indirect
+	github.com/opencontainers/go-digest v1.0.0 // indirect
+	github.com/opencontainers/image-spec v1.1.1 // indirect
+	github.com/sirupsen/logrus v1.9.4 // indirect
 	github.com/u-root/uio v0.0.0-20230305220412-3e8cd9d6bf63 // indirect
 	golang.org/x/exp v0.0.0-20250711185948-6ae5c78190dc // indirect
 	golang.org/x/sync v0.24.0 // indirect
 	golang.org/x/time v0.15.0 // indirect
+	gotest.tools/v3 v3.5.2 // indirect
 )

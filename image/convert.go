@@ -1,0 +1,403 @@
+package image
+
+import (
+	"archive/tar"
+	"errors"
+	"fmt"
+	"io"
+	"io/fs"
+	"path"
+	"sort"
+	"strings"
+
+	"github.com/erofs/go-erofs"
+)
+
+// Unix file type bits for Mknod (go-erofs takes them raw).
+const (
+	sIFIFO = 0o010000
+	sIFCHR = 0o020000
+	sIFBLK = 0o060000
+)
+
+// maxSymlinkDepth bounds how many symlinks resolving one hard link's
+// target may follow: a loop is an error, never a hang.
+const maxSymlinkDepth = 40
+
+// ConvertLimits bound what a conversion may produce: a hostile image
+// must not fill the host's disk or memory.
+type ConvertLimits struct {
+	// MaxBytes bounds the file data written (0: no bound).
+	MaxBytes int64
+	// MaxEntries bounds the files, directories and links (0: no bound).
+	MaxEntries int
+}
+
+// ErrTooLarge is wrapped by a conversion that went past its limits.
+var ErrTooLarge = errors.New("image is larger than allowed")
+
+// convertStats describes a finished conversion.
+type convertStats struct {
+	Entries int
+	Bytes   int64
+}
+
+// toEROFS writes the flattened root filesystem in the tar stream r (as
+// go-containerregistry's mutate.Extract produces it: whiteouts applied,
+// each path once, upper layers first) as an EROFS image to out.
+//
+// Nothing is unpacked on the host: entries go from the tar stream into the
+// EROFS writer, which spools file data in tmpDir. A path with "..", an
+// absolute path or a path through a symlink therefore cannot touch a host
+// file; such entries are refused or resolved inside the image.
+//
+// What the EROFS image keeps exactly: the tree, file data, modes including
+// setuid, setgid and sticky bits, owners, modification times, device
+// nodes, FIFOs and xattrs (file capabilities among them). Hard links become
+// copies of their target with the same data and metadata: go-erofs has no
+// call that makes two names share an inode.
+func toEROFS(r io.Reader, out io.WriteSeeker, tmpDir string, lim ConvertLimits) (convertStats, error) {
+	w := erofs.Create(out, erofs.WithTempDir(tmpDir))
+	c := &converter{w: w, lim: lim, kinds: map[string]kind{"/": kindDir}}
+	tr := tar.NewReader(r)
+	for {
+		h, err := tr.Next()
+		if err == io.EOF {
+			break
+		}
+		if err != nil {
+			return c.stats, fmt.Errorf("image: read layer tar: %w", err)
+		}
+		if err := c.add(h, tr); err != nil {
+			return c.stats, err
+		}
+	}
+	// mutate.Extract ends the archive before it reports its own error
+	// (an unsafe path in a layer, a layer that does not decompress):
+	// read to the stream's end to get it.
+	if _, err := io.Copy(io.Discard, r); err != nil {
+		return c.stats, fmt.Errorf("image: read layers: %w", err)
+	}
+	if err := c.finish(); err != nil {
+		return c.stats, err
+	}
+	if err := w.Close(); err != nil {
+		return c.stats, fmt.Errorf("image: write EROFS: %w", err)
+	}
+	return c.stats, nil
+}
+
+type kind int
+
+const (
+	kindImplicit kind = iota + 1 // a parent made before its own entry came
+	kindDir
+	kindFile
+	kindSymlink
+	kindOther
+)
+
+type converter struct {
+	w     *erofs.Writer
+	lim   ConvertLimits
+	stats convertStats
+	// kinds records each path added, to tell implicit parents from real
+	// entries and to resolve hard links.
+	kinds   map[string]kind
+	links   map[string]string // symlink targets
+	dirs    []*tar.Header     // directory metadata, applied at the end
+	hard    []*tar.Header     // hard links, made at the end
+	headers map[string]*tar.Header
+}
+
+// cleanName turns a tar entry name into an absolute path inside the image,
+// refusing names that leave it.
+func cleanName(name string) (string, error) {
+	if strings.HasPrefix(name, "/") {
+		return "", fmt.Errorf("image: layer entry %q: absolute path", name)
+	}
+	for _, part := range strings.Split(name, "/") {
+		if part == ".." {
+			return "", fmt.Errorf("image: layer entry %q: path leaves the image", name)
+		}
+	}
+	return path.Clean("/" + name), nil
+}
+
+func (c *converter) count(n int64) error {
+	c.stats.Entries++
+	c.stats.Bytes += n
+	if c.lim.MaxEntries > 0 && c.stats.Entries > c.lim.MaxEntries {
+		return fmt.Errorf("%w: more than %d entries", ErrTooLarge, c.lim.MaxEntries)
+	}
+	if c.lim.MaxBytes > 0 && c.stats.Bytes > c.lim.MaxBytes {
+		return fmt.Errorf("%w: more than %d bytes of files", ErrTooLarge, c.lim.MaxBytes)
+	}
+	return nil
+}
+
+// parents checks that no parent of p is a symlink or a non-directory, and
+// records the missing ones as implicit directories.
+func (c *converter) parents(p string) error {
+	var missing []string
+	for d := path.Dir(p); d != "/"; d = path.Dir(d) {
+		switch c.kinds[d] {
+		case 0:
+			missing = append(missing, d)
+			continue
+		case kindDir, kindImplicit:
+		case kindSymlink:
+			return fmt.Errorf("image: layer entry %s goes through the symlink %s; not supported", p, d)
+		default:
+			return fmt.Errorf("image: layer entry %s is under %s, which is not a directory", p, d)
+		}
+		break
+	}
+	for _, d := range missing {
+		c.kinds[d] = kindImplicit
+	}
+	return nil
+}
+
+func (c *converter) add(h *tar.Header, data io.Reader) error {
+	p, err := cleanName(h.Name)
+	if err != nil {
+		return err
+	}
+	if p == "/" {
+		if h.Typeflag == tar.TypeDir {
+			c.dirs = append(c.dirs, h)
+		}
+		return nil
+	}
+	if k := c.kinds[p]; k != 0 {
+		if k == kindImplicit && h.Typeflag == tar.TypeDir {
+			c.kinds[p] = kindDir
+			c.dirs = append(c.dirs, h)
+			return c.count(0)
+		}
+		if k == kindImplicit {
+			return fmt.Errorf("image: layer entry %s: a lower layer made it a %s where upper layers have a directory", p, typeName(h.Typeflag))
+		}
+		return nil // the flattened stream has each path once; keep the first
+	}
+	if err := c.parents(p); err != nil {
+		return err
+	}
+	switch h.Typeflag {
+	case tar.TypeDir:
+		if err := c.w.Mkdir(p, 0o755); err != nil {
+			return fmt.Errorf("image: %s: %w", p, err)
+		}
+		c.kinds[p] = kindDir
+		c.dirs = append(c.dirs, h)
+		return c.count(0)
+	case tar.TypeReg, tar.TypeRegA:
+		if err := c.count(h.Size); err != nil {
+			return err
+		}
+		f, err := c.w.Create(p)
+		if err != nil {
+			return fmt.Errorf("image: %s: %w", p, err)
+		}
+		if _, err := io.Copy(f, io.LimitReader(data, h.Size)); err != nil {
+			f.Close()
+			return fmt.Errorf("image: %s: %w", p, err)
+		}
+		if err := f.Close(); err != nil {
+			return fmt.Errorf("image: %s: %w", p, err)
+		}
+		c.kinds[p] = kindFile
+		if c.headers == nil {
+			c.headers = map[string]*tar.Header{}
+		}
+		c.headers[p] = h
+	case tar.TypeSymlink:
+		if err := c.w.Symlink(h.Linkname, p); err != nil {
+			return fmt.Errorf("image: %s: %w", p, err)
+		}
+		c.kinds[p] = kindSymlink
+		if c.links == nil {
+			c.links = map[string]string{}
+		}
+		c.links[p] = h.Linkname
+		if err := c.count(0); err != nil {
+			return err
+		}
+	case tar.TypeChar, tar.TypeBlock, tar.TypeFifo:
+		mode := map[byte]uint16{tar.TypeChar: sIFCHR, tar.TypeBlock: sIFBLK, tar.TypeFifo: sIFIFO}[h.Typeflag]
+		rdev := uint32(h.Devmajor&0xfff)<<8 | uint32(h.Devminor&0xff) | uint32(h.Devminor&^0xff)<<12
+		if err := c.w.Mknod(p, mode|uint16(h.Mode&0o7777), rdev); err != nil {
+			return fmt.Errorf("image: %s: %w", p, err)
+		}
+		c.kinds[p] = kindOther
+		if err := c.count(0); err != nil {
+			return err
+		}
+	case tar.TypeLink:
+		// The target may come later: the stream has upper layers first.
+		c.kinds[p] = kindOther
+		c.hard = append(c.hard, h)
+		return c.count(0)
+	default:
+		// Sockets and tar's own records (GNU long names, PAX headers
+		// are consumed by archive/tar) have no place in a root.
+		return nil
+	}
+	return c.meta(p, h)
+}
+
+// meta applies an entry's owner, mode, time and xattrs.
+func (c *converter) meta(p string, h *tar.Header) error {
+	if err := c.w.Chown(p, h.Uid, h.Gid); err != nil {
+		return fmt.Errorf("image: %s: %w", p, err)
+	}
+	if h.Typeflag != tar.TypeSymlink {
+		if err := c.w.Chmod(p, tarMode(h.Mode)); err != nil {
+			return fmt.Errorf("image: %s: %w", p, err)
+		}
+	}
+	if err := c.w.Chtimes(p, h.ModTime, h.ModTime); err != nil {
+		return fmt.Errorf("image: %s: %w", p, err)
+	}
+	keys := make([]string, 0, len(h.PAXRecords))
+	for k := range h.PAXRecords {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	for _, k := range keys {
+		if name, ok := strings.CutPrefix(k, "SCHILY.xattr."); ok {
+			if err := c.w.Setxattr(p, name, h.PAXRecords[k]); err != nil {
+				return fmt.Errorf("image: %s: xattr %s: %w", p, name, err)
+			}
+		}
+	}
+	return nil
+}
+
+// tarMode turns a tar header's mode into an fs.FileMode's permission and
+// special bits.
+func tarMode(m int64) fs.FileMode {
+	mode := fs.FileMode(m & 0o777)
+	if m&0o4000 != 0 {
+		mode |= fs.ModeSetuid
+	}
+	if m&0o2000 != 0 {
+		mode |= fs.ModeSetgid
+	}
+	if m&0o1000 != 0 {
+		mode |= fs.ModeSticky
+	}
+	return mode
+}
+
+func typeName(t byte) string {
+	switch t {
+	case tar.TypeReg, tar.TypeRegA:
+		return "file"
+	case tar.TypeSymlink:
+		return "symlink"
+	case tar.TypeLink:
+		return "hard link"
+	default:
+		return fmt.Sprintf("entry of type %q", t)
+	}
+}
+
+// finish applies directory metadata (directories may have been made
+// implicitly before their entry came) and makes the hard links.
+func (c *converter) finish() error {
+	for _, h := range c.dirs {
+		p, _ := cleanName(h.Name)
+		if err := c.meta(p, h); err != nil {
+			return err
+		}
+	}
+	for _, h := range c.hard {
+		p, _ := cleanName(h.Name)
+		target, err := c.resolve(h.Linkname)
+		if err != nil {
+			return fmt.Errorf("image: hard link %s: %w", p, err)
+		}
+		if err := c.copyFile(target, p); err != nil {
+			return fmt.Errorf("image: hard link %s to %s: %w", p, target, err)
+		}
+	}
+	return nil
+}
+
+// resolve finds a hard link's target: a regular file, reached through
+// symlinks in its parents as the kernel would, without leaving the image.
+func (c *converter) resolve(name string) (string, error) {
+	p, err := cleanName(name)
+	if err != nil {
+		return "", err
+	}
+	for depth := 0; ; depth++ {
+		if depth > maxSymlinkDepth {
+			return "", fmt.Errorf("target %s: too many levels of symlinks", name)
+		}
+		switch c.kinds[p] {
+		case kindFile:
+			return p, nil
+		case kindSymlink:
+			t := c.links[p]
+			if !strings.HasPrefix(t, "/") {
+				t = path.Join(path.Dir(p), t)
+			}
+			p = path.Clean("/" + t) // ".." above the root stays at the root
+			continue
+		case 0:
+			// A parent may be a symlink.
+			if q, ok := c.throughSymlink(p); ok {
+				p = q
+				continue
+			}
+			return "", fmt.Errorf("target %s is not in the image", name)
+		default:
+			return "", fmt.Errorf("target %s is not a regular file", name)
+		}
+	}
+}
+
+// throughSymlink rewrites p when one of its parents is a symlink.
+func (c *converter) throughSymlink(p string) (string, bool) {
+	for d := path.Dir(p); d != "/"; d = path.Dir(d) {
+		if c.kinds[d] == kindSymlink {
+			t := c.links[d]
+			if !strings.HasPrefix(t, "/") {
+				t = path.Join(path.Dir(d), t)
+			}
+			rest := strings.TrimPrefix(p, d)
+			return path.Clean("/" + t + rest), true
+		}
+	}
+	return "", false
+}
+
+// copyFile makes dst a copy of the regular file src: its data, and the
+// metadata of src's own entry.
+func (c *converter) copyFile(src, dst string) error {
+	h := c.headers[src]
+	in, err := c.w.Open(src)
+	if err != nil {
+		return err
+	}
+	defer in.Close()
+	if err := c.count(h.Size); err != nil {
+		return err
+	}
+	out, err := c.w.Create(dst)
+	if err != nil {
+		return err
+	}
+	if _, err := io.Copy(out, in); err != nil {
+		out.Close()
+		return err
+	}
+	if err := out.Close(); err != nil {
+		return err
+	}
+	c.kinds[dst] = kindFile
+	return c.meta(dst, h)
+}
