@@ -3,6 +3,7 @@ module github.com/capsa-sandbox/capsa
 go 1.26.3
 
 require (
+	github.com/diskfs/go-diskfs v1.9.4
 	github.com/erofs/go-erofs v0.3.1
 	github.com/google/go-containerregistry v0.22.1
 	github.com/hugelgupf/p9 v0.4.1
@@ -18,6 +19,7 @@ require (
 	github.com/docker/cli v29.7.2+incompatible // indirect
 	github.com/docker/docker-credential-helpers v0.9.3 // indirect
 	github.com/google/btree v1.1.2 // indirect
+	github.com/google/uuid v1.6.0 // indirect
 	github.com/klauspost/compress v1.19.2 // indirect
 	github.com/mdlayher/socket v0.8.0 // indirect
 	github.com/opencontainers/go-digest v1.0.0 // indirect
