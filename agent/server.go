@@ -347,55 +347,113 @@ func (w frameWriter) Write(p []byte) (int, error) {
 	return len(p), nil
 }
 
-func credential(spec string) (*syscall.Credential, error) {
+func credential(spec string) (*syscall.Credential, string, error) {
 	if spec == "" {
-		return nil, nil
+		return nil, "", nil
 	}
 	name, group, _ := strings.Cut(spec, ":")
+	var u *user.User
 	uid, err := strconv.ParseUint(name, 10, 32)
-	gid := uid
 	if err != nil {
-		u, err := user.Lookup(name)
-		if err != nil {
-			return nil, fmt.Errorf("user %q: %w", name, err)
+		if u, err = user.Lookup(name); err != nil {
+			return nil, "", fmt.Errorf("user %q: %w", name, err)
 		}
 		uid, _ = strconv.ParseUint(u.Uid, 10, 32)
+	} else {
+		u, _ = user.LookupId(name) // a uid need not have an entry
+	}
+	var gid uint64 // root's group for a uid without an entry, as Docker
+	home := "/"
+	if u != nil {
 		gid, _ = strconv.ParseUint(u.Gid, 10, 32)
+		if u.HomeDir != "" {
+			home = u.HomeDir
+		}
 	}
 	if group != "" {
 		if gid, err = strconv.ParseUint(group, 10, 32); err != nil {
-			return nil, fmt.Errorf("group %q: not a number", group)
+			g, err := user.LookupGroup(group)
+			if err != nil {
+				return nil, "", fmt.Errorf("group %q: %w", group, err)
+			}
+			gid, _ = strconv.ParseUint(g.Gid, 10, 32)
 		}
 	}
-	return &syscall.Credential{Uid: uint32(uid), Gid: uint32(gid)}, nil
+	cred := &syscall.Credential{Uid: uint32(uid), Gid: uint32(gid)}
+	if u != nil && group == "" {
+		if ids, err := u.GroupIds(); err == nil {
+			for _, id := range ids {
+				if n, err := strconv.ParseUint(id, 10, 32); err == nil && n != gid {
+					cred.Groups = append(cred.Groups, uint32(n))
+				}
+			}
+		}
+	}
+	return cred, home, nil
+}
+
+// envValue is the last value of key in env.
+func envValue(env []string, key string) string {
+	v := ""
+	for _, kv := range env {
+		if k, val, ok := strings.Cut(kv, "="); ok && k == key {
+			v = val
+		}
+	}
+	return v
+}
+
+// lookPath finds an executable named file in the directories of path.
+func lookPath(file, path string) (string, error) {
+	for _, dir := range filepath.SplitList(path) {
+		if dir == "" {
+			dir = "."
+		}
+		p := filepath.Join(dir, file)
+		if fi, err := os.Stat(p); err == nil && fi.Mode().IsRegular() && fi.Mode()&0o111 != 0 {
+			return p, nil
+		}
+	}
+	return "", &exec.Error{Name: file, Err: exec.ErrNotFound}
 }
 
 // exec runs a process, streaming its output, until it exits.
 func (s *Server) exec(ctx context.Context, c *Conn, req *ExecRequest) error {
-	var cmd *exec.Cmd
+	var argv []string
 	switch {
 	case len(req.Argv) > 0 && req.Shell == "":
-		cmd = exec.Command(req.Argv[0], req.Argv[1:]...)
+		argv = req.Argv
 	case len(req.Argv) == 0 && req.Shell != "":
-		cmd = exec.Command("/bin/sh", "-c", req.Shell)
+		argv = []string{"/bin/sh", "-c", req.Shell}
 	default:
 		return errors.New("exec: give exactly one of argv and shell")
 	}
-	// u-root's busybox finds which command to be by following argv[0] as a
-	// path to its symlink, so a bare name becomes the path it resolved to.
-	if !strings.Contains(cmd.Args[0], "/") && cmd.Err == nil {
-		cmd.Args[0] = cmd.Path
+	cmd := exec.Command(argv[0], argv[1:]...)
+	if !strings.Contains(argv[0], "/") {
+		// A bare name is looked up in the process's own PATH (an
+		// image's), not the agent's.
+		cmd.Path, cmd.Err = lookPath(argv[0], envValue(append(append([]string(nil), baseEnv...), req.Env...), "PATH"))
+		// u-root's busybox finds which command to be by following
+		// argv[0] as a path to its symlink, so a bare name that
+		// resolved there becomes the path.
+		if cmd.Err == nil && strings.HasPrefix(cmd.Path, "/bbin/") {
+			cmd.Args[0] = cmd.Path
+		}
 	}
 	for _, e := range req.Env {
 		if k, _, ok := strings.Cut(e, "="); !ok || k == "" {
 			return fmt.Errorf("exec: bad environment entry %q (want KEY=VALUE)", e)
 		}
 	}
-	cred, err := credential(req.User)
+	cred, home, err := credential(req.User)
 	if err != nil {
 		return fmt.Errorf("exec: %w", err)
 	}
-	cmd.Env = append(append([]string(nil), baseEnv...), req.Env...)
+	env := append([]string(nil), baseEnv...)
+	if home != "" {
+		env = append(env, "HOME="+home)
+	}
+	cmd.Env = append(env, req.Env...)
 	cmd.Dir = req.Dir
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Credential: cred}
 	cmd.Stdout = frameWriter{c, FrameStdout}

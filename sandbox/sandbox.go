@@ -26,6 +26,7 @@ import (
 	"time"
 
 	"github.com/capsa-sandbox/capsa/agent"
+	"github.com/capsa-sandbox/capsa/image"
 	"github.com/capsa-sandbox/capsa/internal/builtin"
 	"github.com/capsa-sandbox/capsa/virtio"
 	virtioblk "github.com/capsa-sandbox/capsa/virtio/blk"
@@ -53,6 +54,7 @@ type config struct {
 	vsockSocket  string
 	shares       []share
 	disks        []disk
+	img          *imageConfig
 	net          *netConfig
 	errs         []error
 }
@@ -136,6 +138,9 @@ func (b *Builder) Run(cmd string, args ...string) *Workload {
 	if cmd == "" {
 		w.c.errs = append(w.c.errs, errors.New("sandbox: Run needs a command"))
 	}
+	if b.c.img != nil {
+		w.c.errs = append(w.c.errs, errors.New("sandbox: image options (ImageStore, Pull, RootfsSize, Entrypoint...) need OCI, not Run"))
+	}
 	return w
 }
 
@@ -156,6 +161,10 @@ func (w *Workload) Stderr(o io.Writer) *Workload { w.main.Stderr = o; return w }
 
 // Dir sets the main process's working directory.
 func (w *Workload) Dir(dir string) *Workload { w.main.Dir = dir; return w }
+
+// User runs the main process as USER, UID, USER:GROUP or UID:GID, looked
+// up in the guest's /etc/passwd and /etc/group (an image's, with OCI).
+func (w *Workload) User(u string) *Workload { w.main.User = u; return w }
 
 // Timeout kills the main process after d.
 func (w *Workload) Timeout(d time.Duration) *Workload { w.main.Timeout = d; return w }
@@ -185,6 +194,9 @@ type Sandbox struct {
 	hybrid  *vsock.HybridSocket
 	shares  []*ninep.Device
 	disks   []*virtioblk.Device
+	rootfs  *rootfs
+	env     []string // every process's environment before its own
+	dir     string   // every process's default working directory
 	net     *network
 
 	mu       sync.Mutex
@@ -199,20 +211,30 @@ func (w *Workload) Start(ctx context.Context) (*Sandbox, error) {
 	if err := w.c.err(); err != nil {
 		return nil, err
 	}
-	s, err := boot(ctx, w.c)
+	opts := w.main
+	var root *rootfs
+	if w.c.img != nil {
+		var err error
+		if root, err = prepareImage(ctx, w.c, w.main); err != nil {
+			return nil, err
+		}
+		opts.Argv, opts.Env, opts.Dir, opts.User = root.proc.Argv, root.proc.Env, root.proc.Dir, root.proc.User
+	} else {
+		opts.Env = append(append([]string(nil), w.c.env...), opts.Env...)
+	}
+	s, err := boot(ctx, w.c, root)
 	if err != nil {
+		root.remove()
 		return nil, err
 	}
 	if err := s.WaitReady(ctx, w.c.readyTimeout); err != nil {
 		s.Close()
 		return nil, err
 	}
-	opts := w.main
-	opts.Env = append(append([]string(nil), w.c.env...), opts.Env...)
 	p, err := s.client.Start(ctx, opts)
 	if err != nil {
 		s.Close()
-		return nil, fmt.Errorf("sandbox: start %s: %w", w.main.Argv[0], err)
+		return nil, fmt.Errorf("sandbox: start %s: %w", opts.Argv[0], err)
 	}
 	s.mu.Lock()
 	s.main = p
@@ -230,8 +252,9 @@ func readOr(path string, builtinData func() ([]byte, error)) ([]byte, error) {
 	return builtinData()
 }
 
-// boot starts the VM and the host end of its vsock link.
-func boot(ctx context.Context, c config) (_ *Sandbox, err error) {
+// boot starts the VM and the host end of its vsock link; with root, the
+// guest's / is that image.
+func boot(ctx context.Context, c config, root *rootfs) (_ *Sandbox, err error) {
 	start := time.Now()
 	kernel, err := readOr(c.kernelPath, builtin.Kernel)
 	if err != nil {
@@ -242,7 +265,11 @@ func boot(ctx context.Context, c config) (_ *Sandbox, err error) {
 		return nil, fmt.Errorf("sandbox: initramfs: %w", err)
 	}
 	log := c.logger()
-	s := &Sandbox{c: c, vmDone: make(chan struct{}), ready: make(chan struct{}), started: start}
+	s := &Sandbox{c: c, vmDone: make(chan struct{}), ready: make(chan struct{}), started: start, rootfs: root, env: c.env}
+	if root != nil {
+		s.env = image.MergeEnv(root.img.Env(), c.env)
+		s.dir = root.proc.Dir
+	}
 	// Until the VM runs, a failure releases what was set up so far.
 	defer func() {
 		if err != nil {
@@ -263,6 +290,19 @@ func boot(ctx context.Context, c config) (_ *Sandbox, err error) {
 	}
 	cmdline := []string{"console=ttyS0 quiet reboot=k panic=-1"}
 	devices := []virtio.Device{s.dev}
+	if root != nil {
+		// The image and its writable layer are the first disks (vda,
+		// vdb); init finds them by serial.
+		devs, err := root.devices(c)
+		if err != nil {
+			return nil, err
+		}
+		s.disks = append(s.disks, devs...)
+		for _, d := range devs {
+			devices = append(devices, d)
+		}
+		cmdline = append(cmdline, "capsa.root=image")
+	}
 	if c.net != nil {
 		var ipArg string
 		if s.net, ipArg, err = startNetwork(context.WithoutCancel(ctx), c.net, log); err != nil {
@@ -278,10 +318,12 @@ func boot(ctx context.Context, c config) (_ *Sandbox, err error) {
 		cmdline = append(cmdline, shareArg(i, c.shares[i]))
 		devices = append(devices, d)
 	}
-	if s.disks, err = diskDevices(c.disks, c); err != nil {
+	userDisks, err := diskDevices(c.disks, c)
+	if err != nil {
 		return nil, err
 	}
-	for _, d := range s.disks {
+	s.disks = append(s.disks, userDisks...)
+	for _, d := range userDisks {
 		devices = append(devices, d)
 	}
 	s.vm, err = vmm.New(ctx, vmm.Config{
@@ -330,7 +372,7 @@ func (s *Sandbox) release() error {
 	for _, d := range s.shares {
 		err = errors.Join(err, d.Close())
 	}
-	err = errors.Join(err, closeDisks(s.disks))
+	err = errors.Join(err, closeDisks(s.disks), s.rootfs.remove())
 	return errors.Join(err, s.net.close())
 }
 
@@ -385,7 +427,7 @@ type Output = agent.Output
 
 // Exec runs a process to the end and collects its output.
 func (s *Sandbox) Exec(ctx context.Context, o ExecOptions) (*Output, error) {
-	o.Env = append(append([]string(nil), s.c.env...), o.Env...)
+	o = s.defaults(o)
 	out, err := s.client.Output(ctx, o)
 	return out, s.vmErr(err)
 }
@@ -393,9 +435,20 @@ func (s *Sandbox) Exec(ctx context.Context, o ExecOptions) (*Output, error) {
 // Stream starts a process whose output streams to o.Stdout and o.Stderr;
 // the Process can be signalled and waited for.
 func (s *Sandbox) Stream(ctx context.Context, o ExecOptions) (*agent.Process, error) {
-	o.Env = append(append([]string(nil), s.c.env...), o.Env...)
+	o = s.defaults(o)
 	p, err := s.client.Start(ctx, o)
 	return p, s.vmErr(err)
+}
+
+// defaults gives a process the sandbox's environment (the image's, then
+// Env's) under its own, and the image's working directory unless it
+// names one.
+func (s *Sandbox) defaults(o ExecOptions) ExecOptions {
+	o.Env = image.MergeEnv(s.env, o.Env)
+	if o.Dir == "" {
+		o.Dir = s.dir
+	}
+	return o
 }
 
 // ReadFile returns a guest file's contents.

@@ -35,6 +35,7 @@ func commands() []command {
 	return []command{
 		{"run", "run a command in a sandbox and exit with its exit code", runRun},
 		{"vm", "boot a kernel in a raw microVM and show its console", runVM},
+		{"image", "pull, import, list, inspect and remove OCI images", runImage},
 		{"version", "print capsa's version", runVersion},
 	}
 }

@@ -33,6 +33,12 @@ func runRun(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	kernel := fs.String("kernel", "", "use this kernel instead of the built-in one")
 	initrd := fs.String("initrd", "", "use this initramfs instead of the built-in one")
 	volumes := fs.StringArrayP("volume", "v", nil, "share a host directory: HOST:GUEST[:ro] (repeatable)")
+	imageRef := fs.String("image", "", "run in this OCI image: its root filesystem, ENTRYPOINT, CMD (replaced by ARGS), ENV, WORKDIR and USER")
+	pull := fs.String("pull", "missing", "with --image: pull always, missing (when not cached) or never")
+	entrypoint := fs.String("entrypoint", "", "with --image: replace the image's ENTRYPOINT (and drop its CMD)")
+	rootfsSize := fs.String("rootfs-size", "4G", "with --image: the root filesystem's size (the writable layer's bound)")
+	insecure := fs.StringArray("insecure-registry", nil, "with --image: reach this registry (host[:port]) over plain HTTP (repeatable)")
+	userFlag := fs.StringP("user", "u", "", "run as USER, UID, USER:GROUP or UID:GID (in an image: resolved in its /etc/passwd)")
 	disks := fs.StringArray("disk", nil, "attach a host file as a block device, /dev/vda, /dev/vdb... in order: PATH[:ro] (repeatable)")
 	netMode := fs.String("net", "none", "network: none (no NIC), public-only, allow-all or deny-all; --net alone is public-only")
 	fs.Lookup("net").NoOptDefVal = "public-only"
@@ -49,8 +55,15 @@ func runRun(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "capsa run: "+format+"\n", a...)
 		return 2
 	}
-	if fs.NArg() == 0 {
-		return fail("no command given (usage: capsa run [flags] -- CMD [ARGS...])")
+	if fs.NArg() == 0 && *imageRef == "" {
+		return fail("no command given (usage: capsa run [flags] -- CMD [ARGS...], or --image REF [-- ARGS...])")
+	}
+	if *imageRef == "" {
+		for _, f := range []string{"pull", "entrypoint", "rootfs-size", "insecure-registry"} {
+			if fs.Changed(f) {
+				return fail("--%s needs --image", f)
+			}
+		}
 	}
 	if *cpus < 1 || *cpus > vmm.MaxCPUs {
 		return fail("--cpus %d: must be between 1 and %d", *cpus, vmm.MaxCPUs)
@@ -116,7 +129,28 @@ func runRun(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	if err := b.Err(); err != nil {
 		return fail("%v", err)
 	}
-	w := b.Run(fs.Arg(0), fs.Args()[1:]...).Stdout(stdout).Stderr(stderr).Dir(*dir).Timeout(*timeout)
+	var w *sandbox.Workload
+	if *imageRef != "" {
+		size, err := parseSize(*rootfsSize)
+		if err != nil {
+			return fail("--rootfs-size: %v", err)
+		}
+		b.Pull(sandbox.PullPolicy(*pull)).RootfsSize(int64(size)).InsecureRegistry(*insecure...).PullProgress(pullProgress(stderr))
+		if fs.Changed("entrypoint") {
+			if *entrypoint == "" {
+				b.Entrypoint()
+			} else {
+				b.Entrypoint(*entrypoint)
+			}
+		}
+		if err := b.Err(); err != nil {
+			return fail("%v", err)
+		}
+		w = b.OCI(*imageRef, fs.Args()...)
+	} else {
+		w = b.Run(fs.Arg(0), fs.Args()[1:]...)
+	}
+	w.Stdout(stdout).Stderr(stderr).Dir(*dir).User(*userFlag).Timeout(*timeout)
 	if *interactive {
 		w.Stdin(os.Stdin)
 	}
@@ -137,7 +171,7 @@ func runRun(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		}
 		return 125
 	case st.TimedOut:
-		fmt.Fprintf(stderr, "capsa run: %s timed out after %v\n", fs.Arg(0), *timeout)
+		fmt.Fprintf(stderr, "capsa run: the command timed out after %v\n", *timeout)
 		return exitTimedOut
 	}
 	return st.Code

@@ -27,6 +27,9 @@ import (
 const serveEnv = "CAPSA_E2E_SERVE_HTTP"
 
 func TestMain(m *testing.M) {
+	if os.Getenv(probeEnv) != "" {
+		os.Exit(probe(os.Args[1:]))
+	}
 	if job := os.Getenv(netBenchEnv); job != "" {
 		if err := netBenchClient(job); err != nil {
 			fmt.Fprintln(os.Stderr, err)

@@ -39,19 +39,37 @@ func main() {
 	initMachine(log)
 }
 
-// mounts are the filesystems every sandbox has.
-var mounts = []struct {
+type mount struct {
 	src, dst, fstype string
 	flags            uintptr
 	data             string
-}{
+}
+
+// baseMounts come first: finding an image's disks needs /sys and /dev,
+// and they move into the image's root.
+var baseMounts = []mount{
 	{"proc", "/proc", "proc", unix.MS_NOSUID | unix.MS_NODEV | unix.MS_NOEXEC, ""},
 	{"sysfs", "/sys", "sysfs", unix.MS_NOSUID | unix.MS_NODEV | unix.MS_NOEXEC, ""},
 	{"devtmpfs", "/dev", "devtmpfs", unix.MS_NOSUID, "mode=0755"},
+}
+
+// mounts are the rest of what every sandbox has; an image keeps its own
+// /tmp (on its writable layer), as under Docker.
+var mounts = []mount{
 	{"devpts", "/dev/pts", "devpts", unix.MS_NOSUID | unix.MS_NOEXEC, "newinstance,ptmxmode=0666,mode=0620"},
 	{"tmpfs", "/dev/shm", "tmpfs", unix.MS_NOSUID | unix.MS_NODEV, "mode=1777"},
-	{"tmpfs", "/tmp", "tmpfs", unix.MS_NOSUID | unix.MS_NODEV, "mode=1777"},
 	{"tmpfs", "/run", "tmpfs", unix.MS_NOSUID | unix.MS_NODEV, "mode=0755"},
+}
+
+var tmpMount = mount{"tmpfs", "/tmp", "tmpfs", unix.MS_NOSUID | unix.MS_NODEV, "mode=1777"}
+
+func mountAll(log *slog.Logger, ms []mount) {
+	for _, m := range ms {
+		os.MkdirAll(m.dst, 0o755)
+		if err := unix.Mount(m.src, m.dst, m.fstype, m.flags, m.data); err != nil {
+			log.Warn("mount", "target", m.dst, "err", err)
+		}
+	}
 }
 
 func initMachine(log *slog.Logger) {
@@ -59,15 +77,10 @@ func initMachine(log *slog.Logger) {
 	// looked up with this PATH (u-root's busybox links live in /bbin).
 	os.Setenv("PATH", agent.DefaultPath)
 	os.Setenv("HOME", "/root")
-	for _, m := range mounts {
-		os.MkdirAll(m.dst, 0o755)
-		if err := unix.Mount(m.src, m.dst, m.fstype, m.flags, m.data); err != nil {
-			log.Warn("mount", "target", m.dst, "err", err)
-		}
-	}
-	os.MkdirAll("/root", 0o700)
+	mountAll(log, baseMounts)
 	hostname := "capsa"
 	var shares []string
+	imageRoot := false
 	if cmdline, err := os.ReadFile("/proc/cmdline"); err == nil {
 		for _, f := range strings.Fields(string(cmdline)) {
 			if v, ok := strings.CutPrefix(f, "capsa.hostname="); ok && v != "" {
@@ -76,7 +89,25 @@ func initMachine(log *slog.Logger) {
 			if v, ok := strings.CutPrefix(f, "capsa.share="); ok {
 				shares = append(shares, v)
 			}
+			if f == "capsa.root=image" {
+				imageRoot = true
+			}
 		}
+	}
+	if imageRoot {
+		// Without its image the sandbox cannot run what it was asked
+		// to: end the boot, and the host reports the console.
+		if err := switchToImage(); err != nil {
+			log.Error("image root", "err", err)
+			reboot()
+		}
+		mountAll(log, mounts)
+		if err := writeHosts(hostname); err != nil {
+			log.Warn("/etc/hosts", "err", err)
+		}
+	} else {
+		mountAll(log, append(mounts, tmpMount))
+		os.MkdirAll("/root", 0o700)
 	}
 	// A share that cannot be mounted ends the boot: the host reports the
 	// console, which says why, rather than run a sandbox without it.
@@ -103,11 +134,9 @@ func initMachine(log *slog.Logger) {
 	if err := bootmark.Signal(); err != nil {
 		log.Warn("boot marker", "err", err)
 	}
-	self, err := os.Executable()
-	if err != nil {
-		self = "/init"
-	}
-	cmd := exec.Command(self, "serve")
+	// /proc/self/exe reaches this program even when it is outside the
+	// root (after switchToImage): it is a magic link, not a path.
+	cmd := exec.Command("/proc/self/exe", "serve")
 	cmd.Stdout, cmd.Stderr = os.Stdout, os.Stderr
 	if err := cmd.Start(); err != nil {
 		log.Error("start agent", "err", err)
@@ -127,6 +156,91 @@ func initMachine(log *slog.Logger) {
 			reboot()
 		}
 	}
+}
+
+// diskBySerial finds the block device whose virtio serial is serial.
+func diskBySerial(serial string) (string, error) {
+	ents, err := os.ReadDir("/sys/block")
+	if err != nil {
+		return "", err
+	}
+	for _, e := range ents {
+		b, err := os.ReadFile("/sys/block/" + e.Name() + "/serial")
+		if err == nil && strings.TrimSpace(string(b)) == serial {
+			return "/dev/" + e.Name(), nil
+		}
+	}
+	return "", fmt.Errorf("no disk with serial %s", serial)
+}
+
+// switchToImage makes the image the root: its EROFS disk read-only under
+// an overlayfs whose writable layer is the ext4 disk, with /proc, /sys and
+// /dev moved in. This process (PID 1) and the agent it starts stay
+// capsa's own, running from the initramfs, now outside the root.
+func switchToImage() error {
+	img, err := diskBySerial("capsa-image")
+	if err != nil {
+		return err
+	}
+	upper, err := diskBySerial("capsa-upper")
+	if err != nil {
+		return err
+	}
+	const lower, upperMnt, root = "/.capsa/lower", "/.capsa/upper", "/.capsa/root"
+	for _, d := range []string{lower, upperMnt, root} {
+		if err := os.MkdirAll(d, 0o755); err != nil {
+			return err
+		}
+	}
+	if err := unix.Mount(img, lower, "erofs", unix.MS_RDONLY, ""); err != nil {
+		return fmt.Errorf("mount the image %s: %w", img, err)
+	}
+	if err := unix.Mount(upper, upperMnt, "ext4", 0, ""); err != nil {
+		return fmt.Errorf("mount the writable layer %s: %w", upper, err)
+	}
+	for _, d := range []string{upperMnt + "/upper", upperMnt + "/work"} {
+		if err := os.MkdirAll(d, 0o755); err != nil {
+			return err
+		}
+	}
+	opts := "lowerdir=" + lower + ",upperdir=" + upperMnt + "/upper,workdir=" + upperMnt + "/work"
+	if err := unix.Mount("overlay", root, "overlay", 0, opts); err != nil {
+		return fmt.Errorf("mount the overlay: %w", err)
+	}
+	for _, d := range []string{"/proc", "/sys", "/dev"} {
+		if err := os.MkdirAll(root+d, 0o755); err != nil {
+			return err
+		}
+		if err := unix.Mount(d, root+d, "", unix.MS_MOVE, ""); err != nil {
+			return fmt.Errorf("move %s into the image: %w", d, err)
+		}
+	}
+	for _, d := range []struct {
+		path string
+		mode os.FileMode
+	}{{"/tmp", 0o1777}, {"/run", 0o755}, {"/etc", 0o755}, {"/root", 0o700}} {
+		if _, err := os.Lstat(root + d.path); os.IsNotExist(err) {
+			if err := os.Mkdir(root+d.path, d.mode); err != nil {
+				return err
+			}
+			os.Chmod(root+d.path, d.mode)
+		}
+	}
+	if err := unix.Chdir(root); err != nil {
+		return err
+	}
+	if err := unix.Mount(root, "/", "", unix.MS_MOVE, ""); err != nil {
+		return fmt.Errorf("move the image to /: %w", err)
+	}
+	if err := unix.Chroot("."); err != nil {
+		return fmt.Errorf("chroot into the image: %w", err)
+	}
+	return unix.Chdir("/")
+}
+
+// writeHosts gives an image the /etc/hosts a container has.
+func writeHosts(hostname string) error {
+	return os.WriteFile("/etc/hosts", []byte("127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n127.0.1.1\t"+hostname+"\n"), 0o644)
 }
 
 // mountShare mounts a virtio-9p share named on the kernel command line as

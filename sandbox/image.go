@@ -1,0 +1,195 @@
+package sandbox
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+
+	"github.com/capsa-sandbox/capsa/image"
+	virtioblk "github.com/capsa-sandbox/capsa/virtio/blk"
+)
+
+// PullPolicy says when OCI pulls an image.
+type PullPolicy string
+
+const (
+	PullMissing PullPolicy = "missing" // pull only when not in the store (the default)
+	PullAlways  PullPolicy = "always"  // pull every time (layers already cached are not fetched)
+	PullNever   PullPolicy = "never"   // use the store only
+)
+
+// DefaultRootfsSize bounds an image sandbox's root filesystem when
+// RootfsSize is not set.
+const DefaultRootfsSize = 4 << 30
+
+type imageConfig struct {
+	ref        string
+	args       []string
+	entrypoint []string
+	pull       PullPolicy
+	storeDir   string
+	insecure   []string
+	rootfsSize int64
+	progress   func(image.Progress)
+}
+
+func (b *Builder) imageCfg() *imageConfig {
+	if b.c.img == nil {
+		b.c.img = &imageConfig{pull: PullMissing, rootfsSize: DefaultRootfsSize}
+	}
+	return b.c.img
+}
+
+// ImageStore sets the image cache directory (default image.DefaultDir).
+func (b *Builder) ImageStore(dir string) *Builder { b.imageCfg().storeDir = dir; return b }
+
+// Pull sets when OCI pulls the image.
+func (b *Builder) Pull(p PullPolicy) *Builder {
+	switch p {
+	case PullMissing, PullAlways, PullNever:
+		b.imageCfg().pull = p
+	default:
+		b.c.errs = append(b.c.errs, fmt.Errorf("sandbox: pull policy %q: want always, missing or never", p))
+	}
+	return b
+}
+
+// InsecureRegistry lets OCI reach the registry host[:port] over plain
+// HTTP (loopback registries always may).
+func (b *Builder) InsecureRegistry(hosts ...string) *Builder {
+	b.imageCfg().insecure = append(b.imageCfg().insecure, hosts...)
+	return b
+}
+
+// RootfsSize bounds an image sandbox's root filesystem: the writable layer
+// over the image holds at most this many bytes (default 4 GiB), and an
+// image larger than it is refused.
+func (b *Builder) RootfsSize(bytes int64) *Builder {
+	if bytes < image.MinUpperSize {
+		b.c.errs = append(b.c.errs, fmt.Errorf("sandbox: root filesystem size %d: at least %d MiB", bytes, image.MinUpperSize>>20))
+	}
+	b.imageCfg().rootfsSize = bytes
+	return b
+}
+
+// Entrypoint replaces the image's ENTRYPOINT (and drops its CMD, as
+// Docker's --entrypoint does); with no arguments it clears it.
+func (b *Builder) Entrypoint(argv ...string) *Builder {
+	b.imageCfg().entrypoint = append([]string{}, argv...)
+	return b
+}
+
+// PullProgress receives progress while OCI pulls and converts an image.
+func (b *Builder) PullProgress(fn func(image.Progress)) *Builder {
+	b.imageCfg().progress = fn
+	return b
+}
+
+// OCI chooses an OCI image as the sandbox's root filesystem and its main
+// process: the image's ENTRYPOINT and CMD, with args replacing CMD. The
+// image is the guest's / (read-only, under a writable layer of its own);
+// the agent stays capsa's, so exec and file calls work in any image, with
+// paths meaning the image's.
+func (b *Builder) OCI(ref string, args ...string) *Workload {
+	ic := b.imageCfg()
+	ic.ref, ic.args = ref, args
+	w := &Workload{c: b.c}
+	if ref == "" {
+		w.c.errs = append(w.c.errs, errors.New("sandbox: OCI needs an image reference"))
+	}
+	return w
+}
+
+// rootfs is an image sandbox's root: the image's EROFS and the writable
+// layer.
+type rootfs struct {
+	img       *image.Image
+	proc      image.Process
+	erofs     string
+	upperDir  string // holds the writable layer; removed at Close
+	upperPath string
+}
+
+// prepareImage finds or pulls the image, resolves the main process and
+// makes the writable layer.
+func prepareImage(ctx context.Context, c config, main ExecOptions) (*rootfs, error) {
+	ic := c.img
+	dir := ic.storeDir
+	if dir == "" {
+		var err error
+		if dir, err = image.DefaultDir(); err != nil {
+			return nil, fmt.Errorf("sandbox: %w", err)
+		}
+	}
+	store, err := image.Open(dir, c.logger())
+	if err != nil {
+		return nil, fmt.Errorf("sandbox: %w", err)
+	}
+	var img *image.Image
+	if ic.pull != PullAlways {
+		img, err = store.Get(ic.ref)
+		if err != nil && (!errors.Is(err, image.ErrNotFound) || ic.pull == PullNever) {
+			return nil, fmt.Errorf("sandbox: %w", err)
+		}
+	}
+	if img == nil {
+		if img, err = store.Pull(ctx, ic.ref, image.Options{Insecure: ic.insecure, Progress: ic.progress}); err != nil {
+			return nil, fmt.Errorf("sandbox: %w", err)
+		}
+	}
+	if img.RootfsSize > ic.rootfsSize {
+		return nil, fmt.Errorf("sandbox: image %s is %d MiB, more than the root filesystem size of %d MiB", ic.ref, img.RootfsSize>>20, ic.rootfsSize>>20)
+	}
+	proc, err := img.Resolve(image.Overrides{Entrypoint: ic.entrypoint, Args: ic.args, Env: append(append([]string(nil), c.env...), main.Env...), Dir: main.Dir, User: main.User})
+	if err != nil {
+		return nil, fmt.Errorf("sandbox: image %s: %w", ic.ref, err)
+	}
+	p, err := store.RootfsPath(img)
+	if err != nil {
+		return nil, fmt.Errorf("sandbox: %w", err)
+	}
+	r := &rootfs{img: img, proc: proc, erofs: p}
+	if r.upperDir, err = os.MkdirTemp("", "capsa-rootfs-"); err != nil {
+		return nil, fmt.Errorf("sandbox: writable layer: %w", err)
+	}
+	r.upperPath = filepath.Join(r.upperDir, "upper.ext4")
+	if err := image.CreateUpper(r.upperPath, ic.rootfsSize); err != nil {
+		os.RemoveAll(r.upperDir)
+		return nil, fmt.Errorf("sandbox: %w", err)
+	}
+	return r, nil
+}
+
+// devices opens the image (read-only, shared) and the writable layer as
+// the first two disks, vda and vdb, with the serials the guest's init
+// looks for.
+func (r *rootfs) devices(c config) ([]*virtioblk.Device, error) {
+	var devs []*virtioblk.Device
+	for _, d := range []struct {
+		path, id string
+		ro       bool
+	}{{r.erofs, "capsa-image", true}, {r.upperPath, "capsa-upper", false}} {
+		f, err := virtioblk.Open(d.path, d.ro)
+		if err != nil {
+			closeDisks(devs)
+			return nil, fmt.Errorf("sandbox: %w", err)
+		}
+		dev, err := virtioblk.New(f, virtioblk.Options{ReadOnly: d.ro, ID: d.id}, c.logger())
+		if err != nil {
+			f.Close()
+			closeDisks(devs)
+			return nil, fmt.Errorf("sandbox: %w", err)
+		}
+		devs = append(devs, dev)
+	}
+	return devs, nil
+}
+
+func (r *rootfs) remove() error {
+	if r == nil || r.upperDir == "" {
+		return nil
+	}
+	return os.RemoveAll(r.upperDir)
+}

@@ -1,0 +1,222 @@
+package e2e
+
+import (
+	"archive/tar"
+	"bytes"
+	"crypto/sha256"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/google/go-containerregistry/pkg/name"
+	v1 "github.com/google/go-containerregistry/pkg/v1"
+	"github.com/google/go-containerregistry/pkg/v1/empty"
+	"github.com/google/go-containerregistry/pkg/v1/mutate"
+	"github.com/google/go-containerregistry/pkg/v1/tarball"
+)
+
+// probeEnv makes the test binary, as /bin/probe in a test image, a small
+// program that reports what a process in an image sees.
+const probeEnv = "CAPSA_E2E_PROBE"
+
+// probe runs one action: report, write PATH TEXT, cat PATH, fill PATH.
+func probe(args []string) int {
+	if len(args) == 0 {
+		fmt.Fprintln(os.Stderr, "probe: no action")
+		return 2
+	}
+	switch args[0] {
+	case "report":
+		wd, _ := os.Getwd()
+		hosts, _ := os.ReadFile("/etc/hosts")
+		host, _ := os.Hostname()
+		_, goneErr := os.Stat("/data/gone.txt")
+		kept, _ := os.ReadFile("/data/kept.txt")
+		fmt.Printf("uid=%d gid=%d cwd=%s greeting=%s home=%s hosts=%v gone=%v kept=%s\n",
+			os.Getuid(), os.Getgid(), wd, os.Getenv("GREETING"), os.Getenv("HOME"),
+			strings.Contains(string(hosts), host), errors.Is(goneErr, os.ErrNotExist), kept)
+	case "write":
+		if err := os.WriteFile(args[1], []byte(args[2]), 0o644); err != nil {
+			fmt.Println(err)
+			return 1
+		}
+	case "cat":
+		b, err := os.ReadFile(args[1])
+		if err != nil {
+			fmt.Println(err)
+			return 1
+		}
+		os.Stdout.Write(b)
+	case "fill":
+		f, err := os.Create(args[1])
+		if err != nil {
+			fmt.Println(err)
+			return 1
+		}
+		buf := make([]byte, 1<<20)
+		n := 0
+		for {
+			if _, err = f.Write(buf); err != nil {
+				break
+			}
+			n++
+		}
+		if err == nil {
+			err = f.Sync()
+		}
+		fmt.Printf("wrote %d MiB: %v enospc=%v\n", n, err, errors.Is(err, syscall.ENOSPC))
+	default:
+		fmt.Fprintln(os.Stderr, "probe: unknown action", args[0])
+		return 2
+	}
+	return 0
+}
+
+// probeImage writes a `docker save` tarball of a two-layer image: the test
+// binary as /bin/probe, passwd and group with a user app (1000), a file
+// the second layer whites out, and a config with ENTRYPOINT, CMD, ENV,
+// WORKDIR and USER.
+func probeImage(t *testing.T, path, ref string) {
+	t.Helper()
+	self, err := os.ReadFile("/proc/self/exe")
+	if err != nil {
+		t.Fatal(err)
+	}
+	mk := func(entries ...*tar.Header) v1.Layer {
+		var buf bytes.Buffer
+		tw := tar.NewWriter(&buf)
+		for _, h := range entries {
+			data := []byte(h.Linkname)
+			if h.Typeflag == tar.TypeReg {
+				h.Linkname = ""
+				if h.Name == "bin/probe" {
+					data = self
+				}
+				h.Size = int64(len(data))
+			}
+			h.ModTime = time.Unix(1700000000, 0)
+			if err := tw.WriteHeader(h); err != nil {
+				t.Fatal(err)
+			}
+			if h.Typeflag == tar.TypeReg {
+				tw.Write(data)
+			}
+		}
+		tw.Close()
+		b := buf.Bytes()
+		l, err := tarball.LayerFromOpener(func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(b)), nil })
+		if err != nil {
+			t.Fatal(err)
+		}
+		return l
+	}
+	file := func(name, content string, mode int64, uid int) *tar.Header {
+		return &tar.Header{Name: name, Typeflag: tar.TypeReg, Linkname: content, Mode: mode, Uid: uid, Gid: uid}
+	}
+	dir := func(name string, mode int64, uid int) *tar.Header {
+		return &tar.Header{Name: name, Typeflag: tar.TypeDir, Mode: mode, Uid: uid, Gid: uid}
+	}
+	base := mk(
+		dir("bin/", 0o755, 0), file("bin/probe", "", 0o755, 0),
+		dir("etc/", 0o755, 0),
+		file("etc/passwd", "root:x:0:0:root:/root:/bin/probe\napp:x:1000:1000:app:/home/app:/bin/probe\n", 0o644, 0),
+		file("etc/group", "root:x:0:\napp:x:1000:\n", 0o644, 0),
+		dir("home/", 0o755, 0), dir("home/app/", 0o755, 1000),
+		dir("data/", 0o755, 0), file("data/gone.txt", "gone", 0o644, 0), file("data/kept.txt", "kept", 0o644, 0),
+	)
+	top := mk(&tar.Header{Name: "data/.wh.gone.txt", Typeflag: tar.TypeReg, Mode: 0o644})
+	img, err := mutate.AppendLayers(empty.Image, base, top)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cf, _ := img.ConfigFile()
+	cf = cf.DeepCopy()
+	cf.OS, cf.Architecture = "linux", "amd64"
+	cf.Config = v1.Config{
+		Entrypoint: []string{"/bin/probe"}, Cmd: []string{"report"},
+		Env:        []string{"PATH=/bin", probeEnv + "=1", "GREETING=from-image"},
+		WorkingDir: "/home/app", User: "app",
+	}
+	if img, err = mutate.ConfigFile(img, cf); err != nil {
+		t.Fatal(err)
+	}
+	tag, err := name.NewTag(ref)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := tarball.WriteToFile(path, tag, img); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestImageRun: an image imported from a `docker save` tarball runs with
+// its config honoured, each sandbox on its own writable layer over an
+// unchanged base, inside a bounded root filesystem.
+func TestImageRun(t *testing.T) {
+	cache := t.TempDir()
+	t.Setenv("CAPSA_CACHE", cache)
+	tarPath := filepath.Join(t.TempDir(), "probe.tar")
+	probeImage(t, tarPath, "capsa.test/probe:1")
+
+	r := capsa(t, 2*time.Minute, "image", "import", tarPath)
+	if r.code != 0 || !strings.HasPrefix(r.stdout, "sha256:") {
+		t.Fatalf("capsa image import: exit %d, stdout %q", r.code, r.stdout)
+	}
+	r = capsa(t, time.Minute, "image", "ls", "--format", "json")
+	var imgs []struct {
+		Refs   []string `json:"refs"`
+		Digest string   `json:"digest"`
+	}
+	if err := json.Unmarshal([]byte(r.stdout), &imgs); err != nil || len(imgs) != 1 || len(imgs[0].Refs) != 1 || imgs[0].Refs[0] != "capsa.test/probe:1" {
+		t.Fatalf("capsa image ls --format json = %q (%v), want the imported image", r.stdout, err)
+	}
+	rootfs := filepath.Join(cache, "images", "rootfs", "sha256", strings.TrimPrefix(imgs[0].Digest, "sha256:")+".erofs")
+	before := fileSum(t, rootfs)
+
+	r = capsa(t, 3*time.Minute, "run", "--image", "capsa.test/probe:1")
+	if want := "uid=1000 gid=1000 cwd=/home/app greeting=from-image home=/home/app hosts=true gone=true kept=kept\n"; r.code != 0 || r.stdout != want {
+		t.Errorf("capsa run --image (the image's defaults): exit %d, stdout %q, want %q", r.code, r.stdout, want)
+	}
+	r = capsa(t, 3*time.Minute, "run", "--image", "capsa.test/probe:1", "-e", "GREETING=override", "-u", "0:0", "-w", "/", "--", "report")
+	if want := "uid=0 gid=0 cwd=/ greeting=override home=/root"; r.code != 0 || !strings.HasPrefix(r.stdout, want) {
+		t.Errorf("capsa run --image with -e, -u and -w: exit %d, stdout %q, want it to start %q", r.code, r.stdout, want)
+	}
+	r = capsa(t, 3*time.Minute, "run", "--image", "capsa.test/probe:1", "-u", "0", "--", "write", "/data/kept.txt", "changed")
+	if r.code != 0 {
+		t.Errorf("writing over an image file: exit %d, stdout %q", r.code, r.stdout)
+	}
+	// A second sandbox sees the image, not the first one's change.
+	r = capsa(t, 3*time.Minute, "run", "--image", "capsa.test/probe:1", "--", "cat", "/data/kept.txt")
+	if r.code != 0 || r.stdout != "kept" {
+		t.Errorf("a second sandbox reads %q (exit %d), want the image's kept", r.stdout, r.code)
+	}
+	if after := fileSum(t, rootfs); after != before {
+		t.Error("the image's root filesystem changed on the host")
+	}
+	r = capsa(t, 4*time.Minute, "run", "--image", "capsa.test/probe:1", "--rootfs-size", "96M", "--", "fill", "/tmp/big")
+	if r.code != 0 || !strings.Contains(r.stdout, "enospc=true") {
+		t.Errorf("filling a 96M root: exit %d, stdout %q; want ENOSPC", r.code, r.stdout)
+	} else if n := 0; func() bool { k, _ := fmt.Sscanf(r.stdout, "wrote %d MiB", &n); return k != 1 || n > 96 }() {
+		t.Errorf("filling a 96M root wrote %q, want at most 96 MiB", r.stdout)
+	}
+	r = capsa(t, time.Minute, "run", "--image", "capsa.test/nope:1", "--pull", "never")
+	if r.code == 0 || !strings.Contains(r.stderr, "not found") {
+		t.Errorf("an image not in the store with --pull never: exit %d, stderr %q", r.code, r.stderr)
+	}
+}
+
+func fileSum(t *testing.T, p string) [32]byte {
+	t.Helper()
+	b, err := os.ReadFile(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return sha256.Sum256(b)
+}
