@@ -288,3 +288,20 @@ func FuzzServeConn(f *testing.F) {
 		}
 	})
 }
+
+// TestExecLooksUpTheProcessPATH: a bare command is found in the PATH the
+// request gives (an image's), not the agent's, and keeps its argv[0].
+func TestExecLooksUpTheProcessPATH(t *testing.T) {
+	cl := serve(t)
+	dir := t.TempDir()
+	if err := os.WriteFile(filepath.Join(dir, "only-here"), []byte("#!/bin/sh\necho \"$0 ran\"\n"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	out, err := cl.Output(context.Background(), ExecOptions{Argv: []string{"only-here"}, Env: []string{"PATH=" + dir}})
+	if err != nil || string(out.Stdout) != filepath.Join(dir, "only-here")+" ran\n" && string(out.Stdout) != "only-here ran\n" {
+		t.Errorf("exec only-here with PATH=%s = %q, %v", dir, out.Stdout, err)
+	}
+	if _, err := cl.Output(context.Background(), ExecOptions{Argv: []string{"only-here"}}); err == nil {
+		t.Error("a command outside the agent's PATH ran without the request's PATH")
+	}
+}

@@ -436,8 +436,10 @@ func (s *Server) exec(ctx context.Context, c *Conn, req *ExecRequest) error {
 		// u-root's busybox finds which command to be by following
 		// argv[0] as a path to its symlink, so a bare name that
 		// resolved there becomes the path.
-		if cmd.Err == nil && strings.HasPrefix(cmd.Path, "/bbin/") {
-			cmd.Args[0] = cmd.Path
+		if cmd.Err == nil {
+			if real, err := filepath.EvalSymlinks(cmd.Path); err == nil && strings.HasPrefix(real, "/bbin/") {
+				cmd.Args[0] = cmd.Path
+			}
 		}
 	}
 	for _, e := range req.Env {
