@@ -30,6 +30,9 @@ import (
 func main() {
 	log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
 	if len(os.Args) > 1 && os.Args[1] == "serve" {
+		// Started through /proc/self/exe, the server would be named
+		// "exe" in ps and /proc/PID/comm; keep its own name.
+		os.WriteFile("/proc/self/comm", []byte("capsa-agent"), 0)
 		os.Exit(serve(log))
 	}
 	if os.Getpid() != 1 {
