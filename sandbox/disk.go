@@ -75,16 +75,24 @@ func ParseDisk(s string) (string, ShareMode, error) {
 
 // diskDevices opens and locks each disk and makes its device.
 func diskDevices(disks []disk, c config) ([]*virtioblk.Device, error) {
-	var devs []*virtioblk.Device
+	var specs []diskSpec
 	for i, d := range disks {
-		f, err := virtioblk.Open(d.path, d.mode == ReadOnly)
+		specs = append(specs, diskSpec{d.path, virtioblk.Options{ReadOnly: d.mode == ReadOnly, ID: fmt.Sprintf("capsa-disk-%d", i)}})
+	}
+	return openDisks(specs, c)
+}
+
+type diskSpec struct {
+	path string
+	opts virtioblk.Options
+}
+
+// openDisks opens every disk or none.
+func openDisks(specs []diskSpec, c config) ([]*virtioblk.Device, error) {
+	var devs []*virtioblk.Device
+	for _, d := range specs {
+		dev, err := virtioblk.OpenDevice(d.path, d.opts, c.logger())
 		if err != nil {
-			closeDisks(devs)
-			return nil, fmt.Errorf("sandbox: %w", err)
-		}
-		dev, err := virtioblk.New(f, virtioblk.Options{ReadOnly: d.mode == ReadOnly, ID: fmt.Sprintf("capsa-disk-%d", i)}, c.logger())
-		if err != nil {
-			f.Close()
 			closeDisks(devs)
 			return nil, fmt.Errorf("sandbox: %w", err)
 		}

@@ -166,25 +166,10 @@ func prepareImage(ctx context.Context, c config, main ExecOptions) (*rootfs, err
 // the first two disks, vda and vdb, with the serials the guest's init
 // looks for.
 func (r *rootfs) devices(c config) ([]*virtioblk.Device, error) {
-	var devs []*virtioblk.Device
-	for _, d := range []struct {
-		path, id string
-		ro       bool
-	}{{r.erofs, "capsa-image", true}, {r.upperPath, "capsa-upper", false}} {
-		f, err := virtioblk.Open(d.path, d.ro)
-		if err != nil {
-			closeDisks(devs)
-			return nil, fmt.Errorf("sandbox: %w", err)
-		}
-		dev, err := virtioblk.New(f, virtioblk.Options{ReadOnly: d.ro, ID: d.id}, c.logger())
-		if err != nil {
-			f.Close()
-			closeDisks(devs)
-			return nil, fmt.Errorf("sandbox: %w", err)
-		}
-		devs = append(devs, dev)
-	}
-	return devs, nil
+	return openDisks([]diskSpec{
+		{r.erofs, virtioblk.Options{ReadOnly: true, ID: "capsa-image"}},
+		{r.upperPath, virtioblk.Options{ID: "capsa-upper"}},
+	}, c)
 }
 
 func (r *rootfs) remove() error {

@@ -84,14 +84,8 @@ func runVM(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		if err != nil {
 			return fail("--disk: %v", err)
 		}
-		ro := mode == sandbox.ReadOnly
-		f, err := virtioblk.Open(path, ro)
+		dev, err := virtioblk.OpenDevice(path, virtioblk.Options{ReadOnly: mode == sandbox.ReadOnly, ID: fmt.Sprintf("capsa-disk-%d", i)}, cfg.Log)
 		if err != nil {
-			return fail("--disk %s: %v", d, err)
-		}
-		dev, err := virtioblk.New(f, virtioblk.Options{ReadOnly: ro, ID: fmt.Sprintf("capsa-disk-%d", i)}, cfg.Log)
-		if err != nil {
-			f.Close()
 			return fail("--disk %s: %v", d, err)
 		}
 		defer dev.Close()

@@ -34,19 +34,7 @@ func TestDisks(t *testing.T) {
 	if err := os.Truncate(rwPath, 8<<20); err != nil {
 		t.Fatal(err)
 	}
-	sb, err := sandbox.New().Memory(256).
-		Kernel(artifact(t, "vmlinux")).Initrd(artifact(t, "initramfs.cpio")).
-		Disk(roPath, sandbox.ReadOnly).Disk(rwPath, sandbox.ReadWrite).
-		Run("sleep", "100000").Start(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if t.Failed() {
-			t.Logf("the sandbox's state at the failure:\n%s", sb.Debug(context.Background()))
-		}
-		sb.Close()
-	})
+	sb := startSandbox(t, ctx, sandbox.New().Disk(roPath, sandbox.ReadOnly).Disk(rwPath, sandbox.ReadWrite))
 	if err := sb.WaitReady(ctx, time.Minute); err != nil {
 		t.Fatal(err)
 	}

@@ -22,7 +22,15 @@ import (
 // newSandbox starts a sandbox from the built kernel and initramfs.
 func newSandbox(t testing.TB, ctx context.Context, cpus int) *sandbox.Sandbox {
 	t.Helper()
-	sb, err := sandbox.New().CPUs(cpus).Memory(256).
+	return startSandbox(t, ctx, sandbox.New().CPUs(cpus))
+}
+
+// startSandbox starts b's sandbox (256 MiB, the built kernel and
+// initramfs, sleep as its main process), closes it at cleanup and logs its
+// state if the test failed.
+func startSandbox(t testing.TB, ctx context.Context, b *sandbox.Builder) *sandbox.Sandbox {
+	t.Helper()
+	sb, err := b.Memory(256).
 		Kernel(artifact(t, "vmlinux")).Initrd(artifact(t, "initramfs.cpio")).
 		Run("sleep", "100000").Start(ctx)
 	if err != nil {

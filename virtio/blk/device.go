@@ -166,6 +166,21 @@ func Open(path string, readOnly bool) (*os.File, error) {
 	return f, nil
 }
 
+// OpenDevice opens and locks the disk at path (Open) and returns a device
+// serving it (New), read-only as opts says.
+func OpenDevice(path string, opts Options, log *slog.Logger) (*Device, error) {
+	f, err := Open(path, opts.ReadOnly)
+	if err != nil {
+		return nil, err
+	}
+	d, err := New(f, opts, log)
+	if err != nil {
+		f.Close()
+		return nil, err
+	}
+	return d, nil
+}
+
 // New returns a device serving the disk in f, whose size is the disk's
 // (rounded down to whole sectors). The device owns f and closes it in
 // Close.
