@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Installs what the nested KVM test host needs and prints the directory of the
 # unpacked L1 kernel:
-#   - qemu-system-x86 10 or later (TCG with emulated AMD SVM runs the L1
-#     guest; scripts/qemu-install.sh says why not Debian 12's 7.2),
+#   - qemu-system-x86 10 or later (scripts/qemu-install.sh says why not
+#     Debian 12's 7.2) and, built from its source with fixes to its emulated
+#     AMD SVM, the QEMU whose TCG runs the L1 guest (scripts/qemu-build.sh),
 #   - busybox-static (the L1 userland),
 #   - Debian's linux-image-cloud-amd64 kernel and its KVM modules, downloaded
 #     and unpacked under $CAPSA_CACHE/l1/<version>, never installed into /boot.
@@ -10,6 +11,7 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 cache=${CAPSA_CACHE:-$HOME/.cache/capsa}
 "$here/scripts/qemu-install.sh"
+"$here/scripts/qemu-build.sh" >/dev/null
 "$here/scripts/apt-install.sh" busybox-static
 
 # The meta package names the versioned kernel package it depends on.

@@ -44,7 +44,7 @@ type Host struct {
 	L1Dir       string       // unpacked kernel package; default CacheDir/l1/current
 	MemoryMB    int          // L1 memory; default 4096
 	CPUs        int          // L1 vCPUs; default 2
-	QEMU        string       // default qemu-system-x86_64
+	QEMU        string       // default CacheDir/qemu/current/bin/qemu-system-x86_64 (scripts/qemu-build.sh), else qemu-system-x86_64
 	Busybox     string       // a static busybox; default /bin/busybox
 	ForceNested bool         // use L1 even where /dev/kvm exists
 	// KernelArgs are added to L1's kernel command line.
@@ -241,7 +241,12 @@ func (h *Host) defaults() (cache, l1, qemu, busybox string, mem, cpus int) {
 	}
 	qemu, busybox = h.QEMU, h.Busybox
 	if qemu == "" {
-		qemu = "qemu-system-x86_64"
+		// scripts/qemu-build.sh's QEMU, with the fixes to its emulated
+		// SVM that nested guests need; the system's when it is not built.
+		qemu = filepath.Join(cache, "qemu", "current", "bin", "qemu-system-x86_64")
+		if _, err := os.Stat(qemu); err != nil {
+			qemu = "qemu-system-x86_64"
+		}
 	}
 	if busybox == "" {
 		busybox = "/bin/busybox"
