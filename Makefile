@@ -8,7 +8,7 @@ NESTED := $(BUILD)/capsa-nested
 KVM_PKGS := ./kvm ./vmm
 BENCHTIME ?= 5x
 
-.PHONY: fuzz all deps kernel initramfs nested-deps qemu-bundle capsa testinitrd vm run test test-unit test-kvm test-e2e bench stress clean
+.PHONY: soak fuzz all deps kernel initramfs nested-deps qemu-bundle capsa testinitrd vm run test test-unit test-kvm test-e2e bench stress clean
 
 all: capsa
 
@@ -117,6 +117,15 @@ stress: capsa testinitrd nested-deps qemu-bundle $(NESTED)
 			2>&1 | tee $(BUILD)/stress/session-$$i.log; done
 	@echo "=== make stress: all sessions"
 	set -o pipefail; $(BUILD)/stress/stress-summary -fail-if-worse capsa,qemu-microvm $(BUILD)/stress/session-*.log | tee $(BUILD)/stress/results.txt
+
+# The leak soak at full size: 200 sandboxes created, used and destroyed in
+# one process (`make test` runs TestSoak's 20).
+SOAK_CYCLES ?= 200
+soak: capsa testinitrd nested-deps qemu-bundle $(NESTED)
+	@rm -rf $(BUILD)/soak && mkdir -p $(BUILD)/soak
+	CGO_ENABLED=0 $(GO) test -c -o $(BUILD)/soak/e2e.test ./tests/e2e
+	set -o pipefail; $(NESTED) --timeout 80m -f $(BUILD)/soak/e2e.test $(patsubst %,-f %,$(E2E_FILES)) -- \
+		./e2e.test -test.run '^TestSoak$$' -test.v -test.timeout 75m -soak.cycles $(SOAK_CYCLES) | tee $(BUILD)/soak/results.txt
 
 # Benchmarks, in the nested host where this machine has no /dev/kvm: boot to
 # guest userspace, capsa beside QEMU's microvm on the same kernel and initramfs.

@@ -7,12 +7,34 @@ import (
 	"io"
 	"net"
 	"os"
-	"sync"
+	"sync/atomic"
 	"time"
 )
 
 // maxDirEntries bounds a directory listing the client accepts.
 const maxDirEntries = 1 << 20
+
+const (
+	// DefaultMaxOutput bounds what Output collects from a process's
+	// stdout and stderr together when ExecOptions.MaxOutput is 0.
+	DefaultMaxOutput = 64 << 20
+	// HostGrace is how long past ExecOptions.Timeout the host waits for
+	// the guest's exit status before it gives up on the process itself:
+	// the timeout is the agent's to enforce, but the agent is inside the
+	// guest, and the guest may have stopped it.
+	HostGrace = 10 * time.Second
+)
+
+var hostGrace = HostGrace // a variable for the tests
+
+var (
+	// ErrLimit is wrapped by errors for output or a file larger than the
+	// limit the caller set.
+	ErrLimit = errors.New("size limit exceeded")
+	// ErrTimedOut is wrapped when the guest did not end a process at its
+	// timeout (nor report it) within HostGrace.
+	ErrTimedOut = errors.New("the guest did not end the process at its timeout")
+)
 
 // Client talks to an agent. Dial opens a new connection to it (over vsock,
 // or anything else); each operation uses its own.
@@ -127,6 +149,7 @@ func (cl *Client) ReadFile(ctx context.Context, path string, w io.Writer) (*File
 	if err := c.ReadJSON(FrameReply, &fi); err != nil {
 		return nil, ctxErr(ctx, err)
 	}
+	var got int64
 	for {
 		t, b, err := c.ReadFrame()
 		if err != nil {
@@ -134,8 +157,13 @@ func (cl *Client) ReadFile(ctx context.Context, path string, w io.Writer) (*File
 		}
 		switch t {
 		case FrameData:
+			// The agent sends a regular file's announced size at most;
+			// a size of 0 (procfs) announces nothing.
+			if got += int64(len(b)); fi.Size > 0 && got > fi.Size {
+				return nil, fmt.Errorf("agent: read %s: the guest sent more than the %d bytes it announced", path, fi.Size)
+			}
 			if _, err := w.Write(b); err != nil {
-				return nil, err
+				return nil, fmt.Errorf("agent: read %s: %w", path, err)
 			}
 		case FrameEnd:
 			return &fi, nil
@@ -201,20 +229,27 @@ func ctxErr(ctx context.Context, err error) error {
 
 // ExecOptions describe a process to run in the guest.
 type ExecOptions struct {
-	Argv    []string // or Shell
-	Shell   string
-	Env     []string
-	Dir     string
-	User    string
-	Stdin   io.Reader // nil: no input
-	Stdout  io.Writer // nil: discarded
-	Stderr  io.Writer // nil: discarded
+	Argv   []string // or Shell
+	Shell  string
+	Env    []string
+	Dir    string
+	User   string
+	Stdin  io.Reader // nil: no input
+	Stdout io.Writer // nil: discarded
+	Stderr io.Writer // nil: discarded
+	// Timeout kills the process after this long (the agent does; the host
+	// gives up HostGrace later if the guest did not).
 	Timeout time.Duration
+	// MaxOutput bounds what Output collects from stdout and stderr
+	// together (0: DefaultMaxOutput; negative: no limit). Past it the
+	// process is killed and Output fails with ErrLimit.
+	MaxOutput int64
 }
 
 // Process is a running guest process.
 type Process struct {
 	PID  int
+	cl   *Client
 	c    *Conn
 	done func()
 	wait chan struct{}
@@ -238,28 +273,47 @@ func (cl *Client) Start(ctx context.Context, o ExecOptions) (*Process, error) {
 		done()
 		return nil, ctxErr(ctx, err)
 	}
-	p := &Process{PID: started.PID, c: c, done: done, wait: make(chan struct{})}
+	p := &Process{PID: started.PID, cl: cl, c: c, done: done, wait: make(chan struct{})}
 	if o.Stdin != nil {
 		go func() {
 			io.Copy(frameWriter{c, FrameStdin}, o.Stdin)
 			c.WriteFrame(FrameStdinClose, nil)
 		}()
 	}
+	var hostTimedOut atomic.Bool
+	stopTimer := func() bool { return false }
+	if o.Timeout > 0 {
+		t := time.AfterFunc(o.Timeout+hostGrace, func() { hostTimedOut.Store(true); done() })
+		stopTimer = t.Stop
+	}
 	stdout, stderr := orDiscard(o.Stdout), orDiscard(o.Stderr)
 	go func() {
 		defer close(p.wait)
 		defer done()
+		defer stopTimer()
 		for {
 			t, b, err := c.ReadFrame()
 			if err != nil {
+				if hostTimedOut.Load() {
+					p.err = fmt.Errorf("agent: exec %s: %w (no exit status %v after its %v timeout)", req.name(), ErrTimedOut, hostGrace, o.Timeout)
+					return
+				}
 				p.err = ctxErr(ctx, fmt.Errorf("agent: exec: connection lost: %w", err))
 				return
 			}
 			switch t {
-			case FrameStdout:
-				stdout.Write(b)
-			case FrameStderr:
-				stderr.Write(b)
+			case FrameStdout, FrameStderr:
+				w := stdout
+				if t == FrameStderr {
+					w = stderr
+				}
+				// A writer that fails (a full buffer, a closed pipe)
+				// ends the exec: the connection closes and the agent
+				// kills the process.
+				if _, err := w.Write(b); err != nil {
+					p.err = fmt.Errorf("agent: exec %s: %w", req.name(), err)
+					return
+				}
 			default:
 				var st ExitStatus
 				if p.err = expectJSON(t, b, FrameExit, &st); p.err == nil {
@@ -279,12 +333,14 @@ func orDiscard(w io.Writer) io.Writer {
 	return w
 }
 
-// Signal sends a signal ("SIGTERM", "TERM", ...) to the process group.
-func (p *Process) Signal(name string) error {
+// Signal sends a signal ("SIGTERM", "TERM", ...) to the process group. It
+// goes on a connection of its own, so a process that does not read its
+// stdin (with the exec's connection full of it) can still be signalled.
+func (p *Process) Signal(ctx context.Context, name string) error {
 	if _, err := ParseSignal(name); err != nil {
 		return err
 	}
-	return p.c.WriteJSON(FrameSignal, SignalRequest{Name: name})
+	return p.cl.call(ctx, Request{Op: OpSignal, PID: p.PID, Signal: name}, &Empty{})
 }
 
 // Wait waits for the process to end and its output to be delivered.
@@ -308,22 +364,33 @@ type Output struct {
 	Stdout, Stderr []byte
 }
 
-// syncBuffer collects output written from one goroutine and read after.
-type syncBuffer struct {
-	mu  sync.Mutex
-	buf []byte
+// limitBuffer collects output from one goroutine, to be read after, up to
+// a limit shared by stdout and stderr (left < 0: none).
+type limitBuffer struct {
+	buf  []byte
+	left *int64
+	max  int64
 }
 
-func (b *syncBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
+func (b *limitBuffer) Write(p []byte) (int, error) {
+	if *b.left >= 0 {
+		if int64(len(p)) > *b.left {
+			return 0, fmt.Errorf("%w: output exceeds %d bytes (ExecOptions.MaxOutput)", ErrLimit, b.max)
+		}
+		*b.left -= int64(len(p))
+	}
 	b.buf = append(b.buf, p...)
-	b.mu.Unlock()
 	return len(p), nil
 }
 
-// Output runs a process and collects its output.
+// Output runs a process and collects its output, up to o.MaxOutput.
 func (cl *Client) Output(ctx context.Context, o ExecOptions) (*Output, error) {
-	var out, errb syncBuffer
+	left := o.MaxOutput
+	if left == 0 {
+		left = DefaultMaxOutput
+	}
+	out := limitBuffer{left: &left, max: left}
+	errb := limitBuffer{left: &left, max: left}
 	o.Stdout, o.Stderr = &out, &errb
 	st, err := cl.Exec(ctx, o)
 	if err != nil {

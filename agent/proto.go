@@ -96,6 +96,7 @@ const (
 	OpExists   = "exists"
 	OpInfo     = "info"
 	OpShutdown = "shutdown"
+	OpSignal   = "signal" // a running exec's process group, by PID, on a connection of its own
 )
 
 // Request is the one request of a connection.
@@ -107,6 +108,8 @@ type Request struct {
 	Parents   bool         `json:"parents,omitempty"`
 	Recursive bool         `json:"recursive,omitempty"`
 	Append    bool         `json:"append,omitempty"`
+	PID       int          `json:"pid,omitempty"`    // OpSignal: the exec's ExecStarted.PID
+	Signal    string       `json:"signal,omitempty"` // OpSignal: the signal's name
 }
 
 // ExecRequest starts a process: Argv, or Shell run by /bin/sh -c.
@@ -118,6 +121,14 @@ type ExecRequest struct {
 	User      string   `json:"user,omitempty"` // name or uid[:gid]; empty: root
 	Stdin     bool     `json:"stdin,omitempty"`
 	TimeoutMs int64    `json:"timeout_ms,omitempty"`
+}
+
+// name is how errors name the process: its program, or the shell.
+func (r *ExecRequest) name() string {
+	if len(r.Argv) > 0 {
+		return r.Argv[0]
+	}
+	return "/bin/sh -c"
 }
 
 // ExecStarted is the reply to an exec request.

@@ -40,6 +40,9 @@ type Server struct {
 	Log *slog.Logger
 	// Shutdown is called after a shutdown request is acknowledged.
 	Shutdown func()
+
+	mu    sync.Mutex
+	execs map[int]func(syscall.Signal) // running execs by PID: signal the group
 }
 
 func (s *Server) log() *slog.Logger {
@@ -99,7 +102,7 @@ func (s *Server) ServeConn(ctx context.Context, nc net.Conn) {
 // handle runs one request. A returned error is sent to the client.
 func (s *Server) handle(ctx context.Context, c *Conn, req *Request) error {
 	switch req.Op {
-	case OpExec, OpInfo, OpShutdown:
+	case OpExec, OpInfo, OpShutdown, OpSignal:
 	case OpRead, OpWrite, OpStat, OpList, OpMkdir, OpRemove, OpExists:
 		if !filepath.IsAbs(req.Path) {
 			return fmt.Errorf("%s %q: path must be absolute", req.Op, req.Path)
@@ -114,6 +117,19 @@ func (s *Server) handle(ctx context.Context, c *Conn, req *Request) error {
 			return errors.New("exec: no command")
 		}
 		return s.exec(ctx, c, req.Exec)
+	case OpSignal:
+		sig, err := ParseSignal(req.Signal)
+		if err != nil {
+			return err
+		}
+		s.mu.Lock()
+		kill := s.execs[req.PID]
+		s.mu.Unlock()
+		if kill == nil {
+			return opError("signal", strconv.Itoa(req.PID), syscall.ESRCH)
+		}
+		kill(sig)
+		return reply(Empty{})
 	case OpRead:
 		return readFile(c, req.Path)
 	case OpWrite:
@@ -231,9 +247,15 @@ func readFile(c *Conn, path string) error {
 	if err := c.WriteJSON(FrameReply, fileInfo(st)); err != nil {
 		return nil
 	}
+	// A regular file sends at most the size it announced (the client
+	// refuses more); one whose size says nothing (procfs) until EOF.
+	var r io.Reader = f
+	if st.Mode().IsRegular() && st.Size() > 0 {
+		r = io.LimitReader(f, st.Size())
+	}
 	buf := make([]byte, chunk)
 	for {
-		n, err := f.Read(buf)
+		n, err := r.Read(buf)
 		if n > 0 {
 			if werr := c.WriteFrame(FrameData, buf[:n]); werr != nil {
 				return nil
@@ -497,9 +519,52 @@ func (s *Server) exec(ctx context.Context, c *Conn, req *ExecRequest) error {
 		killGroup(unix.SIGKILL)
 	}
 
+	s.mu.Lock()
+	if s.execs == nil {
+		s.execs = map[int]func(syscall.Signal){}
+	}
+	s.execs[pgid] = killGroup
+	s.mu.Unlock()
+	defer func() {
+		s.mu.Lock()
+		delete(s.execs, pgid)
+		s.mu.Unlock()
+	}()
+
+	// stdin is written from its own goroutine, so a process that does not
+	// read it never stops the frame reader below (which would then miss
+	// signals and the client's end); the queue bounds what is held.
+	exitedCh := make(chan struct{})
+	defer close(exitedCh)
+	var stdinCh chan []byte
+	if stdin != nil {
+		stdinCh = make(chan []byte, 16)
+		go func() {
+			for b := range stdinCh {
+				if b == nil {
+					stdin.Close()
+					continue
+				}
+				stdin.Write(b)
+			}
+		}()
+	}
+	toStdin := func(b []byte) {
+		if stdinCh == nil {
+			return
+		}
+		select {
+		case stdinCh <- b:
+		case <-exitedCh:
+		}
+	}
+
 	// The client's frames: stdin, its end, and signals. A client that goes
 	// away kills the process.
 	go func() {
+		if stdinCh != nil {
+			defer close(stdinCh)
+		}
 		for {
 			t, b, err := c.ReadFrame()
 			if err != nil {
@@ -508,13 +573,9 @@ func (s *Server) exec(ctx context.Context, c *Conn, req *ExecRequest) error {
 			}
 			switch t {
 			case FrameStdin:
-				if stdin != nil {
-					stdin.Write(b)
-				}
+				toStdin(b)
 			case FrameStdinClose:
-				if stdin != nil {
-					stdin.Close()
-				}
+				toStdin(nil)
 			case FrameSignal:
 				var sr SignalRequest
 				if decodeStrict(b, &sr) == nil {

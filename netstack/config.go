@@ -23,7 +23,8 @@ const (
 	DefaultMTU            = 1500
 	DefaultDialTimeout    = 10 * time.Second
 	DefaultUDPIdleTimeout = 60 * time.Second
-	DefaultMaxConns       = 4096
+	DefaultMaxConns       = 512
+	DefaultTCPBuffer      = 256 << 10
 	DefaultMaxUDPFlows    = 1024
 	DefaultQueueLen       = 1024
 )
@@ -62,8 +63,13 @@ type Config struct {
 	// UDPIdleTimeout closes a UDP flow with no traffic either way. Default 60s.
 	UDPIdleTimeout time.Duration
 	// MaxConns bounds concurrent forwarded TCP connections (guest-initiated
-	// plus published). Default 4096. Excess SYNs are reset.
+	// plus published). Default 512. Excess SYNs are reset.
 	MaxConns int
+	// TCPBuffer bounds each forwarded connection's send and receive
+	// buffers in the NAT (gVisor's own default goes to 4 MiB each), so
+	// the most one guest's TCP flows can make the host hold is about
+	// MaxConns x 2 x TCPBuffer (256 MiB by default). Default 256 KiB.
+	TCPBuffer int
 	// MaxUDPFlows bounds concurrent UDP flows. Default 1024. Excess
 	// datagrams are dropped.
 	MaxUDPFlows int
@@ -169,6 +175,10 @@ func (c Config) withDefaults() (Config, error) {
 	if c.MaxUDPFlows <= 0 {
 		c.MaxUDPFlows = DefaultMaxUDPFlows
 	}
+	if c.TCPBuffer <= 0 {
+		c.TCPBuffer = DefaultTCPBuffer
+	}
+	c.TCPBuffer = max(c.TCPBuffer, 16<<10)
 	if c.QueueLen <= 0 {
 		c.QueueLen = DefaultQueueLen
 	}

@@ -81,8 +81,10 @@
 //
 // # Limits
 //
-// Config.MaxConns and Config.MaxUDPFlows bound host sockets, the gVisor
-// forwarder bounds concurrent pending handshakes (512), and the DNS server
+// Config.MaxConns and Config.MaxUDPFlows bound host sockets, Config.TCPBuffer
+// each TCP flow's buffers (so host memory is bounded by MaxConns x 2 x
+// TCPBuffer), the gVisor forwarder bounds concurrent pending handshakes
+// (512), and the DNS server
 // bounds concurrent queries; policy refusals are logged at Info, rate
 // limited, so a guest cannot flood the log.
 package netstack

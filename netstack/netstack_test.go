@@ -14,6 +14,9 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"gvisor.dev/gvisor/pkg/tcpip"
+	"gvisor.dev/gvisor/pkg/tcpip/transport/tcp"
 )
 
 func httpClient(g *guest) *http.Client {
@@ -641,5 +644,24 @@ func TestDNSTruncatedRetriesOverTCP(t *testing.T) {
 	}
 	if len(got) != dnsMaxAnswers {
 		t.Fatalf("got %d addresses, want %d", len(got), dnsMaxAnswers)
+	}
+}
+
+// TestTCPBuffersAreBounded: the NAT's TCP endpoints get Config.TCPBuffer
+// as their buffers' ceiling, not gVisor's 4 MiB default.
+func TestTCPBuffersAreBounded(t *testing.T) {
+	for _, tc := range []struct{ set, want int }{{0, DefaultTCPBuffer}, {100 << 10, 100 << 10}, {1, 16 << 10}} {
+		g := newTestNAT(t, Config{TCPBuffer: tc.set})
+		var snd tcpip.TCPSendBufferSizeRangeOption
+		var rcv tcpip.TCPReceiveBufferSizeRangeOption
+		if err := g.nat.stack.TransportProtocolOption(tcp.ProtocolNumber, &snd); err != nil {
+			t.Fatal(err)
+		}
+		if err := g.nat.stack.TransportProtocolOption(tcp.ProtocolNumber, &rcv); err != nil {
+			t.Fatal(err)
+		}
+		if snd.Max != tc.want || rcv.Max != tc.want {
+			t.Errorf("TCPBuffer %d: send max %d, receive max %d; want %d", tc.set, snd.Max, rcv.Max, tc.want)
+		}
 	}
 }

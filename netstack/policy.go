@@ -509,6 +509,30 @@ var (
 	siteLocal6 = netip.MustParsePrefix("fec0::/10")
 )
 
+// cloudInfra are public addresses that reach a cloud provider's own
+// infrastructure from inside its VMs (instance metadata, the host agent,
+// DNS and time services) rather than the internet: a sandbox on a cloud VM
+// must not reach them under public-only or deny-all. (Link-local metadata
+// addresses such as 169.254.169.254 and fd00:ec2::254 are refused as
+// link-local and private already.)
+var cloudInfra = []struct {
+	prefix netip.Prefix
+	what   string
+}{
+	{netip.MustParsePrefix("168.63.129.16/32"), "Azure's host wire server"},
+	{netip.MustParsePrefix("100.100.100.200/32"), "Alibaba Cloud's metadata service"}, // in CGNAT space too
+	{netip.MustParsePrefix("192.0.0.192/32"), "Oracle Cloud's metadata service"},      // in IETF protocol space too
+}
+
+func isCloudInfra(addr netip.Addr) bool {
+	for _, c := range cloudInfra {
+		if c.prefix.Contains(addr) {
+			return true
+		}
+	}
+	return false
+}
+
 // nonPublic returns why addr is not a public unicast destination, or "".
 func nonPublic(addr netip.Addr, isHost func(netip.Addr) bool) string {
 	addr = addr.Unmap()
@@ -532,6 +556,8 @@ func nonPublic(addr netip.Addr, isHost func(netip.Addr) bool) string {
 	case nat64.Contains(addr) || sixToFour.Contains(addr) || teredo.Contains(addr):
 		// Translation prefixes embed an IPv4 address that may be private.
 		return "IPv4-embedding"
+	case isCloudInfra(addr):
+		return "cloud infrastructure"
 	case isHost != nil && isHost(addr):
 		return "host's own"
 	}

@@ -106,6 +106,14 @@ func TestPolicyCheck(t *testing.T) {
 		{"v6 link-local", "", nil, nil, "tcp", "[fe80::1]:80", nil, false},
 		{"v4-mapped private", "", nil, nil, "tcp", "[::ffff:10.0.0.1]:80", nil, false},
 		{"v6 public", "", nil, nil, "tcp", "[2606:2800:220:1::1]:443", nil, true},
+		// cloud infrastructure at public addresses
+		{"azure wire server", "", nil, nil, "tcp", "168.63.129.16:80", nil, false},
+		{"azure wire server dns", "", nil, nil, "udp", "168.63.129.16:53", nil, false},
+		{"next to the wire server", "", nil, nil, "tcp", "168.63.129.17:80", nil, true},
+		{"alibaba metadata", "", nil, nil, "tcp", "100.100.100.200:80", nil, false},
+		{"oracle metadata", "", nil, nil, "tcp", "192.0.0.192:80", nil, false},
+		{"v4-mapped wire server", "", nil, nil, "tcp", "[::ffff:168.63.129.16]:80", nil, false},
+		{"wire server under allow-all", "allow-all", nil, nil, "tcp", "168.63.129.16:80", nil, true},
 		// explicit CIDR allow opens a private range; ports and protocols matter
 		{"cidr allow", "", []string{"10.0.0.0/8:5432"}, nil, "tcp", "10.1.2.3:5432", nil, true},
 		{"cidr allow other port", "", []string{"10.0.0.0/8:5432"}, nil, "tcp", "10.1.2.3:5433", nil, false},
@@ -227,5 +235,23 @@ func TestParsePublish(t *testing.T) {
 	}
 	if s := (PortMapping{HostPort: 1, GuestPort: 2}).String(); s != "127.0.0.1:1:2/tcp" {
 		t.Errorf("String() = %q", s)
+	}
+}
+
+// TestCloudInfraListIsRefused: every entry of the one list is refused
+// under public-only whatever the protocol, and its neighbours are not
+// (unless another rule covers them).
+func TestCloudInfraListIsRefused(t *testing.T) {
+	for _, c := range cloudInfra {
+		a := c.prefix.Addr()
+		if why := nonPublic(a, nil); why == "" {
+			t.Errorf("nonPublic(%v) = \"\", want a refusal (%s)", a, c.what)
+		}
+		if c.prefix.Bits() != 32 {
+			t.Errorf("%v: entries are single addresses", c.prefix)
+		}
+	}
+	if why := nonPublic(netip.MustParseAddr("168.63.129.15"), nil); why != "" {
+		t.Errorf("nonPublic(168.63.129.15) = %q, want public", why)
 	}
 }

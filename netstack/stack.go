@@ -163,6 +163,16 @@ func (s *Stack) setupStack() error {
 	if err := tcpipErr("enable TCP SACK", st.SetTransportProtocolOption(tcp.ProtocolNumber, &sack)); err != nil {
 		return err
 	}
+	// Every endpoint's buffers are bounded (Config.TCPBuffer); receive
+	// moderation grows them only up to that.
+	snd := tcpip.TCPSendBufferSizeRangeOption{Min: 4 << 10, Default: min(64<<10, cfg.TCPBuffer), Max: cfg.TCPBuffer}
+	if err := tcpipErr("bound TCP send buffers", st.SetTransportProtocolOption(tcp.ProtocolNumber, &snd)); err != nil {
+		return err
+	}
+	rcv := tcpip.TCPReceiveBufferSizeRangeOption{Min: 4 << 10, Default: min(64<<10, cfg.TCPBuffer), Max: cfg.TCPBuffer}
+	if err := tcpipErr("bound TCP receive buffers", st.SetTransportProtocolOption(tcp.ProtocolNumber, &rcv)); err != nil {
+		return err
+	}
 	moderate := tcpip.TCPModerateReceiveBufferOption(true)
 	if err := tcpipErr("enable TCP receive buffer moderation", st.SetTransportProtocolOption(tcp.ProtocolNumber, &moderate)); err != nil {
 		return err

@@ -30,6 +30,13 @@ type file struct {
 	fd     int  // O_PATH descriptor; -1 once closed
 	ofd    int  // descriptor opened for I/O by Open or Create; -1 if none
 	owrite bool // ofd is open for writing
+	// xattrRefs counts the p9 server's extra references to this File: its
+	// Txattrwalk handler gives the new fid the same File (not a clone)
+	// and closes it when that fid is clunked, which would close the
+	// original fid's descriptors under it. Each successful GetXattr or
+	// ListXattrs (called only there, and then always followed by the new
+	// fid) adds one; Close spends one before it really closes.
+	xattrRefs int
 
 	dirMu sync.Mutex // serializes Readdir's seek and read on ofd
 }
@@ -39,9 +46,9 @@ var _ p9.File = (*file)(nil)
 // newFile makes a File owning fd, charging fd to the descriptor budget;
 // over budget, fd is closed and the error is ENFILE.
 func newFile(s *share, fd int, typ uint32) (*file, error) {
-	if err := chargeFDs(1); err != nil {
+	if err := s.charge(1); err != nil {
 		unix.Close(fd)
-		return nil, s.deny(linux.ENFILE, "new fid", "held", fdsHeld.Load())
+		return nil, s.deny(linux.ENFILE, "new fid", "held", s.fds.Load())
 	}
 	return &file{s: s, seq: fileSeq.Add(1), typ: typ & unix.S_IFMT, fd: fd, ofd: -1}, nil
 }
@@ -304,15 +311,19 @@ func utime(set, given bool, sec, nsec uint64) (unix.Timespec, error) {
 func (f *file) Close() error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
+	if f.xattrRefs > 0 {
+		f.xattrRefs--
+		return nil
+	}
 	if f.ofd >= 0 {
 		unix.Close(f.ofd)
 		f.ofd = -1
-		releaseFDs(1)
+		f.s.release(1)
 	}
 	if f.fd >= 0 {
 		unix.Close(f.fd)
 		f.fd = -1
-		releaseFDs(1)
+		f.s.release(1)
 	}
 	return nil
 }
@@ -348,18 +359,18 @@ func (f *file) Open(mode p9.OpenFlags) (p9.QID, uint32, error) {
 	if f.ofd >= 0 {
 		return p9.QID{}, 0, linux.EINVAL
 	}
-	if err := chargeFDs(1); err != nil {
-		return p9.QID{}, 0, f.s.deny(linux.ENFILE, "open", "held", fdsHeld.Load())
+	if err := f.s.charge(1); err != nil {
+		return p9.QID{}, 0, f.s.deny(linux.ENFILE, "open", "held", f.s.fds.Load())
 	}
 	ofd, err := reopen(f.fd, fl)
 	if err != nil {
-		releaseFDs(1)
+		f.s.release(1)
 		return p9.QID{}, 0, errno(err)
 	}
 	var st unix.Stat_t
 	if err := unix.Fstat(ofd, &st); err != nil {
 		unix.Close(ofd)
-		releaseFDs(1)
+		f.s.release(1)
 		return p9.QID{}, 0, errno(err)
 	}
 	f.ofd = ofd
@@ -463,12 +474,12 @@ func (f *file) Create(name string, flags p9.OpenFlags, perm p9.FileMode, _ p9.UI
 
 	mode := safeMode(perm)
 	fl = fl&^unix.O_TRUNC | unix.O_CREAT | unix.O_EXCL
-	if err := chargeFDs(1); err != nil {
-		return nil, p9.QID{}, 0, f.s.deny(linux.ENFILE, "create", "held", fdsHeld.Load())
+	if err := f.s.charge(1); err != nil {
+		return nil, p9.QID{}, 0, f.s.deny(linux.ENFILE, "create", "held", f.s.fds.Load())
 	}
 	ofd, err := f.s.openat(f.fd, name, fl, mode)
 	if err != nil {
-		releaseFDs(1)
+		f.s.release(1)
 		return nil, p9.QID{}, 0, errno(err)
 	}
 	// Apply the mode exactly, whatever the VMM's umask.
@@ -477,7 +488,7 @@ func (f *file) Create(name string, flags p9.OpenFlags, perm p9.FileMode, _ p9.UI
 	}
 	fail := func(err error) (p9.File, p9.QID, uint32, error) {
 		unix.Close(ofd)
-		releaseFDs(1)
+		f.s.release(1)
 		return nil, p9.QID{}, 0, err
 	}
 	pfd, err := reopen(ofd, unix.O_PATH)

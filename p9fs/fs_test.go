@@ -711,15 +711,13 @@ func TestConcurrent(t *testing.T) {
 	}
 }
 
-// TestFDBudget: past the descriptor budget, new Files fail with ENFILE
-// until some are closed.
+// TestFDBudget: past its share's descriptor budget, new Files fail with
+// ENFILE until some are closed, and another share (another sandbox's)
+// is not affected.
 func TestFDBudget(t *testing.T) {
 	tr := newTree(t)
-	root := mountDirect(t, newShare(t, tr.root, Options{}))
-	must(t, chargeFDs(0))
-	old := fdBudget
-	fdBudget = fdsHeld.Load() + 3
-	defer func() { fdBudget = old }()
+	root := mountDirect(t, newShare(t, tr.root, Options{MaxFDs: 4})) // the root, then 3
+	other := mountDirect(t, newShare(t, tr.root, Options{MaxFDs: 4}))
 
 	var held []p9.File
 	for range 3 {
@@ -731,6 +729,9 @@ func TestFDBudget(t *testing.T) {
 	wantErr(t, "open over budget", err, linux.ENFILE)
 	_, err = create(root, "x", p9.ReadWrite, 0o644)
 	wantErr(t, "create over budget", err, linux.ENFILE)
+	for range 3 {
+		walk(t, other, "file") // held to the end
+	}
 	must(t, held[0].Close())
 	must(t, held[1].Close())
 	must(t, held[2].Close())

@@ -115,6 +115,7 @@ import (
 	"os"
 	"runtime"
 	"sync"
+	"sync/atomic"
 
 	"github.com/hugelgupf/p9/linux"
 	"github.com/hugelgupf/p9/p9"
@@ -130,6 +131,10 @@ type Options struct {
 	// VMM's own effective uid and gid (zero: guest root). Files with
 	// other owners are shown with their host ids.
 	UID, GID uint32
+	// MaxFDs is how many host descriptors this share's Files may hold at
+	// once (0: DefaultMaxFDs); past it the guest gets ENFILE. All shares
+	// of the process together also hold at most half its RLIMIT_NOFILE.
+	MaxFDs int
 	// Logger receives debug records of refused guest requests and
 	// warnings about the host. Nil discards them.
 	Logger *slog.Logger
@@ -144,6 +149,8 @@ type share struct {
 	log              *slog.Logger
 	useOpenat2       bool
 	rootDev, rootIno uint64
+	maxFDs           int64
+	fds              atomic.Int64 // descriptors held by this share's Files
 
 	mu      sync.Mutex
 	rootFD  int // O_PATH directory; -1 after Close
@@ -201,6 +208,10 @@ func New(root string, o Options) (p9.Attacher, error) {
 		rootDev: st.Dev,
 		rootIno: st.Ino,
 		qidPfx:  make(map[qidKey]uint64),
+		maxFDs:  DefaultMaxFDs,
+	}
+	if o.MaxFDs > 0 {
+		s.maxFDs = int64(o.MaxFDs)
 	}
 	s.useOpenat2 = probeOpenat2(fd)
 	if !s.useOpenat2 {

@@ -57,33 +57,46 @@ func errno(err error) error {
 }
 
 // The guest decides how many Files exist, and each holds host
-// descriptors, so all shares together may hold at most half of the
-// process's descriptor limit: a guest that opens fids without end gets
-// ENFILE instead of starving the rest of the VMM.
+// descriptors. Each share may hold at most its own budget (Options.MaxFDs),
+// so one sandbox's shares cannot starve another's, and all shares of the
+// process together at most half of its descriptor limit, so no guest
+// starves the rest of the VMM: past either, the guest gets ENFILE.
 var (
-	fdBudgetOnce sync.Once
-	fdBudget     int64
-	fdsHeld      atomic.Int64
+	processBudgetOnce sync.Once
+	processBudget     int64
+	processFDs        atomic.Int64
 )
 
-// chargeFDs reserves n descriptors from the budget, or fails with ENFILE.
-func chargeFDs(n int64) error {
-	fdBudgetOnce.Do(func() {
+// DefaultMaxFDs is a share's descriptor budget when Options.MaxFDs is 0.
+const DefaultMaxFDs = 16384
+
+// charge reserves n descriptors from s's budget and the process's, or
+// fails with ENFILE.
+func (s *share) charge(n int64) error {
+	processBudgetOnce.Do(func() {
 		var r unix.Rlimit
-		fdBudget = 512
-		if unix.Getrlimit(unix.RLIMIT_NOFILE, &r) == nil && r.Cur/2 > uint64(fdBudget) {
-			fdBudget = int64(min(r.Cur/2, math.MaxInt32))
+		processBudget = 512
+		if unix.Getrlimit(unix.RLIMIT_NOFILE, &r) == nil && r.Cur/2 > uint64(processBudget) {
+			processBudget = int64(min(r.Cur/2, math.MaxInt32))
 		}
 	})
-	if fdsHeld.Add(n) > fdBudget {
-		fdsHeld.Add(-n)
+	if s.fds.Add(n) > s.maxFDs {
+		s.fds.Add(-n)
+		return linux.ENFILE
+	}
+	if processFDs.Add(n) > processBudget {
+		processFDs.Add(-n)
+		s.fds.Add(-n)
 		return linux.ENFILE
 	}
 	return nil
 }
 
-// releaseFDs returns n descriptors to the budget.
-func releaseFDs(n int64) { fdsHeld.Add(-n) }
+// release returns n descriptors to s's budget and the process's.
+func (s *share) release(n int64) {
+	s.fds.Add(-n)
+	processFDs.Add(-n)
+}
 
 // procPath names fd's magic link, which resolves to exactly the inode fd
 // refers to and is never followed further.

@@ -51,6 +51,7 @@ type config struct {
 	console      io.Writer
 	readyTimeout time.Duration
 	watchdog     time.Duration
+	maxOutput    int64
 	vsockSocket  string
 	shares       []share
 	disks        []disk
@@ -118,6 +119,12 @@ func (b *Builder) VsockSocket(path string) *Builder { b.c.vsockSocket = path; re
 
 // ReadyTimeout bounds how long Start waits for the guest agent.
 func (b *Builder) ReadyTimeout(d time.Duration) *Builder { b.c.readyTimeout = d; return b }
+
+// OutputLimit bounds what the host holds of one guest answer: the output
+// Exec collects (unless ExecOptions.MaxOutput says otherwise) and the file
+// ReadFile returns. 0 is agent.DefaultMaxOutput (64 MiB); negative is no
+// limit. Stream and ReadFileTo pass data on and have none.
+func (b *Builder) OutputLimit(n int64) *Builder { b.c.maxOutput = n; return b }
 
 func (c config) logger() *slog.Logger {
 	if c.log == nil {
@@ -403,6 +410,13 @@ func (s *Sandbox) Wait(ctx context.Context) (*agent.ExitStatus, error) {
 	go func() { st, err = p.Wait(); close(done) }()
 	select {
 	case <-done:
+		if errors.Is(err, agent.ErrTimedOut) {
+			// The guest did not enforce the timeout (its agent stopped
+			// or hung): it is trusted with nothing more.
+			s.c.logger().Warn("the guest did not end the main process at its timeout; stopping the sandbox", "err", err)
+			s.Close()
+			return &agent.ExitStatus{Code: 128 + 9, Signal: "SIGKILL", TimedOut: true}, nil
+		}
 		return st, s.vmErr(err)
 	case <-ctx.Done():
 		return nil, ctx.Err()
@@ -428,6 +442,9 @@ type Output = agent.Output
 // Exec runs a process to the end and collects its output.
 func (s *Sandbox) Exec(ctx context.Context, o ExecOptions) (*Output, error) {
 	o = s.defaults(o)
+	if o.MaxOutput == 0 {
+		o.MaxOutput = s.c.maxOutput
+	}
 	out, err := s.client.Output(ctx, o)
 	return out, s.vmErr(err)
 }
@@ -451,11 +468,30 @@ func (s *Sandbox) defaults(o ExecOptions) ExecOptions {
 	return o
 }
 
-// ReadFile returns a guest file's contents.
+// ReadFile returns a guest file's contents, up to the OutputLimit.
 func (s *Sandbox) ReadFile(ctx context.Context, path string) ([]byte, error) {
-	var b bytes.Buffer
-	_, err := s.client.ReadFile(ctx, path, &b)
-	return b.Bytes(), s.vmErr(err)
+	max := s.c.maxOutput
+	if max == 0 {
+		max = agent.DefaultMaxOutput
+	}
+	b := &limitWriter{max: max}
+	if _, err := s.client.ReadFile(ctx, path, b); err != nil {
+		return nil, s.vmErr(err)
+	}
+	return b.buf.Bytes(), nil
+}
+
+// limitWriter collects up to max bytes (max < 0: no limit).
+type limitWriter struct {
+	buf bytes.Buffer
+	max int64
+}
+
+func (w *limitWriter) Write(p []byte) (int, error) {
+	if w.max >= 0 && int64(w.buf.Len()+len(p)) > w.max {
+		return 0, fmt.Errorf("%w: the file exceeds %d bytes (Builder.OutputLimit; ReadFileTo streams it)", agent.ErrLimit, w.max)
+	}
+	return w.buf.Write(p)
 }
 
 // ReadFileTo streams a guest file into w.

@@ -139,7 +139,7 @@ func shareDevices(shares []share, log *slog.Logger) ([]*ninep.Device, error) {
 		if err != nil {
 			return devs, fmt.Errorf("sandbox: share %s: %w", sh.host, err)
 		}
-		d, err := ninep.New(shareTag(i), a, log)
+		d, err := ninep.New(shareTag(i), a, ninep.Options{ReadOnly: sh.mode == ReadOnly}, log)
 		if err != nil {
 			return devs, fmt.Errorf("sandbox: share %s: %w", sh.host, err)
 		}

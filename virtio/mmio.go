@@ -142,6 +142,7 @@ type MMIO struct {
 	interrupt   uint32
 	active      bool
 	configGen   uint32
+	warnings    LogLimit // what the driver makes the transport warn about
 }
 
 // NewMMIO puts dev behind a virtio-mmio register file. irq raises its
@@ -292,7 +293,7 @@ func (t *MMIO) setStatus(v uint32) {
 		// The driver may accept only what was offered, and must accept
 		// VERSION_1; otherwise FEATURES_OK does not stick.
 		if t.drvFeatures&^t.features() != 0 || t.drvFeatures&FeatureVersion1 == 0 {
-			t.log.Warn("virtio: driver accepted features the device did not offer", "device", t.dev.Type(),
+			t.warnings.Warn(t.log, "virtio: driver accepted features the device did not offer", "device", t.dev.Type(),
 				"offered", fmt.Sprintf("%#x", t.features()), "accepted", fmt.Sprintf("%#x", t.drvFeatures))
 			v &^= StatusFeaturesOK
 		}
@@ -360,7 +361,7 @@ func (t *MMIO) fail(err error) {
 // failLocked sets NEEDS_RESET and tells the driver through a configuration
 // change interrupt (§2.1.2).
 func (t *MMIO) failLocked(err error) {
-	t.log.Warn("virtio: device needs reset", "device", t.dev.Type(), "err", err)
+	t.warnings.Warn(t.log, "virtio: device needs reset", "device", t.dev.Type(), "err", err)
 	t.status |= StatusNeedsReset
 	t.interrupt |= interruptConfigChange
 	t.configGen++

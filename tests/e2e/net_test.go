@@ -353,7 +353,7 @@ func TestPublishedPort(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer p.Signal("SIGKILL")
+	defer p.Signal(context.Background(), "SIGKILL")
 	pubs := sb.Published()
 	if len(pubs) != 1 || !strings.HasPrefix(pubs[0].Addr.String(), "127.0.0.1:") {
 		t.Fatalf("published %v, want one port on 127.0.0.1", pubs)

@@ -74,6 +74,24 @@ func TestRunTimeout(t *testing.T) {
 	t.Logf("timed out after %v in all", time.Since(start))
 }
 
+// stopAgent is a guest shell line that stops the agent's server (the
+// process named capsa-agent other than PID 1, which the kernel keeps
+// SIGSTOP from; 19 is SIGSTOP: u-root's kill takes no names).
+const stopAgent = `for d in /proc/[0-9]*; do p=${d#/proc/}; if [ "$(cat $d/comm)" = capsa-agent ] && [ "$p" != 1 ]; then kill -19 $p; fi; done`
+
+// TestRunTimeoutWithoutTheAgent: a command that stops the agent (it runs
+// as root in the guest) cannot make `capsa run --timeout` wait forever:
+// the host gives up agent.HostGrace after the timeout, stops the sandbox
+// and exits 124.
+func TestRunTimeoutWithoutTheAgent(t *testing.T) {
+	start := time.Now()
+	r := capsa(t, 3*time.Minute, "run", "--timeout", "2s", "--", "sh", "-c", stopAgent+"; sleep 1000")
+	if r.code != 124 || !strings.Contains(r.stderr, "timed out") {
+		t.Errorf("exit %d stderr %q stdout %q", r.code, r.stderr, r.stdout)
+	}
+	t.Logf("timed out after %v in all", time.Since(start))
+}
+
 func TestLargeFileRoundTrip(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
@@ -144,7 +162,7 @@ func TestFilesystemCalls(t *testing.T) {
 	for deadline := time.Now().Add(time.Minute); !strings.Contains(out.String(), "ready") && time.Now().Before(deadline); {
 		time.Sleep(10 * time.Millisecond)
 	}
-	p.Signal("SIGTERM")
+	p.Signal(ctx, "SIGTERM")
 	st, err := p.Wait()
 	if err != nil || st.Signal != "SIGTERM" {
 		t.Errorf("signalled exec: %+v, %v", st, err)
@@ -297,10 +315,9 @@ func TestWatchdogReportsAHungGuest(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer sb.Close()
-	// The agent's server is the process named capsa-agent other than
-	// PID 1 (init, which the kernel keeps SIGSTOP from): stopping it
-	// silences the agent, and the guest goes idle. (19 is SIGSTOP: u-root's kill takes no names.)
-	r, err := sb.Exec(ctx, sandbox.Shell(`for d in /proc/[0-9]*; do p=${d#/proc/}; if [ "$(cat $d/comm)" = capsa-agent ] && [ "$p" != 1 ]; then kill -19 $p; fi; done; sleep 1`))
+	// Stopping the agent's server silences the agent, and the guest goes
+	// idle.
+	r, err := sb.Exec(ctx, sandbox.Shell(stopAgent+"; sleep 1"))
 	if err == nil {
 		t.Fatalf("Exec returned no error from a guest whose agent was stopped: exit %d, stdout %q, stderr %q", r.Code, r.Stdout, r.Stderr)
 	}

@@ -335,7 +335,7 @@ func runCapsaRaw(t *testing.T, kernel, initrd, cmdline, dir string, c stressload
 	if err != nil {
 		t.Fatal(err)
 	}
-	share, err := ninep.New("stress", attacher, log)
+	share, err := ninep.New("stress", attacher, ninep.Options{}, log)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -20,6 +20,7 @@ import (
 	"io"
 	"log/slog"
 	"sync"
+	"time"
 
 	"github.com/hugelgupf/p9/p9"
 
@@ -37,17 +38,59 @@ const (
 
 	featureMountTag = 1 << 0 // VIRTIO_9P_MOUNT_TAG
 
-	headerLen = 7 // size[4] type[1] tag[2]
-	tversion  = 100
-	tflush    = 108
-	rflush    = 109
-	rlerror   = 7
+	// MinMessage is the smallest msize a Tversion may ask for.
+	MinMessage = 4096
+	// MaxFids is how many fids the guest may hold on one session (each
+	// costs host memory and most a descriptor; p9fs.Options.MaxFDs bounds
+	// the descriptors); MaxXattrFids how many of them may hold an extended
+	// attribute's value (Txattrwalk, Txattrcreate), each up to
+	// MaxXattrSize bytes (Linux's XATTR_SIZE_MAX). Past them the guest
+	// gets ENFILE or E2BIG.
+	MaxFids      = 32768
+	MaxXattrFids = 64
+	MaxXattrSize = 64 << 10
+
+	headerLen    = 7 // size[4] type[1] tag[2]
+	rreadHdrLen  = headerLen + 4
+	tversion     = 100
+	rversion     = 101
+	tflush       = 108
+	rflush       = 109
+	rlerror      = 7
+	tattach      = 104
+	twalk        = 110
+	twalkgetattr = 126
+	txattrwalk   = 30
+	txattrcreate = 32
+	tread        = 116
+	treaddir     = 40
+	tclunk       = 120
+	tremove      = 122
 )
+
+var (
+	// closeTimeout bounds how long Close waits for the file server.
+	closeTimeout = 10 * time.Second
+	// inflightBudget bounds the bytes of requests being served and of
+	// the replies they may bring (read counts): past it the device leaves
+	// further requests in the queue until replies free room.
+	inflightBudget int64 = 32 << 20
+	maxFids              = MaxFids // a variable for the tests
+)
+
+// Options configures a device.
+type Options struct {
+	// ReadOnly refuses requests that write extended attributes before
+	// they reach the server (the p9 server buffers their values itself;
+	// the file server refuses every other mutation of a read-only share).
+	ReadOnly bool
+}
 
 // Device is a virtio-9p device serving one p9.Attacher under a mount tag.
 type Device struct {
 	tag      string
 	attacher p9.Attacher
+	opts     Options
 	log      *slog.Logger
 
 	mu      sync.Mutex
@@ -60,7 +103,7 @@ type Device struct {
 
 // New returns a device that serves a under mount tag (what the guest names
 // in `mount -t 9p TAG DIR`).
-func New(tag string, a p9.Attacher, log *slog.Logger) (*Device, error) {
+func New(tag string, a p9.Attacher, o Options, log *slog.Logger) (*Device, error) {
 	if tag == "" || len(tag) > MaxTagLen {
 		return nil, fmt.Errorf("virtio-9p: mount tag %q: must be 1 to %d bytes", tag, MaxTagLen)
 	}
@@ -75,7 +118,7 @@ func New(tag string, a p9.Attacher, log *slog.Logger) (*Device, error) {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	return &Device{tag: tag, attacher: a, log: log.With("dev", "9p", "tag", tag)}, nil
+	return &Device{tag: tag, attacher: a, opts: o, log: log.With("dev", "9p", "tag", tag)}, nil
 }
 
 // Tag is the mount tag.
@@ -130,11 +173,19 @@ func (d *Device) Reset() {
 	d.teardown()
 }
 
-// Close stops the device and waits for its server to let go of every file.
+// Close stops the device and waits for its server to let go of every file,
+// for at most closeTimeout: a host filesystem call that never returns
+// cannot hold up the sandbox's shutdown (its goroutine is abandoned).
 func (d *Device) Close() error {
 	d.Reset()
-	d.workers.Wait()
-	return nil
+	done := make(chan struct{})
+	go func() { d.workers.Wait(); close(done) }()
+	select {
+	case <-done:
+		return nil
+	case <-time.After(closeTimeout):
+		return fmt.Errorf("virtio-9p %s: close: the file server did not stop within %v", d.tag, closeTimeout)
+	}
 }
 
 // Notify implements virtio.Device.
@@ -188,6 +239,10 @@ func (d *Device) takeRequests(s *session) (bool, error) {
 	q := d.act.Queues[0]
 	irq := false
 	for {
+		if s.full() {
+			// complete kicks the worker once replies free room.
+			return irq, nil
+		}
 		c, err := q.Next()
 		if err != nil {
 			return false, err
@@ -200,7 +255,9 @@ func (d *Device) takeRequests(s *session) (bool, error) {
 		case err != nil:
 			d.log.Debug("bad 9P request", "tag", tag, "err", err)
 		case reply == nil:
-			s.requests <- msg // never blocks: at most queueSize are in flight
+			// Never blocks: admit keeps at most queueSize requests in
+			// flight, and the stream holds as many.
+			s.requests <- msg
 			continue
 		}
 		if c.WritableLen() >= len(reply) {
@@ -229,12 +286,23 @@ func (d *Device) complete(s *session, c *virtio.Chain, msg []byte) {
 	irq, err := act.Queues[0].Push(c)
 	if err != nil {
 		d.teardown()
+	} else if s.unblocked() {
+		select {
+		case d.kick <- struct{}{}:
+		default:
+		}
 	}
 	d.mu.Unlock()
 	act.Report(irq, err)
 }
 
-const errnoEINVAL = 22
+const (
+	errnoE2BIG  = 7
+	errnoEBUSY  = 16
+	errnoEINVAL = 22
+	errnoENFILE = 23
+	errnoEROFS  = 30
+)
 
 // flushReply is an Rflush message: size[4] type[1] tag[2].
 func flushReply(tag uint16) []byte {
@@ -266,24 +334,62 @@ type session struct {
 
 	mu      sync.Mutex
 	pending map[uint16]*virtio.Chain
-	msize   uint32 // the largest request accepted, from Tversion
+	// msize is the largest request accepted: the server's, as its
+	// Rversion said (it refuses a larger one by ending the connection).
+	msize      uint32
+	versioning bool // a Tversion is in flight: nothing else is admitted
 	// Flushes in flight: each Tflush's tag to the tag it flushes, and the
 	// Rflush replies held back until the flushed request's reply is
 	// returned (by the flushed tag).
 	flushes map[uint16]uint16
 	held    map[uint16][]byte
+	// The fids the server holds for the guest (true: with an extended
+	// attribute's value), and what each request in flight does to them.
+	fids      map[uint32]bool
+	xattrFids int
+	fidOps    map[uint16]fidOp
+	making    int // fid-making requests in flight
+	xmaking   int // of them and Txattrcreates, those making xattr fids
+	// Bytes of requests in flight and of the replies they may bring;
+	// starved is set when the worker stopped taking requests for it.
+	inflight int64
+	cost     map[uint16]int64
+	starved  bool
 }
 
-func (d *Device) newSession(a *virtio.Activation) *session {
-	s := &session{
+// fidOp is what a request in flight does to the session's fids once the
+// server answers it.
+type fidOp struct {
+	kind  byte   // one of the fid* constants
+	fid   uint32 // the fid made, converted or released
+	reply byte   // the reply type that says it succeeded
+}
+
+const (
+	fidMake      = iota + 1 // Tattach, Twalk to a new fid
+	fidMakeXattr            // Txattrwalk
+	fidToXattr              // Txattrcreate
+	fidRelease              // Tclunk, Tremove: released whatever the reply
+)
+
+// sessionState is a session with nothing admitted and no server yet.
+func sessionState(d *Device) *session {
+	return &session{
 		dev:      d,
 		requests: make(chan []byte, queueSize),
 		done:     make(chan struct{}),
 		pending:  map[uint16]*virtio.Chain{},
 		flushes:  map[uint16]uint16{},
 		held:     map[uint16][]byte{},
+		fids:     map[uint32]bool{},
+		fidOps:   map[uint16]fidOp{},
+		cost:     map[uint16]int64{},
 		msize:    MaxMessage,
 	}
+}
+
+func (d *Device) newSession(a *virtio.Activation) *session {
+	s := sessionState(d)
 	srv := p9.NewServer(d.attacher, p9.WithServerLogger(p9Logger{d.log}))
 	d.workers.Add(1)
 	go func() {
@@ -313,27 +419,164 @@ func (s *session) admit(c *virtio.Chain) (msg []byte, tag uint16, reply []byte, 
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if s.pending[tag] != nil {
-		return nil, tag, errorReply(tag, errnoEINVAL), fmt.Errorf("request tag %d: the tag is already in flight", tag)
+	refuse := func(errno uint32, format string, args ...any) ([]byte, uint16, []byte, error) {
+		return nil, tag, errorReply(tag, errno), fmt.Errorf("request tag %d: "+format, append([]any{tag}, args...)...)
 	}
-	if msg[4] == tflush {
+	typ, body := msg[4], msg[headerLen:]
+	le := binary.LittleEndian
+	switch {
+	case s.pending[tag] != nil:
+		return refuse(errnoEINVAL, "the tag is already in flight")
+	case len(s.pending) >= queueSize:
+		// Only a driver that reuses descriptors still in flight gets here.
+		return refuse(errnoEBUSY, "%d requests already in flight", len(s.pending))
+	case s.versioning:
+		return refuse(errnoEBUSY, "a Tversion is in flight")
+	}
+	if typ == tflush {
 		// The server waits for the flushed request to finish. A flush
 		// of nothing in flight, of itself, or of another flush (two
 		// flushes naming each other) would make it wait forever, so the
 		// device answers those at once: there is nothing to wait for.
-		old := binary.LittleEndian.Uint16(msg[headerLen:])
+		old := le.Uint16(body)
 		if _, isFlush := s.flushes[old]; old == tag || s.pending[old] == nil || isFlush {
 			return nil, tag, flushReply(tag), nil
 		}
 		s.flushes[tag] = old
 	}
-	if msg[4] == tversion {
-		// The server caps msize the same way; a larger request would end
-		// the whole connection instead of getting an error.
-		s.msize = min(max(binary.LittleEndian.Uint32(msg[headerLen:]), 4096), MaxMessage)
+	cost := int64(len(msg))
+	op := fidOp{reply: typ + 1}
+	switch typ {
+	case tversion:
+		// The p9 server swaps its buffer pool under requests in flight.
+		if len(s.pending) > 0 {
+			return refuse(errnoEBUSY, "Tversion with %d requests in flight", len(s.pending))
+		}
+		if m := le.Uint32(body); m < MinMessage {
+			return refuse(errnoEINVAL, "msize %d is below %d", m, MinMessage)
+		}
+		s.versioning = true
+	case tread, treaddir:
+		// fid[4] offset[8] count[4]: the reply must fit msize (the
+		// server caps a read at its 4 MiB limit only, and a directory
+		// read not at all).
+		if n := le.Uint32(body[12:]); n > s.msize-rreadHdrLen {
+			le.PutUint32(body[12:], s.msize-rreadHdrLen)
+		}
+		cost += int64(le.Uint32(body[12:]))
+	case tattach:
+		op.kind, op.fid = fidMake, le.Uint32(body)
+	case twalk, twalkgetattr:
+		if fid, newfid := le.Uint32(body), le.Uint32(body[4:]); newfid != fid {
+			op.kind, op.fid = fidMake, newfid
+		}
+	case txattrwalk:
+		op.kind, op.fid = fidMakeXattr, le.Uint32(body[4:])
+	case txattrcreate:
+		// fid[4] name[s] size[8] flags[4]: the server buffers the value
+		// the guest then writes, up to size, until the clunk.
+		if s.dev.opts.ReadOnly {
+			return refuse(errnoEROFS, "Txattrcreate on a read-only share")
+		}
+		n := int(le.Uint16(body[4:]))
+		if size := le.Uint64(body[6+n:]); size > MaxXattrSize {
+			return refuse(errnoE2BIG, "extended attribute of %d bytes exceeds %d", size, MaxXattrSize)
+		}
+		op.kind, op.fid = fidToXattr, le.Uint32(body)
+	case tclunk, tremove:
+		op.kind, op.fid = fidRelease, le.Uint32(body)
+	}
+	switch op.kind {
+	case fidMake, fidMakeXattr:
+		if len(s.fids)+s.making >= maxFids {
+			return refuse(errnoENFILE, "the guest holds %d fids (limit %d)", len(s.fids)+s.making, maxFids)
+		}
+	}
+	xattr := op.kind == fidMakeXattr || op.kind == fidToXattr
+	if xattr && s.xattrFids+s.xmaking >= MaxXattrFids {
+		return refuse(errnoENFILE, "the guest holds %d extended attribute fids (limit %d)", s.xattrFids+s.xmaking, MaxXattrFids)
+	}
+	if op.kind == fidMake || op.kind == fidMakeXattr {
+		s.making++
+	}
+	if xattr {
+		s.xmaking++
+	}
+	if op.kind != 0 {
+		s.fidOps[tag] = op
 	}
 	s.pending[tag] = c
+	s.cost[tag] = cost
+	s.inflight += cost
 	return msg, tag, nil, nil
+}
+
+// answered updates the session for the reply msg to request tag; s.mu is
+// held.
+func (s *session) answered(tag uint16, msg []byte) {
+	s.inflight -= s.cost[tag]
+	delete(s.cost, tag)
+	if s.versioning && msg[4] == rversion && len(msg) >= headerLen+4 {
+		s.versioning = false
+		if m := binary.LittleEndian.Uint32(msg[headerLen:]); m > 0 {
+			s.msize = m
+		}
+	} else if s.versioning && msg[4] == rlerror {
+		s.versioning = false
+	}
+	op, ok := s.fidOps[tag]
+	if !ok {
+		return
+	}
+	delete(s.fidOps, tag)
+	ok = msg[4] == op.reply
+	if op.kind == fidMakeXattr || op.kind == fidToXattr {
+		s.xmaking--
+	}
+	switch op.kind {
+	case fidMake, fidMakeXattr:
+		s.making--
+		if ok {
+			s.fids[op.fid] = op.kind == fidMakeXattr
+			if op.kind == fidMakeXattr {
+				s.xattrFids++
+			}
+		}
+	case fidToXattr:
+		if x, held := s.fids[op.fid]; ok && held && !x {
+			s.fids[op.fid] = true
+			s.xattrFids++
+		}
+	case fidRelease:
+		if x, held := s.fids[op.fid]; held {
+			if x {
+				s.xattrFids--
+			}
+			delete(s.fids, op.fid)
+		}
+	}
+}
+
+// full reports whether the requests in flight use up the byte budget.
+func (s *session) full() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.inflight >= inflightBudget {
+		s.starved = true
+	}
+	return s.starved
+}
+
+// unblocked reports, once, that the worker stopped taking requests for
+// the budget and replies have freed room since.
+func (s *session) unblocked() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.starved && s.inflight < inflightBudget {
+		s.starved = false
+		return true
+	}
+	return false
 }
 
 // check reads a request's header and bytes from its chain.
@@ -391,6 +634,7 @@ func (s *session) reply(msg []byte) {
 		}
 	}
 	delete(s.pending, tag)
+	s.answered(tag, msg)
 	var ftag uint16
 	flush, flushChain := s.held[tag], (*virtio.Chain)(nil)
 	if flush != nil {
@@ -398,6 +642,7 @@ func (s *session) reply(msg []byte) {
 		ftag = binary.LittleEndian.Uint16(flush[5:])
 		flushChain = s.pending[ftag]
 		delete(s.pending, ftag)
+		s.answered(ftag, flush)
 	}
 	s.mu.Unlock()
 	s.deliver(tag, c, msg)

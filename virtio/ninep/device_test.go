@@ -39,7 +39,7 @@ func newGuestMem(t *testing.T, root string, ro bool, mem int) *guest {
 	if err != nil {
 		t.Fatal(err)
 	}
-	dev, err := New("share0", a, nil)
+	dev, err := New("share0", a, Options{ReadOnly: ro}, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -140,11 +140,11 @@ func TestNewRejectsBadTags(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, tag := range []string{"", "has space", "tab\t", string(make([]byte, MaxTagLen+1)), "é"} {
-		if _, err := New(tag, a, nil); err == nil {
+		if _, err := New(tag, a, Options{}, nil); err == nil {
 			t.Errorf("New(%q) succeeded", tag)
 		}
 	}
-	if _, err := New("ok", nil, nil); err == nil {
+	if _, err := New("ok", nil, Options{}, nil); err == nil {
 		t.Error("New without a filesystem succeeded")
 	}
 }
@@ -321,7 +321,7 @@ func TestRequestsQueuedBeforeActivation(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	dev, err := New("share0", a, nil)
+	dev, err := New("share0", a, Options{}, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -383,7 +383,7 @@ func TestRflushFollowsTheFlushedReply(t *testing.T) {
 	q := drv.NewQueue(queueSize)
 	d := &Device{log: slog.New(slog.DiscardHandler)}
 	act := &virtio.Activation{Mem: drv.Mem, Queues: []*virtio.Queue{q.Device()}, Interrupt: func() {}, Fail: func(error) {}}
-	s := &session{dev: d, pending: map[uint16]*virtio.Chain{}, flushes: map[uint16]uint16{}, held: map[uint16][]byte{}, msize: MaxMessage}
+	s := sessionState(d)
 	d.act, d.sess = act, s
 	read := rawRequest(116, 5, make([]byte, 16)) // Tread fid offset count
 	flush := rawRequest(tflush, 6, []byte{5, 0}) // Tflush oldtag 5

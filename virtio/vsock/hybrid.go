@@ -32,7 +32,11 @@ type HybridSocket struct {
 	path string
 	l    net.Listener
 	log  *slog.Logger
-	wg   sync.WaitGroup
+	wg   sync.WaitGroup // accept, and every serve and forward goroutine
+
+	mu     sync.Mutex
+	closed bool
+	conns  map[io.Closer]struct{} // live client and guest connections
 }
 
 // ServeUnix listens on path and serves the hybrid-vsock handshake until
@@ -42,7 +46,7 @@ func (d *Device) ServeUnix(path string) (*HybridSocket, error) {
 	if err != nil {
 		return nil, fmt.Errorf("vsock: hybrid socket: %w", err)
 	}
-	h := &HybridSocket{dev: d, path: path, l: l, log: d.log}
+	h := &HybridSocket{dev: d, path: path, l: l, log: d.log, conns: map[io.Closer]struct{}{}}
 	d.mu.Lock()
 	d.fallback = h.forward
 	d.mu.Unlock()
@@ -51,14 +55,70 @@ func (d *Device) ServeUnix(path string) (*HybridSocket, error) {
 	return h, nil
 }
 
-// Close stops serving and removes the socket.
+// Close stops serving, ends every connection it joined and waits for
+// their goroutines, and removes the socket.
 func (h *HybridSocket) Close() error {
 	h.dev.mu.Lock()
 	h.dev.fallback = nil
 	h.dev.mu.Unlock()
 	err := h.l.Close()
+	h.mu.Lock()
+	h.closed = true
+	conns := make([]io.Closer, 0, len(h.conns))
+	for c := range h.conns {
+		conns = append(conns, c)
+	}
+	h.mu.Unlock()
+	// Closed outside h.mu: closing a guest connection takes the device
+	// lock, under which forward takes h.mu.
+	for _, c := range conns {
+		c.Close()
+	}
 	h.wg.Wait()
 	return err
+}
+
+// start counts a goroutine about to serve conns, unless h is closed; the
+// goroutine calls the returned func when it ends.
+func (h *HybridSocket) start(conns ...io.Closer) (func(), bool) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.closed {
+		return nil, false
+	}
+	h.wg.Add(1)
+	for _, c := range conns {
+		h.conns[c] = struct{}{}
+	}
+	return func() {
+		h.mu.Lock()
+		for _, c := range conns {
+			delete(h.conns, c)
+		}
+		h.mu.Unlock()
+		h.wg.Done()
+	}, true
+}
+
+// track adds a connection made by a started goroutine, closing it at once
+// if h is closed meanwhile.
+func (h *HybridSocket) track(c io.Closer) bool {
+	h.mu.Lock()
+	closed := h.closed
+	if !closed {
+		h.conns[c] = struct{}{}
+	}
+	h.mu.Unlock()
+	if closed {
+		c.Close()
+	}
+	return !closed
+}
+
+func (h *HybridSocket) untrack(c io.Closer) {
+	h.mu.Lock()
+	delete(h.conns, c)
+	h.mu.Unlock()
 }
 
 func (h *HybridSocket) accept() {
@@ -68,7 +128,15 @@ func (h *HybridSocket) accept() {
 		if err != nil {
 			return
 		}
-		go h.serve(c)
+		end, ok := h.start(c)
+		if !ok {
+			c.Close()
+			return
+		}
+		go func() {
+			defer end()
+			h.serve(c)
+		}()
 	}
 }
 
@@ -91,6 +159,11 @@ func (h *HybridSocket) serve(c net.Conn) {
 		c.Close()
 		return
 	}
+	if !h.track(g) {
+		c.Close()
+		return
+	}
+	defer h.untrack(g)
 	c.SetDeadline(time.Time{})
 	fmt.Fprintf(c, "OK %d\n", g.key.host)
 	// Bytes the client sent right after its CONNECT line are buffered.
@@ -117,13 +190,23 @@ func (h *HybridSocket) forward(port uint32, g *Conn) bool {
 	if st, err := os.Stat(sock); err != nil || st.Mode().Type() != os.ModeSocket {
 		return false
 	}
+	end, ok := h.start(g)
+	if !ok {
+		return false // closing: as if nobody listened
+	}
 	go func() {
+		defer end()
 		c, err := net.Dial("unix", sock)
 		if err != nil {
 			h.log.Debug("vsock: forward guest connection", "socket", sock, "err", err)
 			g.Close()
 			return
 		}
+		if !h.track(c) {
+			g.Close()
+			return
+		}
+		defer h.untrack(c)
 		splice(c, g, 0, nil)
 	}()
 	return true
