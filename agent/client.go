@@ -280,11 +280,32 @@ func (cl *Client) Start(ctx context.Context, o ExecOptions) (*Process, error) {
 			c.WriteFrame(FrameStdinClose, nil)
 		}()
 	}
-	var hostTimedOut atomic.Bool
+	// The host's own deadline, for a guest that does not end the process
+	// at its timeout: it counts only time spent waiting for the guest,
+	// not time the caller's writers take.
+	var hostTimedOut, writing atomic.Bool
 	stopTimer := func() bool { return false }
 	if o.Timeout > 0 {
-		t := time.AfterFunc(o.Timeout+hostGrace, func() { hostTimedOut.Store(true); done() })
+		var t *time.Timer
+		t = time.AfterFunc(o.Timeout+hostGrace, func() {
+			if writing.Load() {
+				t.Reset(time.Second)
+				return
+			}
+			hostTimedOut.Store(true)
+			done()
+		})
 		stopTimer = t.Stop
+	}
+	// abandon kills a process the client stops waiting for (the guest
+	// would otherwise notice only when it next reads the connection),
+	// over a connection of its own.
+	abandon := func() {
+		go func() {
+			kctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+			defer cancel()
+			cl.call(kctx, Request{Op: OpSignal, PID: p.PID, Signal: "SIGKILL"}, &Empty{})
+		}()
 	}
 	stdout, stderr := orDiscard(o.Stdout), orDiscard(o.Stderr)
 	go func() {
@@ -294,6 +315,7 @@ func (cl *Client) Start(ctx context.Context, o ExecOptions) (*Process, error) {
 		for {
 			t, b, err := c.ReadFrame()
 			if err != nil {
+				abandon()
 				if hostTimedOut.Load() {
 					p.err = fmt.Errorf("agent: exec %s: %w (no exit status %v after its %v timeout)", req.name(), ErrTimedOut, hostGrace, o.Timeout)
 					return
@@ -308,9 +330,12 @@ func (cl *Client) Start(ctx context.Context, o ExecOptions) (*Process, error) {
 					w = stderr
 				}
 				// A writer that fails (a full buffer, a closed pipe)
-				// ends the exec: the connection closes and the agent
-				// kills the process.
-				if _, err := w.Write(b); err != nil {
+				// ends the exec: the process is killed.
+				writing.Store(true)
+				_, err := w.Write(b)
+				writing.Store(false)
+				if err != nil {
+					abandon()
 					p.err = fmt.Errorf("agent: exec %s: %w", req.name(), err)
 					return
 				}

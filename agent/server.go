@@ -42,8 +42,22 @@ type Server struct {
 	Shutdown func()
 
 	mu    sync.Mutex
-	execs map[int]func(syscall.Signal) // running execs by PID: signal the group
+	execs map[int]*execEntry // running execs by PID
 }
+
+// gatedWriter writes to w once ready is closed.
+type gatedWriter struct {
+	w     io.Writer
+	ready <-chan struct{}
+}
+
+func (g gatedWriter) Write(p []byte) (int, error) {
+	<-g.ready
+	return g.w.Write(p)
+}
+
+// execEntry is a running exec: kill signals its process group.
+type execEntry struct{ kill func(syscall.Signal) }
 
 func (s *Server) log() *slog.Logger {
 	if s.Log == nil {
@@ -123,12 +137,12 @@ func (s *Server) handle(ctx context.Context, c *Conn, req *Request) error {
 			return err
 		}
 		s.mu.Lock()
-		kill := s.execs[req.PID]
+		e := s.execs[req.PID]
 		s.mu.Unlock()
-		if kill == nil {
+		if e == nil {
 			return opError("signal", strconv.Itoa(req.PID), syscall.ESRCH)
 		}
-		kill(sig)
+		e.kill(sig)
 		return reply(Empty{})
 	case OpRead:
 		return readFile(c, req.Path)
@@ -480,8 +494,12 @@ func (s *Server) exec(ctx context.Context, c *Conn, req *ExecRequest) error {
 	cmd.Env = append(env, req.Env...)
 	cmd.Dir = req.Dir
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Credential: cred}
-	cmd.Stdout = frameWriter{c, FrameStdout}
-	cmd.Stderr = frameWriter{c, FrameStderr}
+	// Output waits until the client has its ExecStarted reply.
+	started := make(chan struct{})
+	startOnce := sync.OnceFunc(func() { close(started) })
+	defer startOnce()
+	cmd.Stdout = gatedWriter{frameWriter{c, FrameStdout}, started}
+	cmd.Stderr = gatedWriter{frameWriter{c, FrameStderr}, started}
 	cmd.WaitDelay = 2 * time.Second // background children holding the pipes
 	var stdin io.WriteCloser
 	if req.Stdin {
@@ -515,25 +533,33 @@ func (s *Server) exec(ctx context.Context, c *Conn, req *ExecRequest) error {
 	}
 	stop := context.AfterFunc(ctx, func() { killGroup(unix.SIGKILL) })
 	defer stop()
-	if err := c.WriteJSON(FrameReply, ExecStarted{PID: pgid}); err != nil {
-		killGroup(unix.SIGKILL)
-	}
-
+	// Registered before the client learns the PID, so a Signal right
+	// after it finds the exec; removed only while it is still this one's
+	// (the PID may be reused by a later exec once this one is reaped).
+	entry := &execEntry{kill: killGroup}
 	s.mu.Lock()
 	if s.execs == nil {
-		s.execs = map[int]func(syscall.Signal){}
+		s.execs = map[int]*execEntry{}
 	}
-	s.execs[pgid] = killGroup
+	s.execs[pgid] = entry
 	s.mu.Unlock()
 	defer func() {
 		s.mu.Lock()
-		delete(s.execs, pgid)
+		if s.execs[pgid] == entry {
+			delete(s.execs, pgid)
+		}
 		s.mu.Unlock()
 	}()
+	if err := c.WriteJSON(FrameReply, ExecStarted{PID: pgid}); err != nil {
+		killGroup(unix.SIGKILL)
+	}
+	startOnce()
 
-	// stdin is written from its own goroutine, so a process that does not
-	// read it never stops the frame reader below (which would then miss
-	// signals and the client's end); the queue bounds what is held.
+	// stdin is written from its own goroutine, so a process slow to read
+	// it does not hold up the frame reader below; the queue bounds what is
+	// held, and past it the reader waits (the client signals on
+	// connections of its own, and kills a process it gives up on the same
+	// way, so neither needs this reader).
 	exitedCh := make(chan struct{})
 	defer close(exitedCh)
 	var stdinCh chan []byte

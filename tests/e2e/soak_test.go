@@ -6,6 +6,7 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
+	"runtime/debug"
 	"strconv"
 	"strings"
 	"testing"
@@ -30,7 +31,8 @@ func (u usage) String() string {
 
 func measure(t testing.TB) usage {
 	t.Helper()
-	runtime.GC()
+	// Freed heap handed back to the OS, so RSS is what is really held.
+	debug.FreeOSMemory()
 	ents, err := os.ReadDir("/proc/self/fd")
 	if err != nil {
 		t.Fatal(err)

@@ -19,6 +19,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"strings"
 	"sync"
 	"time"
 
@@ -338,6 +339,13 @@ type session struct {
 	// Rversion said (it refuses a larger one by ending the connection).
 	msize      uint32
 	versioning bool // a Tversion is in flight: nothing else is admitted
+	// After the server's first Rversion, the device answers every later
+	// Tversion itself (at most the server's msize, the same version): the
+	// p9 server replaces its buffer pool on Tversion without regard to
+	// replies still being cleaned up, and keeps reading with the old msize.
+	versioned   bool
+	serverMsize uint32
+	version     string
 	// Flushes in flight: each Tflush's tag to the tag it flushes, and the
 	// Rflush replies held back until the flushed request's reply is
 	// returned (by the flushed tag).
@@ -452,8 +460,12 @@ func (s *session) admit(c *virtio.Chain) (msg []byte, tag uint16, reply []byte, 
 		if len(s.pending) > 0 {
 			return refuse(errnoEBUSY, "Tversion with %d requests in flight", len(s.pending))
 		}
-		if m := le.Uint32(body); m < MinMessage {
+		m := le.Uint32(body)
+		if m < MinMessage {
 			return refuse(errnoEINVAL, "msize %d is below %d", m, MinMessage)
+		}
+		if s.versioned {
+			return nil, tag, s.versionReply(tag, m, string(body[6:6+int(le.Uint16(body[4:]))])), nil
 		}
 		s.versioning = true
 	case tread, treaddir:
@@ -516,10 +528,12 @@ func (s *session) admit(c *virtio.Chain) (msg []byte, tag uint16, reply []byte, 
 func (s *session) answered(tag uint16, msg []byte) {
 	s.inflight -= s.cost[tag]
 	delete(s.cost, tag)
-	if s.versioning && msg[4] == rversion && len(msg) >= headerLen+4 {
+	if s.versioning && msg[4] == rversion && len(msg) >= headerLen+6 {
 		s.versioning = false
-		if m := binary.LittleEndian.Uint32(msg[headerLen:]); m > 0 {
-			s.msize = m
+		n := int(binary.LittleEndian.Uint16(msg[headerLen+4:]))
+		if m := binary.LittleEndian.Uint32(msg[headerLen:]); m > 0 && len(msg) >= headerLen+6+n {
+			s.msize, s.serverMsize = m, m
+			s.versioned, s.version = true, string(msg[headerLen+6:headerLen+6+n])
 		}
 	} else if s.versioning && msg[4] == rlerror {
 		s.versioning = false
@@ -537,6 +551,10 @@ func (s *session) answered(tag uint16, msg []byte) {
 	case fidMake, fidMakeXattr:
 		s.making--
 		if ok {
+			// The server replaces a fid in use (InsertFID).
+			if x, held := s.fids[op.fid]; held && x {
+				s.xattrFids--
+			}
 			s.fids[op.fid] = op.kind == fidMakeXattr
 			if op.kind == fidMakeXattr {
 				s.xattrFids++
@@ -555,6 +573,27 @@ func (s *session) answered(tag uint16, msg []byte) {
 			delete(s.fids, op.fid)
 		}
 	}
+}
+
+// versionReply is the device's Rversion to a Tversion after the first:
+// the server's version for a 9P2000.L client (else "unknown", as the
+// server says), and msize at most the server's. s.mu is held.
+func (s *session) versionReply(tag uint16, msize uint32, version string) []byte {
+	v := s.version
+	if !strings.HasPrefix(version, "9P2000.L") {
+		v, msize = "unknown", 0
+	} else {
+		msize = min(msize, s.serverMsize)
+		s.msize = msize
+	}
+	b := make([]byte, headerLen, headerLen+6+len(v))
+	b[4] = rversion
+	binary.LittleEndian.PutUint16(b[5:], tag)
+	b = binary.LittleEndian.AppendUint32(b, msize)
+	b = binary.LittleEndian.AppendUint16(b, uint16(len(v)))
+	b = append(b, v...)
+	binary.LittleEndian.PutUint32(b, uint32(len(b)))
+	return b
 }
 
 // full reports whether the requests in flight use up the byte budget.

@@ -452,3 +452,33 @@ func TestXattrWalkKeepsTheFidUsable(t *testing.T) {
 	}
 	g.ok(twalk, 8, cat(u32b(1), u32b(9), u16b(1), str9("f")), 4096)
 }
+
+// TestLaterVersionsAreAnsweredByTheDevice: only a session's first Tversion
+// reaches the server (it swaps its buffers on every one, racing replies
+// still being cleaned up); later ones are answered with at most the
+// server's msize, and the device's limit follows.
+func TestLaterVersionsAreAnsweredByTheDevice(t *testing.T) {
+	g := newGuest(t, t.TempDir(), false)
+	g.attach() // msize 8192
+	msizeOf := func(r []byte) (uint32, string) {
+		if len(r) < headerLen+6 || r[4] != rversion {
+			t.Fatalf("Tversion reply % x", r)
+		}
+		n := int(binary.LittleEndian.Uint16(r[headerLen+4:]))
+		return binary.LittleEndian.Uint32(r[headerLen:]), string(r[headerLen+6 : headerLen+6+n])
+	}
+	if m, v := msizeOf(g.version(1 << 20)); m != 8192 || v != "9P2000.L" {
+		t.Errorf("Tversion 1 MiB after 8192 = %d %q, want 8192 \"9P2000.L\"", m, v)
+	}
+	if m, _ := msizeOf(g.version(4096)); m != 4096 {
+		t.Errorf("Tversion 4096 = %d", m)
+	}
+	big := rawRequest(118 /* Twrite */, 2, cat(u32b(1), u64b(0), u32b(5000), make([]byte, 5000)))
+	if r := g.roundTrip(big, 64); errnoOf(r) != errnoEINVAL {
+		t.Errorf("a 5023-byte request after msize 4096: reply % x, want Rlerror EINVAL", r)
+	}
+	if m, v := msizeOf(g.call(tversion, 0xffff, cat(u32b(8192), str9("9P2000")), 64)); m != 0 || v != "unknown" {
+		t.Errorf("Tversion 9P2000 = %d %q, want 0 \"unknown\"", m, v)
+	}
+	g.ok(twalk, 3, cat(u32b(1), u32b(2), u16b(0)), 4096)
+}
