@@ -178,8 +178,10 @@ func BenchmarkShareThroughput(b *testing.B) {
 	}
 	defer sb.Close()
 	sh := func(b *testing.B, script string) {
-		if r, err := sb.Exec(ctx, sandbox.Shell(script)); err != nil {
-			b.Fatalf("%s: %v", script, err)
+		o := sandbox.Shell(script)
+		o.Timeout = 5 * time.Minute
+		if r, err := sb.Exec(ctx, o); err != nil {
+			b.Fatalf("%s: %v\nthe sandbox's state:\n%s", script, err, sb.Debug(ctx))
 		} else if r.Code != 0 {
 			b.Fatalf("%s: exit %d %s %s", script, r.Code, r.Stdout, r.Stderr)
 		}
@@ -263,9 +265,11 @@ func BenchmarkNAT(b *testing.B) {
 		}
 	}()
 	guest := func(b *testing.B, job string) {
-		r, err := sb.Exec(ctx, sandbox.ExecOptions{Argv: []string{"/tmp/netbench"}, Env: []string{netBenchEnv + "=" + job}})
+		// A deadline, so a stalled guest fails the benchmark with its
+		// state instead of hanging it.
+		r, err := sb.Exec(ctx, sandbox.ExecOptions{Argv: []string{"/tmp/netbench"}, Env: []string{netBenchEnv + "=" + job}, Timeout: 5 * time.Minute})
 		if err != nil {
-			b.Fatalf("guest %s: %v", job, err)
+			b.Fatalf("guest %s: %v\nthe sandbox's state:\n%s", job, err, sb.Debug(ctx))
 		} else if r.Code != 0 {
 			b.Fatalf("guest %s: exit %d %s", job, r.Code, r.Stderr)
 		}
