@@ -36,7 +36,7 @@ fi
 # The firmware (SeaBIOS, option ROMs) is Debian's.
 "$here/scripts/qemu-install.sh"
 "$here/scripts/apt-install.sh" build-essential pkg-config ninja-build python3-venv \
-	libglib2.0-dev libfdt-dev curl xz-utils bzip2
+	libglib2.0-dev libfdt-dev curl xz-utils bzip2 patch
 # QEMU 10 needs meson 1.5 or later: Debian 12 has it in bookworm-backports
 # (which qemu-install.sh adds), and pycotap only there.
 mesonver=$(dpkg-query -W -f='${Version}' meson 2>/dev/null || echo 0)
