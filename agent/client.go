@@ -389,34 +389,55 @@ type Output struct {
 	Stdout, Stderr []byte
 }
 
-// limitBuffer collects output from one goroutine, to be read after, up to
-// a limit shared by stdout and stderr (left < 0: none).
-type limitBuffer struct {
-	buf  []byte
-	left *int64
-	max  int64
+// budget is a size limit shared by collectors: left bytes may still be
+// collected (negative: no limit); what names the limit in the error.
+type budget struct {
+	left, max int64
+	what      string
 }
 
-func (b *limitBuffer) Write(p []byte) (int, error) {
-	if *b.left >= 0 {
-		if int64(len(p)) > *b.left {
-			return 0, fmt.Errorf("%w: output exceeds %d bytes (ExecOptions.MaxOutput)", ErrLimit, b.max)
-		}
-		*b.left -= int64(len(p))
+// newBudget is a budget of max bytes: 0 is DefaultMaxOutput, negative is
+// none.
+func newBudget(max int64, what string) *budget {
+	if max == 0 {
+		max = DefaultMaxOutput
 	}
-	b.buf = append(b.buf, p...)
+	return &budget{left: max, max: max, what: what}
+}
+
+// collector gathers what one goroutine writes, to be read after, within
+// its budget.
+type collector struct {
+	buf []byte
+	b   *budget
+}
+
+func (c *collector) Write(p []byte) (int, error) {
+	if c.b.left >= 0 {
+		if int64(len(p)) > c.b.left {
+			return 0, fmt.Errorf("%w: %s exceeds %d bytes", ErrLimit, c.b.what, c.b.max)
+		}
+		c.b.left -= int64(len(p))
+	}
+	c.buf = append(c.buf, p...)
 	return len(p), nil
+}
+
+// ReadAll returns a guest file's contents, up to max bytes (0:
+// DefaultMaxOutput; negative: no limit); past it the error wraps ErrLimit.
+func (cl *Client) ReadAll(ctx context.Context, path string, max int64) ([]byte, error) {
+	c := &collector{b: newBudget(max, "the file")}
+	if _, err := cl.ReadFile(ctx, path, c); err != nil {
+		return nil, err
+	}
+	return c.buf, nil
 }
 
 // Output runs a process and collects its output, up to o.MaxOutput.
 func (cl *Client) Output(ctx context.Context, o ExecOptions) (*Output, error) {
-	left := o.MaxOutput
-	if left == 0 {
-		left = DefaultMaxOutput
-	}
-	out := limitBuffer{left: &left, max: left}
-	errb := limitBuffer{left: &left, max: left}
-	o.Stdout, o.Stderr = &out, &errb
+	b := newBudget(o.MaxOutput, "output (ExecOptions.MaxOutput)")
+	out, errb := &collector{b: b}, &collector{b: b}
+	o.Stdout, o.Stderr = out, errb
 	st, err := cl.Exec(ctx, o)
 	if err != nil {
 		return nil, err

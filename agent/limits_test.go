@@ -6,6 +6,7 @@ import (
 	"errors"
 	"io"
 	"net"
+	"os"
 	"strings"
 	"testing"
 	"time"
@@ -150,4 +151,21 @@ func FuzzClientReplies(f *testing.F) {
 			t.Fatal("a call waited for the deadline on a closed connection")
 		}
 	})
+}
+
+func TestReadAllLimit(t *testing.T) {
+	cl := serve(t)
+	ctx := context.Background()
+	path := t.TempDir() + "/f"
+	if err := os.WriteFile(path, make([]byte, 5000), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := cl.ReadAll(ctx, path, 1000); !errors.Is(err, ErrLimit) || !strings.Contains(err.Error(), "1000 bytes") {
+		t.Errorf("ReadAll(5000-byte file, 1000) = %v, want ErrLimit naming the limit", err)
+	}
+	for _, max := range []int64{0, 5000, -1} {
+		if b, err := cl.ReadAll(ctx, path, max); err != nil || len(b) != 5000 {
+			t.Errorf("ReadAll(5000-byte file, %d) = %d bytes, %v", max, len(b), err)
+		}
+	}
 }

@@ -168,15 +168,15 @@ func TestPullConvertsLayers(t *testing.T) {
 		entry{name: "run/fifo", typ: tar.TypeFifo, mode: 0o600},
 		entry{name: "tmp/", typ: tar.TypeDir, mode: 0o1777},
 	)
-	top := layer(t,
-		entry{name: "data/.wh.old.txt"},
-		entry{name: "opq/.wh..wh..opq"},
-		entry{name: "opq/c", data: "c"},
-		entry{name: "bin/tool-link", typ: tar.TypeLink, link: "bin/tool"},
-		entry{name: "home/user/", typ: tar.TypeDir, mode: 0o700, uid: 1000, gid: 1000},
-		entry{name: "home/user/notes", data: "mine", uid: 1000, gid: 1000, mode: 0o600},
-		entry{name: "lib/libx.so.1", typ: tar.TypeLink, link: "lib/libx.so"},
-	)
+	topEntries := []entry{
+		{name: "data/.wh.old.txt"},
+		{name: "opq/.wh..wh..opq"},
+		{name: "opq/c", data: "c"},
+		{name: "bin/tool-link", typ: tar.TypeLink, link: "bin/tool"},
+		{name: "home/user/", typ: tar.TypeDir, mode: 0o700, uid: 1000, gid: 1000},
+		{name: "home/user/notes", data: "mine", uid: 1000, gid: 1000, mode: 0o600},
+	}
+	top := layer(t, append(topEntries, entry{name: "lib/libx.so.1", typ: tar.TypeLink, link: "lib/libx.so"})...)
 	push(t, reg+"/test/layers:1", testImage(t, base, top))
 
 	s, err := Open(t.TempDir(), nil)
@@ -191,15 +191,7 @@ func TestPullConvertsLayers(t *testing.T) {
 		t.Fatalf("Pull with an entry under a symlinked directory = %v, want an error naming the symlink", err)
 	}
 	// Without that entry the image converts.
-	top = layer(t,
-		entry{name: "data/.wh.old.txt"},
-		entry{name: "opq/.wh..wh..opq"},
-		entry{name: "opq/c", data: "c"},
-		entry{name: "bin/tool-link", typ: tar.TypeLink, link: "bin/tool"},
-		entry{name: "home/user/", typ: tar.TypeDir, mode: 0o700, uid: 1000, gid: 1000},
-		entry{name: "home/user/notes", data: "mine", uid: 1000, gid: 1000, mode: 0o600},
-		entry{name: "usr/lib/libx.so.1", typ: tar.TypeLink, link: "lib/libx.so"},
-	)
+	top = layer(t, append(topEntries, entry{name: "usr/lib/libx.so.1", typ: tar.TypeLink, link: "lib/libx.so"})...)
 	push(t, reg+"/test/layers:2", testImage(t, base, top))
 	img, err = s.Pull(context.Background(), reg+"/test/layers:2", Options{Progress: func(p Progress) { progress = append(progress, p) }})
 	if err != nil {

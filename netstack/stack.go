@@ -169,7 +169,7 @@ func (s *Stack) setupStack() error {
 	if err := tcpipErr("bound TCP send buffers", st.SetTransportProtocolOption(tcp.ProtocolNumber, &snd)); err != nil {
 		return err
 	}
-	rcv := tcpip.TCPReceiveBufferSizeRangeOption{Min: 4 << 10, Default: min(64<<10, cfg.TCPBuffer), Max: cfg.TCPBuffer}
+	rcv := tcpip.TCPReceiveBufferSizeRangeOption(snd)
 	if err := tcpipErr("bound TCP receive buffers", st.SetTransportProtocolOption(tcp.ProtocolNumber, &rcv)); err != nil {
 		return err
 	}

@@ -468,30 +468,14 @@ func (s *Sandbox) defaults(o ExecOptions) ExecOptions {
 	return o
 }
 
-// ReadFile returns a guest file's contents, up to the OutputLimit.
+// ReadFile returns a guest file's contents, up to the OutputLimit (past
+// it the error wraps agent.ErrLimit; ReadFileTo streams without one).
 func (s *Sandbox) ReadFile(ctx context.Context, path string) ([]byte, error) {
-	max := s.c.maxOutput
-	if max == 0 {
-		max = agent.DefaultMaxOutput
+	b, err := s.client.ReadAll(ctx, path, s.c.maxOutput)
+	if errors.Is(err, agent.ErrLimit) {
+		return nil, fmt.Errorf("%w (Builder.OutputLimit; ReadFileTo streams it)", err)
 	}
-	b := &limitWriter{max: max}
-	if _, err := s.client.ReadFile(ctx, path, b); err != nil {
-		return nil, s.vmErr(err)
-	}
-	return b.buf.Bytes(), nil
-}
-
-// limitWriter collects up to max bytes (max < 0: no limit).
-type limitWriter struct {
-	buf bytes.Buffer
-	max int64
-}
-
-func (w *limitWriter) Write(p []byte) (int, error) {
-	if w.max >= 0 && int64(w.buf.Len()+len(p)) > w.max {
-		return 0, fmt.Errorf("%w: the file exceeds %d bytes (Builder.OutputLimit; ReadFileTo streams it)", agent.ErrLimit, w.max)
-	}
-	return w.buf.Write(p)
+	return b, s.vmErr(err)
 }
 
 // ReadFileTo streams a guest file into w.

@@ -287,19 +287,7 @@ func (c *Chain) Write(p []byte) (int, error) {
 // call (pwritev) instead of copying them. It returns fewer bytes only when
 // the chain has fewer left.
 func (c *Chain) TakeReadable(n int) [][]byte {
-	var out [][]byte
-	for n > 0 && c.rIdx < len(c.readable) {
-		b := c.readable[c.rIdx][c.rOff:]
-		k := min(n, len(b))
-		if k > 0 {
-			out = append(out, b[:k])
-		}
-		n -= k
-		c.rOff += k
-		if c.rOff == len(c.readable[c.rIdx]) {
-			c.rIdx, c.rOff = c.rIdx+1, 0
-		}
-	}
+	out, _ := take(c.readable, &c.rIdx, &c.rOff, n)
 	return out
 }
 
@@ -308,19 +296,28 @@ func (c *Chain) TakeReadable(n int) [][]byte {
 // to fill (preadv). It returns fewer bytes only when the chain has fewer
 // left.
 func (c *Chain) TakeWritable(n int) [][]byte {
+	out, k := take(c.writable, &c.wIdx, &c.wOff, n)
+	c.written += uint32(k)
+	return out
+}
+
+// take consumes up to n bytes of bufs from position (*idx, *off) and
+// returns them as slices, and how many bytes they hold.
+func take(bufs [][]byte, idx, off *int, n int) ([][]byte, int) {
 	var out [][]byte
-	for n > 0 && c.wIdx < len(c.writable) {
-		b := c.writable[c.wIdx][c.wOff:]
+	total := 0
+	for n > 0 && *idx < len(bufs) {
+		b := bufs[*idx][*off:]
 		k := min(n, len(b))
 		if k > 0 {
 			out = append(out, b[:k])
 		}
 		n -= k
-		c.wOff += k
-		c.written += uint32(k)
-		if c.wOff == len(c.writable[c.wIdx]) {
-			c.wIdx, c.wOff = c.wIdx+1, 0
+		total += k
+		*off += k
+		if *off == len(bufs[*idx]) {
+			*idx, *off = *idx+1, 0
 		}
 	}
-	return out
+	return out, total
 }

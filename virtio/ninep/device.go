@@ -305,23 +305,21 @@ const (
 	errnoEROFS  = 30
 )
 
-// flushReply is an Rflush message: size[4] type[1] tag[2].
-func flushReply(tag uint16) []byte {
-	b := make([]byte, headerLen)
-	binary.LittleEndian.PutUint32(b, headerLen)
-	b[4] = rflush
+// message is a 9P message: size[4] type[1] tag[2], then body.
+func message(typ byte, tag uint16, body []byte) []byte {
+	b := make([]byte, headerLen, headerLen+len(body))
+	binary.LittleEndian.PutUint32(b, uint32(headerLen+len(body)))
+	b[4] = typ
 	binary.LittleEndian.PutUint16(b[5:], tag)
-	return b
+	return append(b, body...)
 }
 
-// errorReply is an Rlerror message: size[4] type[1] tag[2] ecode[4].
+// flushReply is an Rflush message.
+func flushReply(tag uint16) []byte { return message(rflush, tag, nil) }
+
+// errorReply is an Rlerror message: ecode[4].
 func errorReply(tag uint16, errno uint32) []byte {
-	b := make([]byte, headerLen+4)
-	binary.LittleEndian.PutUint32(b, uint32(len(b)))
-	b[4] = rlerror
-	binary.LittleEndian.PutUint16(b[5:], tag)
-	binary.LittleEndian.PutUint32(b[7:], errno)
-	return b
+	return message(rlerror, tag, binary.LittleEndian.AppendUint32(nil, errno))
 }
 
 // session is one 9P connection between the driver and the server: the
@@ -339,11 +337,11 @@ type session struct {
 	// Rversion said (it refuses a larger one by ending the connection).
 	msize      uint32
 	versioning bool // a Tversion is in flight: nothing else is admitted
-	// After the server's first Rversion, the device answers every later
-	// Tversion itself (at most the server's msize, the same version): the
-	// p9 server replaces its buffer pool on Tversion without regard to
-	// replies still being cleaned up, and keeps reading with the old msize.
-	versioned   bool
+	// After the server's first Rversion (serverMsize set), the device
+	// answers every later Tversion itself (at most the server's msize, the
+	// same version): the p9 server replaces its buffer pool on Tversion
+	// without regard to replies still being cleaned up, and keeps reading
+	// with the old msize.
 	serverMsize uint32
 	version     string
 	// Flushes in flight: each Tflush's tag to the tag it flushes, and the
@@ -464,7 +462,7 @@ func (s *session) admit(c *virtio.Chain) (msg []byte, tag uint16, reply []byte, 
 		if m < MinMessage {
 			return refuse(errnoEINVAL, "msize %d is below %d", m, MinMessage)
 		}
-		if s.versioned {
+		if s.serverMsize != 0 {
 			return nil, tag, s.versionReply(tag, m, string(body[6:6+int(le.Uint16(body[4:]))])), nil
 		}
 		s.versioning = true
@@ -533,7 +531,7 @@ func (s *session) answered(tag uint16, msg []byte) {
 		n := int(binary.LittleEndian.Uint16(msg[headerLen+4:]))
 		if m := binary.LittleEndian.Uint32(msg[headerLen:]); m > 0 && len(msg) >= headerLen+6+n {
 			s.msize, s.serverMsize = m, m
-			s.versioned, s.version = true, string(msg[headerLen+6:headerLen+6+n])
+			s.version = string(msg[headerLen+6 : headerLen+6+n])
 		}
 	} else if s.versioning && msg[4] == rlerror {
 		s.versioning = false
@@ -586,14 +584,9 @@ func (s *session) versionReply(tag uint16, msize uint32, version string) []byte 
 		msize = min(msize, s.serverMsize)
 		s.msize = msize
 	}
-	b := make([]byte, headerLen, headerLen+6+len(v))
-	b[4] = rversion
-	binary.LittleEndian.PutUint16(b[5:], tag)
-	b = binary.LittleEndian.AppendUint32(b, msize)
-	b = binary.LittleEndian.AppendUint16(b, uint16(len(v)))
-	b = append(b, v...)
-	binary.LittleEndian.PutUint32(b, uint32(len(b)))
-	return b
+	body := binary.LittleEndian.AppendUint32(nil, msize)
+	body = binary.LittleEndian.AppendUint16(body, uint16(len(v)))
+	return message(rversion, tag, append(body, v...))
 }
 
 // full reports whether the requests in flight use up the byte budget.

@@ -202,15 +202,6 @@ func TestRealClientThroughTheQueue(t *testing.T) {
 	}
 }
 
-// rawRequest builds a 9P message: size[4] type[1] tag[2] body.
-func rawRequest(typ byte, tag uint16, body []byte) []byte {
-	b := make([]byte, headerLen, headerLen+len(body))
-	binary.LittleEndian.PutUint32(b, uint32(headerLen+len(body)))
-	b[4] = typ
-	binary.LittleEndian.PutUint16(b[5:], tag)
-	return append(b, body...)
-}
-
 func isError(reply []byte, tag uint16) bool {
 	return len(reply) == headerLen+4 && reply[4] == rlerror && binary.LittleEndian.Uint16(reply[5:]) == tag &&
 		binary.LittleEndian.Uint32(reply) == headerLen+4
@@ -221,16 +212,16 @@ func TestHostileRequestsGetErrors(t *testing.T) {
 	version := func(tag uint16, msize uint32) []byte {
 		body := binary.LittleEndian.AppendUint32(nil, msize)
 		body = binary.LittleEndian.AppendUint16(body, 8)
-		return rawRequest(tversion, tag, append(body, "9P2000.L"...))
+		return message(tversion, tag, append(body, "9P2000.L"...))
 	}
 	if r := g.roundTrip(version(0xffff, 8192), 8192); len(r) < headerLen || r[4] != tversion+1 {
 		t.Fatalf("Tversion reply % x", r)
 	}
 
-	lying := rawRequest(120, 1, []byte{1, 2, 3})
+	lying := message(120, 1, []byte{1, 2, 3})
 	binary.LittleEndian.PutUint32(lying, 1000) // more than the buffers hold
-	tooBig := rawRequest(120, 2, make([]byte, 9000))
-	tiny := rawRequest(120, 3, nil)
+	tooBig := message(120, 2, make([]byte, 9000))
+	tiny := message(120, 3, nil)
 	binary.LittleEndian.PutUint32(tiny, 3)
 	for name, tc := range map[string]struct {
 		req []byte
@@ -239,8 +230,8 @@ func TestHostileRequestsGetErrors(t *testing.T) {
 		"size beyond buffers": {lying, 1},
 		"beyond msize":        {tooBig, 2},
 		"size below header":   {tiny, 3},
-		"unknown type":        {rawRequest(250, 4, nil), 4},
-		"truncated body":      {rawRequest(110 /* Twalk */, 5, []byte{1}), 5},
+		"unknown type":        {message(250, 4, nil), 4},
+		"truncated body":      {message(110 /* Twalk */, 5, []byte{1}), 5},
 	} {
 		if r := g.roundTrip(tc.req, 64); !isError(r, tc.tag) {
 			t.Errorf("%s: reply % x, want Rlerror for tag %d", name, r, tc.tag)
@@ -262,8 +253,8 @@ func TestHostileRequestsGetErrors(t *testing.T) {
 }
 
 func FuzzRequests(f *testing.F) {
-	f.Add(rawRequest(tversion, 0xffff, []byte{0, 32, 0, 0, 8, 0, '9', 'P', '2', '0', '0', '0', '.', 'L'}))
-	f.Add(rawRequest(104 /* Tattach */, 1, make([]byte, 20)))
+	f.Add(message(tversion, 0xffff, []byte{0, 32, 0, 0, 8, 0, '9', 'P', '2', '0', '0', '0', '.', 'L'}))
+	f.Add(message(104 /* Tattach */, 1, make([]byte, 20)))
 	f.Add([]byte{0xff, 0xff, 0xff, 0xff, 1, 2})
 	root := f.TempDir()
 	os.WriteFile(filepath.Join(root, "f"), []byte("x"), 0o644)
@@ -330,7 +321,7 @@ func TestRequestsQueuedBeforeActivation(t *testing.T) {
 	q := drv.NewQueue(queueSize)
 	body := binary.LittleEndian.AppendUint32(nil, 8192)
 	body = binary.LittleEndian.AppendUint16(body, 8)
-	if _, err := q.Add(rawRequest(tversion, 0xffff, append(body, "9P2000.L"...)), 8192); err != nil {
+	if _, err := q.Add(message(tversion, 0xffff, append(body, "9P2000.L"...)), 8192); err != nil {
 		t.Fatal(err)
 	}
 	err = dev.Activate(virtio.Activation{Mem: drv.Mem, Queues: []*virtio.Queue{q.Device()}, Interrupt: func() {}, Fail: func(error) {}})
@@ -350,14 +341,14 @@ func TestFlushesTheServerCannotWaitFor(t *testing.T) {
 	g := newGuest(t, t.TempDir(), false)
 	body := binary.LittleEndian.AppendUint32(nil, 8192)
 	body = binary.LittleEndian.AppendUint16(body, 8)
-	if r := g.roundTrip(rawRequest(tversion, 0xffff, append(body, "9P2000.L"...)), 8192); len(r) < headerLen || r[4] != tversion+1 {
+	if r := g.roundTrip(message(tversion, 0xffff, append(body, "9P2000.L"...)), 8192); len(r) < headerLen || r[4] != tversion+1 {
 		t.Fatalf("Tversion: % x", r)
 	}
 	for name, req := range map[string][]byte{
-		"its own tag":    rawRequest(tflush, 3, []byte{3, 0}),
-		"an idle tag":    rawRequest(tflush, 4, []byte{9, 0}),
-		"a NOTAG flush":  rawRequest(tflush, 0xffff, []byte{0xff, 0xff}),
-		"a high old tag": rawRequest(tflush, 5, []byte{0x34, 0x12}),
+		"its own tag":    message(tflush, 3, []byte{3, 0}),
+		"an idle tag":    message(tflush, 4, []byte{9, 0}),
+		"a NOTAG flush":  message(tflush, 0xffff, []byte{0xff, 0xff}),
+		"a high old tag": message(tflush, 5, []byte{0x34, 0x12}),
 	} {
 		r := g.roundTrip(req, 64)
 		want := flushReply(binary.LittleEndian.Uint16(req[5:]))
@@ -385,8 +376,8 @@ func TestRflushFollowsTheFlushedReply(t *testing.T) {
 	act := &virtio.Activation{Mem: drv.Mem, Queues: []*virtio.Queue{q.Device()}, Interrupt: func() {}, Fail: func(error) {}}
 	s := sessionState(d)
 	d.act, d.sess = act, s
-	read := rawRequest(116, 5, make([]byte, 16)) // Tread fid offset count
-	flush := rawRequest(tflush, 6, []byte{5, 0}) // Tflush oldtag 5
+	read := message(116, 5, make([]byte, 16)) // Tread fid offset count
+	flush := message(tflush, 6, []byte{5, 0}) // Tflush oldtag 5
 	hRead, _ := q.Add(read, 4096)
 	hFlush, _ := q.Add(flush, 64)
 	for _, want := range []uint16{5, 6} {
@@ -402,7 +393,7 @@ func TestRflushFollowsTheFlushedReply(t *testing.T) {
 	if u := q.TakeUsed(); len(u) != 0 {
 		t.Fatalf("Rflush returned before the flushed request: %+v", u)
 	}
-	rread := rawRequest(117, 5, []byte{0, 0, 0, 0}) // Rread count 0
+	rread := message(117, 5, []byte{0, 0, 0, 0}) // Rread count 0
 	s.reply(rread)
 	u := q.TakeUsed()
 	if len(u) != 2 || u[0].Head != hRead || u[1].Head != hFlush {

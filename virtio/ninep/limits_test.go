@@ -34,7 +34,7 @@ func cat(parts ...[]byte) []byte {
 // call sends one request and returns the reply.
 func (g *guest) call(typ byte, tag uint16, body []byte, room int) []byte {
 	g.t.Helper()
-	return g.roundTrip(rawRequest(typ, tag, body), room)
+	return g.roundTrip(message(typ, tag, body), room)
 }
 
 // ok sends one request and fails the test unless it succeeds.
@@ -81,7 +81,7 @@ func TestVersionBelowTheMinimumIsRefused(t *testing.T) {
 	if len(r) < headerLen+4 || r[4] != rversion || binary.LittleEndian.Uint32(r[headerLen:]) != 5000 {
 		t.Fatalf("Tversion msize 5000: % x", r)
 	}
-	big := rawRequest(118 /* Twrite */, 2, cat(u32b(1), u64b(0), u32b(5000-23+1), make([]byte, 5000-23+1)))
+	big := message(118 /* Twrite */, 2, cat(u32b(1), u64b(0), u32b(5000-23+1), make([]byte, 5000-23+1)))
 	if r := g.roundTrip(big, 64); errnoOf(r) != errnoEINVAL {
 		t.Fatalf("a %d-byte Twrite with msize 5000: reply % x, want Rlerror EINVAL", len(big), r)
 	}
@@ -108,25 +108,25 @@ func TestVersionOnlyAlone(t *testing.T) {
 		_, tag, reply, _ := s.admit(c)
 		return tag, reply
 	}
-	version := rawRequest(tversion, 0xffff, cat(u32b(8192), str9("9P2000.L")))
-	if _, r := admit(rawRequest(tread, 5, cat(u32b(1), u64b(0), u32b(10)))); r != nil {
+	version := message(tversion, 0xffff, cat(u32b(8192), str9("9P2000.L")))
+	if _, r := admit(message(tread, 5, cat(u32b(1), u64b(0), u32b(10)))); r != nil {
 		t.Fatalf("Tread: device answered % x", r)
 	}
 	if _, r := admit(version); errnoOf(r) != errnoEBUSY {
 		t.Errorf("Tversion with a read in flight: reply % x, want Rlerror EBUSY", r)
 	}
-	s.reply(rawRequest(tread+1, 5, u32b(0)))
+	s.reply(message(tread+1, 5, u32b(0)))
 	if _, r := admit(version); r != nil {
 		t.Fatalf("Tversion alone: device answered % x", r)
 	}
-	if _, r := admit(rawRequest(tclunk, 6, u32b(1))); errnoOf(r) != errnoEBUSY {
+	if _, r := admit(message(tclunk, 6, u32b(1))); errnoOf(r) != errnoEBUSY {
 		t.Errorf("Tclunk behind a Tversion: reply % x, want Rlerror EBUSY", r)
 	}
-	s.reply(rawRequest(rversion, 0xffff, cat(u32b(8192), str9("9P2000.L"))))
+	s.reply(message(rversion, 0xffff, cat(u32b(8192), str9("9P2000.L"))))
 	if s.msize != 8192 {
 		t.Errorf("msize after Rversion = %d, want 8192", s.msize)
 	}
-	if _, r := admit(rawRequest(tclunk, 6, u32b(1))); r != nil {
+	if _, r := admit(message(tclunk, 6, u32b(1))); r != nil {
 		t.Errorf("Tclunk after the Rversion: device answered % x", r)
 	}
 }
@@ -141,7 +141,7 @@ func TestRequestsBeyondTheQueueAreRefused(t *testing.T) {
 	for i := range queueSize {
 		s.pending[uint16(1000+i)] = &virtio.Chain{}
 	}
-	q.Add(rawRequest(tclunk, 7, u32b(1)), 64)
+	q.Add(message(tclunk, 7, u32b(1)), 64)
 	c, _ := q.Device().Next()
 	if _, _, r, err := s.admit(c); errnoOf(r) != errnoEBUSY || err == nil {
 		t.Errorf("admit with %d in flight = reply % x, err %v; want Rlerror EBUSY", queueSize, r, err)
@@ -267,7 +267,7 @@ func newGated(t *testing.T) (*Device, *virtiotest.Queue, chan struct{}) {
 	if err := dev.Activate(virtio.Activation{Mem: drv.Mem, Queues: []*virtio.Queue{q.Device()}, Interrupt: func() {}, Fail: func(error) {}}); err != nil {
 		t.Fatal(err)
 	}
-	q.Add(rawRequest(tversion, 0xffff, cat(u32b(8192), str9("9P2000.L"))), 8192)
+	q.Add(message(tversion, 0xffff, cat(u32b(8192), str9("9P2000.L"))), 8192)
 	dev.Notify(0)
 	if u := q.WaitUsed(1, 5*time.Second); len(u) != 1 {
 		t.Fatal("no Rversion")
@@ -283,7 +283,7 @@ func TestCloseIsBounded(t *testing.T) {
 	defer func() { closeTimeout = old }()
 	dev, q, open := newGated(t)
 	defer close(open)
-	q.Add(rawRequest(tattach, 1, cat(u32b(1), u32b(noFid), str9("root"), str9(""), u32b(0))), 64)
+	q.Add(message(tattach, 1, cat(u32b(1), u32b(noFid), str9("root"), str9(""), u32b(0))), 64)
 	dev.Notify(0)
 	time.Sleep(50 * time.Millisecond)
 	done := make(chan error, 1)
@@ -308,7 +308,7 @@ func TestBackpressure(t *testing.T) {
 	defer dev.Close()
 	const n = 20
 	for i := range n {
-		q.Add(rawRequest(tattach, uint16(i), cat(u32b(uint32(i+1)), u32b(noFid), str9("root"), str9(""), u32b(0))), 64)
+		q.Add(message(tattach, uint16(i), cat(u32b(uint32(i+1)), u32b(noFid), str9("root"), str9(""), u32b(0))), 64)
 	}
 	dev.Notify(0)
 	time.Sleep(100 * time.Millisecond)
@@ -384,10 +384,10 @@ func FuzzRequestSequences(f *testing.F) {
 		}
 		return b
 	}
-	f.Add(seq(rawRequest(twalk, 2, cat(u32b(1), u32b(2), u16b(1), str9("f"))), rawRequest(12, 3, cat(u32b(2), u32b(0))),
-		rawRequest(tread, 4, cat(u32b(2), u64b(0), u32b(100))), rawRequest(tflush, 5, u16b(4)), rawRequest(tclunk, 6, u32b(2))))
-	f.Add(seq(rawRequest(txattrwalk, 2, cat(u32b(1), u32b(7), str9(""))), rawRequest(tversion, 3, cat(u32b(4096), str9("9P2000.L")))))
-	f.Add(seq(rawRequest(tflush, 2, u16b(3)), rawRequest(tflush, 3, u16b(2)), rawRequest(treaddir, 4, cat(u32b(1), u64b(0), u32b(1<<30)))))
+	f.Add(seq(message(twalk, 2, cat(u32b(1), u32b(2), u16b(1), str9("f"))), message(12, 3, cat(u32b(2), u32b(0))),
+		message(tread, 4, cat(u32b(2), u64b(0), u32b(100))), message(tflush, 5, u16b(4)), message(tclunk, 6, u32b(2))))
+	f.Add(seq(message(txattrwalk, 2, cat(u32b(1), u32b(7), str9(""))), message(tversion, 3, cat(u32b(4096), str9("9P2000.L")))))
+	f.Add(seq(message(tflush, 2, u16b(3)), message(tflush, 3, u16b(2)), message(treaddir, 4, cat(u32b(1), u64b(0), u32b(1<<30)))))
 	root := f.TempDir()
 	os.WriteFile(filepath.Join(root, "f"), []byte("hello"), 0o644)
 	os.Mkdir(filepath.Join(root, "d"), 0o755)
@@ -473,7 +473,7 @@ func TestLaterVersionsAreAnsweredByTheDevice(t *testing.T) {
 	if m, _ := msizeOf(g.version(4096)); m != 4096 {
 		t.Errorf("Tversion 4096 = %d", m)
 	}
-	big := rawRequest(118 /* Twrite */, 2, cat(u32b(1), u64b(0), u32b(5000), make([]byte, 5000)))
+	big := message(118 /* Twrite */, 2, cat(u32b(1), u64b(0), u32b(5000), make([]byte, 5000)))
 	if r := g.roundTrip(big, 64); errnoOf(r) != errnoEINVAL {
 		t.Errorf("a 5023-byte request after msize 4096: reply % x, want Rlerror EINVAL", r)
 	}

@@ -2,6 +2,7 @@ package vsock
 
 import (
 	"bufio"
+	"fmt"
 	"io"
 	"net"
 	"path/filepath"
@@ -12,30 +13,13 @@ import (
 
 func TestHybridConnect(t *testing.T) {
 	g := newGuest(t)
-	path := filepath.Join(t.TempDir(), "v.sock")
-	h, err := g.dev.ServeUnix(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer h.Close()
-	c, err := net.Dial("unix", path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
-	c.Write([]byte("CONNECT 52\nearly"))
-	req := g.expect(opRequest)
-	g.send(header{SrcPort: 52, DstPort: req.h.SrcPort, Op: opResponse, BufAlloc: 64 << 10}, nil)
-	r := bufio.NewReader(c)
-	line, err := r.ReadString('\n')
-	if err != nil || !strings.HasPrefix(line, "OK ") {
-		t.Fatalf("handshake reply %q, %v", line, err)
-	}
+	_, path := serveHybrid(t, g)
+	_, r, hostPort := hybridConnect(t, g, path, 52, "early")
 	if p := g.expect(opRW); string(p.data) != "early" {
 		t.Errorf("bytes after CONNECT: %q", p.data)
 	}
-	g.send(header{SrcPort: 52, DstPort: req.h.SrcPort, Op: opRW, BufAlloc: 64 << 10}, []byte("from guest"))
-	g.send(header{SrcPort: 52, DstPort: req.h.SrcPort, Op: opShutdown, Flags: shutdownSend}, nil)
+	g.send(header{SrcPort: 52, DstPort: hostPort, Op: opRW, BufAlloc: 64 << 10}, []byte("from guest"))
+	g.send(header{SrcPort: 52, DstPort: hostPort, Op: opShutdown, Flags: shutdownSend}, nil)
 	got, _ := io.ReadAll(r)
 	if string(got) != "from guest" {
 		t.Errorf("client read %q", got)
@@ -44,9 +28,7 @@ func TestHybridConnect(t *testing.T) {
 
 func TestHybridBadHandshake(t *testing.T) {
 	g := newGuest(t)
-	path := filepath.Join(t.TempDir(), "v.sock")
-	h, _ := g.dev.ServeUnix(path)
-	defer h.Close()
+	_, path := serveHybrid(t, g)
 	for _, hello := range []string{"HELLO 52\n", "CONNECT x\n", "CONNECT 99999999999\n"} {
 		c, _ := net.Dial("unix", path)
 		c.Write([]byte(hello))
@@ -60,20 +42,8 @@ func TestHybridBadHandshake(t *testing.T) {
 
 func TestHybridForwardsGuestConnections(t *testing.T) {
 	g := newGuest(t)
-	path := filepath.Join(t.TempDir(), "v.sock")
-	h, _ := g.dev.ServeUnix(path)
-	defer h.Close()
-	ul, err := net.Listen("unix", path+"_700")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ul.Close()
-	g.connect(700, 9)
-	g.expect(opResponse)
-	c, err := ul.Accept()
-	if err != nil {
-		t.Fatal(err)
-	}
+	_, path := serveHybrid(t, g)
+	c := forwarded(t, g, path, 700)
 	g.send(header{SrcPort: 9, DstPort: 700, Op: opRW, BufAlloc: 64 << 10}, []byte("ping"))
 	buf := make([]byte, 4)
 	io.ReadFull(c, buf)
@@ -89,37 +59,9 @@ func TestHybridForwardsGuestConnections(t *testing.T) {
 // (both ways) and waits for their goroutines, so none outlives it.
 func TestHybridCloseEndsEveryConnection(t *testing.T) {
 	g := newGuest(t)
-	path := filepath.Join(t.TempDir(), "v.sock")
-	h, err := g.dev.ServeUnix(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	// A client joined to guest port 52.
-	c, err := net.Dial("unix", path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
-	c.Write([]byte("CONNECT 52\n"))
-	req := g.expect(opRequest)
-	g.send(header{SrcPort: 52, DstPort: req.h.SrcPort, Op: opResponse, BufAlloc: 64 << 10}, nil)
-	r := bufio.NewReader(c)
-	if line, err := r.ReadString('\n'); err != nil || !strings.HasPrefix(line, "OK ") {
-		t.Fatalf("handshake reply %q, %v", line, err)
-	}
-	// A guest connection forwarded to a host socket.
-	ul, err := net.Listen("unix", path+"_700")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ul.Close()
-	g.connect(700, 9)
-	g.expect(opResponse)
-	fc, err := ul.Accept()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer fc.Close()
+	h, path := serveHybrid(t, g)
+	_, r, _ := hybridConnect(t, g, path, 52, "") // a client joined to guest port 52
+	fc := forwarded(t, g, path, 700)             // a guest connection forwarded to a host socket
 
 	done := make(chan error, 1)
 	go func() { done <- h.Close() }()
@@ -133,4 +75,56 @@ func TestHybridCloseEndsEveryConnection(t *testing.T) {
 			t.Errorf("%s connection after Close: %d bytes, %v; want EOF", name, n, err)
 		}
 	}
+}
+
+// serveHybrid starts a hybrid socket on the guest's device, closed at the
+// test's end (Close may be called again).
+func serveHybrid(t *testing.T, g *guest) (*HybridSocket, string) {
+	t.Helper()
+	path := filepath.Join(t.TempDir(), "v.sock")
+	h, err := g.dev.ServeUnix(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { h.Close() })
+	return h, path
+}
+
+// hybridConnect sends "CONNECT <port>\n" and extra to the socket at path,
+// answers the device's request as the guest's port would, and reads the
+// OK line. It returns the client, its reader and the host port.
+func hybridConnect(t *testing.T, g *guest, path string, port uint32, extra string) (net.Conn, *bufio.Reader, uint32) {
+	t.Helper()
+	c, err := net.Dial("unix", path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	c.Write([]byte(fmt.Sprintf("CONNECT %d\n%s", port, extra)))
+	req := g.expect(opRequest)
+	g.send(header{SrcPort: port, DstPort: req.h.SrcPort, Op: opResponse, BufAlloc: 64 << 10}, nil)
+	r := bufio.NewReader(c)
+	if line, err := r.ReadString('\n'); err != nil || !strings.HasPrefix(line, "OK ") {
+		t.Fatalf("handshake reply %q, %v", line, err)
+	}
+	return c, r, req.h.SrcPort
+}
+
+// forwarded has the guest connect from port 9 to port, which the socket
+// at path forwards to "<path>_<port>", and returns the host's end.
+func forwarded(t *testing.T, g *guest, path string, port uint32) net.Conn {
+	t.Helper()
+	ul, err := net.Listen("unix", fmt.Sprintf("%s_%d", path, port))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ul.Close() })
+	g.connect(port, 9)
+	g.expect(opResponse)
+	c, err := ul.Accept()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	return c
 }
