@@ -8,7 +8,7 @@ NESTED := $(BUILD)/capsa-nested
 KVM_PKGS := ./kvm ./vmm
 BENCHTIME ?= 5x
 
-.PHONY: soak fuzz all deps kernel initramfs nested-deps qemu-bundle capsa testinitrd vm run test test-unit test-kvm test-e2e bench stress clean
+.PHONY: soak fuzz all deps kernel initramfs nested-deps qemu-bundle capsa testinitrd testimages vm run test test-unit test-kvm test-e2e bench stress clean
 
 all: capsa
 
@@ -41,6 +41,11 @@ capsa: deps kernel initramfs
 testinitrd: deps
 	CGO_ENABLED=0 $(GO) build -o $(BUILD)/testinit ./tests/testinit
 	$(GO) run ./tests/cmd/mkinitrd -init $(BUILD)/testinit -o $(BUILD)/testinitrd.cpio
+
+# The image tests' python root and the reference registry, from Debian's
+# packages, cached by hash (scripts/test-images.sh).
+testimages:
+	scripts/test-images.sh $(BUILD)/testimages >/dev/null
 
 # Boot the built-in kernel to userspace and back, where KVM works (the nested
 # host where this machine has no /dev/kvm).
@@ -91,11 +96,11 @@ E2E_FILES := $(BUILD)/capsa $(BUILD)/testinitrd.cpio $(BUILD)/testinit $(BUILD)/
 	$(BUILD)/initramfs.cpio $(BUILD)/qemu:qemu
 
 # Tier 3: end-to-end tests: the real binary boots the real kernel.
-test-e2e: capsa testinitrd nested-deps qemu-bundle $(NESTED)
+test-e2e: capsa testinitrd testimages nested-deps qemu-bundle $(NESTED)
 	@rm -rf $(BUILD)/e2e && mkdir -p $(BUILD)/e2e
 	CGO_ENABLED=0 $(GO) test -c -o $(BUILD)/e2e/e2e.test ./tests/e2e
 	CGO_ENABLED=0 $(GO) build -tags capsa_builtin -o $(BUILD)/e2e/example-sandbox ./examples/sandbox
-	tests/run-e2e.sh $(NESTED) $(BUILD)/e2e $(E2E_FILES) $(BUILD)/e2e/example-sandbox
+	tests/run-e2e.sh $(NESTED) $(BUILD)/e2e $(E2E_FILES) $(BUILD)/e2e/example-sandbox $(BUILD)/testimages:testimages
 
 # The guest stress test at full size: boots and heavy 9p and network work
 # under capsa and, as the control, QEMU's microvm, with every failure
@@ -129,10 +134,10 @@ soak: capsa testinitrd nested-deps qemu-bundle $(NESTED)
 
 # Benchmarks, in the nested host where this machine has no /dev/kvm: boot to
 # guest userspace, capsa beside QEMU's microvm on the same kernel and initramfs.
-bench: capsa testinitrd nested-deps qemu-bundle $(NESTED)
+bench: capsa testinitrd testimages nested-deps qemu-bundle $(NESTED)
 	@rm -rf $(BUILD)/bench && mkdir -p $(BUILD)/bench
 	CGO_ENABLED=0 $(GO) test -c -o $(BUILD)/bench/e2e.test ./tests/e2e
-	set -o pipefail; $(NESTED) -f $(BUILD)/bench/e2e.test $(patsubst %,-f %,$(E2E_FILES)) -- \
+	set -o pipefail; $(NESTED) -f $(BUILD)/bench/e2e.test $(patsubst %,-f %,$(E2E_FILES)) -f $(BUILD)/testimages:testimages -- \
 		./e2e.test -test.run '^$$' -test.bench . -test.benchtime $(BENCHTIME) | tee $(BUILD)/bench/results.txt
 
 # Everything, tier by tier; stops at the first failing tier and names it.

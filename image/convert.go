@@ -42,12 +42,14 @@ type convertStats struct {
 	Bytes   int64
 }
 
-// toEROFS writes the flattened root filesystem in the tar stream r (as
-// go-containerregistry's mutate.Extract produces it: whiteouts applied,
-// each path once, upper layers first) as an EROFS image to out.
+// Layer opens one layer's uncompressed tar stream.
+type Layer func() (io.ReadCloser, error)
+
+// toEROFS writes the root filesystem the layers make (the first layer at
+// the bottom, as in a manifest) as an EROFS image to out.
 //
-// Nothing is unpacked on the host: entries go from the tar stream into the
-// EROFS writer, which spools file data in tmpDir. A path with "..", an
+// Nothing is unpacked on the host: entries go from the tar streams into
+// the EROFS writer, which spools file data in tmpDir. A path with "..", an
 // absolute path or a path through a symlink therefore cannot touch a host
 // file; such entries are refused or resolved inside the image.
 //
@@ -56,35 +58,112 @@ type convertStats struct {
 // nodes, FIFOs and xattrs (file capabilities among them). Hard links become
 // copies of their target with the same data and metadata: go-erofs has no
 // call that makes two names share an inode.
-func toEROFS(r io.Reader, out io.WriteSeeker, tmpDir string, lim ConvertLimits) (convertStats, error) {
+func toEROFS(layers []Layer, out io.WriteSeeker, tmpDir string, lim ConvertLimits) (convertStats, error) {
 	w := erofs.Create(out, erofs.WithTempDir(tmpDir))
-	c := &converter{w: w, lim: lim, kinds: map[string]kind{"/": kindDir}}
-	tr := tar.NewReader(r)
-	for {
-		h, err := tr.Next()
-		if err == io.EOF {
-			break
-		}
-		if err != nil {
-			return c.stats, fmt.Errorf("image: read layer tar: %w", err)
-		}
-		if err := c.add(h, tr); err != nil {
-			return c.stats, err
-		}
+	c := &converter{w: w, lim: lim, kinds: map[string]kind{"/": kindDir}, layerOf: map[string]int{}}
+	if err := c.flatten(layers); err != nil {
+		return c.stats, err
 	}
-	// mutate.Extract ends the archive before it reports its own error
-	// (an unsafe path in a layer, a layer that does not decompress):
-	// read to the stream's end to get it.
-	if _, err := io.Copy(io.Discard, r); err != nil {
-		return c.stats, fmt.Errorf("image: read layers: %w", err)
-	}
-	if err := c.finish(); err != nil {
+	if err := c.finish(layers); err != nil {
 		return c.stats, err
 	}
 	if err := w.Close(); err != nil {
 		return c.stats, fmt.Errorf("image: write EROFS: %w", err)
 	}
 	return c.stats, nil
+}
+
+// eachEntry calls fn for every entry of layer i, in order.
+func eachEntry(layers []Layer, i int, fn func(h *tar.Header, data io.Reader) error) error {
+	rc, err := layers[i]()
+	if err != nil {
+		return fmt.Errorf("image: open layer %d: %w", i, err)
+	}
+	defer rc.Close()
+	tr := tar.NewReader(rc)
+	for {
+		h, err := tr.Next()
+		if err == io.EOF {
+			return nil
+		}
+		if err != nil {
+			return fmt.Errorf("image: read layer %d: %w", i, err)
+		}
+		if err := fn(h, tr); err != nil {
+			return err
+		}
+	}
+}
+
+// flatten adds every entry that the layers above do not hide, the top
+// layer first, so the first entry of a path is the one that counts. It
+// applies the OCI image spec's whiteouts: ".wh.NAME" deletes NAME of the
+// layers below, ".wh..wh..opq" hides everything the layers below have in
+// its directory.
+//
+// This is go-containerregistry's mutate.Extract done here, because a hard
+// link must be made from its own layer: a layer's hard link and its target
+// are one inode, so when an upper layer deletes or replaces the target's
+// name, the link keeps the old data (as overlayfs shows it). Extract's
+// single stream neither says which layer an entry came from nor keeps a
+// deleted target.
+func (c *converter) flatten(layers []Layer) error {
+	gone := map[string]bool{}   // deleted by a whiteout of a layer above
+	opaque := map[string]bool{} // directories made opaque by a layer above
+	for i := len(layers) - 1; i >= 0; i-- {
+		c.layer = i
+		whiteouts, opaques := map[string]bool{}, map[string]bool{}
+		err := eachEntry(layers, i, func(h *tar.Header, data io.Reader) error {
+			p, err := cleanName(h.Name)
+			if err != nil {
+				return err
+			}
+			dir, base := path.Split(p)
+			dir = path.Clean(dir)
+			if base == ".wh..wh..opq" {
+				opaques[dir] = true
+				return nil
+			}
+			if name, ok := strings.CutPrefix(base, ".wh."); ok {
+				whiteouts[path.Join(dir, name)] = true
+				return nil
+			}
+			if c.hidden(p, gone, opaque) {
+				return nil
+			}
+			return c.add(h, data)
+		})
+		if err != nil {
+			return err
+		}
+		for p := range whiteouts {
+			gone[p] = true
+		}
+		for p := range opaques {
+			opaque[p] = true
+		}
+	}
+	return nil
+}
+
+// hidden reports whether a layer above hides path p of the current layer:
+// p or a parent deleted, a parent made opaque, or a parent that is not a
+// directory there.
+func (c *converter) hidden(p string, gone, opaque map[string]bool) bool {
+	if gone[p] {
+		return true
+	}
+	for d := path.Dir(p); d != "/"; d = path.Dir(d) {
+		if gone[d] || opaque[d] {
+			return true
+		}
+		if l, ok := c.layerOf[d]; ok && l > c.layer {
+			if k := c.kinds[d]; k != kindDir && k != kindImplicit {
+				return true
+			}
+		}
+	}
+	return opaque["/"] && p != "/"
 }
 
 type kind int
@@ -104,6 +183,8 @@ type converter struct {
 	// kinds records each path added, to tell implicit parents from real
 	// entries and to resolve hard links.
 	kinds   map[string]kind
+	layerOf map[string]int    // the layer each entry came from
+	layer   int               // the layer being added
 	links   map[string]string // symlink targets
 	dirs    []*tar.Header     // directory metadata, applied at the end
 	hard    []*tar.Header     // hard links, made at the end
@@ -184,6 +265,7 @@ func (c *converter) add(h *tar.Header, data io.Reader) error {
 	if err := c.parents(p); err != nil {
 		return err
 	}
+	c.layerOf[p] = c.layer
 	switch h.Typeflag {
 	case tar.TypeDir:
 		if err := c.w.Mkdir(p, 0o755); err != nil {
@@ -208,10 +290,7 @@ func (c *converter) add(h *tar.Header, data io.Reader) error {
 			return fmt.Errorf("image: %s: %w", p, err)
 		}
 		c.kinds[p] = kindFile
-		if c.headers == nil {
-			c.headers = map[string]*tar.Header{}
-		}
-		c.headers[p] = h
+		c.setHeader(p, h)
 	case tar.TypeSymlink:
 		if err := c.w.Symlink(h.Linkname, p); err != nil {
 			return fmt.Errorf("image: %s: %w", p, err)
@@ -306,24 +385,106 @@ func typeName(t byte) string {
 
 // finish applies directory metadata (directories may have been made
 // implicitly before their entry came) and makes the hard links.
-func (c *converter) finish() error {
+func (c *converter) finish(layers []Layer) error {
 	for _, h := range c.dirs {
 		p, _ := cleanName(h.Name)
 		if err := c.meta(p, h); err != nil {
 			return err
 		}
 	}
+	// A link whose target an upper layer deleted or replaced is made
+	// again from the link's own layer.
+	fromLayer := map[int][]*tar.Header{}
 	for _, h := range c.hard {
 		p, _ := cleanName(h.Name)
 		target, err := c.resolve(h.Linkname)
-		if err != nil {
-			return fmt.Errorf("image: hard link %s: %w", p, err)
+		if err != nil || c.layerOf[target] > c.layerOf[p] {
+			fromLayer[c.layerOf[p]] = append(fromLayer[c.layerOf[p]], h)
+			continue
 		}
 		if err := c.copyFile(target, p); err != nil {
 			return fmt.Errorf("image: hard link %s to %s: %w", p, target, err)
 		}
 	}
+	for i, links := range fromLayer {
+		if err := c.linksFromLayer(layers, i, links); err != nil {
+			return err
+		}
+	}
 	return nil
+}
+
+// linksFromLayer makes hard links of layer i whose target an upper layer
+// deleted or replaced: the target's data and metadata are read again from
+// layer i (where tar puts a link's target before the link).
+func (c *converter) linksFromLayer(layers []Layer, i int, links []*tar.Header) error {
+	byTarget := map[string][]string{} // target -> link paths
+	for _, h := range links {
+		p, _ := cleanName(h.Name)
+		t, err := cleanName(h.Linkname)
+		if err != nil {
+			return fmt.Errorf("image: hard link %s: %w", p, err)
+		}
+		byTarget[t] = append(byTarget[t], p)
+	}
+	err := eachEntry(layers, i, func(h *tar.Header, data io.Reader) error {
+		if h.Typeflag != tar.TypeReg && h.Typeflag != tar.TypeRegA {
+			return nil
+		}
+		t, err := cleanName(h.Name)
+		if err != nil {
+			return err
+		}
+		ps := byTarget[t]
+		if len(ps) == 0 {
+			return nil
+		}
+		delete(byTarget, t)
+		if err := c.count(h.Size); err != nil {
+			return err
+		}
+		f, err := c.w.Create(ps[0])
+		if err != nil {
+			return fmt.Errorf("image: hard link %s: %w", ps[0], err)
+		}
+		if _, err := io.Copy(f, io.LimitReader(data, h.Size)); err != nil {
+			f.Close()
+			return fmt.Errorf("image: hard link %s: %w", ps[0], err)
+		}
+		if err := f.Close(); err != nil {
+			return fmt.Errorf("image: hard link %s: %w", ps[0], err)
+		}
+		c.kinds[ps[0]] = kindFile
+		c.setHeader(ps[0], h)
+		if err := c.meta(ps[0], h); err != nil {
+			return err
+		}
+		for _, p := range ps[1:] {
+			if err := c.copyFile(ps[0], p); err != nil {
+				return fmt.Errorf("image: hard link %s to %s: %w", p, t, err)
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		return err
+	}
+	for t, ps := range byTarget {
+		// Not a regular file of the link's own layer: report it as the
+		// image sees it.
+		if _, err := c.resolve(strings.TrimPrefix(t, "/")); err != nil {
+			return fmt.Errorf("image: hard link %s: %w", ps[0], err)
+		}
+		return fmt.Errorf("image: hard link %s: target %s is not a regular file of the link's layer", ps[0], t)
+	}
+	return nil
+}
+
+func (c *converter) setHeader(p string, h *tar.Header) {
+	if c.headers == nil {
+		c.headers = map[string]*tar.Header{}
+	}
+	c.headers[p] = h
 }
 
 // resolve finds a hard link's target: a regular file, reached through

@@ -272,7 +272,7 @@ func TestHostileLayersAreRefused(t *testing.T) {
 		entries []entry
 		want    string
 	}{
-		{"dot-dot", []entry{{name: "../../etc/passwd", data: "pwned"}}, "unsafe"},
+		{"dot-dot", []entry{{name: "../../etc/passwd", data: "pwned"}}, "leaves the image"},
 		// An entry under a symlink of a lower layer (within one layer,
 		// mutate.Extract drops it).
 		{"through a symlink", nil, "symlink"},
@@ -441,5 +441,61 @@ func TestGetListRemovePrune(t *testing.T) {
 	}
 	if _, err := fs.ReadFile(rootfs(t, s, b), "b"); err != nil {
 		t.Errorf("Prune broke the remaining image: %v", err)
+	}
+}
+
+// TestLinksKeepTheirLayersData: a hard link and its target are one inode
+// of their layer, so a layer above deleting or replacing the target's name
+// leaves the link with the old data (Debian's perl is such a pair); a
+// symlink above hides what the layers below have under that path
+// (usrmerge turning /lib into a symlink).
+func TestLinksKeepTheirLayersData(t *testing.T) {
+	reg := startRegistry(t, nil)
+	base := layer(t,
+		entry{name: "usr/bin/perl", mode: 0o755, data: "perl"},
+		entry{name: "usr/bin/perl5.36", typ: tar.TypeLink, link: "./usr/bin/perl"},
+		entry{name: "usr/bin/perl5", typ: tar.TypeLink, link: "usr/bin/perl"},
+		entry{name: "etc/conf", mode: 0o600, uid: 7, data: "old"},
+		entry{name: "etc/conf.link", typ: tar.TypeLink, link: "etc/conf"},
+		entry{name: "lib/", typ: tar.TypeDir, mode: 0o755},
+		entry{name: "lib/old.so", data: "old lib"},
+		entry{name: "usr/lib/new.so", data: "new lib"},
+	)
+	top := layer(t,
+		entry{name: "usr/bin/.wh.perl"},
+		entry{name: "etc/conf", data: "new"},
+		entry{name: "lib", typ: tar.TypeSymlink, link: "usr/lib"},
+	)
+	push(t, reg+"/test/links:1", testImage(t, base, top))
+	s, err := Open(t.TempDir(), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	img, err := s.Pull(context.Background(), reg+"/test/links:1", Options{})
+	if err != nil {
+		t.Fatalf("Pull = %v", err)
+	}
+	fsys := rootfs(t, s, img)
+	for p, want := range map[string]string{"usr/bin/perl5.36": "perl", "usr/bin/perl5": "perl", "etc/conf": "new", "etc/conf.link": "old"} {
+		if b, err := fs.ReadFile(fsys, p); err != nil || string(b) != want {
+			t.Errorf("ReadFile(%s) = %q, %v; want %q", p, b, err, want)
+		}
+	}
+	if _, st := stat(t, fsys, "usr/bin/perl5.36"); st.Mode.Perm() != 0o755 {
+		t.Errorf("usr/bin/perl5.36 mode %v, want its target's 0755", st.Mode)
+	}
+	if _, st := stat(t, fsys, "etc/conf.link"); st.Mode.Perm() != 0o600 || st.UID != 7 {
+		t.Errorf("etc/conf.link mode %v uid %d, want the old target's 0600 and uid 7", st.Mode, st.UID)
+	}
+	if _, err := fs.Stat(fsys, "usr/bin/perl"); !errors.Is(err, fs.ErrNotExist) {
+		t.Errorf("whited-out usr/bin/perl: Stat = %v, want not exist", err)
+	}
+	if fi, err := fs.Lstat(fsys, "lib"); err != nil || fi.Mode()&fs.ModeSymlink == 0 {
+		t.Errorf("lib: Lstat = %v, %v; want the upper layer's symlink", fi, err)
+	}
+	// The lower layer's lib/old.so is hidden by the symlink, not made
+	// through it.
+	if ents, err := fs.ReadDir(fsys, "usr/lib"); err != nil || len(ents) != 1 || ents[0].Name() != "new.so" {
+		t.Errorf("ReadDir(usr/lib) = %v, %v; want only new.so", ents, err)
 	}
 }

@@ -40,7 +40,6 @@ import (
 	"github.com/google/go-containerregistry/pkg/authn"
 	"github.com/google/go-containerregistry/pkg/name"
 	v1 "github.com/google/go-containerregistry/pkg/v1"
-	"github.com/google/go-containerregistry/pkg/v1/mutate"
 	"github.com/google/go-containerregistry/pkg/v1/remote"
 	bolt "go.etcd.io/bbolt"
 )
@@ -412,10 +411,24 @@ func (s *Store) convert(ctx context.Context, rec *Image, img v1.Image, o Options
 	start := time.Now()
 	var st convertStats
 	err = s.writeAtomic(out, func(f *os.File) error {
-		rc := mutate.Extract(img)
-		defer rc.Close()
-		var err error
-		st, err = toEROFS(&ctxReader{ctx: ctx, r: rc}, f, work, lim)
+		ls, err := img.Layers()
+		if err != nil {
+			return fmt.Errorf("image: layers: %w", err)
+		}
+		opens := make([]Layer, len(ls))
+		for i, l := range ls {
+			opens[i] = func() (io.ReadCloser, error) {
+				rc, err := l.Uncompressed()
+				if err != nil {
+					return nil, err
+				}
+				return struct {
+					io.Reader
+					io.Closer
+				}{&ctxReader{ctx: ctx, r: rc}, rc}, nil
+			}
+		}
+		st, err = toEROFS(opens, f, work, lim)
 		return err
 	}, nil)
 	if err != nil {

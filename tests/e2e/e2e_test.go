@@ -50,10 +50,20 @@ type result struct {
 
 func capsa(t *testing.T, timeout time.Duration, args ...string) result {
 	t.Helper()
+	return capsaWith(t, timeout, nil, args...)
+}
+
+// capsaWith runs capsa as capsa does, with setup (if not nil) changing the
+// command first (its environment or credentials).
+func capsaWith(t *testing.T, timeout time.Duration, setup func(*exec.Cmd), args ...string) result {
+	t.Helper()
 	bin := artifact(t, "capsa")
 	ctx, cancel := context.WithTimeout(context.Background(), timeout)
 	defer cancel()
 	cmd := exec.CommandContext(ctx, bin, args...)
+	if setup != nil {
+		setup(cmd)
+	}
 	var out, errb bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &out, &errb
 	err := cmd.Run()

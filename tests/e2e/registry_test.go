@@ -1,0 +1,254 @@
+package e2e
+
+import (
+	"archive/tar"
+	"bytes"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/google/go-containerregistry/pkg/name"
+	v1 "github.com/google/go-containerregistry/pkg/v1"
+	"github.com/google/go-containerregistry/pkg/v1/empty"
+	"github.com/google/go-containerregistry/pkg/v1/mutate"
+	"github.com/google/go-containerregistry/pkg/v1/remote"
+	"github.com/google/go-containerregistry/pkg/v1/tarball"
+)
+
+// registryAddr is where startRegistry serves: loopback, so capsa reaches it
+// over plain HTTP without --insecure-registry, as Docker does.
+const registryAddr = "127.0.0.1:5000"
+
+// startRegistry runs the reference registry (Debian's docker-registry, from
+// scripts/test-images.sh) on registryAddr with its storage in a temporary
+// directory, until the test ends.
+func startRegistry(t *testing.T) {
+	t.Helper()
+	wrapper := artifact(t, "testimages/registry/registry")
+	dir := t.TempDir()
+	cfg := filepath.Join(dir, "config.yml")
+	conf := fmt.Sprintf("version: 0.1\nlog:\n  level: warn\nstorage:\n  filesystem:\n    rootdirectory: %s\nhttp:\n  addr: %s\n", filepath.Join(dir, "data"), registryAddr)
+	if err := os.WriteFile(cfg, []byte(conf), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	var logs bytes.Buffer
+	cmd := exec.Command("/bin/sh", wrapper, cfg)
+	cmd.Stdout, cmd.Stderr = &logs, &logs
+	if err := cmd.Start(); err != nil {
+		t.Fatalf("start the registry: %v", err)
+	}
+	t.Cleanup(func() {
+		cmd.Process.Kill()
+		cmd.Wait()
+		if t.Failed() {
+			t.Logf("the registry's log:\n%s", logs.String())
+		}
+	})
+	for deadline := time.Now().Add(time.Minute); ; time.Sleep(100 * time.Millisecond) {
+		resp, err := http.Get("http://" + registryAddr + "/v2/")
+		if err == nil {
+			resp.Body.Close()
+			if resp.StatusCode == http.StatusOK {
+				return
+			}
+			err = fmt.Errorf("status %s", resp.Status)
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the registry did not answer GET /v2/ within a minute: %v\n%s", err, logs.String())
+		}
+	}
+}
+
+// pythonMain is the test image's default command: what a process of the
+// image sees, one line.
+const pythonMain = `import os, sys
+print("uid=%d cwd=%s greeting=%s perl=%s python=%d.%d" % (os.getuid(), os.getcwd(),
+      os.environ.get("GREETING"), os.path.exists("/usr/bin/perl"), *sys.version_info[:2]))
+`
+
+// pushPythonImage layers Debian's python root (scripts/test-images.sh) into
+// an image and pushes it to the registry as ref: the root as the first
+// layer, then a layer that deletes /usr/bin/perl (a whiteout) and adds the
+// program; the config runs it as nobody in /app.
+func pushPythonImage(t *testing.T, ref string) {
+	t.Helper()
+	base, err := tarball.LayerFromFile(artifact(t, "testimages/python.tar.gz"))
+	if err != nil {
+		t.Fatalf("the python root layer: %v", err)
+	}
+	var buf bytes.Buffer
+	tw := tar.NewWriter(&buf)
+	for _, e := range []struct {
+		h    tar.Header
+		data string
+	}{
+		{tar.Header{Name: "usr/bin/.wh.perl", Typeflag: tar.TypeReg, Mode: 0o644}, ""},
+		{tar.Header{Name: "app/", Typeflag: tar.TypeDir, Mode: 0o755}, ""},
+		{tar.Header{Name: "app/main.py", Typeflag: tar.TypeReg, Mode: 0o644}, pythonMain},
+	} {
+		e.h.Size = int64(len(e.data))
+		e.h.ModTime = time.Unix(1700000000, 0)
+		if err := tw.WriteHeader(&e.h); err != nil {
+			t.Fatal(err)
+		}
+		io.WriteString(tw, e.data)
+	}
+	tw.Close()
+	top, err := tarball.LayerFromReader(bytes.NewReader(buf.Bytes()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	img, err := mutate.AppendLayers(empty.Image, base, top)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cf, err := img.ConfigFile()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cf = cf.DeepCopy()
+	cf.OS, cf.Architecture = "linux", "amd64"
+	cf.Config = v1.Config{
+		Cmd:        []string{"python3", "/app/main.py"},
+		Env:        []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "GREETING=from-image"},
+		WorkingDir: "/app",
+		User:       "nobody",
+	}
+	if img, err = mutate.ConfigFile(img, cf); err != nil {
+		t.Fatal(err)
+	}
+	r, err := name.ParseReference(ref)
+	if err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	if err := remote.Write(r, img); err != nil {
+		t.Fatalf("push %s: %v", ref, err)
+	}
+	t.Logf("pushed %s in %v", ref, time.Since(start).Round(time.Millisecond))
+}
+
+// TestImageFromRegistry: a python image from Debian's packages, pushed to
+// the reference registry on loopback, is pulled and run: its default
+// command with its Env, WorkingDir and non-root User, a command in its
+// place, and python reaching the network and a share from inside it.
+func TestImageFromRegistry(t *testing.T) {
+	startRegistry(t)
+	ref := registryAddr + "/capsa-test/python:3.11"
+	pushPythonImage(t, ref)
+	t.Setenv("CAPSA_CACHE", t.TempDir())
+
+	start := time.Now()
+	r := capsa(t, 5*time.Minute, "image", "pull", ref)
+	if r.code != 0 || !strings.HasPrefix(r.stdout, "sha256:") {
+		t.Fatalf("capsa image pull %s: exit %d, stdout %q, want the image's digest", ref, r.code, r.stdout)
+	}
+	t.Logf("pulled and converted in %v", time.Since(start).Round(time.Millisecond))
+
+	r = capsa(t, 4*time.Minute, "run", "--image", ref, "--pull", "never")
+	if want := "uid=65534 cwd=/app greeting=from-image perl=False python=3.11\n"; r.code != 0 || r.stdout != want {
+		t.Errorf("capsa run --image %s (its default command) = exit %d, %q; want 0, %q", ref, r.code, r.stdout, want)
+	}
+	r = capsa(t, 4*time.Minute, "run", "--image", ref, "--", "python3", "-c", "import sys; print(sys.version)")
+	if r.code != 0 || !strings.HasPrefix(r.stdout, "3.11.") {
+		t.Errorf("capsa run --image %s -- python3 -c 'print(sys.version)' = exit %d, %q; want 3.11.*", ref, r.code, r.stdout)
+	}
+
+	// Network and a share, from python in the image.
+	w := setupNetWorld(t)
+	share := t.TempDir()
+	if err := os.WriteFile(filepath.Join(share, "in.txt"), []byte("from the host"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	script := `import urllib.request
+print(urllib.request.urlopen("http://public.example.test/", timeout=60).read().decode(), end="")
+print(open("/mnt/share/in.txt").read())
+open("/mnt/share/out.txt", "w").write("from python")
+`
+	r = capsa(t, 4*time.Minute, "run", "--image", ref, "-u", "0", "--net", "--dns-server", w.dns,
+		"-v", share+":/mnt/share", "--", "python3", "-c", script)
+	if want := "public page\nfrom the host\n"; r.code != 0 || r.stdout != want {
+		t.Errorf("python fetching a page and reading a share in the image = exit %d, %q; want 0, %q", r.code, r.stdout, want)
+	}
+	if b, err := os.ReadFile(filepath.Join(share, "out.txt")); err != nil || string(b) != "from python" {
+		t.Errorf("the file python wrote to the share: %q, %v; want %q", b, err, "from python")
+	}
+}
+
+// TestImageAsKVMGroupUser: pulling and running an image needs no root on
+// the host: an ordinary user whose only privilege is the kvm group does it
+// all, with the cache in its own home.
+func TestImageAsKVMGroupUser(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root to set up the unprivileged user (the nested host runs the tests as root)")
+	}
+	const uid, kvmGID = 1000, 990
+	// /dev/kvm as a distribution sets it up: root:kvm 0660.
+	st, err := os.Stat("/dev/kvm")
+	if err != nil {
+		t.Fatal(err)
+	}
+	sys := st.Sys().(*syscall.Stat_t)
+	if err := os.Chown("/dev/kvm", 0, kvmGID); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Chmod("/dev/kvm", 0o660); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		os.Chown("/dev/kvm", int(sys.Uid), int(sys.Gid))
+		os.Chmod("/dev/kvm", st.Mode().Perm())
+	})
+	startRegistry(t)
+	ref := registryAddr + "/capsa-test/python:3.11"
+	pushPythonImage(t, ref)
+
+	home, err := os.MkdirTemp("", "capsa-user-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(home) })
+	if err := os.Chmod(home, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Chown(home, uid, uid); err != nil {
+		t.Fatal(err)
+	}
+	// The capsa binary must be reachable by the user too.
+	bin := artifact(t, "capsa")
+	for d := filepath.Dir(bin); d != "/"; d = filepath.Dir(d) {
+		if st, err := os.Stat(d); err == nil && st.Mode().Perm()&0o001 == 0 {
+			t.Skipf("%s is not searchable by other users", d)
+		}
+	}
+	asUser := func(cmd *exec.Cmd) {
+		cmd.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: uid, Gid: uid, Groups: []uint32{kvmGID}}}
+		cmd.Dir = home
+		cmd.Env = []string{"HOME=" + home, "PATH=/bin:/usr/bin", "TMPDIR=" + home, "CAPSA_CACHE=" + filepath.Join(home, ".cache", "capsa")}
+	}
+	r := capsaWith(t, 5*time.Minute, asUser, "image", "pull", ref)
+	if r.code != 0 {
+		t.Fatalf("capsa image pull as uid %d in the kvm group: exit %d, stderr %q", uid, r.code, r.stderr)
+	}
+	r = capsaWith(t, 4*time.Minute, asUser, "run", "--image", ref, "--", "python3", "-c", "import os; print(os.getuid())")
+	if r.code != 0 || r.stdout != "65534\n" {
+		t.Errorf("capsa run --image as uid %d in the kvm group = exit %d, %q; want 0, %q (the image's user)", uid, r.code, r.stdout, "65534\n")
+	}
+	// Everything capsa wrote is the user's.
+	filepath.WalkDir(home, func(p string, d os.DirEntry, err error) error {
+		if err != nil {
+			return nil
+		}
+		if info, err := d.Info(); err == nil && info.Sys().(*syscall.Stat_t).Uid != uid {
+			t.Errorf("%s is owned by uid %d, want %d", p, info.Sys().(*syscall.Stat_t).Uid, uid)
+		}
+		return nil
+	})
+}
