@@ -8,6 +8,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"io"
+	"io/fs"
 	"net"
 	"os"
 	"path/filepath"
@@ -192,6 +193,26 @@ func TestFiles(t *testing.T) {
 	}
 	if _, err := cl.Stat(ctx, "/nonexistent/x"); err == nil || err.Error() != "stat /nonexistent/x: no such file or directory" {
 		t.Errorf("error wording: %v", err)
+	} else if !errors.Is(err, fs.ErrNotExist) {
+		t.Errorf("Stat(/nonexistent/x) = %v, want it to match fs.ErrNotExist (the guest's errno)", err)
+	}
+	link := filepath.Join(dir, "link")
+	if err := cl.Symlink(ctx, "big", link); err != nil {
+		t.Fatalf("Symlink(big, %s) = %v", link, err)
+	}
+	if got, err := os.Readlink(link); err != nil || got != "big" {
+		t.Errorf("Readlink(%s) = %q, %v; want big", link, got, err)
+	}
+	if err := cl.Symlink(ctx, "big", link); !errors.Is(err, fs.ErrExist) {
+		t.Errorf("Symlink over an existing path = %v, want fs.ErrExist", err)
+	}
+	// Chown to this process's own ids works without privileges; it acts
+	// on the link itself.
+	if err := cl.Chown(ctx, link, os.Getuid(), os.Getgid()); err != nil {
+		t.Errorf("Chown(%s) = %v", link, err)
+	}
+	if err := cl.Chown(ctx, filepath.Join(dir, "none"), 0, 0); !errors.Is(err, fs.ErrNotExist) {
+		t.Errorf("Chown of a missing path = %v, want fs.ErrNotExist", err)
 	}
 	info, err := cl.Info(ctx)
 	if err != nil || info.CPUs < 1 || info.MemoryBytes == 0 || info.KernelVersion == "" {

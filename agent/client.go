@@ -120,6 +120,16 @@ func (cl *Client) Remove(ctx context.Context, path string, recursive bool) error
 	return cl.call(ctx, Request{Op: OpRemove, Path: path, Recursive: recursive}, &Empty{})
 }
 
+// Symlink makes link a symbolic link to target.
+func (cl *Client) Symlink(ctx context.Context, target, link string) error {
+	return cl.call(ctx, Request{Op: OpSymlink, Path: link, Target: target}, &Empty{})
+}
+
+// Chown sets path's owner and group (a symlink's own, not its target's).
+func (cl *Client) Chown(ctx context.Context, path string, uid, gid int) error {
+	return cl.call(ctx, Request{Op: OpChown, Path: path, Owner: &Owner{UID: uid, GID: gid}}, &Empty{})
+}
+
 // Exists reports whether path exists.
 func (cl *Client) Exists(ctx context.Context, path string) (bool, error) {
 	var r ExistsReply

@@ -21,6 +21,7 @@ import (
 	"fmt"
 	"io"
 	"sync"
+	"syscall"
 )
 
 // ProtocolVersion is the version both sides must speak.
@@ -77,12 +78,28 @@ type Hello struct {
 // ErrorReply is an Error frame's payload.
 type ErrorReply struct {
 	Message string `json:"message"`
+	Errno   int    `json:"errno,omitempty"` // the Linux errno behind it, if any
 }
 
-// RemoteError is an error the other side reported.
-type RemoteError struct{ Message string }
+// maxErrno bounds the errno a reply may carry (Linux's are below 4096).
+const maxErrno = 4095
+
+// RemoteError is an error the other side reported. With Errno set it
+// unwraps to it, so errors.Is(err, fs.ErrNotExist) works on a guest's
+// "no such file".
+type RemoteError struct {
+	Message string
+	Errno   syscall.Errno
+}
 
 func (e *RemoteError) Error() string { return e.Message }
+
+func (e *RemoteError) Unwrap() error {
+	if e.Errno == 0 {
+		return nil
+	}
+	return e.Errno
+}
 
 // Operations.
 const (
@@ -96,8 +113,16 @@ const (
 	OpExists   = "exists"
 	OpInfo     = "info"
 	OpShutdown = "shutdown"
-	OpSignal   = "signal" // a running exec's process group, by PID, on a connection of its own
+	OpSignal   = "signal"  // a running exec's process group, by PID, on a connection of its own
+	OpSymlink  = "symlink" // Path becomes a symlink to Target
+	OpChown    = "chown"   // Path (not what a symlink names) gets Owner
 )
+
+// Owner is a file's numeric owner and group.
+type Owner struct {
+	UID int `json:"uid"`
+	GID int `json:"gid"`
+}
 
 // Request is the one request of a connection.
 type Request struct {
@@ -110,6 +135,8 @@ type Request struct {
 	Append    bool         `json:"append,omitempty"`
 	PID       int          `json:"pid,omitempty"`    // OpSignal: the exec's ExecStarted.PID
 	Signal    string       `json:"signal,omitempty"` // OpSignal: the signal's name
+	Target    string       `json:"target,omitempty"` // OpSymlink: where the link points
+	Owner     *Owner       `json:"owner,omitempty"`  // OpChown
 }
 
 // ExecRequest starts a process: Argv, or Shell run by /bin/sh -c.
@@ -234,7 +261,12 @@ func (c *Conn) WriteJSON(t FrameType, v any) error {
 
 // WriteError sends an Error frame.
 func (c *Conn) WriteError(err error) error {
-	return c.WriteJSON(FrameError, ErrorReply{Message: err.Error()})
+	r := ErrorReply{Message: err.Error()}
+	var errno syscall.Errno
+	if errors.As(err, &errno) && errno > 0 && errno <= maxErrno {
+		r.Errno = int(errno)
+	}
+	return c.WriteJSON(FrameError, r)
 }
 
 // ReadFrame reads one frame. The payload is valid until the next call.
@@ -289,7 +321,10 @@ func expectJSON(t FrameType, b []byte, want FrameType, v any) error {
 		if err := decodeStrict(b, &e); err != nil {
 			return err
 		}
-		return &RemoteError{Message: e.Message}
+		if e.Errno < 0 || e.Errno > maxErrno {
+			return fmt.Errorf("agent: bad %T: errno %d", e, e.Errno)
+		}
+		return &RemoteError{Message: e.Message, Errno: syscall.Errno(e.Errno)}
 	}
 	return fmt.Errorf("agent: got a %v frame, expected %v", t, want)
 }

@@ -117,7 +117,7 @@ func (s *Server) ServeConn(ctx context.Context, nc net.Conn) {
 func (s *Server) handle(ctx context.Context, c *Conn, req *Request) error {
 	switch req.Op {
 	case OpExec, OpInfo, OpShutdown, OpSignal:
-	case OpRead, OpWrite, OpStat, OpList, OpMkdir, OpRemove, OpExists:
+	case OpRead, OpWrite, OpStat, OpList, OpMkdir, OpRemove, OpExists, OpSymlink, OpChown:
 		if !filepath.IsAbs(req.Path) {
 			return fmt.Errorf("%s %q: path must be absolute", req.Op, req.Path)
 		}
@@ -192,6 +192,22 @@ func (s *Server) handle(ctx context.Context, c *Conn, req *Request) error {
 		}
 		if err != nil {
 			return opError("remove", req.Path, err)
+		}
+		return reply(Empty{})
+	case OpSymlink:
+		if req.Target == "" {
+			return fmt.Errorf("symlink %s: no target", req.Path)
+		}
+		if err := os.Symlink(req.Target, req.Path); err != nil {
+			return opError("symlink", req.Path, err)
+		}
+		return reply(Empty{})
+	case OpChown:
+		if req.Owner == nil || req.Owner.UID < 0 || req.Owner.GID < 0 {
+			return fmt.Errorf("chown %s: no owner", req.Path)
+		}
+		if err := os.Lchown(req.Path, req.Owner.UID, req.Owner.GID); err != nil {
+			return opError("chown", req.Path, err)
 		}
 		return reply(Empty{})
 	case OpExists:

@@ -57,6 +57,7 @@ type config struct {
 	disks        []disk
 	img          *imageConfig
 	net          *netConfig
+	patches      []Patch
 	errs         []error
 }
 
@@ -237,6 +238,10 @@ func (w *Workload) Start(ctx context.Context) (*Sandbox, error) {
 	if err := s.WaitReady(ctx, w.c.readyTimeout); err != nil {
 		s.Close()
 		return nil, err
+	}
+	if err := applyPatches(ctx, s.client, w.c.patches); err != nil {
+		s.Close()
+		return nil, s.vmErr(err)
 	}
 	p, err := s.client.Start(ctx, opts)
 	if err != nil {

@@ -95,8 +95,7 @@ func parseFlags(fs *pflag.FlagSet, args []string, stderr io.Writer) int {
 	case err == nil:
 		return -1
 	case errors.Is(err, pflag.ErrHelp):
-		fs.Usage()
-		return 0
+		return 0 // pflag has printed the usage
 	default:
 		fmt.Fprintf(stderr, "%s: %v (see `%s --help`)\n", fs.Name(), err, fs.Name())
 		return 2

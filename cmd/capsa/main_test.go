@@ -63,10 +63,10 @@ func TestCLIErrors(t *testing.T) {
 }
 
 func TestHelp(t *testing.T) {
-	for _, args := range [][]string{{"--help"}, {"vm", "--help"}, {"run", "--help"}, {"version", "-h"}} {
+	for _, args := range [][]string{{"--help"}, {"vm", "--help"}, {"run", "--help"}, {"version", "-h"}, {"image", "pull", "--help"}} {
 		var out, errb bytes.Buffer
-		if code := dispatch(context.Background(), args, &out, &errb); code != 0 || !strings.Contains(out.String(), "usage:") {
-			t.Errorf("capsa %v: code %d, stdout %q", args, code, out.String())
+		if code := dispatch(context.Background(), args, &out, &errb); code != 0 || strings.Count(out.String(), "usage:") != 1 {
+			t.Errorf("capsa %v: code %d, stdout %q; want the usage once", args, code, out.String())
 		}
 	}
 }

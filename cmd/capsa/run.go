@@ -33,6 +33,7 @@ func runRun(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	kernel := fs.String("kernel", "", "use this kernel instead of the built-in one")
 	initrd := fs.String("initrd", "", "use this initramfs instead of the built-in one")
 	volumes := fs.StringArrayP("volume", "v", nil, "share a host directory: HOST:GUEST[:ro] (repeatable)")
+	copies := fs.StringArray("copy", nil, "copy a host file or directory into the guest before the command starts: HOST:GUEST (repeatable; in an image, into the sandbox's own layer)")
 	imageRef := fs.String("image", "", "run in this OCI image: its root filesystem, ENTRYPOINT, CMD (replaced by ARGS), ENV, WORKDIR and USER")
 	pull := fs.String("pull", "missing", "with --image: pull always, missing (when not cached) or never")
 	entrypoint := fs.String("entrypoint", "", "with --image: replace the image's ENTRYPOINT (and drop its CMD)")
@@ -109,6 +110,13 @@ func runRun(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 			return fail("-v: %v", err)
 		}
 		b.Share(host, guest, mode)
+	}
+	for _, c := range *copies {
+		host, guest, ok := strings.Cut(c, ":")
+		if !ok || host == "" || guest == "" {
+			return fail("--copy %q: want HOST:GUEST", c)
+		}
+		b.CopyIn(host, guest)
 	}
 	for _, d := range *disks {
 		path, mode, err := sandbox.ParseDisk(d)

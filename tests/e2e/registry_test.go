@@ -156,9 +156,18 @@ func TestImageFromRegistry(t *testing.T) {
 	if want := "uid=65534 cwd=/app greeting=from-image perl=False python=3.11\n"; r.code != 0 || r.stdout != want {
 		t.Errorf("capsa run --image %s (its default command) = exit %d, %q; want 0, %q", ref, r.code, r.stdout, want)
 	}
-	r = capsa(t, 4*time.Minute, "run", "--image", ref, "--", "python3", "-c", "import sys; print(sys.version)")
-	if r.code != 0 || !strings.HasPrefix(r.stdout, "3.11.") {
-		t.Errorf("capsa run --image %s -- python3 -c 'print(sys.version)' = exit %d, %q; want 3.11.*", ref, r.code, r.stdout)
+	// A command in place of Cmd, with a host tree copied into the
+	// sandbox's layer first (modes and symlinks kept).
+	src := t.TempDir()
+	os.MkdirAll(filepath.Join(src, "sub"), 0o755)
+	os.WriteFile(filepath.Join(src, "sub", "x.txt"), []byte("copied"), 0o644)
+	os.WriteFile(filepath.Join(src, "run.sh"), []byte("#!/bin/sh\n"), 0o750)
+	os.Symlink("sub/x.txt", filepath.Join(src, "link"))
+	check := `import os, sys
+print(sys.version.split()[0][:5], open("/opt/extra/link").read(), oct(os.stat("/opt/extra/run.sh").st_mode & 0o777), os.readlink("/opt/extra/link"))`
+	r = capsa(t, 4*time.Minute, "run", "--image", ref, "--copy", src+":/opt/extra", "--", "python3", "-c", check)
+	if want := "3.11. copied 0o750 sub/x.txt\n"; r.code != 0 || r.stdout != want {
+		t.Errorf("capsa run --image %s --copy %s:/opt/extra -- python3 -c ... = exit %d, %q; want 0, %q", ref, src, r.code, r.stdout, want)
 	}
 
 	// Network and a share, from python in the image.
