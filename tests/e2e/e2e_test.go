@@ -55,7 +55,7 @@ func capsa(t *testing.T, timeout time.Duration, args ...string) result {
 
 // capsaWith runs capsa as capsa does, with setup (if not nil) changing the
 // command first (its environment or credentials).
-func capsaWith(t *testing.T, timeout time.Duration, setup func(*exec.Cmd), args ...string) result {
+func capsaWith(t testing.TB, timeout time.Duration, setup func(*exec.Cmd), args ...string) result {
 	t.Helper()
 	bin := artifact(t, "capsa")
 	ctx, cancel := context.WithTimeout(context.Background(), timeout)

@@ -29,7 +29,7 @@ const registryAddr = "127.0.0.1:5000"
 // startRegistry runs the reference registry (Debian's docker-registry, from
 // scripts/test-images.sh) on registryAddr with its storage in a temporary
 // directory, until the test ends.
-func startRegistry(t *testing.T) {
+func startRegistry(t testing.TB) {
 	t.Helper()
 	wrapper := artifact(t, "testimages/registry/registry")
 	dir := t.TempDir()
@@ -76,8 +76,8 @@ print("uid=%d cwd=%s greeting=%s perl=%s python=%d.%d" % (os.getuid(), os.getcwd
 // pushPythonImage layers Debian's python root (scripts/test-images.sh) into
 // an image and pushes it to the registry as ref: the root as the first
 // layer, then a layer that deletes /usr/bin/perl (a whiteout) and adds the
-// program; the config runs it as nobody in /app.
-func pushPythonImage(t *testing.T, ref string) {
+// program, then any extra layers; the config runs it as nobody in /app.
+func pushPythonImage(t testing.TB, ref string, extra ...v1.Layer) {
 	t.Helper()
 	base, err := tarball.LayerFromFile(artifact(t, "testimages/python.tar.gz"))
 	if err != nil {
@@ -105,7 +105,7 @@ func pushPythonImage(t *testing.T, ref string) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	img, err := mutate.AppendLayers(empty.Image, base, top)
+	img, err := mutate.AppendLayers(empty.Image, append([]v1.Layer{base, top}, extra...)...)
 	if err != nil {
 		t.Fatal(err)
 	}
