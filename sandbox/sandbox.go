@@ -245,8 +245,16 @@ func (w *Workload) Start(ctx context.Context) (*Sandbox, error) {
 	}
 	p, err := s.client.Start(ctx, opts)
 	if err != nil {
+		var re *agent.RemoteError
+		if errors.As(err, &re) { // the agent refused it (no such program...)
+			s.Close()
+			return nil, fmt.Errorf("sandbox: start %s: %w", opts.Argv[0], err)
+		}
+		// The agent said it was ready and then did not answer: the
+		// guest's state is what explains it.
+		d := s.Debug(ctx)
 		s.Close()
-		return nil, fmt.Errorf("sandbox: start %s: %w", opts.Argv[0], err)
+		return nil, fmt.Errorf("sandbox: start %s: %w; the VM's state:\n%s", opts.Argv[0], s.vmErr(err), d)
 	}
 	s.mu.Lock()
 	s.main = p
@@ -398,7 +406,7 @@ func (s *Sandbox) WaitReady(ctx context.Context, timeout time.Duration) error {
 	case <-s.vmDone:
 		return fmt.Errorf("sandbox: the VM stopped before its agent was ready: %v\nguest console:\n%s", s.exit, s.vm.ConsoleTail())
 	case <-t.C:
-		return fmt.Errorf("sandbox: the guest agent was not ready after %v", timeout)
+		return fmt.Errorf("sandbox: the guest agent was not ready after %v; the VM's state:\n%s", timeout, s.Debug(ctx))
 	case <-ctx.Done():
 		return ctx.Err()
 	}

@@ -150,6 +150,19 @@ func BenchmarkFileThroughput(b *testing.B) {
 	})
 }
 
+// guestShell runs script in sb with a 5-minute deadline and fails b, with
+// the sandbox's state, unless it exits 0.
+func guestShell(b *testing.B, ctx context.Context, sb *sandbox.Sandbox, script string) {
+	b.Helper()
+	o := sandbox.Shell(script)
+	o.Timeout = 5 * time.Minute
+	if r, err := sb.Exec(ctx, o); err != nil {
+		b.Fatalf("%s: %v\nthe sandbox's state:\n%s", script, err, sb.Debug(ctx))
+	} else if r.Code != 0 {
+		b.Fatalf("%s: exit %d %s %s", script, r.Code, r.Stdout, r.Stderr)
+	}
+}
+
 func reportSpread(b *testing.B, samples []time.Duration) {
 	slices.Sort(samples)
 	ms := func(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
@@ -177,15 +190,7 @@ func BenchmarkShareThroughput(b *testing.B) {
 		b.Fatal(err)
 	}
 	defer sb.Close()
-	sh := func(b *testing.B, script string) {
-		o := sandbox.Shell(script)
-		o.Timeout = 5 * time.Minute
-		if r, err := sb.Exec(ctx, o); err != nil {
-			b.Fatalf("%s: %v\nthe sandbox's state:\n%s", script, err, sb.Debug(ctx))
-		} else if r.Code != 0 {
-			b.Fatalf("%s: exit %d %s %s", script, r.Code, r.Stdout, r.Stderr)
-		}
-	}
+	sh := func(b *testing.B, script string) { guestShell(b, ctx, sb, script) }
 	b.Run("9p-host-to-guest", func(b *testing.B) {
 		b.SetBytes(int64(len(data)))
 		for b.Loop() {

@@ -120,15 +120,7 @@ func BenchmarkImage(b *testing.B) {
 		b.Fatal(err)
 	}
 	defer sb.Close()
-	sh := func(b *testing.B, script string) {
-		o := sandbox.Shell(script)
-		o.Timeout = 5 * time.Minute
-		if r, err := sb.Exec(ctx, o); err != nil {
-			b.Fatalf("%s: %v\nthe sandbox's state:\n%s", script, err, sb.Debug(ctx))
-		} else if r.Code != 0 {
-			b.Fatalf("%s: exit %d %s %s", script, r.Code, r.Stdout, r.Stderr)
-		}
-	}
+	sh := func(b *testing.B, script string) { guestShell(b, ctx, sb, script) }
 	b.Run("exec-python-pass", func(b *testing.B) {
 		var samples []time.Duration
 		for b.Loop() {
