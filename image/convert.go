@@ -275,22 +275,9 @@ func (c *converter) add(h *tar.Header, data io.Reader) error {
 		c.dirs = append(c.dirs, h)
 		return c.count(0)
 	case tar.TypeReg, tar.TypeRegA:
-		if err := c.count(h.Size); err != nil {
+		if err := c.writeFile(p, h, data); err != nil {
 			return err
 		}
-		f, err := c.w.Create(p)
-		if err != nil {
-			return fmt.Errorf("image: %s: %w", p, err)
-		}
-		if _, err := io.Copy(f, io.LimitReader(data, h.Size)); err != nil {
-			f.Close()
-			return fmt.Errorf("image: %s: %w", p, err)
-		}
-		if err := f.Close(); err != nil {
-			return fmt.Errorf("image: %s: %w", p, err)
-		}
-		c.kinds[p] = kindFile
-		c.setHeader(p, h)
 	case tar.TypeSymlink:
 		if err := c.w.Symlink(h.Linkname, p); err != nil {
 			return fmt.Errorf("image: %s: %w", p, err)
@@ -440,22 +427,9 @@ func (c *converter) linksFromLayer(layers []Layer, i int, links []*tar.Header) e
 			return nil
 		}
 		delete(byTarget, t)
-		if err := c.count(h.Size); err != nil {
+		if err := c.writeFile(ps[0], h, data); err != nil {
 			return err
 		}
-		f, err := c.w.Create(ps[0])
-		if err != nil {
-			return fmt.Errorf("image: hard link %s: %w", ps[0], err)
-		}
-		if _, err := io.Copy(f, io.LimitReader(data, h.Size)); err != nil {
-			f.Close()
-			return fmt.Errorf("image: hard link %s: %w", ps[0], err)
-		}
-		if err := f.Close(); err != nil {
-			return fmt.Errorf("image: hard link %s: %w", ps[0], err)
-		}
-		c.kinds[ps[0]] = kindFile
-		c.setHeader(ps[0], h)
 		if err := c.meta(ps[0], h); err != nil {
 			return err
 		}
@@ -480,11 +454,29 @@ func (c *converter) linksFromLayer(layers []Layer, i int, links []*tar.Header) e
 	return nil
 }
 
-func (c *converter) setHeader(p string, h *tar.Header) {
+// writeFile makes p a regular file holding h.Size bytes of data, counted
+// against the limits, and records it (h gives its metadata to copies).
+func (c *converter) writeFile(p string, h *tar.Header, data io.Reader) error {
+	if err := c.count(h.Size); err != nil {
+		return err
+	}
+	f, err := c.w.Create(p)
+	if err != nil {
+		return fmt.Errorf("image: %s: %w", p, err)
+	}
+	if _, err := io.Copy(f, io.LimitReader(data, h.Size)); err != nil {
+		f.Close()
+		return fmt.Errorf("image: %s: %w", p, err)
+	}
+	if err := f.Close(); err != nil {
+		return fmt.Errorf("image: %s: %w", p, err)
+	}
+	c.kinds[p] = kindFile
 	if c.headers == nil {
 		c.headers = map[string]*tar.Header{}
 	}
 	c.headers[p] = h
+	return nil
 }
 
 // resolve finds a hard link's target: a regular file, reached through
@@ -545,20 +537,8 @@ func (c *converter) copyFile(src, dst string) error {
 		return err
 	}
 	defer in.Close()
-	if err := c.count(h.Size); err != nil {
+	if err := c.writeFile(dst, h, in); err != nil {
 		return err
 	}
-	out, err := c.w.Create(dst)
-	if err != nil {
-		return err
-	}
-	if _, err := io.Copy(out, in); err != nil {
-		out.Close()
-		return err
-	}
-	if err := out.Close(); err != nil {
-		return err
-	}
-	c.kinds[dst] = kindFile
 	return c.meta(dst, h)
 }

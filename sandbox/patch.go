@@ -128,7 +128,8 @@ func applyPatches(ctx context.Context, cl *agent.Client, patches []Patch) error 
 
 func applyPatch(ctx context.Context, cl *agent.Client, p Patch) error {
 	dst := path.Clean(p.Path)
-	if p.Op != PatchRemove && dst != "/" {
+	// Mkdir makes its own parents; Remove needs none.
+	if p.Op != PatchRemove && p.Op != PatchMkdir && dst != "/" {
 		if err := cl.Mkdir(ctx, path.Dir(dst), 0o755, true); err != nil {
 			return err
 		}

@@ -239,22 +239,24 @@ func (w *Workload) Start(ctx context.Context) (*Sandbox, error) {
 		s.Close()
 		return nil, err
 	}
+	// Errors are explained by the VM's end before Close ends it anyway.
 	if err := applyPatches(ctx, s.client, w.c.patches); err != nil {
+		err = s.vmErr(err)
 		s.Close()
-		return nil, s.vmErr(err)
+		return nil, err
 	}
 	p, err := s.client.Start(ctx, opts)
 	if err != nil {
+		err = fmt.Errorf("sandbox: start %s: %w", opts.Argv[0], s.vmErr(err))
 		var re *agent.RemoteError
-		if errors.As(err, &re) { // the agent refused it (no such program...)
-			s.Close()
-			return nil, fmt.Errorf("sandbox: start %s: %w", opts.Argv[0], err)
+		if !errors.As(err, &re) {
+			// Not the agent's refusal (no such program...): it said it
+			// was ready and then did not answer, and the guest's state
+			// is what explains that.
+			err = fmt.Errorf("%w; the VM's state:\n%s", err, s.Debug(ctx))
 		}
-		// The agent said it was ready and then did not answer: the
-		// guest's state is what explains it.
-		d := s.Debug(ctx)
 		s.Close()
-		return nil, fmt.Errorf("sandbox: start %s: %w; the VM's state:\n%s", opts.Argv[0], s.vmErr(err), d)
+		return nil, err
 	}
 	s.mu.Lock()
 	s.main = p

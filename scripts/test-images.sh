@@ -16,7 +16,7 @@ cache=${CAPSA_CACHE:-$HOME/.cache/capsa}
 key=$(sha256sum "$here/scripts/test-images.sh" | cut -c1-16)
 dir=$cache/testimages/$key
 if [ ! -f "$dir/done" ]; then
-	"$here/scripts/apt-install.sh" mmdebstrap binutils
+	"$here/scripts/apt-install.sh" mmdebstrap
 	rm -rf "$dir.tmp" && mkdir -p "$dir.tmp/registry"
 	# The python root: minbase plus python3 (urllib included), without
 	# documentation or translations; gzipped.

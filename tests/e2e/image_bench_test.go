@@ -2,7 +2,6 @@ package e2e
 
 import (
 	"archive/tar"
-	"bytes"
 	"context"
 	"io"
 	"os"
@@ -10,8 +9,6 @@ import (
 	"path/filepath"
 	"testing"
 	"time"
-
-	"github.com/google/go-containerregistry/pkg/v1/tarball"
 
 	"github.com/capsa-sandbox/capsa/sandbox"
 )
@@ -45,18 +42,11 @@ func BenchmarkImage(b *testing.B) {
 	startRegistry(b)
 	ref := registryAddr + "/capsa-test/python-bench:1"
 	data := benchData()
-	var buf bytes.Buffer
-	tw := tar.NewWriter(&buf)
-	tw.WriteHeader(&tar.Header{Name: "data/", Typeflag: tar.TypeDir, Mode: 0o755})
-	tw.WriteHeader(&tar.Header{Name: "data/big", Typeflag: tar.TypeReg, Mode: 0o644, Size: int64(len(data))})
-	tw.Write(data)
-	tw.Close()
-	big, err := tarball.LayerFromReader(bytes.NewReader(buf.Bytes()))
-	if err != nil {
-		b.Fatal(err)
-	}
+	big := tarLayer(b,
+		layerEntry{h: tar.Header{Name: "data/", Typeflag: tar.TypeDir, Mode: 0o755}},
+		layerEntry{tar.Header{Name: "data/big", Typeflag: tar.TypeReg, Mode: 0o644}, data},
+	)
 	pushPythonImage(b, ref, big)
-	buf = bytes.Buffer{}
 
 	cache := b.TempDir()
 	b.Setenv("CAPSA_CACHE", cache)

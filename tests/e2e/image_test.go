@@ -79,6 +79,43 @@ func probe(args []string) int {
 	return 0
 }
 
+// layerEntry is one entry of a test layer: its header and, for a regular
+// file, its data.
+type layerEntry struct {
+	h    tar.Header
+	data []byte
+}
+
+// tarLayer builds an image layer of entries, in order: a regular file's
+// size is its data's, and every entry has one fixed time.
+func tarLayer(t testing.TB, entries ...layerEntry) v1.Layer {
+	t.Helper()
+	var buf bytes.Buffer
+	tw := tar.NewWriter(&buf)
+	for _, e := range entries {
+		h := e.h
+		if h.Typeflag == tar.TypeReg {
+			h.Size = int64(len(e.data))
+		}
+		h.ModTime = time.Unix(1700000000, 0)
+		if err := tw.WriteHeader(&h); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := tw.Write(e.data); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := tw.Close(); err != nil {
+		t.Fatal(err)
+	}
+	b := buf.Bytes()
+	l, err := tarball.LayerFromOpener(func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(b)), nil })
+	if err != nil {
+		t.Fatal(err)
+	}
+	return l
+}
+
 // probeImage writes a `docker save` tarball of a two-layer image: the test
 // binary as /bin/probe, passwd and group with a user app (1000), a file
 // the second layer whites out, and a config with ENTRYPOINT, CMD, ENV,
@@ -89,49 +126,23 @@ func probeImage(t *testing.T, path, ref string) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	mk := func(entries ...*tar.Header) v1.Layer {
-		var buf bytes.Buffer
-		tw := tar.NewWriter(&buf)
-		for _, h := range entries {
-			data := []byte(h.Linkname)
-			if h.Typeflag == tar.TypeReg {
-				h.Linkname = ""
-				if h.Name == "bin/probe" {
-					data = self
-				}
-				h.Size = int64(len(data))
-			}
-			h.ModTime = time.Unix(1700000000, 0)
-			if err := tw.WriteHeader(h); err != nil {
-				t.Fatal(err)
-			}
-			if h.Typeflag == tar.TypeReg {
-				tw.Write(data)
-			}
-		}
-		tw.Close()
-		b := buf.Bytes()
-		l, err := tarball.LayerFromOpener(func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(b)), nil })
-		if err != nil {
-			t.Fatal(err)
-		}
-		return l
+	file := func(name, content string, mode int64, uid int) layerEntry {
+		return layerEntry{tar.Header{Name: name, Typeflag: tar.TypeReg, Mode: mode, Uid: uid, Gid: uid}, []byte(content)}
 	}
-	file := func(name, content string, mode int64, uid int) *tar.Header {
-		return &tar.Header{Name: name, Typeflag: tar.TypeReg, Linkname: content, Mode: mode, Uid: uid, Gid: uid}
+	dir := func(name string, mode int64, uid int) layerEntry {
+		return layerEntry{h: tar.Header{Name: name, Typeflag: tar.TypeDir, Mode: mode, Uid: uid, Gid: uid}}
 	}
-	dir := func(name string, mode int64, uid int) *tar.Header {
-		return &tar.Header{Name: name, Typeflag: tar.TypeDir, Mode: mode, Uid: uid, Gid: uid}
-	}
-	base := mk(
-		dir("bin/", 0o755, 0), file("bin/probe", "", 0o755, 0),
+	probe := file("bin/probe", "", 0o755, 0)
+	probe.data = self
+	base := tarLayer(t,
+		dir("bin/", 0o755, 0), probe,
 		dir("etc/", 0o755, 0),
 		file("etc/passwd", "root:x:0:0:root:/root:/bin/probe\napp:x:1000:1000:app:/home/app:/bin/probe\n", 0o644, 0),
 		file("etc/group", "root:x:0:\napp:x:1000:\n", 0o644, 0),
 		dir("home/", 0o755, 0), dir("home/app/", 0o755, 1000),
 		dir("data/", 0o755, 0), file("data/gone.txt", "gone", 0o644, 0), file("data/kept.txt", "kept", 0o644, 0),
 	)
-	top := mk(&tar.Header{Name: "data/.wh.gone.txt", Typeflag: tar.TypeReg, Mode: 0o644})
+	top := tarLayer(t, file("data/.wh.gone.txt", "", 0o644, 0))
 	img, err := mutate.AppendLayers(empty.Image, base, top)
 	if err != nil {
 		t.Fatal(err)

@@ -4,7 +4,6 @@ import (
 	"archive/tar"
 	"bytes"
 	"fmt"
-	"io"
 	"net/http"
 	"os"
 	"os/exec"
@@ -83,28 +82,11 @@ func pushPythonImage(t testing.TB, ref string, extra ...v1.Layer) {
 	if err != nil {
 		t.Fatalf("the python root layer: %v", err)
 	}
-	var buf bytes.Buffer
-	tw := tar.NewWriter(&buf)
-	for _, e := range []struct {
-		h    tar.Header
-		data string
-	}{
-		{tar.Header{Name: "usr/bin/.wh.perl", Typeflag: tar.TypeReg, Mode: 0o644}, ""},
-		{tar.Header{Name: "app/", Typeflag: tar.TypeDir, Mode: 0o755}, ""},
-		{tar.Header{Name: "app/main.py", Typeflag: tar.TypeReg, Mode: 0o644}, pythonMain},
-	} {
-		e.h.Size = int64(len(e.data))
-		e.h.ModTime = time.Unix(1700000000, 0)
-		if err := tw.WriteHeader(&e.h); err != nil {
-			t.Fatal(err)
-		}
-		io.WriteString(tw, e.data)
-	}
-	tw.Close()
-	top, err := tarball.LayerFromReader(bytes.NewReader(buf.Bytes()))
-	if err != nil {
-		t.Fatal(err)
-	}
+	top := tarLayer(t,
+		layerEntry{h: tar.Header{Name: "usr/bin/.wh.perl", Typeflag: tar.TypeReg, Mode: 0o644}},
+		layerEntry{h: tar.Header{Name: "app/", Typeflag: tar.TypeDir, Mode: 0o755}},
+		layerEntry{tar.Header{Name: "app/main.py", Typeflag: tar.TypeReg, Mode: 0o644}, []byte(pythonMain)},
+	)
 	img, err := mutate.AppendLayers(empty.Image, append([]v1.Layer{base, top}, extra...)...)
 	if err != nil {
 		t.Fatal(err)
