@@ -3,6 +3,7 @@ module github.com/capsa-sandbox/capsa
 go 1.26.3
 
 require (
+	github.com/creack/pty v1.1.24
 	github.com/diskfs/go-diskfs v1.9.4
 	github.com/erofs/go-erofs v0.3.1
 	github.com/google/go-containerregistry v0.22.1

@@ -10,6 +10,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/hugelgupf/p9/linux"
 	"github.com/hugelgupf/p9/p9"
@@ -615,6 +616,55 @@ func TestQIDPrefixes(t *testing.T) {
 		if p != a.qidPath(k[0], k[1]) {
 			t.Fatal("qid path not stable")
 		}
+	}
+}
+
+// TestQIDVersions: a regular file's QID version is never 0 (0 makes
+// Linux's client bypass its page cache) and changes when the host changes
+// the file's contents, so the guest reads the new data at its next open;
+// directories and symlinks carry no version.
+func TestQIDVersions(t *testing.T) {
+	for _, c := range conns {
+		t.Run(c.name, func(t *testing.T) {
+			tr := newTree(t)
+			root := c.mount(t, newShare(t, tr.root, Options{}))
+			version := func(names ...string) uint32 {
+				t.Helper()
+				f := walk(t, root, names...)
+				defer f.Close()
+				q, _, _, err := f.GetAttr(p9.AttrMaskAll)
+				must(t, err)
+				return q.Version
+			}
+			v1 := version("file")
+			if v1 == 0 {
+				t.Fatal("GetAttr(file).Version = 0, want a version")
+			}
+			if v := version("file"); v != v1 {
+				t.Fatalf("GetAttr(file).Version = %#x then %#x with no change, want it stable", v1, v)
+			}
+			// Same size, new contents, a later mtime.
+			must(t, os.WriteFile(tr.path("file"), []byte("HELLO"), 0o644))
+			later := time.Now().Add(time.Second)
+			must(t, os.Chtimes(tr.path("file"), later, later))
+			v2 := version("file")
+			if v2 == v1 || v2 == 0 {
+				t.Fatalf("GetAttr(file).Version = %#x after the host rewrote it, was %#x: want a new non-zero version", v2, v1)
+			}
+			// A new size, even with the old mtime.
+			st := lstat(t, tr.path("file"))
+			must(t, os.WriteFile(tr.path("file"), []byte("hello, longer"), 0o644))
+			must(t, unix.UtimesNano(tr.path("file"), []unix.Timespec{st.Atim, st.Mtim}))
+			if v3 := version("file"); v3 == v2 || v3 == 0 {
+				t.Fatalf("GetAttr(file).Version = %#x after a size change, was %#x", v3, v2)
+			}
+			if v := version("dir"); v != 0 {
+				t.Errorf("GetAttr(dir).Version = %#x, want 0", v)
+			}
+			if v := version("etc"); v != 0 {
+				t.Errorf("GetAttr(etc symlink).Version = %#x, want 0", v)
+			}
+		})
 	}
 }
 

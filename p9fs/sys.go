@@ -251,10 +251,38 @@ func (s *share) qidPath(dev, ino uint64) uint64 {
 
 // qid is the QID of a stat result.
 func (s *share) qid(st *unix.Stat_t) p9.QID {
-	return p9.QID{
+	q := p9.QID{
 		Type: p9.FileMode(st.Mode).QIDType(),
 		Path: s.qidPath(st.Dev, st.Ino),
 	}
+	if st.Mode&unix.S_IFMT == unix.S_IFREG {
+		q.Version = contentVersion(st)
+	}
+	return q
+}
+
+// contentVersion is a regular file's QID version: it changes when the
+// file's modification time or size does. Linux's 9P client reads through
+// its page cache (the shares mount with cache=readahead) only for files
+// whose version is not 0, and keeps an inode, and so its cached pages,
+// only while a lookup returns the same version: a file the host changes
+// gets a new inode, and the guest reads the new data, at the next open.
+// A file changed twice within the host filesystem's timestamp granularity
+// without a size change keeps its version; QEMU's virtfs has the same
+// limit (its version is mtime ^ size << 8).
+func contentVersion(st *unix.Stat_t) uint32 {
+	h := fnv.New32a()
+	var b [24]byte
+	for i := range 8 {
+		b[i] = byte(st.Mtim.Sec >> (8 * i))
+		b[8+i] = byte(st.Mtim.Nsec >> (8 * i))
+		b[16+i] = byte(st.Size >> (8 * i))
+	}
+	h.Write(b[:])
+	if v := h.Sum32(); v != 0 {
+		return v
+	}
+	return 1 // 0 means "no version": the guest would read uncached
 }
 
 // attrValid is what attr fills in, whatever was asked.

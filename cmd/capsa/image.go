@@ -52,15 +52,20 @@ func openStore(stderr io.Writer, name string) (*image.Store, bool) {
 	return nil, false
 }
 
-// pullProgress shows per-layer progress on a terminal and nothing
-// otherwise.
+// pullProgress shows per-layer progress (bytes and rate) on a terminal
+// and nothing otherwise.
 func pullProgress(w io.Writer) func(image.Progress) {
 	f, ok := w.(*os.File)
 	if !ok || !term.IsTerminal(int(f.Fd())) {
 		return nil
 	}
 	start := time.Now()
+	var shown time.Time // the last in-flight line, redrawn at most 10 times a second
 	return func(p image.Progress) {
+		if !p.Complete && time.Since(shown) < 100*time.Millisecond {
+			return
+		}
+		shown = time.Now()
 		switch {
 		case p.Layer < 0:
 			fmt.Fprintf(w, "\rconverted to a root filesystem: %s of files%s\n", mib(p.Done), strings.Repeat(" ", 20))

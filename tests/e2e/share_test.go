@@ -115,6 +115,21 @@ func TestShares(t *testing.T) {
 		t.Errorf("ReadFile through the agent: %q, %v", got, err)
 	}
 
+	// Reads are cached in the guest (cache=readahead), yet every open
+	// sees the host's latest contents, and the guest's own writes.
+	co := filepath.Join(rw, "co.txt")
+	for i, content := range []string{"first", "second, longer", "SECOND, LONGER"} {
+		if err := os.WriteFile(co, []byte(content), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		if out, code := sh("cat /mnt/rw/co.txt"); code != 0 || out != content {
+			t.Errorf("after host write %d, the guest's cat /mnt/rw/co.txt = %q (exit %d), want %q", i+1, out, code, content)
+		}
+	}
+	if out, code := sh("echo a > /mnt/rw/gw.txt; cat /mnt/rw/gw.txt; echo bbb > /mnt/rw/gw.txt; cat /mnt/rw/gw.txt; echo C >> /mnt/rw/gw.txt; cat /mnt/rw/gw.txt"); code != 0 || out != "a\nbbb\nbbb\nC\n" {
+		t.Errorf("the guest rewriting and reading back a shared file: %q (exit %d), want %q", out, code, "a\nbbb\nbbb\nC\n")
+	}
+
 	// Read-only: refused, and the host tree is untouched.
 	// (u-root's mkdir reports the error but exits 0, so only its message
 	// is checked.)
