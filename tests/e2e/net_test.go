@@ -45,7 +45,10 @@ func TestMain(m *testing.M) {
 		fmt.Fprintln(os.Stderr, err)
 		os.Exit(1)
 	}
-	os.Exit(m.Run())
+	stop := traceShutdowns(os.Stderr)
+	code := m.Run()
+	stop(code != 0)
+	os.Exit(code)
 }
 
 // netBenchEnv makes the test binary, copied into a guest, the guest end of
