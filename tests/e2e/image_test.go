@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"syscall"
@@ -72,6 +73,30 @@ func probe(args []string) int {
 			err = f.Sync()
 		}
 		fmt.Printf("wrote %d MiB: %v enospc=%v\n", n, err, errors.Is(err, syscall.ENOSPC))
+	case "eat":
+		// Takes memory 1 MiB at a time, touching every page, until the
+		// guest's OOM killer ends it.
+		var held [][]byte
+		for i := 1; ; i++ {
+			b := make([]byte, 1<<20)
+			for j := 0; j < len(b); j += 4096 {
+				b[j] = 1
+			}
+			held = append(held, b)
+			if i%32 == 0 {
+				fmt.Printf("holding %d MiB\n", i)
+			}
+		}
+	case "forkbomb":
+		// Every copy starts copies of itself as fast as it can, forever.
+		self, err := os.Executable()
+		if err != nil {
+			fmt.Println(err)
+			return 1
+		}
+		for {
+			exec.Command(self, "forkbomb").Start()
+		}
 	default:
 		fmt.Fprintln(os.Stderr, "probe: unknown action", args[0])
 		return 2

@@ -103,7 +103,8 @@ type Device struct {
 }
 
 // New returns a device that serves a under mount tag (what the guest names
-// in `mount -t 9p TAG DIR`).
+// in `mount -t 9p TAG DIR`). The device owns a: Close closes it when it is
+// an io.Closer.
 func New(tag string, a p9.Attacher, o Options, log *slog.Logger) (*Device, error) {
 	if tag == "" || len(tag) > MaxTagLen {
 		return nil, fmt.Errorf("virtio-9p: mount tag %q: must be 1 to %d bytes", tag, MaxTagLen)
@@ -181,12 +182,20 @@ func (d *Device) Close() error {
 	d.Reset()
 	done := make(chan struct{})
 	go func() { d.workers.Wait(); close(done) }()
+	var err error
 	select {
 	case <-done:
-		return nil
 	case <-time.After(closeTimeout):
-		return fmt.Errorf("virtio-9p %s: close: the file server did not stop within %v", d.tag, closeTimeout)
+		err = fmt.Errorf("virtio-9p %s: close: the file server did not stop within %v", d.tag, closeTimeout)
 	}
+	// The filesystem is the device's: its descriptors go now, not when
+	// the garbage collector finds it (a closed sandbox may be kept).
+	if c, ok := d.attacher.(io.Closer); ok {
+		if cerr := c.Close(); cerr != nil && err == nil {
+			err = fmt.Errorf("virtio-9p %s: close the file server: %w", d.tag, cerr)
+		}
+	}
+	return err
 }
 
 // Notify implements virtio.Device.

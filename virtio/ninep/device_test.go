@@ -8,6 +8,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"runtime"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -147,6 +148,32 @@ func TestNewRejectsBadTags(t *testing.T) {
 	if _, err := New("ok", nil, Options{}, nil); err == nil {
 		t.Error("New without a filesystem succeeded")
 	}
+}
+
+// TestCloseReleasesTheShare: Close closes the file server's root
+// descriptor at once, not when the garbage collector finds the device (a
+// closed sandbox may be kept for its exit status).
+func TestCloseReleasesTheShare(t *testing.T) {
+	fds := func() int { e, _ := os.ReadDir("/proc/self/fd"); return len(e) }
+	before := fds()
+	a, err := p9fs.New(t.TempDir(), p9fs.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	d, err := New("share0", a, Options{}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if fds() <= before {
+		t.Fatal("p9fs.New opened no descriptor: the test cannot see a leak")
+	}
+	if err := d.Close(); err != nil {
+		t.Fatalf("Close() = %v", err)
+	}
+	if got := fds(); got != before {
+		t.Errorf("descriptors after Close = %d, want %d (the share's root still open)", got, before)
+	}
+	runtime.KeepAlive(d)
 }
 
 // TestRealClientThroughTheQueue runs the p9 package's client against the
