@@ -130,8 +130,8 @@ func BenchmarkImage(b *testing.B) {
 	})
 	// Each read starts cold: the guest's page cache is dropped first.
 	for _, v := range []struct{ name, script string }{
-		{"read-image-disk", "echo 3 > /proc/sys/vm/drop_caches; dd if=/data/big of=/dev/null bs=1M"},
-		{"read-9p", "echo 3 > /proc/sys/vm/drop_caches; dd if=/mnt/share/big of=/dev/null bs=1M"},
+		{"read-image-disk", dropCaches + "; dd if=/data/big of=/dev/null bs=1M"},
+		{"read-9p", dropCaches + "; dd if=/mnt/share/big of=/dev/null bs=1M"},
 	} {
 		b.Run(v.name, func(b *testing.B) {
 			b.SetBytes(imageBenchFile)
@@ -144,7 +144,7 @@ func BenchmarkImage(b *testing.B) {
 		b.SetBytes(imageBenchFile)
 		for b.Loop() {
 			b.StopTimer()
-			sh(b, "echo 3 > /proc/sys/vm/drop_caches")
+			sh(b, dropCaches)
 			b.StartTimer()
 			if err := sb.ReadFileTo(ctx, "/data/big", io.Discard); err != nil {
 				b.Fatal(err)

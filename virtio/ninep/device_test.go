@@ -154,8 +154,7 @@ func TestNewRejectsBadTags(t *testing.T) {
 // descriptor at once, not when the garbage collector finds the device (a
 // closed sandbox may be kept for its exit status).
 func TestCloseReleasesTheShare(t *testing.T) {
-	fds := func() int { e, _ := os.ReadDir("/proc/self/fd"); return len(e) }
-	before := fds()
+	before := openFDs()
 	a, err := p9fs.New(t.TempDir(), p9fs.Options{})
 	if err != nil {
 		t.Fatal(err)
@@ -164,13 +163,13 @@ func TestCloseReleasesTheShare(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if fds() <= before {
+	if openFDs() <= before {
 		t.Fatal("p9fs.New opened no descriptor: the test cannot see a leak")
 	}
 	if err := d.Close(); err != nil {
 		t.Fatalf("Close() = %v", err)
 	}
-	if got := fds(); got != before {
+	if got := openFDs(); got != before {
 		t.Errorf("descriptors after Close = %d, want %d (the share's root still open)", got, before)
 	}
 	runtime.KeepAlive(d)

@@ -340,8 +340,7 @@ func TestResetReleasesEveryFid(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer dev.Close()
-	fds := func() int { e, _ := os.ReadDir("/proc/self/fd"); return len(e) }
-	base := fds()
+	base := openFDs()
 	for round := range 3 {
 		drv := virtiotest.NewDriver(16 << 20)
 		g := &guest{t: t, dev: dev, drv: drv, q: drv.NewQueue(queueSize)}
@@ -354,7 +353,7 @@ func TestResetReleasesEveryFid(t *testing.T) {
 			g.ok(twalk, 2, cat(u32b(1), u32b(fid), u16b(1), str9(fmt.Sprint(i))), 4096)
 			g.ok(12, 2, cat(u32b(fid), u32b(0)), 4096)
 		}
-		if got := fds(); got < base+90 {
+		if got := openFDs(); got < base+90 {
 			t.Fatalf("round %d: %d descriptors with 50 files open, want at least %d", round, got, base+90)
 		}
 		if r := g.call(tflush, 9, u16b(9), 64); !bytes.Equal(r, flushReply(9)) {
@@ -363,10 +362,10 @@ func TestResetReleasesEveryFid(t *testing.T) {
 		dev.Reset()
 	}
 	deadline := time.Now().Add(5 * time.Second)
-	for fds() > base+2 && time.Now().Before(deadline) {
+	for openFDs() > base+2 && time.Now().Before(deadline) {
 		time.Sleep(20 * time.Millisecond)
 	}
-	if got := fds(); got > base+2 {
+	if got := openFDs(); got > base+2 {
 		t.Errorf("%d descriptors after 3 resets, want %d (+2)", got, base)
 	}
 }
@@ -481,4 +480,10 @@ func TestLaterVersionsAreAnsweredByTheDevice(t *testing.T) {
 		t.Errorf("Tversion 9P2000 = %d %q, want 0 \"unknown\"", m, v)
 	}
 	g.ok(twalk, 3, cat(u32b(1), u32b(2), u16b(0)), 4096)
+}
+
+// openFDs is how many descriptors this process holds.
+func openFDs() int {
+	e, _ := os.ReadDir("/proc/self/fd")
+	return len(e)
 }
