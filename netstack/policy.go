@@ -1,6 +1,7 @@
 package netstack
 
 import (
+	"encoding/json"
 	"errors"
 	"fmt"
 	"net/netip"
@@ -562,4 +563,43 @@ func nonPublic(addr netip.Addr, isHost func(netip.Addr) bool) string {
 		return "host's own"
 	}
 	return ""
+}
+
+// policyJSON is a Policy as data: its mode and rules as ParsePolicy takes
+// them.
+type policyJSON struct {
+	Mode  string   `json:"mode"`
+	Allow []string `json:"allow,omitempty"`
+	Deny  []string `json:"deny,omitempty"`
+}
+
+// MarshalJSON writes the policy as {"mode", "allow", "deny"}, the rules as
+// they were given.
+func (p *Policy) MarshalJSON() ([]byte, error) {
+	j := policyJSON{Mode: p.mode.String()}
+	for _, r := range p.allow {
+		j.Allow = append(j.Allow, r.text)
+	}
+	for _, r := range p.deny {
+		j.Deny = append(j.Deny, r.text)
+	}
+	return json.Marshal(j)
+}
+
+// UnmarshalJSON parses what MarshalJSON wrote, through ParsePolicy: a rule
+// that does not parse is an error.
+func (p *Policy) UnmarshalJSON(b []byte) error {
+	var j policyJSON
+	if err := json.Unmarshal(b, &j); err != nil {
+		return fmt.Errorf("netstack: policy: %w", err)
+	}
+	if j.Mode == "" {
+		return errors.New("netstack: policy: no mode")
+	}
+	q, err := ParsePolicy(j.Mode, j.Allow, j.Deny)
+	if err != nil {
+		return err
+	}
+	*p = *q
+	return nil
 }

@@ -12,11 +12,6 @@ import (
 // MaxDisks is the most disks one sandbox can attach.
 const MaxDisks = 8
 
-type disk struct {
-	path string
-	mode ShareMode
-}
-
 // Disk attaches the host file at path to the guest as a virtio block
 // device, read-only or read-write. Disks appear as /dev/vda, /dev/vdb, ...
 // in the order they were added, each with the serial capsa-disk-N
@@ -27,12 +22,12 @@ func (b *Builder) Disk(path string, mode ShareMode) *Builder {
 		b.c.errs = append(b.c.errs, err)
 		return b
 	}
-	if len(b.c.disks) == MaxDisks {
+	if len(b.c.Disks) == MaxDisks {
 		b.c.errs = append(b.c.errs, fmt.Errorf("sandbox: disk %s: at most %d disks", path, MaxDisks))
 		return b
 	}
 	abs, _ := filepath.Abs(path)
-	b.c.disks = append(b.c.disks, disk{abs, mode})
+	b.c.Disks = append(b.c.Disks, DiskSpec{abs, mode})
 	return b
 }
 
@@ -74,10 +69,10 @@ func ParseDisk(s string) (string, ShareMode, error) {
 }
 
 // diskDevices opens and locks each disk and makes its device.
-func diskDevices(disks []disk, c config) ([]*virtioblk.Device, error) {
+func diskDevices(disks []DiskSpec, c config) ([]*virtioblk.Device, error) {
 	var specs []diskSpec
 	for i, d := range disks {
-		specs = append(specs, diskSpec{d.path, virtioblk.Options{ReadOnly: d.mode == ReadOnly, ID: fmt.Sprintf("capsa-disk-%d", i)}})
+		specs = append(specs, diskSpec{d.Path, virtioblk.Options{ReadOnly: d.Mode == ReadOnly, ID: fmt.Sprintf("capsa-disk-%d", i)}})
 	}
 	return openDisks(specs, c)
 }

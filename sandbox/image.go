@@ -24,32 +24,21 @@ const (
 // RootfsSize is not set.
 const DefaultRootfsSize = 4 << 30
 
-type imageConfig struct {
-	ref        string
-	args       []string
-	entrypoint []string
-	pull       PullPolicy
-	storeDir   string
-	insecure   []string
-	rootfsSize int64
-	progress   func(image.Progress)
-}
-
-func (b *Builder) imageCfg() *imageConfig {
-	if b.c.img == nil {
-		b.c.img = &imageConfig{pull: PullMissing, rootfsSize: DefaultRootfsSize}
+func (b *Builder) imageCfg() *ImageSpec {
+	if b.c.Image == nil {
+		b.c.Image = &ImageSpec{Pull: PullMissing, RootfsSize: DefaultRootfsSize}
 	}
-	return b.c.img
+	return b.c.Image
 }
 
 // ImageStore sets the image cache directory (default image.DefaultDir).
-func (b *Builder) ImageStore(dir string) *Builder { b.imageCfg().storeDir = dir; return b }
+func (b *Builder) ImageStore(dir string) *Builder { b.imageCfg().Store = dir; return b }
 
 // Pull sets when OCI pulls the image.
 func (b *Builder) Pull(p PullPolicy) *Builder {
 	switch p {
 	case PullMissing, PullAlways, PullNever:
-		b.imageCfg().pull = p
+		b.imageCfg().Pull = p
 	default:
 		b.c.errs = append(b.c.errs, fmt.Errorf("sandbox: pull policy %q: want always, missing or never", p))
 	}
@@ -59,7 +48,7 @@ func (b *Builder) Pull(p PullPolicy) *Builder {
 // InsecureRegistry lets OCI reach the registry host[:port] over plain
 // HTTP (loopback registries always may).
 func (b *Builder) InsecureRegistry(hosts ...string) *Builder {
-	b.imageCfg().insecure = append(b.imageCfg().insecure, hosts...)
+	b.imageCfg().Insecure = append(b.imageCfg().Insecure, hosts...)
 	return b
 }
 
@@ -70,20 +59,21 @@ func (b *Builder) RootfsSize(bytes int64) *Builder {
 	if bytes < image.MinUpperSize {
 		b.c.errs = append(b.c.errs, fmt.Errorf("sandbox: root filesystem size %d: at least %d MiB", bytes, image.MinUpperSize>>20))
 	}
-	b.imageCfg().rootfsSize = bytes
+	b.imageCfg().RootfsSize = bytes
 	return b
 }
 
 // Entrypoint replaces the image's ENTRYPOINT (and drops its CMD, as
 // Docker's --entrypoint does); with no arguments it clears it.
 func (b *Builder) Entrypoint(argv ...string) *Builder {
-	b.imageCfg().entrypoint = append([]string{}, argv...)
+	b.imageCfg().Entrypoint = append([]string{}, argv...)
 	return b
 }
 
 // PullProgress receives progress while OCI pulls and converts an image.
 func (b *Builder) PullProgress(fn func(image.Progress)) *Builder {
-	b.imageCfg().progress = fn
+	b.imageCfg()
+	b.c.progress = fn
 	return b
 }
 
@@ -94,7 +84,7 @@ func (b *Builder) PullProgress(fn func(image.Progress)) *Builder {
 // paths meaning the image's.
 func (b *Builder) OCI(ref string, args ...string) *Workload {
 	ic := b.imageCfg()
-	ic.ref, ic.args = ref, args
+	ic.Ref, ic.Args = ref, args
 	w := &Workload{c: b.c}
 	if ref == "" {
 		w.c.errs = append(w.c.errs, errors.New("sandbox: OCI needs an image reference"))
@@ -114,9 +104,9 @@ type rootfs struct {
 
 // prepareImage finds or pulls the image, resolves the main process and
 // makes the writable layer.
-func prepareImage(ctx context.Context, c config, main ExecOptions) (*rootfs, error) {
-	ic := c.img
-	dir := ic.storeDir
+func prepareImage(ctx context.Context, c config) (*rootfs, error) {
+	ic := c.Image
+	dir := ic.Store
 	if dir == "" {
 		var err error
 		if dir, err = image.DefaultDir(); err != nil {
@@ -128,23 +118,23 @@ func prepareImage(ctx context.Context, c config, main ExecOptions) (*rootfs, err
 		return nil, fmt.Errorf("sandbox: %w", err)
 	}
 	var img *image.Image
-	if ic.pull != PullAlways {
-		img, err = store.Get(ic.ref)
-		if err != nil && (!errors.Is(err, image.ErrNotFound) || ic.pull == PullNever) {
+	if ic.Pull != PullAlways {
+		img, err = store.Get(ic.Ref)
+		if err != nil && (!errors.Is(err, image.ErrNotFound) || ic.Pull == PullNever) {
 			return nil, fmt.Errorf("sandbox: %w", err)
 		}
 	}
 	if img == nil {
-		if img, err = store.Pull(ctx, ic.ref, image.Options{Insecure: ic.insecure, Progress: ic.progress}); err != nil {
+		if img, err = store.Pull(ctx, ic.Ref, image.Options{Insecure: ic.Insecure, Progress: c.progress}); err != nil {
 			return nil, fmt.Errorf("sandbox: %w", err)
 		}
 	}
-	if img.RootfsSize > ic.rootfsSize {
-		return nil, fmt.Errorf("sandbox: image %s is %d MiB, more than the root filesystem size of %d MiB", ic.ref, img.RootfsSize>>20, ic.rootfsSize>>20)
+	if img.RootfsSize > ic.RootfsSize {
+		return nil, fmt.Errorf("sandbox: image %s is %d MiB, more than the root filesystem size of %d MiB", ic.Ref, img.RootfsSize>>20, ic.RootfsSize>>20)
 	}
-	proc, err := img.Resolve(image.Overrides{Entrypoint: ic.entrypoint, Args: ic.args, Env: append(append([]string(nil), c.env...), main.Env...), Dir: main.Dir, User: main.User})
+	proc, err := img.Resolve(image.Overrides{Entrypoint: ic.Entrypoint, Args: ic.Args, Env: c.Env, Dir: c.Main.Dir, User: c.Main.User})
 	if err != nil {
-		return nil, fmt.Errorf("sandbox: image %s: %w", ic.ref, err)
+		return nil, fmt.Errorf("sandbox: image %s: %w", ic.Ref, err)
 	}
 	p, err := store.RootfsPath(img)
 	if err != nil {
@@ -155,7 +145,7 @@ func prepareImage(ctx context.Context, c config, main ExecOptions) (*rootfs, err
 		return nil, fmt.Errorf("sandbox: writable layer: %w", err)
 	}
 	r.upperPath = filepath.Join(r.upperDir, "upper.ext4")
-	if err := image.CreateUpper(r.upperPath, ic.rootfsSize); err != nil {
+	if err := image.CreateUpper(r.upperPath, ic.RootfsSize); err != nil {
 		os.RemoveAll(r.upperDir)
 		return nil, fmt.Errorf("sandbox: %w", err)
 	}

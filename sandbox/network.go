@@ -17,13 +17,6 @@ import (
 // unicast address.)
 var guestMAC = net.HardwareAddr{0x52, 0x54, 0x00, 0xca, 0x95, 0x01}
 
-// netConfig is a sandbox's network: nil in config means none, no NIC.
-type netConfig struct {
-	policy    *netstack.Policy
-	publish   []netstack.PortMapping
-	dnsServer string
-}
-
 // Network gives the sandbox a NIC behind capsa's user-mode NAT, which lets
 // the guest reach what policy allows (nil: netstack.PublicOnly(), public
 // addresses only). Without Network a sandbox has no network interface at
@@ -32,7 +25,7 @@ func (b *Builder) Network(policy *netstack.Policy) *Builder {
 	if policy == nil {
 		policy = netstack.PublicOnly()
 	}
-	b.netConfig().policy = policy
+	b.netConfig().Policy = policy
 	return b
 }
 
@@ -41,13 +34,12 @@ func (b *Builder) Network(policy *netstack.Policy) *Builder {
 // given; HOSTPORT 0 picks a free port (see Sandbox.Published). It needs
 // Network.
 func (b *Builder) Publish(spec string) *Builder {
-	m, err := netstack.ParsePublish(spec)
-	if err != nil {
+	if _, err := netstack.ParsePublish(spec); err != nil {
 		b.c.errs = append(b.c.errs, fmt.Errorf("sandbox: publish: %w", err))
 		return b
 	}
 	nc := b.netConfig()
-	nc.publish = append(nc.publish, m)
+	nc.Publish = append(nc.Publish, spec)
 	return b
 }
 
@@ -58,21 +50,21 @@ func (b *Builder) DNSServer(addr string) *Builder {
 		b.c.errs = append(b.c.errs, fmt.Errorf("sandbox: DNS server %q: want IP:PORT", addr))
 		return b
 	}
-	b.netConfig().dnsServer = addr
+	b.netConfig().DNSServer = addr
 	return b
 }
 
 // netConfig returns the builder's network settings, made on first use.
-func (b *Builder) netConfig() *netConfig {
-	if b.c.net == nil {
-		b.c.net = &netConfig{}
+func (b *Builder) netConfig() *NetworkSpec {
+	if b.c.Network == nil {
+		b.c.Network = &NetworkSpec{}
 	}
-	return b.c.net
+	return b.c.Network
 }
 
 // checkNetwork reports options that need Network without it.
 func (c *config) checkNetwork() error {
-	if c.net != nil && c.net.policy == nil {
+	if c.Network != nil && c.Network.Policy == nil {
 		return errors.New("sandbox: published ports and a DNS server need Network (the sandbox has no network)")
 	}
 	return nil
@@ -84,10 +76,17 @@ type network struct {
 	nic   *virtionet.Device
 }
 
-func startNetwork(ctx context.Context, nc *netConfig, log *slog.Logger) (*network, string, error) {
-	cfg := netstack.Config{GuestMAC: guestMAC, Policy: nc.policy, Publish: nc.publish, Logger: log}
-	if nc.dnsServer != "" {
-		upstream := nc.dnsServer
+func startNetwork(ctx context.Context, nc *NetworkSpec, log *slog.Logger) (*network, string, error) {
+	cfg := netstack.Config{GuestMAC: guestMAC, Policy: nc.Policy, Logger: log}
+	for _, p := range nc.Publish {
+		m, err := netstack.ParsePublish(p)
+		if err != nil {
+			return nil, "", fmt.Errorf("sandbox: publish: %w", err)
+		}
+		cfg.Publish = append(cfg.Publish, m)
+	}
+	if nc.DNSServer != "" {
+		upstream := nc.DNSServer
 		cfg.Resolver = &net.Resolver{PreferGo: true, Dial: func(ctx context.Context, network, _ string) (net.Conn, error) {
 			var d net.Dialer
 			return d.DialContext(ctx, network, upstream)

@@ -74,7 +74,7 @@ func (b *Builder) Patch(patches ...Patch) *Builder {
 			b.c.errs = append(b.c.errs, err)
 			continue
 		}
-		b.c.patches = append(b.c.patches, p)
+		b.c.Patches = append(b.c.Patches, p)
 	}
 	return b
 }

@@ -41,24 +41,14 @@ const guestCID = 3
 // DefaultReadyTimeout bounds the wait for the guest agent.
 const DefaultReadyTimeout = 60 * time.Second
 
+// config is what a builder holds: the description, and what exists only
+// while the sandbox runs.
 type config struct {
-	cpus         int
-	memoryMiB    int
-	env          []string
-	kernelPath   string
-	initrdPath   string
-	log          *slog.Logger
-	console      io.Writer
-	readyTimeout time.Duration
-	watchdog     time.Duration
-	maxOutput    int64
-	vsockSocket  string
-	shares       []share
-	disks        []disk
-	img          *imageConfig
-	net          *netConfig
-	patches      []Patch
-	errs         []error
+	Spec
+	log      *slog.Logger
+	console  io.Writer
+	progress func(image.Progress)
+	errs     []error
 }
 
 // Builder configures a sandbox. Choose its workload with Run to get a
@@ -67,7 +57,7 @@ type Builder struct{ c config }
 
 // New returns a builder: 1 vCPU, 512 MiB.
 func New() *Builder {
-	return &Builder{c: config{cpus: 1, memoryMiB: 512, readyTimeout: DefaultReadyTimeout}}
+	return &Builder{c: config{Spec: Spec{CPUs: 1, MemoryMiB: 512, ReadyTimeout: DefaultReadyTimeout}}}
 }
 
 // CPUs sets the number of vCPUs (1 to 64).
@@ -75,7 +65,7 @@ func (b *Builder) CPUs(n int) *Builder {
 	if n < 1 || n > vmm.MaxCPUs {
 		b.c.errs = append(b.c.errs, fmt.Errorf("sandbox: %d CPUs: must be between 1 and %d", n, vmm.MaxCPUs))
 	}
-	b.c.cpus = n
+	b.c.CPUs = n
 	return b
 }
 
@@ -84,7 +74,7 @@ func (b *Builder) Memory(mib int) *Builder {
 	if mib < 64 || mib > 1<<20 {
 		b.c.errs = append(b.c.errs, fmt.Errorf("sandbox: %d MiB of memory: must be between 64 and %d", mib, 1<<20))
 	}
-	b.c.memoryMiB = mib
+	b.c.MemoryMiB = mib
 	return b
 }
 
@@ -96,15 +86,15 @@ func (b *Builder) Env(kv ...string) *Builder {
 			b.c.errs = append(b.c.errs, fmt.Errorf("sandbox: environment entry %q: want KEY=VALUE", e))
 		}
 	}
-	b.c.env = append(b.c.env, kv...)
+	b.c.Env = append(b.c.Env, kv...)
 	return b
 }
 
 // Kernel replaces the built-in kernel with a vmlinux or bzImage file.
-func (b *Builder) Kernel(path string) *Builder { b.c.kernelPath = path; return b }
+func (b *Builder) Kernel(path string) *Builder { b.c.Kernel = path; return b }
 
 // Initrd replaces the built-in initramfs. It must start the capsa agent.
-func (b *Builder) Initrd(path string) *Builder { b.c.initrdPath = path; return b }
+func (b *Builder) Initrd(path string) *Builder { b.c.Initrd = path; return b }
 
 // Logger receives the VMM's log.
 func (b *Builder) Logger(l *slog.Logger) *Builder { b.c.log = l; return b }
@@ -116,16 +106,16 @@ func (b *Builder) Console(w io.Writer) *Builder { b.c.console = w; return b }
 // Firecracker's hybrid-vsock handshake ("CONNECT <port>\n", answered
 // "OK <hostport>\n"), so tools that speak it reach guest ports; guest
 // connections to a port P nobody listens on go to "<path>_P".
-func (b *Builder) VsockSocket(path string) *Builder { b.c.vsockSocket = path; return b }
+func (b *Builder) VsockSocket(path string) *Builder { b.c.VsockSocket = path; return b }
 
 // ReadyTimeout bounds how long Start waits for the guest agent.
-func (b *Builder) ReadyTimeout(d time.Duration) *Builder { b.c.readyTimeout = d; return b }
+func (b *Builder) ReadyTimeout(d time.Duration) *Builder { b.c.ReadyTimeout = d; return b }
 
 // OutputLimit bounds what the host holds of one guest answer: the output
 // Exec collects (unless ExecOptions.MaxOutput says otherwise) and the file
 // ReadFile returns. 0 is agent.DefaultMaxOutput (64 MiB); negative is no
 // limit. Stream and ReadFileTo pass data on and have none.
-func (b *Builder) OutputLimit(n int64) *Builder { b.c.maxOutput = n; return b }
+func (b *Builder) OutputLimit(n int64) *Builder { b.c.OutputLimit = n; return b }
 
 func (c config) logger() *slog.Logger {
 	if c.log == nil {
@@ -142,11 +132,12 @@ func (c *config) err() error { return errors.Join(append(c.errs, c.checkNetwork(
 
 // Run chooses the sandbox's main process: argv, run once the guest is up.
 func (b *Builder) Run(cmd string, args ...string) *Workload {
-	w := &Workload{c: b.c, main: ExecOptions{Argv: append([]string{cmd}, args...)}}
+	w := &Workload{c: b.c}
+	w.c.Main.Argv = append([]string{cmd}, args...)
 	if cmd == "" {
 		w.c.errs = append(w.c.errs, errors.New("sandbox: Run needs a command"))
 	}
-	if b.c.img != nil {
+	if b.c.Image != nil {
 		w.c.errs = append(w.c.errs, errors.New("sandbox: image options (ImageStore, Pull, RootfsSize, Entrypoint...) need OCI, not Run"))
 	}
 	return w
@@ -154,28 +145,30 @@ func (b *Builder) Run(cmd string, args ...string) *Workload {
 
 // Workload is a configured sandbox with its main process chosen.
 type Workload struct {
-	c    config
-	main ExecOptions
+	c      config
+	stdin  io.Reader
+	stdout io.Writer
+	stderr io.Writer
 }
 
 // Stdin feeds the main process's standard input.
-func (w *Workload) Stdin(r io.Reader) *Workload { w.main.Stdin = r; return w }
+func (w *Workload) Stdin(r io.Reader) *Workload { w.stdin = r; return w }
 
 // Stdout receives the main process's standard output as it comes.
-func (w *Workload) Stdout(o io.Writer) *Workload { w.main.Stdout = o; return w }
+func (w *Workload) Stdout(o io.Writer) *Workload { w.stdout = o; return w }
 
 // Stderr receives the main process's standard error as it comes.
-func (w *Workload) Stderr(o io.Writer) *Workload { w.main.Stderr = o; return w }
+func (w *Workload) Stderr(o io.Writer) *Workload { w.stderr = o; return w }
 
 // Dir sets the main process's working directory.
-func (w *Workload) Dir(dir string) *Workload { w.main.Dir = dir; return w }
+func (w *Workload) Dir(dir string) *Workload { w.c.Main.Dir = dir; return w }
 
 // User runs the main process as USER, UID, USER:GROUP or UID:GID, looked
 // up in the guest's /etc/passwd and /etc/group (an image's, with OCI).
-func (w *Workload) User(u string) *Workload { w.main.User = u; return w }
+func (w *Workload) User(u string) *Workload { w.c.Main.User = u; return w }
 
 // Timeout kills the main process after d.
-func (w *Workload) Timeout(d time.Duration) *Workload { w.main.Timeout = d; return w }
+func (w *Workload) Timeout(d time.Duration) *Workload { w.c.Main.Timeout = d; return w }
 
 // ExecOptions describe a process to run in the sandbox.
 type ExecOptions = agent.ExecOptions
@@ -219,28 +212,29 @@ func (w *Workload) Start(ctx context.Context) (*Sandbox, error) {
 	if err := w.c.err(); err != nil {
 		return nil, err
 	}
-	opts := w.main
+	opts := ExecOptions{Argv: w.c.Main.Argv, Dir: w.c.Main.Dir, User: w.c.Main.User, Timeout: w.c.Main.Timeout,
+		Stdin: w.stdin, Stdout: w.stdout, Stderr: w.stderr}
 	var root *rootfs
-	if w.c.img != nil {
+	if w.c.Image != nil {
 		var err error
-		if root, err = prepareImage(ctx, w.c, w.main); err != nil {
+		if root, err = prepareImage(ctx, w.c); err != nil {
 			return nil, err
 		}
 		opts.Argv, opts.Env, opts.Dir, opts.User = root.proc.Argv, root.proc.Env, root.proc.Dir, root.proc.User
 	} else {
-		opts.Env = append(append([]string(nil), w.c.env...), opts.Env...)
+		opts.Env = append(append([]string(nil), w.c.Env...), opts.Env...)
 	}
 	s, err := boot(ctx, w.c, root)
 	if err != nil {
 		root.remove()
 		return nil, err
 	}
-	if err := s.WaitReady(ctx, w.c.readyTimeout); err != nil {
+	if err := s.WaitReady(ctx, w.c.ReadyTimeout); err != nil {
 		s.Close()
 		return nil, err
 	}
 	// Errors are explained by the VM's end before Close ends it anyway.
-	if err := applyPatches(ctx, s.client, w.c.patches); err != nil {
+	if err := applyPatches(ctx, s.client, w.c.Patches); err != nil {
 		err = s.vmErr(err)
 		s.Close()
 		return nil, err
@@ -261,8 +255,8 @@ func (w *Workload) Start(ctx context.Context) (*Sandbox, error) {
 	s.mu.Lock()
 	s.main = p
 	s.mu.Unlock()
-	if w.c.watchdog > 0 {
-		go s.watch(w.c.watchdog)
+	if w.c.Watchdog > 0 {
+		go s.watch(w.c.Watchdog)
 	}
 	return s, nil
 }
@@ -278,18 +272,18 @@ func readOr(path string, builtinData func() ([]byte, error)) ([]byte, error) {
 // guest's / is that image.
 func boot(ctx context.Context, c config, root *rootfs) (_ *Sandbox, err error) {
 	start := time.Now()
-	kernel, err := readOr(c.kernelPath, builtin.Kernel)
+	kernel, err := readOr(c.Kernel, builtin.Kernel)
 	if err != nil {
 		return nil, fmt.Errorf("sandbox: kernel: %w", err)
 	}
-	initrd, err := readOr(c.initrdPath, builtin.Initramfs)
+	initrd, err := readOr(c.Initrd, builtin.Initramfs)
 	if err != nil {
 		return nil, fmt.Errorf("sandbox: initramfs: %w", err)
 	}
 	log := c.logger()
-	s := &Sandbox{c: c, vmDone: make(chan struct{}), ready: make(chan struct{}), started: start, rootfs: root, env: c.env}
+	s := &Sandbox{c: c, vmDone: make(chan struct{}), ready: make(chan struct{}), started: start, rootfs: root, env: c.Env}
 	if root != nil {
-		s.env = image.MergeEnv(root.img.Env(), c.env)
+		s.env = image.MergeEnv(root.img.Env(), c.Env)
 		s.dir = root.proc.Dir
 	}
 	// Until the VM runs, a failure releases what was set up so far.
@@ -305,8 +299,8 @@ func boot(ctx context.Context, c config, root *rootfs) (_ *Sandbox, err error) {
 	if err != nil {
 		return nil, err
 	}
-	if c.vsockSocket != "" {
-		if s.hybrid, err = s.dev.ServeUnix(c.vsockSocket); err != nil {
+	if c.VsockSocket != "" {
+		if s.hybrid, err = s.dev.ServeUnix(c.VsockSocket); err != nil {
 			return nil, fmt.Errorf("sandbox: %w", err)
 		}
 	}
@@ -325,22 +319,22 @@ func boot(ctx context.Context, c config, root *rootfs) (_ *Sandbox, err error) {
 		}
 		cmdline = append(cmdline, "capsa.root=image")
 	}
-	if c.net != nil {
+	if c.Network != nil {
 		var ipArg string
-		if s.net, ipArg, err = startNetwork(context.WithoutCancel(ctx), c.net, log); err != nil {
+		if s.net, ipArg, err = startNetwork(context.WithoutCancel(ctx), c.Network, log); err != nil {
 			return nil, err
 		}
 		cmdline = append(cmdline, ipArg)
 		devices = append(devices, s.net.nic)
 	}
-	if s.shares, err = shareDevices(c.shares, log); err != nil {
+	if s.shares, err = shareDevices(c.Shares, log); err != nil {
 		return nil, err
 	}
 	for i, d := range s.shares {
-		cmdline = append(cmdline, shareArg(i, c.shares[i]))
+		cmdline = append(cmdline, shareArg(i, c.Shares[i]))
 		devices = append(devices, d)
 	}
-	userDisks, err := diskDevices(c.disks, c)
+	userDisks, err := diskDevices(c.Disks, c)
 	if err != nil {
 		return nil, err
 	}
@@ -349,7 +343,7 @@ func boot(ctx context.Context, c config, root *rootfs) (_ *Sandbox, err error) {
 		devices = append(devices, d)
 	}
 	s.vm, err = vmm.New(ctx, vmm.Config{
-		Kernel: kernel, Initrd: initrd, CPUs: c.cpus, MemoryBytes: uint64(c.memoryMiB) << 20,
+		Kernel: kernel, Initrd: initrd, CPUs: c.CPUs, MemoryBytes: uint64(c.MemoryMiB) << 20,
 		Cmdline: strings.Join(cmdline, " "), Console: c.console,
 		Devices: devices, Log: log, Start: start,
 	})
@@ -458,7 +452,7 @@ type Output = agent.Output
 func (s *Sandbox) Exec(ctx context.Context, o ExecOptions) (*Output, error) {
 	o = s.defaults(o)
 	if o.MaxOutput == 0 {
-		o.MaxOutput = s.c.maxOutput
+		o.MaxOutput = s.c.OutputLimit
 	}
 	out, err := s.client.Output(ctx, o)
 	return out, s.vmErr(err)
@@ -486,7 +480,7 @@ func (s *Sandbox) defaults(o ExecOptions) ExecOptions {
 // ReadFile returns a guest file's contents, up to the OutputLimit (past
 // it the error wraps agent.ErrLimit; ReadFileTo streams without one).
 func (s *Sandbox) ReadFile(ctx context.Context, path string) ([]byte, error) {
-	b, err := s.client.ReadAll(ctx, path, s.c.maxOutput)
+	b, err := s.client.ReadAll(ctx, path, s.c.OutputLimit)
 	if errors.Is(err, agent.ErrLimit) {
 		return nil, fmt.Errorf("%w (Builder.OutputLimit; ReadFileTo streams it)", err)
 	}

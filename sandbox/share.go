@@ -34,11 +34,6 @@ func (m ShareMode) String() string {
 // virtio device with its own interrupt line).
 const MaxShares = 16
 
-type share struct {
-	host, guest string
-	mode        ShareMode
-}
-
 // Share makes the host directory hostPath appear in the guest at guestPath
 // (an absolute path, created if missing), over virtio-9p. The guest cannot
 // reach anything outside hostPath through it: not by symlinks, "..",
@@ -49,17 +44,17 @@ func (b *Builder) Share(hostPath, guestPath string, mode ShareMode) *Builder {
 		b.c.errs = append(b.c.errs, err)
 		return b
 	}
-	for _, o := range b.c.shares {
-		if o.guest == sh.guest {
-			b.c.errs = append(b.c.errs, fmt.Errorf("sandbox: share %s: guest path %s is already shared from %s", hostPath, sh.guest, o.host))
+	for _, o := range b.c.Shares {
+		if o.Guest == sh.Guest {
+			b.c.errs = append(b.c.errs, fmt.Errorf("sandbox: share %s: guest path %s is already shared from %s", hostPath, sh.Guest, o.Host))
 			return b
 		}
 	}
-	if len(b.c.shares) == MaxShares {
+	if len(b.c.Shares) == MaxShares {
 		b.c.errs = append(b.c.errs, fmt.Errorf("sandbox: share %s: at most %d shares", hostPath, MaxShares))
 		return b
 	}
-	b.c.shares = append(b.c.shares, sh)
+	b.c.Shares = append(b.c.Shares, sh)
 	return b
 }
 
@@ -67,40 +62,40 @@ func (b *Builder) Share(hostPath, guestPath string, mode ShareMode) *Builder {
 // hide them.
 var reservedGuestPaths = []string{"/proc", "/sys", "/dev", "/run", "/bin", "/bbin", "/init"}
 
-func checkShare(hostPath, guestPath string, mode ShareMode) (share, error) {
+func checkShare(hostPath, guestPath string, mode ShareMode) (ShareSpec, error) {
 	if mode != ReadOnly && mode != ReadWrite {
-		return share{}, fmt.Errorf("sandbox: share %s: unknown mode %d", hostPath, mode)
+		return ShareSpec{}, fmt.Errorf("sandbox: share %s: unknown mode %d", hostPath, mode)
 	}
 	if hostPath == "" {
-		return share{}, fmt.Errorf("sandbox: share: empty host path")
+		return ShareSpec{}, fmt.Errorf("sandbox: share: empty host path")
 	}
 	abs, err := filepath.Abs(hostPath)
 	if err != nil {
-		return share{}, fmt.Errorf("sandbox: share %s: %w", hostPath, err)
+		return ShareSpec{}, fmt.Errorf("sandbox: share %s: %w", hostPath, err)
 	}
 	fi, err := os.Stat(abs)
 	switch {
 	case err != nil:
-		return share{}, fmt.Errorf("sandbox: share %s: %w", hostPath, err)
+		return ShareSpec{}, fmt.Errorf("sandbox: share %s: %w", hostPath, err)
 	case !fi.IsDir():
-		return share{}, fmt.Errorf("sandbox: share %s: not a directory", hostPath)
+		return ShareSpec{}, fmt.Errorf("sandbox: share %s: not a directory", hostPath)
 	}
 	if !path.IsAbs(guestPath) {
-		return share{}, fmt.Errorf("sandbox: share %s: guest path %q must be absolute", hostPath, guestPath)
+		return ShareSpec{}, fmt.Errorf("sandbox: share %s: guest path %q must be absolute", hostPath, guestPath)
 	}
 	if strings.ContainsRune(guestPath, 0) {
-		return share{}, fmt.Errorf("sandbox: share %s: guest path %q holds a NUL byte", hostPath, guestPath)
+		return ShareSpec{}, fmt.Errorf("sandbox: share %s: guest path %q holds a NUL byte", hostPath, guestPath)
 	}
 	g := path.Clean(guestPath)
 	if g == "/" {
-		return share{}, fmt.Errorf("sandbox: share %s: cannot share over the guest's root", hostPath)
+		return ShareSpec{}, fmt.Errorf("sandbox: share %s: cannot share over the guest's root", hostPath)
 	}
 	for _, r := range reservedGuestPaths {
 		if g == r || strings.HasPrefix(g, r+"/") {
-			return share{}, fmt.Errorf("sandbox: share %s: guest path %s is inside %s, which the guest's init owns", hostPath, g, r)
+			return ShareSpec{}, fmt.Errorf("sandbox: share %s: guest path %s is inside %s, which the guest's init owns", hostPath, g, r)
 		}
 	}
-	return share{host: abs, guest: g, mode: mode}, nil
+	return ShareSpec{Host: abs, Guest: g, Mode: mode}, nil
 }
 
 // ParseShare parses the CLI's volume syntax HOST:GUEST[:ro|:rw].
@@ -126,22 +121,22 @@ func shareTag(i int) string { return fmt.Sprintf("capsa%d", i) }
 // shareArg is the kernel command-line word telling the guest's init to
 // mount share i: capsa.share=TAG,MODE,PATH with PATH escaped so that no
 // space or quote reaches the command line.
-func shareArg(i int, sh share) string {
-	return fmt.Sprintf("capsa.share=%s,%s,%s", shareTag(i), sh.mode, url.PathEscape(sh.guest))
+func shareArg(i int, sh ShareSpec) string {
+	return fmt.Sprintf("capsa.share=%s,%s,%s", shareTag(i), sh.Mode, url.PathEscape(sh.Guest))
 }
 
 // shareDevices makes each share's confined file server and device. On
 // error it returns the devices made so far, for the caller to close.
-func shareDevices(shares []share, log *slog.Logger) ([]*ninep.Device, error) {
+func shareDevices(shares []ShareSpec, log *slog.Logger) ([]*ninep.Device, error) {
 	var devs []*ninep.Device
 	for i, sh := range shares {
-		a, err := p9fs.New(sh.host, p9fs.Options{ReadOnly: sh.mode == ReadOnly, Logger: log})
+		a, err := p9fs.New(sh.Host, p9fs.Options{ReadOnly: sh.Mode == ReadOnly, Logger: log})
 		if err != nil {
-			return devs, fmt.Errorf("sandbox: share %s: %w", sh.host, err)
+			return devs, fmt.Errorf("sandbox: share %s: %w", sh.Host, err)
 		}
-		d, err := ninep.New(shareTag(i), a, ninep.Options{ReadOnly: sh.mode == ReadOnly}, log)
+		d, err := ninep.New(shareTag(i), a, ninep.Options{ReadOnly: sh.Mode == ReadOnly}, log)
 		if err != nil {
-			return devs, fmt.Errorf("sandbox: share %s: %w", sh.host, err)
+			return devs, fmt.Errorf("sandbox: share %s: %w", sh.Host, err)
 		}
 		devs = append(devs, d)
 	}

@@ -6,7 +6,7 @@ import (
 )
 
 func TestParseShare(t *testing.T) {
-	for spec, want := range map[string]share{
+	for spec, want := range map[string]ShareSpec{
 		"/srv/data:/data":        {"/srv/data", "/data", ReadWrite},
 		"/srv/data:/data:ro":     {"/srv/data", "/data", ReadOnly},
 		"/srv/data:/data:rw":     {"/srv/data", "/data", ReadWrite},
@@ -14,7 +14,7 @@ func TestParseShare(t *testing.T) {
 		"/a:b/c:/mnt/with:colon": {"/a:b/c", "/mnt/with:colon", ReadWrite},
 	} {
 		h, g, m, err := ParseShare(spec)
-		if err != nil || (share{h, g, m}) != want {
+		if err != nil || (ShareSpec{h, g, m}) != want {
 			t.Errorf("ParseShare(%q) = %q %q %v, %v; want %+v", spec, h, g, m, err, want)
 		}
 	}
@@ -28,8 +28,8 @@ func TestParseShare(t *testing.T) {
 func TestShareChecks(t *testing.T) {
 	dir := t.TempDir()
 	b := New().Share(dir, "/data/../work/", ReadOnly)
-	if err := b.Err(); err != nil || len(b.c.shares) != 1 || b.c.shares[0].guest != "/work" {
-		t.Fatalf("share: %v %+v", err, b.c.shares)
+	if err := b.Err(); err != nil || len(b.c.Shares) != 1 || b.c.Shares[0].Guest != "/work" {
+		t.Fatalf("share: %v %+v", err, b.c.Shares)
 	}
 	for _, tc := range []struct {
 		host, guest, want string
@@ -59,7 +59,7 @@ func TestShareChecks(t *testing.T) {
 }
 
 func TestShareArgEscapesThePath(t *testing.T) {
-	got := shareArg(2, share{guest: "/my data/\"q\"", mode: ReadOnly})
+	got := shareArg(2, ShareSpec{Guest: "/my data/\"q\"", Mode: ReadOnly})
 	if got != "capsa.share=capsa2,ro,%2Fmy%20data%2F%22q%22" && got != "capsa.share=capsa2,ro,/my%20data/%22q%22" {
 		t.Errorf("shareArg = %q", got)
 	}

@@ -20,7 +20,7 @@ func (b *Builder) Watchdog(d time.Duration) *Builder {
 	if d < 0 {
 		b.c.errs = append(b.c.errs, fmt.Errorf("sandbox: watchdog %v: must not be negative", d))
 	}
-	b.c.watchdog = d
+	b.c.Watchdog = d
 	return b
 }
 

@@ -1,0 +1,216 @@
+package sandbox
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"log/slog"
+	"time"
+
+	"github.com/capsa-sandbox/capsa/image"
+	"github.com/capsa-sandbox/capsa/netstack"
+)
+
+// Spec is a sandbox's description as data: what the builder fills, what
+// the CLI, a detached sandbox's supervisor and its state record share, and
+// what snapshots embed. It is plain JSON. What only exists while a sandbox
+// runs (the logger, the console writer, the main process's stdin and
+// output, a pull progress callback) is given at start, not stored here.
+//
+// A Spec is checked when it becomes a Workload (FromSpec), by the same
+// builder methods, so a bad one gets the same errors before anything boots.
+type Spec struct {
+	CPUs      int      `json:"cpus"`
+	MemoryMiB int      `json:"memory_mib"`
+	Env       []string `json:"env,omitempty"`    // KEY=VALUE for every process
+	Kernel    string   `json:"kernel,omitempty"` // empty: the built-in kernel
+	Initrd    string   `json:"initrd,omitempty"` // empty: the built-in initramfs
+
+	ReadyTimeout time.Duration `json:"ready_timeout_ns,omitempty"`
+	Watchdog     time.Duration `json:"watchdog_ns,omitempty"`
+	OutputLimit  int64         `json:"output_limit,omitempty"`
+	VsockSocket  string        `json:"vsock_socket,omitempty"`
+
+	Shares  []ShareSpec  `json:"shares,omitempty"`
+	Disks   []DiskSpec   `json:"disks,omitempty"`
+	Network *NetworkSpec `json:"network,omitempty"` // nil: no NIC
+	Patches []Patch      `json:"patches,omitempty"`
+	Image   *ImageSpec   `json:"image,omitempty"` // nil: the initramfs is the root
+
+	Main ProcessSpec `json:"main"`
+}
+
+// ShareSpec is a shared host directory (Builder.Share).
+type ShareSpec struct {
+	Host  string    `json:"host"`
+	Guest string    `json:"guest"`
+	Mode  ShareMode `json:"mode"`
+}
+
+// DiskSpec is a host file attached as a block device (Builder.Disk).
+type DiskSpec struct {
+	Path string    `json:"path"`
+	Mode ShareMode `json:"mode"`
+}
+
+// NetworkSpec is the sandbox's NIC and NAT (Builder.Network, Publish,
+// DNSServer).
+type NetworkSpec struct {
+	Policy    *netstack.Policy `json:"policy"`            // nil: netstack.PublicOnly()
+	Publish   []string         `json:"publish,omitempty"` // as Publish takes them
+	DNSServer string           `json:"dns_server,omitempty"`
+}
+
+// ImageSpec is an OCI image as the root filesystem (Builder.OCI and the
+// image options).
+type ImageSpec struct {
+	Ref  string   `json:"ref"`
+	Args []string `json:"args,omitempty"` // replace the image's CMD
+	// Entrypoint replaces the image's ENTRYPOINT when not nil (and drops
+	// its CMD); an empty, non-nil one clears it.
+	Entrypoint []string   `json:"entrypoint"`
+	Pull       PullPolicy `json:"pull,omitempty"`
+	Store      string     `json:"store,omitempty"` // empty: image.DefaultDir
+	Insecure   []string   `json:"insecure,omitempty"`
+	RootfsSize int64      `json:"rootfs_size,omitempty"`
+}
+
+// ProcessSpec is the sandbox's main process. With an image, Argv is empty
+// and the image says what runs (ImageSpec.Args, Entrypoint).
+type ProcessSpec struct {
+	Argv    []string      `json:"argv,omitempty"`
+	Dir     string        `json:"dir,omitempty"`
+	User    string        `json:"user,omitempty"`
+	Timeout time.Duration `json:"timeout_ns,omitempty"`
+}
+
+// MarshalText writes "rw" or "ro".
+func (m ShareMode) MarshalText() ([]byte, error) {
+	if m != ReadOnly && m != ReadWrite {
+		return nil, fmt.Errorf("sandbox: share mode %d", int(m))
+	}
+	return []byte(m.String()), nil
+}
+
+// UnmarshalText reads "rw" or "ro".
+func (m *ShareMode) UnmarshalText(b []byte) error {
+	switch string(b) {
+	case "rw":
+		*m = ReadWrite
+	case "ro":
+		*m = ReadOnly
+	default:
+		return fmt.Errorf("sandbox: share mode %q: want rw or ro", b)
+	}
+	return nil
+}
+
+// MarshalText writes the operation's name.
+func (o PatchOp) MarshalText() ([]byte, error) {
+	if o < PatchWrite || o > PatchCopy {
+		return nil, fmt.Errorf("sandbox: %v", o)
+	}
+	return []byte(o.String()), nil
+}
+
+// UnmarshalText reads an operation's name.
+func (o *PatchOp) UnmarshalText(b []byte) error {
+	for op := PatchWrite; op <= PatchCopy; op++ {
+		if op.String() == string(b) {
+			*o = op
+			return nil
+		}
+	}
+	return fmt.Errorf("sandbox: patch operation %q: want write, mkdir, symlink, remove or copy", b)
+}
+
+// Spec returns the workload's description, or the error Start would
+// return for it.
+func (w *Workload) Spec() (Spec, error) {
+	if err := w.c.err(); err != nil {
+		return Spec{}, err
+	}
+	// A deep copy through JSON: the caller may change it freely.
+	b, err := json.Marshal(w.c.Spec)
+	if err != nil {
+		return Spec{}, fmt.Errorf("sandbox: spec: %w", err)
+	}
+	var s Spec
+	if err := json.Unmarshal(b, &s); err != nil {
+		return Spec{}, fmt.Errorf("sandbox: spec: %w", err)
+	}
+	return s, nil
+}
+
+// FromSpec returns the workload s describes, checked by the builder's own
+// methods (Start and Spec return what is wrong). Give it what only exists
+// at run time (Logger, Console, Stdin, Stdout, Stderr, PullProgress)
+// before Start. CPUs and MemoryMiB of 0 are New's defaults.
+func FromSpec(s Spec) *Workload {
+	b := New()
+	if s.CPUs != 0 {
+		b.CPUs(s.CPUs)
+	}
+	if s.MemoryMiB != 0 {
+		b.Memory(s.MemoryMiB)
+	}
+	b.Env(s.Env...)
+	b.c.Kernel, b.c.Initrd = s.Kernel, s.Initrd
+	if s.ReadyTimeout != 0 {
+		b.ReadyTimeout(s.ReadyTimeout)
+	}
+	b.Watchdog(s.Watchdog).OutputLimit(s.OutputLimit).VsockSocket(s.VsockSocket)
+	for _, sh := range s.Shares {
+		b.Share(sh.Host, sh.Guest, sh.Mode)
+	}
+	for _, d := range s.Disks {
+		b.Disk(d.Path, d.Mode)
+	}
+	if n := s.Network; n != nil {
+		b.Network(n.Policy)
+		for _, p := range n.Publish {
+			b.Publish(p)
+		}
+		if n.DNSServer != "" {
+			b.DNSServer(n.DNSServer)
+		}
+	}
+	b.Patch(s.Patches...)
+	var w *Workload
+	if im := s.Image; im != nil {
+		if im.Pull != "" {
+			b.Pull(im.Pull)
+		}
+		if im.Store != "" {
+			b.ImageStore(im.Store)
+		}
+		b.InsecureRegistry(im.Insecure...)
+		if im.RootfsSize != 0 {
+			b.RootfsSize(im.RootfsSize)
+		}
+		if im.Entrypoint != nil {
+			b.Entrypoint(im.Entrypoint...)
+		}
+		w = b.OCI(im.Ref, im.Args...)
+		if len(s.Main.Argv) > 0 {
+			w.c.errs = append(w.c.errs, fmt.Errorf("sandbox: spec: an image sandbox's main process comes from the image (image args), not main.argv"))
+		}
+	} else {
+		if len(s.Main.Argv) == 0 {
+			w = b.Run("")
+		} else {
+			w = b.Run(s.Main.Argv[0], s.Main.Argv[1:]...)
+		}
+	}
+	return w.Dir(s.Main.Dir).User(s.Main.User).Timeout(s.Main.Timeout)
+}
+
+// Logger receives the VMM's log (Builder.Logger).
+func (w *Workload) Logger(l *slog.Logger) *Workload { w.c.log = l; return w }
+
+// Console receives the guest's serial console (Builder.Console).
+func (w *Workload) Console(c io.Writer) *Workload { w.c.console = c; return w }
+
+// PullProgress receives progress while an image is pulled
+// (Builder.PullProgress); without an image it does nothing.
+func (w *Workload) PullProgress(fn func(image.Progress)) *Workload { w.c.progress = fn; return w }
