@@ -186,7 +186,7 @@ type Sandbox struct {
 	c       config
 	vm      *vmm.Machine
 	dev     *vsock.Device
-	client  *agent.Client
+	Guest   // the agent's operations: Exec, Stream, files, Info
 	cancel  context.CancelFunc
 	vmDone  chan struct{}
 	exit    *vmm.Exit
@@ -196,8 +196,6 @@ type Sandbox struct {
 	shares  []*ninep.Device
 	disks   []*virtioblk.Device
 	rootfs  *rootfs
-	env     []string // every process's environment before its own
-	dir     string   // every process's default working directory
 	net     *network
 
 	mu       sync.Mutex
@@ -281,7 +279,8 @@ func boot(ctx context.Context, c config, root *rootfs) (_ *Sandbox, err error) {
 		return nil, fmt.Errorf("sandbox: initramfs: %w", err)
 	}
 	log := c.logger()
-	s := &Sandbox{c: c, vmDone: make(chan struct{}), ready: make(chan struct{}), started: start, rootfs: root, env: c.Env}
+	s := &Sandbox{c: c, vmDone: make(chan struct{}), ready: make(chan struct{}), started: start, rootfs: root}
+	s.Guest = Guest{env: c.Env, limit: c.OutputLimit, explain: s.vmErr}
 	if root != nil {
 		s.env = image.MergeEnv(root.img.Env(), c.Env)
 		s.dir = root.proc.Dir
@@ -443,103 +442,6 @@ func (s *Sandbox) vmErr(err error) error {
 	default:
 		return err
 	}
-}
-
-// Output is what a collected exec produced.
-type Output = agent.Output
-
-// Exec runs a process to the end and collects its output.
-func (s *Sandbox) Exec(ctx context.Context, o ExecOptions) (*Output, error) {
-	o = s.defaults(o)
-	if o.MaxOutput == 0 {
-		o.MaxOutput = s.c.OutputLimit
-	}
-	out, err := s.client.Output(ctx, o)
-	return out, s.vmErr(err)
-}
-
-// Stream starts a process whose output streams to o.Stdout and o.Stderr;
-// the Process can be signalled and waited for.
-func (s *Sandbox) Stream(ctx context.Context, o ExecOptions) (*agent.Process, error) {
-	o = s.defaults(o)
-	p, err := s.client.Start(ctx, o)
-	return p, s.vmErr(err)
-}
-
-// defaults gives a process the sandbox's environment (the image's, then
-// Env's) under its own, and the image's working directory unless it
-// names one.
-func (s *Sandbox) defaults(o ExecOptions) ExecOptions {
-	o.Env = image.MergeEnv(s.env, o.Env)
-	if o.Dir == "" {
-		o.Dir = s.dir
-	}
-	return o
-}
-
-// ReadFile returns a guest file's contents, up to the OutputLimit (past
-// it the error wraps agent.ErrLimit; ReadFileTo streams without one).
-func (s *Sandbox) ReadFile(ctx context.Context, path string) ([]byte, error) {
-	b, err := s.client.ReadAll(ctx, path, s.c.OutputLimit)
-	if errors.Is(err, agent.ErrLimit) {
-		return nil, fmt.Errorf("%w (Builder.OutputLimit; ReadFileTo streams it)", err)
-	}
-	return b, s.vmErr(err)
-}
-
-// ReadFileTo streams a guest file into w.
-func (s *Sandbox) ReadFileTo(ctx context.Context, path string, w io.Writer) error {
-	_, err := s.client.ReadFile(ctx, path, w)
-	return s.vmErr(err)
-}
-
-// WriteFile writes data to a guest file with mode.
-func (s *Sandbox) WriteFile(ctx context.Context, path string, data []byte, mode os.FileMode) error {
-	return s.vmErr(s.client.WriteFile(ctx, path, mode, bytes.NewReader(data)))
-}
-
-// WriteFileFrom streams r into a guest file with mode.
-func (s *Sandbox) WriteFileFrom(ctx context.Context, path string, r io.Reader, mode os.FileMode) error {
-	return s.vmErr(s.client.WriteFile(ctx, path, mode, r))
-}
-
-// Stat describes a guest path.
-func (s *Sandbox) Stat(ctx context.Context, path string) (*agent.FileInfo, error) {
-	fi, err := s.client.Stat(ctx, path)
-	return fi, s.vmErr(err)
-}
-
-// ListDir lists a guest directory.
-func (s *Sandbox) ListDir(ctx context.Context, path string) ([]agent.FileInfo, error) {
-	l, err := s.client.ListDir(ctx, path)
-	return l, s.vmErr(err)
-}
-
-// Mkdir makes a guest directory; MkdirAll its parents too.
-func (s *Sandbox) Mkdir(ctx context.Context, path string, mode os.FileMode) error {
-	return s.vmErr(s.client.Mkdir(ctx, path, mode, false))
-}
-
-// MkdirAll makes a guest directory and its parents (mkdir -p).
-func (s *Sandbox) MkdirAll(ctx context.Context, path string, mode os.FileMode) error {
-	return s.vmErr(s.client.Mkdir(ctx, path, mode, true))
-}
-
-// Remove removes a guest path; recursive removes a tree.
-func (s *Sandbox) Remove(ctx context.Context, path string, recursive bool) error {
-	return s.vmErr(s.client.Remove(ctx, path, recursive))
-}
-
-// Exists reports whether a guest path exists.
-func (s *Sandbox) Exists(ctx context.Context, path string) (bool, error) {
-	ok, err := s.client.Exists(ctx, path)
-	return ok, s.vmErr(err)
-}
-
-// Info describes the guest.
-func (s *Sandbox) Info(ctx context.Context) (*agent.Info, error) {
-	in, err := s.client.Info(ctx)
-	return in, s.vmErr(err)
 }
 
 // Shutdown asks the guest to stop and waits for the VM to end; if the guest

@@ -1,0 +1,144 @@
+package sandbox
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+
+	"github.com/capsa-sandbox/capsa/agent"
+	"github.com/capsa-sandbox/capsa/image"
+)
+
+// Guest is what runs in a sandbox's guest, through its agent: processes,
+// files and the guest's description. A Sandbox started here has it, and so
+// does a detached sandbox reached by name (supervisor.Open): each
+// operation has this one implementation.
+type Guest struct {
+	client  *agent.Client
+	env     []string // every process's environment before its own
+	dir     string   // every process's default working directory
+	limit   int64    // Exec's and ReadFile's bound (Builder.OutputLimit)
+	explain func(error) error
+}
+
+// NewGuest reaches the agent through client. Every process gets env (the
+// sandbox's environment, under its own) and starts in dir unless it names
+// one; limit bounds collected output as Builder.OutputLimit does. explain,
+// if not nil, adds to an error why the sandbox may have gone.
+func NewGuest(client *agent.Client, env []string, dir string, limit int64, explain func(error) error) *Guest {
+	if explain == nil {
+		explain = func(err error) error { return err }
+	}
+	return &Guest{client: client, env: env, dir: dir, limit: limit, explain: explain}
+}
+
+// Agent is the agent's client, for what Guest does not wrap.
+func (s *Guest) Agent() *agent.Client { return s.client }
+
+// Output is what a collected exec produced.
+type Output = agent.Output
+
+// Exec runs a process to the end and collects its output.
+func (s *Guest) Exec(ctx context.Context, o ExecOptions) (*Output, error) {
+	o = s.defaults(o)
+	if o.MaxOutput == 0 {
+		o.MaxOutput = s.limit
+	}
+	out, err := s.client.Output(ctx, o)
+	return out, s.explain(err)
+}
+
+// Stream starts a process whose output streams to o.Stdout and o.Stderr;
+// the Process can be signalled and waited for.
+func (s *Guest) Stream(ctx context.Context, o ExecOptions) (*agent.Process, error) {
+	o = s.defaults(o)
+	p, err := s.client.Start(ctx, o)
+	return p, s.explain(err)
+}
+
+// defaults gives a process the sandbox's environment (the image's, then
+// Env's) under its own, and the image's working directory unless it
+// names one.
+func (s *Guest) defaults(o ExecOptions) ExecOptions {
+	o.Env = image.MergeEnv(s.env, o.Env)
+	if o.Dir == "" {
+		o.Dir = s.dir
+	}
+	return o
+}
+
+// ReadFile returns a guest file's contents, up to the OutputLimit (past
+// it the error wraps agent.ErrLimit; ReadFileTo streams without one).
+func (s *Guest) ReadFile(ctx context.Context, path string) ([]byte, error) {
+	b, err := s.client.ReadAll(ctx, path, s.limit)
+	if errors.Is(err, agent.ErrLimit) {
+		return nil, fmt.Errorf("%w (Builder.OutputLimit; ReadFileTo streams it)", err)
+	}
+	return b, s.explain(err)
+}
+
+// ReadFileTo streams a guest file into w.
+func (s *Guest) ReadFileTo(ctx context.Context, path string, w io.Writer) error {
+	_, err := s.client.ReadFile(ctx, path, w)
+	return s.explain(err)
+}
+
+// WriteFile writes data to a guest file with mode.
+func (s *Guest) WriteFile(ctx context.Context, path string, data []byte, mode os.FileMode) error {
+	return s.explain(s.client.WriteFile(ctx, path, mode, bytes.NewReader(data)))
+}
+
+// WriteFileFrom streams r into a guest file with mode.
+func (s *Guest) WriteFileFrom(ctx context.Context, path string, r io.Reader, mode os.FileMode) error {
+	return s.explain(s.client.WriteFile(ctx, path, mode, r))
+}
+
+// Stat describes a guest path.
+func (s *Guest) Stat(ctx context.Context, path string) (*agent.FileInfo, error) {
+	fi, err := s.client.Stat(ctx, path)
+	return fi, s.explain(err)
+}
+
+// ListDir lists a guest directory.
+func (s *Guest) ListDir(ctx context.Context, path string) ([]agent.FileInfo, error) {
+	l, err := s.client.ListDir(ctx, path)
+	return l, s.explain(err)
+}
+
+// Mkdir makes a guest directory; MkdirAll its parents too.
+func (s *Guest) Mkdir(ctx context.Context, path string, mode os.FileMode) error {
+	return s.explain(s.client.Mkdir(ctx, path, mode, false))
+}
+
+// MkdirAll makes a guest directory and its parents (mkdir -p).
+func (s *Guest) MkdirAll(ctx context.Context, path string, mode os.FileMode) error {
+	return s.explain(s.client.Mkdir(ctx, path, mode, true))
+}
+
+// Remove removes a guest path; recursive removes a tree.
+func (s *Guest) Remove(ctx context.Context, path string, recursive bool) error {
+	return s.explain(s.client.Remove(ctx, path, recursive))
+}
+
+// Exists reports whether a guest path exists.
+func (s *Guest) Exists(ctx context.Context, path string) (bool, error) {
+	ok, err := s.client.Exists(ctx, path)
+	return ok, s.explain(err)
+}
+
+// Info describes the guest.
+func (s *Guest) Info(ctx context.Context) (*agent.Info, error) {
+	in, err := s.client.Info(ctx)
+	return in, s.explain(err)
+}
+
+
+// Defaults are what every process gets unless it says otherwise: the
+// sandbox's environment and working directory (an image's, then the
+// builder's).
+func (s *Guest) Defaults() (env []string, dir string) {
+	return append([]string(nil), s.env...), s.dir
+}

@@ -1,0 +1,384 @@
+// Package store records detached sandboxes: each one's name, description
+// (sandbox.Spec), state, supervisor and exit. Its starting point is Open;
+// Store.Create reserves a name and Store.Get and Store.List read records
+// with their liveness checked.
+//
+// The state directory holds
+//
+//	state.db              the records (bbolt), opened per operation
+//	sandboxes/NAME/       one sandbox's runtime files (0700):
+//	    lock              held (flock) by its supervisor while it lives
+//	    agent.sock        the guest agent, hybrid-vsock style
+//	    control.sock      the supervisor's control API
+//	    main.log ...      the main process's output, bounded
+//
+// A supervisor holds its sandbox's lock for its whole life, so a record
+// that says running while nobody holds the lock belongs to a supervisor
+// that died (killed, or the host rebooted): reading it reports it crashed.
+// The directory and the sockets are the user's alone (0700, 0600): another
+// local user gets a permission error, not a sandbox.
+package store
+
+import (
+	"crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"regexp"
+	"sort"
+	"syscall"
+	"time"
+
+	"github.com/capsa-sandbox/capsa/sandbox"
+	bolt "go.etcd.io/bbolt"
+)
+
+// State is where a sandbox is in its life.
+type State string
+
+const (
+	Creating State = "creating" // its supervisor is booting it
+	Running  State = "running"
+	Exited   State = "exited"  // stopped, or its main process ended
+	Crashed  State = "crashed" // its supervisor died without recording an end
+)
+
+// Record is what the store keeps of a sandbox.
+type Record struct {
+	Name    string       `json:"name"`
+	ID      string       `json:"id"`
+	Spec    sandbox.Spec `json:"spec"`
+	State   State        `json:"state"`
+	PID     int          `json:"pid,omitempty"` // the supervisor's
+	Created time.Time    `json:"created"`
+	Started time.Time    `json:"started,omitzero"`
+	Ended   time.Time    `json:"ended,omitzero"`
+	// ExitCode is the main process's exit code once it has one.
+	ExitCode *int `json:"exit_code,omitempty"`
+	// Reason says why the sandbox ended or crashed.
+	Reason string `json:"reason,omitempty"`
+	// Env and Dir are the defaults every exec gets (an image's): see
+	// sandbox.Guest.Defaults.
+	Env []string `json:"env,omitempty"`
+	Dir string   `json:"dir,omitempty"`
+	// Ports are the published ports with the host addresses they got.
+	Ports []string `json:"ports,omitempty"`
+	// TTL stops the sandbox this long after it started; IdleTimeout this
+	// long after the last exec or copy. 0: never.
+	TTL         time.Duration `json:"ttl_ns,omitempty"`
+	IdleTimeout time.Duration `json:"idle_timeout_ns,omitempty"`
+}
+
+// Alive reports whether the sandbox's supervisor may still be running.
+func (r *Record) Alive() bool { return r.State == Creating || r.State == Running }
+
+var (
+	// ErrNotFound is returned for a name with no record.
+	ErrNotFound = errors.New("no such sandbox")
+	// ErrExists is returned when a name is taken.
+	ErrExists = errors.New("a sandbox with that name exists")
+)
+
+// Store is the state directory. Several processes may use it at once:
+// bbolt serializes their transactions.
+type Store struct {
+	dir string
+}
+
+// nameRE is what a sandbox name may be: it names a directory and appears
+// in socket paths.
+var nameRE = regexp.MustCompile(`^[a-zA-Z0-9][a-zA-Z0-9_.-]{0,62}$`)
+
+// CheckName refuses a name that cannot be a sandbox's.
+func CheckName(name string) error {
+	if !nameRE.MatchString(name) {
+		return fmt.Errorf("store: sandbox name %q: want 1 to 63 letters, digits, '_', '.' or '-', starting with a letter or digit", name)
+	}
+	return nil
+}
+
+// DefaultDir is the CLI's state directory: $CAPSA_STATE, else
+// $XDG_STATE_HOME/capsa, else ~/.local/state/capsa.
+func DefaultDir() (string, error) {
+	if d := os.Getenv("CAPSA_STATE"); d != "" {
+		return d, nil
+	}
+	if d := os.Getenv("XDG_STATE_HOME"); d != "" {
+		return filepath.Join(d, "capsa"), nil
+	}
+	home, err := os.UserHomeDir()
+	if err != nil {
+		return "", fmt.Errorf("store: no state directory: %w", err)
+	}
+	return filepath.Join(home, ".local", "state", "capsa"), nil
+}
+
+// Open returns the store in dir, making it (0700) if needed.
+func Open(dir string) (*Store, error) {
+	abs, err := filepath.Abs(dir)
+	if err != nil {
+		return nil, fmt.Errorf("store: open %s: %w", dir, err)
+	}
+	if err := os.MkdirAll(filepath.Join(abs, "sandboxes"), 0o700); err != nil {
+		return nil, fmt.Errorf("store: open %s: %w", dir, err)
+	}
+	return &Store{dir: abs}, nil
+}
+
+// Dir is the store's directory.
+func (s *Store) Dir() string { return s.dir }
+
+// SandboxDir is where name's runtime files live.
+func (s *Store) SandboxDir(name string) string { return filepath.Join(s.dir, "sandboxes", name) }
+
+var bucket = []byte("sandboxes") // name -> Record (JSON)
+
+func (s *Store) db(write bool, fn func(b *bolt.Bucket) error) error {
+	db, err := bolt.Open(filepath.Join(s.dir, "state.db"), 0o600, &bolt.Options{Timeout: 30 * time.Second})
+	if err != nil {
+		return fmt.Errorf("store: open state.db: %w", err)
+	}
+	defer db.Close()
+	if write {
+		return db.Update(func(tx *bolt.Tx) error {
+			b, err := tx.CreateBucketIfNotExists(bucket)
+			if err != nil {
+				return err
+			}
+			return fn(b)
+		})
+	}
+	return db.View(func(tx *bolt.Tx) error {
+		b := tx.Bucket(bucket)
+		if b == nil {
+			return fn(nil)
+		}
+		return fn(b)
+	})
+}
+
+func get(b *bolt.Bucket, name string) (*Record, error) {
+	var v []byte
+	if b != nil {
+		v = b.Get([]byte(name))
+	}
+	if v == nil {
+		return nil, fmt.Errorf("store: %s: %w", name, ErrNotFound)
+	}
+	var r Record
+	if err := json.Unmarshal(v, &r); err != nil {
+		return nil, fmt.Errorf("store: record of %s: %w", name, err)
+	}
+	return &r, nil
+}
+
+func put(b *bolt.Bucket, r *Record) error {
+	v, err := json.Marshal(r)
+	if err != nil {
+		return fmt.Errorf("store: record of %s: %w", r.Name, err)
+	}
+	return b.Put([]byte(r.Name), v)
+}
+
+// NewName makes a name no record has: "sb-" and six hex digits.
+func (s *Store) NewName() (string, error) {
+	for range 100 {
+		var b [3]byte
+		rand.Read(b[:])
+		name := "sb-" + hex.EncodeToString(b[:])
+		if _, err := s.Get(name); errors.Is(err, ErrNotFound) {
+			return name, nil
+		}
+	}
+	return "", errors.New("store: no free sandbox name")
+}
+
+// Lock is a sandbox's liveness lock: whoever holds it is its supervisor.
+type Lock struct{ f *os.File }
+
+// File is the lock's open file, for handing it to a child process (the
+// lock goes with the open file, not the process).
+func (l *Lock) File() *os.File { return l.f }
+
+// Close releases the lock (if no other process holds the file open).
+func (l *Lock) Close() error { return l.f.Close() }
+
+// lock takes name's lock without waiting: an error wrapping ErrExists
+// means a live supervisor holds it.
+func (s *Store) lock(name string) (*Lock, error) {
+	dir := s.SandboxDir(name)
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return nil, fmt.Errorf("store: %s: %w", name, err)
+	}
+	f, err := os.OpenFile(filepath.Join(dir, "lock"), os.O_RDWR|os.O_CREATE|syscall.O_CLOEXEC, 0o600)
+	if err != nil {
+		return nil, fmt.Errorf("store: %s: lock: %w", name, err)
+	}
+	if err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB); err != nil {
+		f.Close()
+		if errors.Is(err, syscall.EWOULDBLOCK) {
+			return nil, fmt.Errorf("store: %s: %w (its supervisor runs)", name, ErrExists)
+		}
+		return nil, fmt.Errorf("store: %s: lock: %w", name, err)
+	}
+	return &Lock{f}, nil
+}
+
+// Create records a new sandbox in state Creating and returns its lock,
+// which the caller hands to the supervisor. The name must be free: no
+// record of it, running or ended (remove it first), and nobody holding
+// its lock.
+func (s *Store) Create(r *Record) (*Lock, error) {
+	if err := CheckName(r.Name); err != nil {
+		return nil, err
+	}
+	l, err := s.lock(r.Name)
+	if err != nil {
+		return nil, err
+	}
+	var idb [8]byte
+	rand.Read(idb[:])
+	r.ID, r.State, r.Created = hex.EncodeToString(idb[:]), Creating, time.Now()
+	err = s.db(true, func(b *bolt.Bucket) error {
+		if old, err := get(b, r.Name); err == nil {
+			return fmt.Errorf("store: %s: %w (%s; remove it first)", r.Name, ErrExists, old.State)
+		}
+		return put(b, r)
+	})
+	if err != nil {
+		l.Close()
+		return nil, err
+	}
+	return l, nil
+}
+
+// Update changes name's record with fn, in one transaction.
+func (s *Store) Update(name string, fn func(*Record) error) error {
+	return s.db(true, func(b *bolt.Bucket) error {
+		r, err := get(b, name)
+		if err != nil {
+			return err
+		}
+		if err := fn(r); err != nil {
+			return err
+		}
+		r.Name = name
+		return put(b, r)
+	})
+}
+
+// Get returns name's record, with a dead supervisor's sandbox reported
+// (and recorded) as crashed.
+func (s *Store) Get(name string) (*Record, error) {
+	if err := CheckName(name); err != nil {
+		return nil, err
+	}
+	var r *Record
+	err := s.db(false, func(b *bolt.Bucket) error {
+		var err error
+		r, err = get(b, name)
+		return err
+	})
+	if err != nil {
+		return nil, err
+	}
+	return s.checkAlive(r), nil
+}
+
+// List returns every record, by name, liveness checked as Get does.
+func (s *Store) List() ([]*Record, error) {
+	var rs []*Record
+	err := s.db(false, func(b *bolt.Bucket) error {
+		if b == nil {
+			return nil
+		}
+		return b.ForEach(func(k, v []byte) error {
+			var r Record
+			if err := json.Unmarshal(v, &r); err != nil {
+				return fmt.Errorf("store: record of %s: %w", k, err)
+			}
+			rs = append(rs, &r)
+			return nil
+		})
+	})
+	if err != nil {
+		return nil, err
+	}
+	for i, r := range rs {
+		rs[i] = s.checkAlive(r)
+	}
+	sort.Slice(rs, func(i, j int) bool { return rs[i].Name < rs[j].Name })
+	return rs, nil
+}
+
+// checkAlive marks a live-looking record crashed when nobody holds its
+// lock: its supervisor is gone.
+func (s *Store) checkAlive(r *Record) *Record {
+	if !r.Alive() {
+		return r
+	}
+	l, err := s.lock(r.Name)
+	if err != nil {
+		return r // held: alive (or unknowable; say what the record says)
+	}
+	defer l.Close()
+	reason := fmt.Sprintf("its supervisor (pid %d) ended without recording why (killed, or the host restarted)", r.PID)
+	if r.PID == 0 {
+		reason = "its supervisor never started"
+	}
+	err = s.Update(r.Name, func(cur *Record) error {
+		if cur.ID != r.ID || !cur.Alive() {
+			return errStale // it changed meanwhile: keep what it says now
+		}
+		cur.State, cur.Reason, cur.Ended = Crashed, reason, time.Now()
+		*r = *cur
+		return nil
+	})
+	if err != nil {
+		if cur, err := s.getRaw(r.Name); err == nil {
+			return cur
+		}
+	}
+	return r
+}
+
+var errStale = errors.New("store: record changed")
+
+func (s *Store) getRaw(name string) (*Record, error) {
+	var r *Record
+	err := s.db(false, func(b *bolt.Bucket) error {
+		var err error
+		r, err = get(b, name)
+		return err
+	})
+	return r, err
+}
+
+// Remove deletes name's record and runtime files. A sandbox whose
+// supervisor runs is refused (stop it first).
+func (s *Store) Remove(name string) error {
+	if err := CheckName(name); err != nil {
+		return err
+	}
+	if _, err := s.getRaw(name); err != nil {
+		return err
+	}
+	l, err := s.lock(name)
+	if err != nil {
+		return fmt.Errorf("store: remove %s: it is running (stop it first)", name)
+	}
+	defer l.Close()
+	err = s.db(true, func(b *bolt.Bucket) error { return b.Delete([]byte(name)) })
+	if err != nil {
+		return fmt.Errorf("store: remove %s: %w", name, err)
+	}
+	// The lock file goes last, while still held, so a new sandbox of this
+	// name cannot lock it before the directory is gone.
+	if err := os.RemoveAll(s.SandboxDir(name)); err != nil {
+		return fmt.Errorf("store: remove %s: %w", name, err)
+	}
+	return nil
+}

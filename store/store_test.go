@@ -1,0 +1,133 @@
+package store
+
+import (
+	"errors"
+	"os"
+	"sync"
+	"testing"
+
+	"github.com/capsa-sandbox/capsa/sandbox"
+)
+
+func open(t *testing.T) *Store {
+	t.Helper()
+	s, err := Open(t.TempDir())
+	if err != nil {
+		t.Fatalf("Open = %v", err)
+	}
+	return s
+}
+
+func TestCreateGetUpdateRemove(t *testing.T) {
+	s := open(t)
+	spec := sandbox.Spec{CPUs: 2, MemoryMiB: 256, Main: sandbox.ProcessSpec{Argv: []string{"sleep", "infinity"}}}
+	l, err := s.Create(&Record{Name: "w", Spec: spec})
+	if err != nil {
+		t.Fatalf("Create(w) = %v", err)
+	}
+	defer l.Close()
+	if err := s.Update("w", func(r *Record) error { r.State, r.PID = Running, os.Getpid(); return nil }); err != nil {
+		t.Fatalf("Update(w) = %v", err)
+	}
+	r, err := s.Get("w")
+	if err != nil || r.State != Running || r.Spec.CPUs != 2 || r.Spec.Main.Argv[0] != "sleep" || r.ID == "" {
+		t.Fatalf("Get(w) = %+v, %v; want running with its spec", r, err)
+	}
+	if _, err := s.Create(&Record{Name: "w"}); !errors.Is(err, ErrExists) {
+		t.Fatalf("Create(w) again = %v, want ErrExists", err)
+	}
+	if err := s.Remove("w"); err == nil {
+		t.Fatal("Remove(w) of a running sandbox succeeded")
+	}
+	if fi, err := os.Stat(s.SandboxDir("w")); err != nil || fi.Mode().Perm() != 0o700 {
+		t.Fatalf("sandbox dir = %v, %v; want mode 0700", fi, err)
+	}
+	// The supervisor records the end, then lets go of the lock.
+	code := 3
+	s.Update("w", func(r *Record) error { r.State, r.ExitCode = Exited, &code; return nil })
+	l.Close()
+	if r, _ := s.Get("w"); r.State != Exited || *r.ExitCode != 3 {
+		t.Fatalf("Get(w) after its end = %+v, want exited 3", r)
+	}
+	if _, err := s.Create(&Record{Name: "w"}); !errors.Is(err, ErrExists) {
+		t.Fatalf("Create(w) over an exited record = %v, want ErrExists", err)
+	}
+	if err := s.Remove("w"); err != nil {
+		t.Fatalf("Remove(w) = %v", err)
+	}
+	if _, err := s.Get("w"); !errors.Is(err, ErrNotFound) {
+		t.Fatalf("Get(w) after Remove = %v, want ErrNotFound", err)
+	}
+	if _, err := os.Stat(s.SandboxDir("w")); !os.IsNotExist(err) {
+		t.Fatalf("sandbox dir after Remove: %v, want gone", err)
+	}
+	l2, err := s.Create(&Record{Name: "w"})
+	if err != nil {
+		t.Fatalf("Create(w) after Remove = %v", err)
+	}
+	l2.Close()
+}
+
+// A record that says running while nobody holds its lock belongs to a
+// supervisor that died: it reads as crashed, and rm cleans it.
+func TestCrashedSupervisor(t *testing.T) {
+	s := open(t)
+	l, err := s.Create(&Record{Name: "c"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.Update("c", func(r *Record) error { r.State, r.PID = Running, 12345; return nil })
+	l.Close() // as a SIGKILL would
+	rs, err := s.List()
+	if err != nil || len(rs) != 1 || rs[0].State != Crashed || rs[0].Reason == "" {
+		t.Fatalf("List() = %+v, %v; want c crashed with a reason", rs, err)
+	}
+	if err := s.Remove("c"); err != nil {
+		t.Fatalf("Remove(c) = %v", err)
+	}
+}
+
+func TestConcurrentCreate(t *testing.T) {
+	s := open(t)
+	const n = 8
+	var wg sync.WaitGroup
+	errs := make([]error, n)
+	locks := make([]*Lock, n)
+	for i := range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			locks[i], errs[i] = s.Create(&Record{Name: "same"})
+		}()
+	}
+	wg.Wait()
+	won := 0
+	for i, err := range errs {
+		switch {
+		case err == nil:
+			won++
+			defer locks[i].Close()
+		case !errors.Is(err, ErrExists):
+			t.Errorf("Create(same) = %v, want ErrExists for the losers", err)
+		}
+	}
+	if won != 1 {
+		t.Fatalf("%d of %d concurrent Create(same) succeeded, want 1", won, n)
+	}
+}
+
+func TestNames(t *testing.T) {
+	s := open(t)
+	for _, bad := range []string{"", "../x", "a/b", "-x", "a b", string(make([]byte, 64))} {
+		if _, err := s.Create(&Record{Name: bad}); err == nil {
+			t.Errorf("Create(%q) succeeded", bad)
+		}
+		if _, err := s.Get(bad); err == nil {
+			t.Errorf("Get(%q) succeeded", bad)
+		}
+	}
+	name, err := s.NewName()
+	if err != nil || CheckName(name) != nil {
+		t.Fatalf("NewName() = %q, %v", name, err)
+	}
+}
