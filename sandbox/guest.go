@@ -135,7 +135,6 @@ func (s *Guest) Info(ctx context.Context) (*agent.Info, error) {
 	return in, s.explain(err)
 }
 
-
 // Defaults are what every process gets unless it says otherwise: the
 // sandbox's environment and working directory (an image's, then the
 // builder's).

@@ -444,6 +444,18 @@ func (s *Sandbox) vmErr(err error) error {
 	}
 }
 
+// Signal sends a signal ("SIGTERM", "KILL"...) to the main process's
+// process group.
+func (s *Sandbox) Signal(ctx context.Context, name string) error {
+	s.mu.Lock()
+	p := s.main
+	s.mu.Unlock()
+	if p == nil {
+		return errors.New("sandbox: signal: no main process")
+	}
+	return s.vmErr(p.Signal(ctx, name))
+}
+
 // Shutdown asks the guest to stop and waits for the VM to end; if the guest
 // does not stop by ctx's end, the VM is stopped from the host.
 func (s *Sandbox) Shutdown(ctx context.Context) error {

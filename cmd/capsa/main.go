@@ -1,6 +1,8 @@
 // Command capsa runs microVMs on KVM.
 //
 //	capsa run [flags] -- CMD  run CMD in a sandbox, stream its output, exit with its code
+//	capsa run -d [--name N] -- CMD  the same, detached: the sandbox outlives the command
+//	capsa exec|ps|logs|stop|kill|rm|inspect  manage detached sandboxes by name
 //	capsa vm [flags]        boot a kernel (the built-in one by default) and show its console
 //	capsa version           print the version
 //
@@ -29,14 +31,23 @@ var startTime = time.Now()
 type command struct {
 	name, summary string
 	run           func(ctx context.Context, args []string, stdout, stderr io.Writer) int
+	hidden        bool // not listed: started by capsa itself
 }
 
 func commands() []command {
 	return []command{
-		{"run", "run a command in a sandbox and exit with its exit code", runRun},
-		{"vm", "boot a kernel in a raw microVM and show its console", runVM},
-		{"image", "pull, import, list, inspect and remove OCI images", runImage},
-		{"version", "print capsa's version", runVersion},
+		{"run", "run a command in a sandbox and exit with its exit code (-d: detached, by name)", runRun, false},
+		{"exec", "run a command in a detached sandbox", runExec, false},
+		{"ps", "list detached sandboxes", runPs, false},
+		{"logs", "print a detached sandbox's output", runLogs, false},
+		{"stop", "stop detached sandboxes (SIGTERM, then SIGKILL)", runStop, false},
+		{"kill", "kill detached sandboxes' main processes and stop them", runKill, false},
+		{"rm", "remove ended detached sandboxes", runRm, false},
+		{"inspect", "describe detached sandboxes (JSON)", runInspect, false},
+		{"supervise", "", runSupervise, true},
+		{"vm", "boot a kernel in a raw microVM and show its console", runVM, false},
+		{"image", "pull, import, list, inspect and remove OCI images", runImage, false},
+		{"version", "print capsa's version", runVersion, false},
 	}
 }
 
@@ -50,7 +61,9 @@ func main() {
 func usage(w io.Writer) {
 	fmt.Fprintf(w, "capsa runs commands in hardware-isolated microVMs on KVM.\n\nusage: capsa COMMAND [flags]\n\ncommands:\n")
 	for _, c := range commands() {
-		fmt.Fprintf(w, "  %-8s %s\n", c.name, c.summary)
+		if !c.hidden {
+			fmt.Fprintf(w, "  %-8s %s\n", c.name, c.summary)
+		}
 	}
 	fmt.Fprintf(w, "\nRun `capsa COMMAND --help` for a command's flags.\n")
 }

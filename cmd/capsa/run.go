@@ -11,6 +11,7 @@ import (
 
 	"github.com/capsa-sandbox/capsa/netstack"
 	"github.com/capsa-sandbox/capsa/sandbox"
+	"github.com/capsa-sandbox/capsa/store"
 	"github.com/capsa-sandbox/capsa/vmm"
 )
 
@@ -48,6 +49,10 @@ func runRun(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	publish := fs.StringArrayP("publish", "p", nil, "publish a guest port: [HOSTIP:]HOSTPORT:GUESTPORT[/udp], on 127.0.0.1 by default (repeatable)")
 	dnsServer := fs.String("dns-server", "", "resolve the guest's DNS queries through this IP:PORT instead of the host's resolver")
 	verbose := fs.Bool("verbose", false, "log VMM events and the guest console to stderr")
+	detach := fs.BoolP("detach", "d", false, "run detached: print the sandbox's name and leave it running (manage it with exec, ps, logs, stop, rm)")
+	name := fs.String("name", "", "with -d: the sandbox's name (default: generated)")
+	rm := fs.Bool("rm", false, "with -d: remove the sandbox's record when it ends")
+	ttl := fs.Duration("ttl", 0, "with -d: stop the sandbox this long after it started (0: never)")
 	watchdog := fs.Duration("watchdog", defaultWatchdog, "stop the sandbox as hung when its agent has not answered for this long and no vCPU moved; 0 turns it off")
 	if code := parseFlags(fs, args, stderr); code >= 0 {
 		return code
@@ -63,6 +68,27 @@ func runRun(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		for _, f := range []string{"pull", "entrypoint", "rootfs-size", "insecure-registry"} {
 			if fs.Changed(f) {
 				return fail("--%s needs --image", f)
+			}
+		}
+	}
+	if !*detach {
+		for _, f := range []string{"name", "rm", "ttl"} {
+			if fs.Changed(f) {
+				return fail("--%s needs -d", f)
+			}
+		}
+	} else {
+		switch {
+		case *interactive:
+			return fail("-i and -d do not go together: a detached sandbox has no standard input (use capsa exec -i)")
+		case *verbose:
+			return fail("--verbose and -d do not go together: see capsa logs --console")
+		case *ttl < 0:
+			return fail("--ttl %v: must not be negative", *ttl)
+		}
+		if *name != "" {
+			if err := store.CheckName(*name); err != nil {
+				return fail("--name: %v", err)
 			}
 		}
 	}
@@ -158,7 +184,11 @@ func runRun(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	} else {
 		w = b.Run(fs.Arg(0), fs.Args()[1:]...)
 	}
-	w.Stdout(stdout).Stderr(stderr).Dir(*dir).User(*userFlag).Timeout(*timeout)
+	w.Dir(*dir).User(*userFlag).Timeout(*timeout)
+	if *detach {
+		return startDetached(ctx, w, *name, *rm, *ttl, stdout, stderr)
+	}
+	w.Stdout(stdout).Stderr(stderr)
 	if *interactive {
 		w.Stdin(os.Stdin)
 	}

@@ -238,3 +238,42 @@ func splice(c net.Conn, g *Conn, pending int, r *bufio.Reader) {
 	c.Close()
 	g.Close()
 }
+
+// DialHybrid connects to a guest port through the hybrid-vsock socket at
+// path: the client side of ServeUnix's handshake.
+func DialHybrid(ctx context.Context, path string, port uint32) (net.Conn, error) {
+	var d net.Dialer
+	c, err := d.DialContext(ctx, "unix", path)
+	if err != nil {
+		return nil, fmt.Errorf("vsock: dial %s: %w", path, err)
+	}
+	deadline := time.Now().Add(handshakeTimeout)
+	if dl, ok := ctx.Deadline(); ok && dl.Before(deadline) {
+		deadline = dl
+	}
+	c.SetDeadline(deadline)
+	if _, err := fmt.Fprintf(c, "CONNECT %d\n", port); err != nil {
+		c.Close()
+		return nil, fmt.Errorf("vsock: dial %s port %d: %w", path, port, err)
+	}
+	// The answer is read a byte at a time: what follows its newline is
+	// the guest's, and stays in the connection.
+	var line []byte
+	var b [1]byte
+	for len(line) < 64 {
+		if _, err := io.ReadFull(c, b[:]); err != nil {
+			c.Close()
+			return nil, fmt.Errorf("vsock: dial %s port %d: %w", path, port, err)
+		}
+		if b[0] == '\n' {
+			break
+		}
+		line = append(line, b[0])
+	}
+	if !strings.HasPrefix(string(line), "OK ") {
+		c.Close()
+		return nil, fmt.Errorf("vsock: dial %s port %d: %q", path, port, line)
+	}
+	c.SetDeadline(time.Time{})
+	return c, nil
+}

@@ -2,6 +2,7 @@ package vsock
 
 import (
 	"bufio"
+	"context"
 	"fmt"
 	"io"
 	"net"
@@ -127,4 +128,43 @@ func forwarded(t *testing.T, g *guest, path string, port uint32) net.Conn {
 	}
 	t.Cleanup(func() { c.Close() })
 	return c
+}
+
+// DialHybrid is the handshake's client: what the guest sends right after
+// the OK line reaches the caller, and a refusal is an error.
+func TestDialHybrid(t *testing.T) {
+	g := newGuest(t)
+	_, path := serveHybrid(t, g)
+	type result struct {
+		c   net.Conn
+		err error
+	}
+	done := make(chan result, 1)
+	go func() {
+		c, err := DialHybrid(context.Background(), path, 52)
+		done <- result{c, err}
+	}()
+	req := g.expect(opRequest)
+	g.send(header{SrcPort: 52, DstPort: req.h.SrcPort, Op: opResponse, BufAlloc: 64 << 10}, nil)
+	g.send(header{SrcPort: 52, DstPort: req.h.SrcPort, Op: opRW, BufAlloc: 64 << 10}, []byte("hello"))
+	g.send(header{SrcPort: 52, DstPort: req.h.SrcPort, Op: opShutdown, Flags: shutdownSend}, nil)
+	r := <-done
+	if r.err != nil {
+		t.Fatalf("DialHybrid(%s, 52) = %v", path, r.err)
+	}
+	defer r.c.Close()
+	if got, err := io.ReadAll(r.c); string(got) != "hello" {
+		t.Errorf("read after DialHybrid = %q, %v; want %q", got, err, "hello")
+	}
+
+	// Nobody listens on the guest's port 53: the device is refused.
+	go func() {
+		_, err := DialHybrid(context.Background(), path, 53)
+		done <- result{nil, err}
+	}()
+	req = g.expect(opRequest)
+	g.send(header{SrcPort: 53, DstPort: req.h.SrcPort, Op: opRst}, nil)
+	if r := <-done; r.err == nil {
+		t.Error("DialHybrid to a refused port succeeded")
+	}
 }

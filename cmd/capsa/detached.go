@@ -1,0 +1,459 @@
+package main
+
+// Detached sandboxes: `run -d` starts a supervisor process (capsa itself,
+// `capsa supervise`, in a session of its own), and the commands here reach
+// sandboxes by name through the store and supervisor packages.
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"os/exec"
+	"os/signal"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"text/tabwriter"
+	"time"
+
+	"github.com/capsa-sandbox/capsa/sandbox"
+	"github.com/capsa-sandbox/capsa/store"
+	"github.com/capsa-sandbox/capsa/supervisor"
+)
+
+func openStateStore() (*store.Store, error) {
+	dir, err := store.DefaultDir()
+	if err != nil {
+		return nil, err
+	}
+	return store.Open(dir)
+}
+
+// startDetached records the sandbox, starts its supervisor and waits until
+// the sandbox runs (or says why it cannot).
+func startDetached(ctx context.Context, w *sandbox.Workload, name string, rm bool, ttl time.Duration, stdout, stderr io.Writer) int {
+	fail := func(format string, a ...any) int {
+		fmt.Fprintf(stderr, "capsa run: "+format+"\n", a...)
+		return 125
+	}
+	spec, err := w.Spec()
+	if err != nil {
+		fmt.Fprintf(stderr, "capsa run: %v\n", err)
+		return 2
+	}
+	st, err := openStateStore()
+	if err != nil {
+		return fail("%v", err)
+	}
+	if name == "" {
+		if name, err = st.NewName(); err != nil {
+			return fail("%v", err)
+		}
+	}
+	lock, err := st.Create(&store.Record{Name: name, Spec: spec, TTL: ttl})
+	if err != nil {
+		if errors.Is(err, store.ErrExists) {
+			fmt.Fprintf(stderr, "capsa run: the name %q is taken: %v\n", name, err)
+			return 2
+		}
+		return fail("%v", err)
+	}
+	defer lock.Close()
+	exe, err := os.Executable()
+	if err != nil {
+		return fail("find capsa's own binary: %v", err)
+	}
+	dir := st.SandboxDir(name)
+	logPath := filepath.Join(dir, "supervisor.log")
+	logf, err := os.OpenFile(logPath, os.O_WRONLY|os.O_CREATE|os.O_APPEND, 0o600)
+	if err != nil {
+		return fail("%v", err)
+	}
+	defer logf.Close()
+	readyR, readyW, err := os.Pipe()
+	if err != nil {
+		return fail("%v", err)
+	}
+	defer readyR.Close()
+	args := []string{"supervise", "--state", st.Dir()}
+	if rm {
+		args = append(args, "--rm")
+	}
+	cmd := exec.Command(exe, append(args, name)...)
+	cmd.Stdout, cmd.Stderr = logf, logf
+	cmd.ExtraFiles = []*os.File{lock.File(), readyW} // fds 3 and 4
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
+	cmd.Env = append(os.Environ(), "CAPSA_STATE="+st.Dir())
+	if err := cmd.Start(); err != nil {
+		readyW.Close()
+		st.Update(name, func(r *store.Record) error { r.State, r.Reason = store.Exited, err.Error(); return nil })
+		return fail("start the supervisor: %v", err)
+	}
+	readyW.Close()
+	cmd.Process.Release()
+	// The supervisor writes "ok" once the sandbox runs, or why it failed;
+	// if it dies first, the pipe just closes.
+	msg, _ := io.ReadAll(io.LimitReader(readyR, 64<<10))
+	if strings.TrimSpace(string(msg)) == "ok" {
+		fmt.Fprintln(stdout, name)
+		return 0
+	}
+	if len(msg) == 0 {
+		msg = []byte("the supervisor ended before the sandbox ran; its log:\n" + tail(logPath, 20))
+	}
+	fmt.Fprintf(stderr, "capsa run: %s: %s\n", name, strings.TrimSpace(string(msg)))
+	return 125
+}
+
+// tail returns the last n lines of a file.
+func tail(path string, n int) string {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return err.Error()
+	}
+	lines := strings.SplitAfter(string(b), "\n")
+	if len(lines) > n {
+		lines = lines[len(lines)-n:]
+	}
+	return strings.Join(lines, "")
+}
+
+// runSupervise is the supervisor process (`run -d` starts it): fd 3 is the
+// sandbox's lock, fd 4 the pipe on which it says the sandbox is ready.
+func runSupervise(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	fs := newFlags("supervise", "[flags] NAME (started by `capsa run -d`)", stdout)
+	stateDir := fs.String("state", "", "the state directory")
+	rm := fs.Bool("rm", false, "remove the sandbox's record when it ends")
+	if code := parseFlags(fs, args, stderr); code >= 0 {
+		return code
+	}
+	if fs.NArg() != 1 || *stateDir == "" {
+		fmt.Fprintln(stderr, "capsa supervise: want --state DIR NAME")
+		return 2
+	}
+	lock := os.NewFile(3, "lock")
+	ready := os.NewFile(4, "ready")
+	if lock == nil || ready == nil {
+		fmt.Fprintln(stderr, "capsa supervise: is started by `capsa run -d`")
+		return 2
+	}
+	// The terminal that started us may be gone; its hangup is not ours.
+	signal.Ignore(syscall.SIGHUP)
+	st, err := store.Open(*stateDir)
+	if err != nil {
+		fmt.Fprintln(stderr, err)
+		return 1
+	}
+	log := slog.New(slog.NewTextHandler(stderr, nil))
+	name := fs.Arg(0)
+	err = supervisor.Run(ctx, supervisor.Options{Store: st, Name: name, Log: log, Ready: func(err error) {
+		if err != nil {
+			fmt.Fprintln(ready, err)
+		} else {
+			fmt.Fprintln(ready, "ok")
+		}
+		ready.Close()
+	}})
+	if err != nil {
+		log.Error("supervisor", "err", err)
+	}
+	if *rm {
+		lock.Close()
+		if err := st.Remove(name); err != nil {
+			log.Error("supervisor: --rm", "err", err)
+		}
+	}
+	if err != nil {
+		return 1
+	}
+	return 0
+}
+
+// runExec runs a command in a detached sandbox.
+func runExec(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	fs := newFlags("exec", "[flags] NAME -- CMD [ARGS...]", stdout)
+	env := fs.StringArrayP("env", "e", nil, "set K=V in the command's environment (repeatable)")
+	dir := fs.StringP("workdir", "w", "", "working directory in the guest")
+	userFlag := fs.StringP("user", "u", "", "run as USER, UID, USER:GROUP or UID:GID")
+	interactive := fs.BoolP("interactive", "i", false, "pass standard input to the command")
+	timeout := fs.Duration("timeout", 0, "kill the command after this long; exit 124")
+	if code := parseFlags(fs, args, stderr); code >= 0 {
+		return code
+	}
+	if fs.NArg() < 2 {
+		fmt.Fprintln(stderr, "capsa exec: want NAME -- CMD [ARGS...]")
+		return 2
+	}
+	for _, e := range *env {
+		if k, _, ok := strings.Cut(e, "="); !ok || k == "" {
+			fmt.Fprintf(stderr, "capsa exec: -e %q: want KEY=VALUE\n", e)
+			return 2
+		}
+	}
+	if *timeout < 0 {
+		fmt.Fprintf(stderr, "capsa exec: --timeout %v: must not be negative\n", *timeout)
+		return 2
+	}
+	st, err := openStateStore()
+	if err != nil {
+		fmt.Fprintf(stderr, "capsa exec: %v\n", err)
+		return 125
+	}
+	h, err := supervisor.Open(ctx, st, fs.Arg(0))
+	if err != nil {
+		fmt.Fprintf(stderr, "capsa exec: %v\n", err)
+		return 125
+	}
+	o := sandbox.ExecOptions{Argv: fs.Args()[1:], Env: *env, Dir: *dir, User: *userFlag, Timeout: *timeout,
+		Stdout: stdout, Stderr: stderr}
+	if *interactive {
+		o.Stdin = os.Stdin
+	}
+	p, err := h.Stream(ctx, o)
+	if err != nil {
+		fmt.Fprintf(stderr, "capsa exec: %v\n", err)
+		return 125
+	}
+	es, err := p.Wait()
+	switch {
+	case err != nil:
+		fmt.Fprintf(stderr, "capsa exec: %v\n", err)
+		return 125
+	case es.TimedOut:
+		fmt.Fprintf(stderr, "capsa exec: the command timed out after %v\n", *timeout)
+		return exitTimedOut
+	}
+	return es.Code
+}
+
+// psRow is one sandbox as ps shows it.
+type psRow struct {
+	Name     string        `json:"name"`
+	State    store.State   `json:"state"`
+	Command  string        `json:"command"`
+	Uptime   time.Duration `json:"uptime_ns,omitempty"`
+	CPUs     int           `json:"cpus"`
+	Memory   int           `json:"memory_mib"`
+	Ports    []string      `json:"ports,omitempty"`
+	ExitCode *int          `json:"exit_code,omitempty"`
+	Reason   string        `json:"reason,omitempty"`
+}
+
+// describeCommand is what a sandbox runs: its image and arguments, or its
+// command.
+func describeCommand(s sandbox.Spec) string {
+	if s.Image != nil {
+		return strings.TrimSpace(s.Image.Ref + " " + strings.Join(s.Image.Args, " "))
+	}
+	return strings.Join(s.Main.Argv, " ")
+}
+
+func runPs(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	fs := newFlags("ps", "[flags]", stdout)
+	all := fs.BoolP("all", "a", false, "show sandboxes that ended too")
+	format := fs.String("format", "table", "table or json")
+	if code := parseFlags(fs, args, stderr); code >= 0 {
+		return code
+	}
+	if *format != "table" && *format != "json" {
+		fmt.Fprintf(stderr, "capsa ps: --format %q: want table or json\n", *format)
+		return 2
+	}
+	st, err := openStateStore()
+	if err != nil {
+		fmt.Fprintf(stderr, "capsa ps: %v\n", err)
+		return 1
+	}
+	recs, err := st.List()
+	if err != nil {
+		fmt.Fprintf(stderr, "capsa ps: %v\n", err)
+		return 1
+	}
+	rows := []psRow{}
+	for _, r := range recs {
+		if !*all && !r.Alive() {
+			continue
+		}
+		row := psRow{Name: r.Name, State: r.State, Command: describeCommand(r.Spec), CPUs: r.Spec.CPUs,
+			Memory: r.Spec.MemoryMiB, Ports: r.Ports, ExitCode: r.ExitCode, Reason: r.Reason}
+		if r.State == store.Running && !r.Started.IsZero() {
+			row.Uptime = time.Since(r.Started).Round(time.Second)
+		}
+		rows = append(rows, row)
+	}
+	if *format == "json" {
+		e := json.NewEncoder(stdout)
+		e.SetIndent("", "  ")
+		e.Encode(rows)
+		return 0
+	}
+	tw := tabwriter.NewWriter(stdout, 0, 8, 2, ' ', 0)
+	fmt.Fprintln(tw, "NAME\tSTATE\tCOMMAND\tUPTIME\tCPUS\tMEMORY\tPORTS")
+	for _, r := range rows {
+		state := string(r.State)
+		if r.ExitCode != nil {
+			state += fmt.Sprintf(" (%d)", *r.ExitCode)
+		}
+		up := "-"
+		if r.Uptime > 0 {
+			up = r.Uptime.String()
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%d\t%dM\t%s\n", r.Name, state, r.Command, up, r.CPUs, r.Memory, strings.Join(r.Ports, ","))
+	}
+	tw.Flush()
+	return 0
+}
+
+// eachName runs fn for every NAME argument, reporting failures; the exit
+// code is 1 if any failed.
+func eachName(ctx context.Context, cmdName string, names []string, stderr io.Writer, fn func(st *store.Store, name string) error) int {
+	if len(names) == 0 {
+		fmt.Fprintf(stderr, "capsa %s: want at least one NAME\n", cmdName)
+		return 2
+	}
+	st, err := openStateStore()
+	if err != nil {
+		fmt.Fprintf(stderr, "capsa %s: %v\n", cmdName, err)
+		return 1
+	}
+	code := 0
+	for _, n := range names {
+		if err := fn(st, n); err != nil {
+			fmt.Fprintf(stderr, "capsa %s: %v\n", cmdName, err)
+			code = 1
+		}
+	}
+	return code
+}
+
+// stopByName stops a running sandbox; one that is not running is fine.
+func stopByName(ctx context.Context, st *store.Store, name string, timeout time.Duration, kill bool) error {
+	h, err := supervisor.Open(ctx, st, name)
+	if errors.Is(err, supervisor.ErrNotRunning) {
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	wctx, cancel := context.WithTimeout(ctx, timeout+30*time.Second)
+	defer cancel()
+	return h.Stop(wctx, timeout, kill)
+}
+
+func runStop(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	fs := newFlags("stop", "[flags] NAME...", stdout)
+	timeout := fs.DurationP("time", "t", supervisor.DefaultStopTimeout, "how long the main process has after SIGTERM before SIGKILL")
+	if code := parseFlags(fs, args, stderr); code >= 0 {
+		return code
+	}
+	if *timeout < 0 {
+		fmt.Fprintf(stderr, "capsa stop: --time %v: must not be negative\n", *timeout)
+		return 2
+	}
+	return eachName(ctx, "stop", fs.Args(), stderr, func(st *store.Store, name string) error {
+		if err := stopByName(ctx, st, name, *timeout, false); err != nil {
+			return err
+		}
+		fmt.Fprintln(stdout, name)
+		return nil
+	})
+}
+
+func runKill(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	fs := newFlags("kill", "NAME...", stdout)
+	if code := parseFlags(fs, args, stderr); code >= 0 {
+		return code
+	}
+	return eachName(ctx, "kill", fs.Args(), stderr, func(st *store.Store, name string) error {
+		if err := stopByName(ctx, st, name, 0, true); err != nil {
+			return err
+		}
+		fmt.Fprintln(stdout, name)
+		return nil
+	})
+}
+
+func runRm(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	fs := newFlags("rm", "[flags] NAME...", stdout)
+	force := fs.BoolP("force", "f", false, "kill a running sandbox first")
+	if code := parseFlags(fs, args, stderr); code >= 0 {
+		return code
+	}
+	return eachName(ctx, "rm", fs.Args(), stderr, func(st *store.Store, name string) error {
+		r, err := st.Get(name)
+		if err != nil {
+			return err
+		}
+		if r.Alive() {
+			if !*force {
+				return fmt.Errorf("%s is %s: stop it first, or rm -f", name, r.State)
+			}
+			if err := stopByName(ctx, st, name, 0, true); err != nil {
+				return err
+			}
+		}
+		if err := st.Remove(name); err != nil {
+			return err
+		}
+		fmt.Fprintln(stdout, name)
+		return nil
+	})
+}
+
+func runInspect(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	fs := newFlags("inspect", "NAME...", stdout)
+	if code := parseFlags(fs, args, stderr); code >= 0 {
+		return code
+	}
+	var recs []*store.Record
+	code := eachName(ctx, "inspect", fs.Args(), stderr, func(st *store.Store, name string) error {
+		r, err := st.Get(name)
+		if err == nil {
+			recs = append(recs, r)
+		}
+		return err
+	})
+	if len(recs) > 0 {
+		e := json.NewEncoder(stdout)
+		e.SetIndent("", "  ")
+		e.Encode(recs)
+	}
+	return code
+}
+
+func runLogs(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	fs := newFlags("logs", "[flags] NAME", stdout)
+	follow := fs.BoolP("follow", "f", false, "keep printing output as it comes, until the sandbox ends")
+	lines := fs.Int("tail", -1, "print only the last N lines first (-1: all that is kept)")
+	console := fs.Bool("console", false, "the guest's serial console instead of the main process's output")
+	if code := parseFlags(fs, args, stderr); code >= 0 {
+		return code
+	}
+	if fs.NArg() != 1 {
+		fmt.Fprintln(stderr, "capsa logs: want one NAME")
+		return 2
+	}
+	st, err := openStateStore()
+	if err != nil {
+		fmt.Fprintf(stderr, "capsa logs: %v\n", err)
+		return 1
+	}
+	name := fs.Arg(0)
+	if _, err := st.Get(name); err != nil {
+		fmt.Fprintf(stderr, "capsa logs: %v\n", err)
+		return 1
+	}
+	file := supervisor.MainLog
+	if *console {
+		file = supervisor.ConsoleLog
+	}
+	if err := supervisor.Logs(ctx, st, name, file, *lines, *follow, stdout); err != nil {
+		fmt.Fprintf(stderr, "capsa logs: %v\n", err)
+		return 1
+	}
+	return 0
+}

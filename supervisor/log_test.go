@@ -1,0 +1,50 @@
+package supervisor
+
+import (
+	"bytes"
+	"fmt"
+	"os"
+	"path/filepath"
+	"testing"
+)
+
+// The log keeps at most its bound on disk, in two files, and always the
+// newest output.
+func TestRotatingLog(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "main.log")
+	l, err := newRotatingLog(path, 1000)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var all bytes.Buffer
+	for i := range 200 {
+		line := fmt.Sprintf("line %03d\n", i)
+		all.WriteString(line)
+		if n, err := l.Write([]byte(line)); n != len(line) || err != nil {
+			t.Fatalf("Write(%q) = %d, %v", line, n, err)
+		}
+	}
+	big := bytes.Repeat([]byte("x"), 5000)
+	big[len(big)-1] = 'E'
+	if n, err := l.Write(big); n != len(big) || err != nil {
+		t.Fatalf("Write(5000 bytes) = %d, %v", n, err)
+	}
+	l.Close()
+	cur, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	old, err := os.ReadFile(path + ".1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(cur) > 500 || len(old) > 500 {
+		t.Errorf("log files of %d and %d bytes, want at most 500 each", len(cur), len(old))
+	}
+	if cur[len(cur)-1] != 'E' {
+		t.Errorf("the newest byte is %q, want the last one written", cur[len(cur)-1])
+	}
+	if !bytes.HasSuffix(all.Bytes(), old) {
+		t.Errorf("the rotated file %q is not the tail of the lines written before the big write", old)
+	}
+}

@@ -1,0 +1,415 @@
+// Package supervisor keeps a detached sandbox alive after the command that
+// started it has gone, and reaches it by name. Its starting points are Run,
+// the life of a supervisor process (one per sandbox, started by
+// `capsa run -d`), and Open, a handle to a running sandbox with the same
+// guest operations as one started in-process.
+//
+// A supervisor boots the sandbox its store record describes, serves the
+// guest agent on the sandbox directory's agent.sock (the hybrid-vsock
+// handshake, so `capsa exec` and any other client use the one agent
+// client) and its own control API on control.sock (HTTP: status, stop),
+// writes the main process's output and the guest console to bounded logs,
+// and records every change of state. When the main process ends, or on
+// stop, TTL or SIGTERM, it stops the VM and records how it ended.
+package supervisor
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/capsa-sandbox/capsa/agent"
+	"github.com/capsa-sandbox/capsa/sandbox"
+	"github.com/capsa-sandbox/capsa/store"
+	"github.com/capsa-sandbox/capsa/virtio/vsock"
+)
+
+// Files in a sandbox's directory.
+const (
+	AgentSocket   = "agent.sock"
+	ControlSocket = "control.sock"
+	MainLog       = "main.log"
+	ConsoleLog    = "console.log"
+)
+
+// DefaultLogLimit bounds each log a supervisor keeps (the live file and
+// one rotated one, each at most half of it).
+const DefaultLogLimit = 16 << 20
+
+// DefaultStopTimeout is how long stop waits after SIGTERM before SIGKILL.
+const DefaultStopTimeout = 10 * time.Second
+
+// Options configure a supervisor.
+type Options struct {
+	Store *store.Store
+	Name  string
+	Log   *slog.Logger
+	// Ready is called once: with nil when the sandbox runs and its record
+	// says so, or with why it could not start.
+	Ready func(error)
+	// LogLimit bounds each log; 0 is DefaultLogLimit.
+	LogLimit int64
+}
+
+// Run boots the sandbox recorded under o.Name and supervises it until it
+// ends: its main process exits, a stop arrives, its TTL passes or ctx ends
+// (a stop with DefaultStopTimeout). The caller holds the sandbox's lock.
+func Run(ctx context.Context, o Options) error {
+	log := o.Log
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	ready := o.Ready
+	if ready == nil {
+		ready = func(error) {}
+	}
+	limit := o.LogLimit
+	if limit <= 0 {
+		limit = DefaultLogLimit
+	}
+	st := o.Store
+	rec, err := st.Get(o.Name)
+	if err != nil {
+		ready(err)
+		return err
+	}
+	dir := st.SandboxDir(o.Name)
+	// Sockets left by a supervisor that died would make Listen fail.
+	for _, f := range []string{AgentSocket, ControlSocket} {
+		os.Remove(filepath.Join(dir, f))
+	}
+	end := func(state store.State, code *int, reason string) {
+		err := st.Update(o.Name, func(r *store.Record) error {
+			r.State, r.ExitCode, r.Reason, r.Ended = state, code, reason, time.Now()
+			return nil
+		})
+		if err != nil {
+			log.Error("supervisor: record the end", "err", err)
+		}
+	}
+	mainLog, err := newRotatingLog(filepath.Join(dir, MainLog), limit)
+	if err != nil {
+		end(store.Exited, nil, err.Error())
+		ready(err)
+		return err
+	}
+	defer mainLog.Close()
+	consoleLog, err := newRotatingLog(filepath.Join(dir, ConsoleLog), limit)
+	if err != nil {
+		end(store.Exited, nil, err.Error())
+		ready(err)
+		return err
+	}
+	defer consoleLog.Close()
+
+	spec := rec.Spec
+	spec.VsockSocket = filepath.Join(dir, AgentSocket)
+	w := sandbox.FromSpec(spec).Logger(log).Console(consoleLog).Stdout(mainLog).Stderr(mainLog)
+	sb, err := w.Start(ctx)
+	if err != nil {
+		end(store.Exited, nil, err.Error())
+		ready(err)
+		return err
+	}
+	defer sb.Close()
+
+	c := &control{sb: sb, stopc: make(chan stopRequest, 1), started: time.Now()}
+	srv, err := c.serve(filepath.Join(dir, ControlSocket), log)
+	if err != nil {
+		end(store.Exited, nil, err.Error())
+		ready(err)
+		return err
+	}
+	defer srv.Close()
+
+	env, wd := sb.Defaults()
+	var ports []string
+	for _, p := range sb.Published() {
+		ports = append(ports, fmt.Sprintf("%s->%d/%s", p.Addr, p.Mapping.GuestPort, p.Addr.Network()))
+	}
+	err = st.Update(o.Name, func(r *store.Record) error {
+		r.State, r.PID, r.Started, r.Env, r.Dir, r.Ports = store.Running, os.Getpid(), c.started, env, wd, ports
+		return nil
+	})
+	if err != nil {
+		ready(err)
+		return err
+	}
+	ready(nil)
+	log.Info("supervisor: running", "name", o.Name)
+
+	var mainStatus *agent.ExitStatus
+	var mainErr error
+	mainDone := make(chan struct{})
+	go func() {
+		mainStatus, mainErr = sb.Wait(context.WithoutCancel(ctx))
+		close(mainDone)
+	}()
+	var ttl <-chan time.Time
+	if rec.TTL > 0 {
+		t := time.NewTimer(rec.TTL)
+		defer t.Stop()
+		ttl = t.C
+	}
+	var reason string
+	select {
+	case <-mainDone:
+		reason = "its main process ended"
+	case <-sb.Done():
+		reason = fmt.Sprintf("the VM stopped: %v", sb.Exit())
+	case req := <-c.stopc:
+		reason = "stopped"
+		if req.kill {
+			reason = "killed"
+		}
+		c.stopMain(mainDone, req.timeout, req.kill, log)
+	case <-ttl:
+		reason = fmt.Sprintf("its TTL of %v passed", rec.TTL)
+		c.stopMain(mainDone, DefaultStopTimeout, false, log)
+	case <-ctx.Done():
+		reason = "its supervisor was told to stop"
+		c.stopMain(mainDone, DefaultStopTimeout, false, log)
+	}
+	var code *int
+	select {
+	case <-mainDone:
+		switch {
+		case mainErr != nil:
+			reason += fmt.Sprintf(" (main process: %v)", mainErr)
+		case mainStatus != nil:
+			code = &mainStatus.Code
+		}
+	default:
+	}
+	shutdownCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+	defer cancel()
+	if err := sb.Shutdown(shutdownCtx); err != nil {
+		log.Warn("supervisor: shutdown", "err", err)
+	}
+	srv.Close()
+	end(store.Exited, code, reason)
+	log.Info("supervisor: ended", "name", o.Name, "reason", reason)
+	return nil
+}
+
+// stopRequest asks the supervisor to stop the sandbox.
+type stopRequest struct {
+	timeout time.Duration
+	kill    bool
+}
+
+// control is the supervisor's control API.
+type control struct {
+	sb      *sandbox.Sandbox
+	stopc   chan stopRequest
+	started time.Time
+	once    sync.Once
+}
+
+// stopMain ends the main process: SIGTERM, then SIGKILL after timeout (at
+// once with kill).
+func (c *control) stopMain(mainDone <-chan struct{}, timeout time.Duration, kill bool, log *slog.Logger) {
+	sig := func(name string) {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		if err := c.sb.Signal(ctx, name); err != nil {
+			log.Warn("supervisor: signal the main process", "signal", name, "err", err)
+		}
+	}
+	if !kill {
+		sig("SIGTERM")
+		select {
+		case <-mainDone:
+			return
+		case <-time.After(timeout):
+		}
+	}
+	sig("SIGKILL")
+	select {
+	case <-mainDone:
+	case <-time.After(5 * time.Second):
+	}
+}
+
+// Status is the control API's answer to GET /v1/status.
+type Status struct {
+	PID    int           `json:"pid"`
+	Uptime time.Duration `json:"uptime_ns"`
+}
+
+func (c *control) serve(path string, log *slog.Logger) (*http.Server, error) {
+	l, err := net.Listen("unix", path)
+	if err != nil {
+		return nil, fmt.Errorf("supervisor: control socket: %w", err)
+	}
+	if err := os.Chmod(path, 0o600); err != nil {
+		l.Close()
+		return nil, fmt.Errorf("supervisor: control socket: %w", err)
+	}
+	mux := http.NewServeMux()
+	mux.HandleFunc("GET /v1/status", func(w http.ResponseWriter, r *http.Request) {
+		writeJSON(w, Status{PID: os.Getpid(), Uptime: time.Since(c.started)})
+	})
+	mux.HandleFunc("POST /v1/stop", func(w http.ResponseWriter, r *http.Request) {
+		var req struct {
+			Timeout time.Duration `json:"timeout_ns"`
+			Kill    bool          `json:"kill"`
+		}
+		if err := json.NewDecoder(http.MaxBytesReader(w, r.Body, 4096)).Decode(&req); err != nil {
+			http.Error(w, "bad stop request: "+err.Error(), http.StatusBadRequest)
+			return
+		}
+		if req.Timeout < 0 {
+			http.Error(w, "bad stop request: negative timeout", http.StatusBadRequest)
+			return
+		}
+		select {
+		case c.stopc <- stopRequest{timeout: req.Timeout, kill: req.Kill}:
+		default: // a stop is already under way
+		}
+		w.WriteHeader(http.StatusAccepted)
+	})
+	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second,
+		ErrorLog: slog.NewLogLogger(log.Handler(), slog.LevelWarn)}
+	go srv.Serve(l)
+	return srv, nil
+}
+
+func writeJSON(w http.ResponseWriter, v any) {
+	w.Header().Set("Content-Type", "application/json")
+	json.NewEncoder(w).Encode(v)
+}
+
+// Handle is a running detached sandbox, reached by name: its guest
+// operations (Exec, Stream, files, Info) are sandbox.Guest's, the same as
+// an in-process Sandbox's.
+type Handle struct {
+	*sandbox.Guest
+	Name  string
+	store *store.Store
+	http  *http.Client
+}
+
+// ErrNotRunning is wrapped when a sandbox exists but does not run.
+var ErrNotRunning = errors.New("the sandbox is not running")
+
+// Open returns a handle to the running sandbox name.
+func Open(ctx context.Context, st *store.Store, name string) (*Handle, error) {
+	rec, err := st.Get(name)
+	if err != nil {
+		return nil, err
+	}
+	if rec.State != store.Running {
+		return nil, fmt.Errorf("supervisor: %s: %w (%s)", name, ErrNotRunning, describeEnd(rec))
+	}
+	dir := st.SandboxDir(name)
+	agentPath := filepath.Join(dir, AgentSocket)
+	ctlPath := filepath.Join(dir, ControlSocket)
+	h := &Handle{Name: name, store: st, http: &http.Client{Transport: &http.Transport{
+		DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
+			var d net.Dialer
+			return d.DialContext(ctx, "unix", ctlPath)
+		}}}}
+	client := &agent.Client{Name: "capsa", Dial: func(ctx context.Context) (net.Conn, error) {
+		return dialAgent(ctx, agentPath)
+	}}
+	h.Guest = sandbox.NewGuest(client, rec.Env, rec.Dir, rec.Spec.OutputLimit, h.explain)
+	return h, nil
+}
+
+// explain adds the sandbox's end to an error, if it has ended.
+func (h *Handle) explain(err error) error {
+	if err == nil {
+		return nil
+	}
+	if rec, gerr := h.store.Get(h.Name); gerr == nil && !rec.Alive() {
+		return fmt.Errorf("sandbox %s ended (%s): %w", h.Name, describeEnd(rec), err)
+	}
+	return err
+}
+
+// describeEnd says how a sandbox that is not running got there.
+func describeEnd(r *store.Record) string {
+	var b strings.Builder
+	b.WriteString(string(r.State))
+	if r.ExitCode != nil {
+		fmt.Fprintf(&b, ", exit code %d", *r.ExitCode)
+	}
+	if r.Reason != "" {
+		b.WriteString(": " + r.Reason)
+	}
+	return b.String()
+}
+
+// Stop ends the sandbox as `capsa stop` does: SIGTERM to the main process,
+// SIGKILL after timeout (at once with kill), then the VM stops. It returns
+// once the supervisor has recorded the end, or ctx ends.
+func (h *Handle) Stop(ctx context.Context, timeout time.Duration, kill bool) error {
+	body := fmt.Sprintf(`{"timeout_ns":%d,"kill":%t}`, timeout, kill)
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, "http://supervisor/v1/stop", strings.NewReader(body))
+	if err != nil {
+		return err
+	}
+	resp, err := h.http.Do(req)
+	if err != nil {
+		return h.explain(fmt.Errorf("supervisor: stop %s: %w", h.Name, err))
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusAccepted {
+		return fmt.Errorf("supervisor: stop %s: %s", h.Name, resp.Status)
+	}
+	return h.WaitEnded(ctx)
+}
+
+// WaitEnded waits until the sandbox's record says it no longer runs.
+func (h *Handle) WaitEnded(ctx context.Context) error {
+	tick := time.NewTicker(100 * time.Millisecond)
+	defer tick.Stop()
+	for {
+		rec, err := h.store.Get(h.Name)
+		if err != nil {
+			return err
+		}
+		if !rec.Alive() {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("supervisor: %s still runs: %w", h.Name, ctx.Err())
+		case <-tick.C:
+		}
+	}
+}
+
+// Status asks the supervisor how it is.
+func (h *Handle) Status(ctx context.Context) (*Status, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://supervisor/v1/status", nil)
+	if err != nil {
+		return nil, err
+	}
+	resp, err := h.http.Do(req)
+	if err != nil {
+		return nil, h.explain(fmt.Errorf("supervisor: status of %s: %w", h.Name, err))
+	}
+	defer resp.Body.Close()
+	var s Status
+	if err := json.NewDecoder(http.MaxBytesReader(nil, resp.Body, 1<<20)).Decode(&s); err != nil {
+		return nil, fmt.Errorf("supervisor: status of %s: %w", h.Name, err)
+	}
+	return &s, nil
+}
+
+// dialAgent reaches the guest agent through the supervisor's hybrid-vsock
+// socket.
+func dialAgent(ctx context.Context, path string) (net.Conn, error) {
+	return vsock.DialHybrid(ctx, path, agent.Port)
+}

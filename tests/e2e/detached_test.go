@@ -1,0 +1,228 @@
+package e2e
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"errors"
+	"io/fs"
+	"os"
+	"os/exec"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/capsa-sandbox/capsa/sandbox"
+	"github.com/capsa-sandbox/capsa/store"
+	"github.com/capsa-sandbox/capsa/supervisor"
+)
+
+// psEntry is what `capsa ps --format json` lists.
+type psEntry struct {
+	Name     string `json:"name"`
+	State    string `json:"state"`
+	ExitCode *int   `json:"exit_code"`
+	Reason   string `json:"reason"`
+}
+
+// detachedCLI runs capsa with its state in dir.
+func detachedCLI(t *testing.T, dir string) func(timeout time.Duration, args ...string) result {
+	return func(timeout time.Duration, args ...string) result {
+		t.Helper()
+		return capsaWith(t, timeout, func(c *exec.Cmd) { c.Env = append(os.Environ(), "CAPSA_STATE="+dir) }, args...)
+	}
+}
+
+func psAll(t *testing.T, cli func(time.Duration, ...string) result) map[string]psEntry {
+	t.Helper()
+	r := cli(time.Minute, "ps", "-a", "--format", "json")
+	var rows []psEntry
+	if err := json.Unmarshal([]byte(r.stdout), &rows); r.code != 0 || err != nil {
+		t.Fatalf("capsa ps -a --format json = exit %d, %v; stdout %q", r.code, err, r.stdout)
+	}
+	m := map[string]psEntry{}
+	for _, row := range rows {
+		m[row.Name] = row
+	}
+	return m
+}
+
+// stopAll stops whatever the test left running, at cleanup.
+func stopAll(t *testing.T, dir string) {
+	st, err := store.Open(dir)
+	if err != nil {
+		return
+	}
+	recs, _ := st.List()
+	for _, r := range recs {
+		if r.Alive() && r.PID > 0 {
+			syscall.Kill(r.PID, syscall.SIGKILL)
+		}
+	}
+}
+
+// TestDetachedSandbox: `run -d` leaves a sandbox running after the CLI has
+// exited; exec, logs, ps, stop and rm reach it by name; names are unique
+// under concurrent runs; a killed supervisor reads as crashed and its name
+// can be used again; --ttl stops a sandbox by itself; another user cannot
+// reach it.
+func TestDetachedSandbox(t *testing.T) {
+	dir := t.TempDir()
+	cli := detachedCLI(t, dir)
+	t.Cleanup(func() { stopAll(t, dir) })
+
+	r := cli(3*time.Minute, "run", "-d", "--name", "w", "--", "sh", "-c", "echo started; while true; do echo tick; sleep 1; done")
+	if r.code != 0 || r.stdout != "w\n" {
+		t.Fatalf("capsa run -d --name w = exit %d, stdout %q; want 0, %q", r.code, r.stdout, "w\n")
+	}
+	// The CLI has exited (capsaWith waited for it): the sandbox serves.
+	if r := cli(time.Minute, "exec", "w", "--", "sh", "-c", "echo written > /tmp/f"); r.code != 0 {
+		t.Fatalf("capsa exec w (write) = exit %d, stderr %q", r.code, r.stderr)
+	}
+	if r := cli(time.Minute, "exec", "w", "--", "cat", "/tmp/f"); r.code != 0 || r.stdout != "written\n" {
+		t.Fatalf("capsa exec w -- cat /tmp/f = exit %d, %q; want 0, %q", r.code, r.stdout, "written\n")
+	}
+	if r := cli(time.Minute, "exec", "-e", "X=7", "w", "--", "sh", "-c", "exit $X"); r.code != 7 {
+		t.Errorf("capsa exec w -- exit 7 = exit %d, want 7 (stderr %q)", r.code, r.stderr)
+	}
+	if r := cli(time.Minute, "exec", "nosuch", "--", "true"); r.code != 125 || !strings.Contains(r.stderr, "no such sandbox") {
+		t.Errorf("capsa exec nosuch = exit %d, stderr %q; want 125 naming the missing sandbox", r.code, r.stderr)
+	}
+
+	// The library reaches it by name, with typed guest errors.
+	st, err := store.Open(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	h, err := supervisor.Open(ctx, st, "w")
+	if err != nil {
+		t.Fatalf("supervisor.Open(w) = %v", err)
+	}
+	if _, err := h.ReadFile(ctx, "/no/such/file"); !errors.Is(err, fs.ErrNotExist) {
+		t.Errorf("ReadFile(/no/such/file) = %v, want an error that is fs.ErrNotExist", err)
+	}
+	if out, err := h.Exec(ctx, sandbox.Command("cat", "/tmp/f")); err != nil || string(out.Stdout) != "written\n" {
+		t.Errorf("Exec(cat /tmp/f) through the handle = %+v, %v", out, err)
+	}
+
+	// logs: what the main process wrote, then more as it comes.
+	if r := cli(time.Minute, "logs", "w"); r.code != 0 || !strings.HasPrefix(r.stdout, "started\n") {
+		t.Errorf("capsa logs w = exit %d, %q; want it to start with %q", r.code, r.stdout, "started\n")
+	}
+	followLogs(t, dir)
+
+	// Two runs of one name at once: one sandbox, one clear error.
+	var wg sync.WaitGroup
+	results := make([]result, 2)
+	for i := range results {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			results[i] = cli(3*time.Minute, "run", "-d", "--name", "dup", "--", "sleep", "3600")
+		}()
+	}
+	wg.Wait()
+	if ok := (results[0].code == 0) != (results[1].code == 0); !ok {
+		t.Fatalf("two concurrent run -d --name dup: exits %d and %d, want exactly one 0", results[0].code, results[1].code)
+	}
+	for _, r := range results {
+		if r.code != 0 && (r.code != 2 || !strings.Contains(r.stderr, `"dup" is taken`)) {
+			t.Errorf("the losing run -d --name dup = exit %d, stderr %q; want 2 saying the name is taken", r.code, r.stderr)
+		}
+	}
+
+	// Another user gets a permission error, not a sandbox.
+	asNobody := func(c *exec.Cmd) {
+		c.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: 1000, Gid: 1000}}
+		c.Env = []string{"CAPSA_STATE=" + dir, "HOME=/tmp"}
+	}
+	if r := capsaWith(t, time.Minute, asNobody, "exec", "w", "--", "true"); r.code == 0 || !strings.Contains(r.stderr, "permission denied") {
+		t.Errorf("capsa exec w as uid 1000 = exit %d, stderr %q; want a permission error", r.code, r.stderr)
+	}
+
+	// stop: the main process gets SIGTERM; ps -a shows how it ended.
+	if r := cli(time.Minute, "stop", "w"); r.code != 0 {
+		t.Fatalf("capsa stop w = exit %d, stderr %q", r.code, r.stderr)
+	}
+	if e := psAll(t, cli)["w"]; e.State != "exited" || e.ExitCode == nil || *e.ExitCode != 128+15 {
+		t.Errorf("ps -a after stop: w = %+v, want exited with code 143 (SIGTERM)", e)
+	}
+	if r := cli(time.Minute, "exec", "w", "--", "true"); r.code != 125 || !strings.Contains(r.stderr, "not running") {
+		t.Errorf("capsa exec of a stopped sandbox = exit %d, stderr %q; want 125, not running", r.code, r.stderr)
+	}
+	if r := cli(time.Minute, "rm", "w"); r.code != 0 {
+		t.Errorf("capsa rm w = exit %d, stderr %q", r.code, r.stderr)
+	}
+	if _, ok := psAll(t, cli)["w"]; ok {
+		t.Error("ps -a still lists w after rm")
+	}
+
+	// A supervisor killed with SIGKILL: crashed, removable, name reusable.
+	rec, err := st.Get("dup")
+	if err != nil || rec.PID == 0 {
+		t.Fatalf("the record of dup = %+v, %v", rec, err)
+	}
+	if r := cli(time.Minute, "rm", "dup"); r.code == 0 {
+		t.Error("capsa rm of a running sandbox succeeded without -f")
+	}
+	syscall.Kill(rec.PID, syscall.SIGKILL)
+	deadline := time.Now().Add(30 * time.Second)
+	for psAll(t, cli)["dup"].State != "crashed" {
+		if time.Now().After(deadline) {
+			t.Fatalf("ps -a after SIGKILL of dup's supervisor: %+v, want crashed", psAll(t, cli)["dup"])
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	if r := cli(time.Minute, "rm", "dup"); r.code != 0 {
+		t.Fatalf("capsa rm of a crashed sandbox = exit %d, stderr %q", r.code, r.stderr)
+	}
+	start := time.Now()
+	if r := cli(3*time.Minute, "run", "-d", "--name", "dup", "--ttl", "5s", "--", "sleep", "3600"); r.code != 0 {
+		t.Fatalf("run -d --name dup after rm = exit %d, stderr %q", r.code, r.stderr)
+	}
+	for {
+		e := psAll(t, cli)["dup"]
+		if e.State == "exited" {
+			if !strings.Contains(e.Reason, "TTL") || time.Since(start) < 5*time.Second {
+				t.Errorf("dup ended after %v: %+v; want its TTL of 5s", time.Since(start), e)
+			}
+			break
+		}
+		if time.Since(start) > 2*time.Minute {
+			t.Fatalf("--ttl 5s: dup still %s after %v", e.State, time.Since(start))
+		}
+		time.Sleep(time.Second)
+	}
+}
+
+// followLogs checks that `capsa logs -f w` prints the main process's
+// output as it comes: new ticks arrive while it runs.
+func followLogs(t *testing.T, dir string) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, artifact(t, "capsa"), "logs", "-f", "--tail", "0", "w")
+	cmd.Env = append(os.Environ(), "CAPSA_STATE="+dir)
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer cmd.Wait()
+	defer cancel()
+	sc := bufio.NewScanner(out)
+	for i := range 3 {
+		if !sc.Scan() {
+			t.Fatalf("capsa logs -f w: output ended after %d lines: %v", i, sc.Err())
+		}
+		if sc.Text() != "tick" {
+			t.Fatalf("capsa logs -f w: line %q, want tick", sc.Text())
+		}
+	}
+}
