@@ -183,6 +183,7 @@ type FileInfo struct {
 	ModTimeNs int64  `json:"mtime_ns"`
 	IsDir     bool   `json:"is_dir,omitempty"`
 	IsSymlink bool   `json:"is_symlink,omitempty"`
+	Target    string `json:"target,omitempty"` // a symlink's
 }
 
 // DirList is the reply to a list request.

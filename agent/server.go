@@ -153,7 +153,7 @@ func (s *Server) handle(ctx context.Context, c *Conn, req *Request) error {
 		if err != nil {
 			return opError("stat", req.Path, err)
 		}
-		return reply(fileInfo(st))
+		return reply(fileInfo(req.Path, st))
 	case OpList:
 		ents, err := os.ReadDir(req.Path)
 		if err != nil {
@@ -162,7 +162,7 @@ func (s *Server) handle(ctx context.Context, c *Conn, req *Request) error {
 		list := DirList{Entries: []FileInfo{}}
 		for _, e := range ents {
 			if st, err := e.Info(); err == nil {
-				list.Entries = append(list.Entries, fileInfo(st))
+				list.Entries = append(list.Entries, fileInfo(filepath.Join(req.Path, e.Name()), st))
 			}
 		}
 		return reply(list)
@@ -239,11 +239,17 @@ func opError(op, path string, err error) error {
 	return fmt.Errorf("%s %s: %w", op, path, err)
 }
 
-func fileInfo(st os.FileInfo) FileInfo {
-	return FileInfo{
+// fileInfo describes the file at path, which st describes; a symlink
+// says where it points.
+func fileInfo(path string, st os.FileInfo) FileInfo {
+	fi := FileInfo{
 		Name: st.Name(), Size: st.Size(), Mode: uint32(st.Mode()), ModTimeNs: st.ModTime().UnixNano(),
 		IsDir: st.IsDir(), IsSymlink: st.Mode()&os.ModeSymlink != 0,
 	}
+	if fi.IsSymlink {
+		fi.Target, _ = os.Readlink(path)
+	}
+	return fi
 }
 
 func guestInfo() Info {
@@ -274,7 +280,7 @@ func readFile(c *Conn, path string) error {
 	if st.IsDir() {
 		return fmt.Errorf("read %s: is a directory", path)
 	}
-	if err := c.WriteJSON(FrameReply, fileInfo(st)); err != nil {
+	if err := c.WriteJSON(FrameReply, fileInfo(path, st)); err != nil {
 		return nil
 	}
 	// A regular file sends at most the size it announced (the client

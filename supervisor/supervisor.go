@@ -22,9 +22,11 @@ import (
 	"net"
 	"net/http"
 	"os"
+	"os/signal"
 	"path/filepath"
 	"strings"
 	"sync"
+	"syscall"
 	"time"
 
 	"github.com/capsa-sandbox/capsa/agent"
@@ -153,6 +155,23 @@ func Run(ctx context.Context, o Options) error {
 	go func() {
 		mainStatus, mainErr = sb.Wait(context.WithoutCancel(ctx))
 		close(mainDone)
+	}()
+	// SIGQUIT asks for the VM's state (vCPUs, interrupts, virtqueues,
+	// console), into the supervisor's log; the sandbox runs on.
+	quit := make(chan os.Signal, 1)
+	signal.Notify(quit, syscall.SIGQUIT)
+	defer signal.Stop(quit)
+	go func() {
+		for {
+			select {
+			case <-quit:
+				dctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+				log.Warn("supervisor: the VM's state, on SIGQUIT\n" + sb.Debug(dctx).String())
+				cancel()
+			case <-sb.Done():
+				return
+			}
+		}
 	}()
 	var ttl <-chan time.Time
 	if rec.TTL > 0 {

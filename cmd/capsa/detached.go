@@ -148,7 +148,11 @@ func runSupervise(ctx context.Context, args []string, stdout, stderr io.Writer) 
 		fmt.Fprintln(stderr, err)
 		return 1
 	}
-	log := slog.New(slog.NewTextHandler(stderr, nil))
+	level := slog.LevelInfo
+	if os.Getenv("CAPSA_DEBUG") != "" {
+		level = slog.LevelDebug
+	}
+	log := slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: level}))
 	name := fs.Arg(0)
 	err = supervisor.Run(ctx, supervisor.Options{Store: st, Name: name, Log: log, Ready: func(err error) {
 		if err != nil {
@@ -453,6 +457,56 @@ func runLogs(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	}
 	if err := supervisor.Logs(ctx, st, name, file, *lines, *follow, stdout); err != nil {
 		fmt.Fprintf(stderr, "capsa logs: %v\n", err)
+		return 1
+	}
+	return 0
+}
+
+// splitSandboxPath reads NAME:/PATH; ok is false for a host path.
+func splitSandboxPath(s string) (name, p string, ok bool) {
+	name, p, found := strings.Cut(s, ":")
+	if !found || !strings.HasPrefix(p, "/") || store.CheckName(name) != nil {
+		return "", "", false
+	}
+	return name, p, true
+}
+
+func runCp(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	fs := newFlags("cp", "SRC DST (one of them NAME:/PATH in a detached sandbox)", stdout)
+	if code := parseFlags(fs, args, stderr); code >= 0 {
+		return code
+	}
+	if fs.NArg() != 2 {
+		fmt.Fprintln(stderr, "capsa cp: want SRC DST, one of them NAME:/PATH")
+		return 2
+	}
+	srcName, srcPath, srcIn := splitSandboxPath(fs.Arg(0))
+	dstName, dstPath, dstIn := splitSandboxPath(fs.Arg(1))
+	if srcIn == dstIn {
+		fmt.Fprintln(stderr, "capsa cp: exactly one of SRC and DST must be NAME:/PATH (a path in a detached sandbox)")
+		return 2
+	}
+	st, err := openStateStore()
+	if err != nil {
+		fmt.Fprintf(stderr, "capsa cp: %v\n", err)
+		return 1
+	}
+	name := srcName
+	if dstIn {
+		name = dstName
+	}
+	h, err := supervisor.Open(ctx, st, name)
+	if err != nil {
+		fmt.Fprintf(stderr, "capsa cp: %v\n", err)
+		return 1
+	}
+	if srcIn {
+		err = h.CopyOut(ctx, srcPath, fs.Arg(1))
+	} else {
+		err = h.CopyIn(ctx, fs.Arg(0), dstPath)
+	}
+	if err != nil {
+		fmt.Fprintf(stderr, "capsa cp: %v\n", err)
 		return 1
 	}
 	return 0

@@ -3,11 +3,15 @@ package e2e
 import (
 	"bufio"
 	"context"
+	"crypto/rand"
+	"crypto/sha256"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"io/fs"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"strings"
 	"sync"
 	"syscall"
@@ -31,7 +35,7 @@ type psEntry struct {
 func detachedCLI(t *testing.T, dir string) func(timeout time.Duration, args ...string) result {
 	return func(timeout time.Duration, args ...string) result {
 		t.Helper()
-		return capsaWith(t, timeout, func(c *exec.Cmd) { c.Env = append(os.Environ(), "CAPSA_STATE="+dir) }, args...)
+		return capsaWith(t, timeout, func(c *exec.Cmd) { c.Env = append(os.Environ(), "CAPSA_STATE="+dir, "CAPSA_DEBUG=1") }, args...)
 	}
 }
 
@@ -71,7 +75,12 @@ func stopAll(t *testing.T, dir string) {
 func TestDetachedSandbox(t *testing.T) {
 	dir := t.TempDir()
 	cli := detachedCLI(t, dir)
-	t.Cleanup(func() { stopAll(t, dir) })
+	t.Cleanup(func() {
+		if t.Failed() {
+			logSandboxFiles(t, dir)
+		}
+		stopAll(t, dir)
+	})
 
 	r := cli(3*time.Minute, "run", "-d", "--name", "w", "--", "sh", "-c", "echo started; while true; do echo tick; sleep 1; done")
 	if r.code != 0 || r.stdout != "w\n" {
@@ -114,6 +123,7 @@ func TestDetachedSandbox(t *testing.T) {
 		t.Errorf("capsa logs w = exit %d, %q; want it to start with %q", r.code, r.stdout, "started\n")
 	}
 	followLogs(t, dir)
+	copyBothWays(t, cli)
 
 	// Two runs of one name at once: one sandbox, one clear error.
 	var wg sync.WaitGroup
@@ -223,6 +233,74 @@ func followLogs(t *testing.T, dir string) {
 		}
 		if sc.Text() != "tick" {
 			t.Fatalf("capsa logs -f w: line %q, want tick", sc.Text())
+		}
+	}
+}
+
+// copyBothWays: `capsa cp` of a 64 MiB file into w and back, and of a
+// directory tree into w and back, every byte checked.
+func copyBothWays(t *testing.T, cli func(time.Duration, ...string) result) {
+	t.Helper()
+	host := t.TempDir()
+	data := make([]byte, 64<<20)
+	rand.Read(data)
+	big := filepath.Join(host, "big")
+	if err := os.WriteFile(big, data, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	sum := sha256.Sum256(data)
+	if r := cli(2*time.Minute, "cp", big, "w:/tmp/big"); r.code != 0 {
+		t.Fatalf("capsa cp big w:/tmp/big = exit %d, stderr %q", r.code, r.stderr)
+	}
+	if r := cli(time.Minute, "exec", "w", "--", "shasum", "-a", "256", "/tmp/big"); !strings.HasPrefix(r.stdout, hex.EncodeToString(sum[:])) {
+		t.Errorf("the guest's sha256 of the copied file = %q, want %x", r.stdout, sum)
+	}
+	back := filepath.Join(host, "back")
+	if r := cli(2*time.Minute, "cp", "w:/tmp/big", back); r.code != 0 {
+		t.Fatalf("capsa cp w:/tmp/big back = exit %d, stderr %q", r.code, r.stderr)
+	}
+	if got := fileSum(t, back); got != sum {
+		t.Errorf("sha256 of the file copied back = %x, want %x", got, sum)
+	}
+	src := filepath.Join(host, "tree")
+	lines := makeTree(t, src)
+	if r := cli(2*time.Minute, "cp", src, "w:/tmp"); r.code != 0 {
+		t.Fatalf("capsa cp tree w:/tmp = exit %d, stderr %q", r.code, r.stderr)
+	}
+	out := filepath.Join(host, "out")
+	os.Mkdir(out, 0o755)
+	if r := cli(2*time.Minute, "cp", "w:/tmp/tree", out); r.code != 0 {
+		t.Fatalf("capsa cp w:/tmp/tree out = exit %d, stderr %q", r.code, r.stderr)
+	}
+	for _, l := range lines {
+		rel, want, _ := strings.Cut(l, " ")
+		if got := fileSum(t, filepath.Join(out, "tree", rel)); hex.EncodeToString(got[:]) != want {
+			t.Errorf("%s after the round trip: sha256 %x, want %s", rel, got, want)
+		}
+	}
+}
+
+// logSandboxFiles logs the tails of every sandbox's supervisor log and
+// guest console, for a failed test.
+func logSandboxFiles(t *testing.T, dir string) {
+	// A live supervisor writes the VM's state to its log on SIGQUIT.
+	if st, err := store.Open(dir); err == nil {
+		recs, _ := st.List()
+		for _, r := range recs {
+			if r.State == store.Running && r.PID > 0 {
+				syscall.Kill(r.PID, syscall.SIGQUIT)
+			}
+		}
+		time.Sleep(5 * time.Second)
+	}
+	for _, name := range []string{"supervisor.log", supervisor.ConsoleLog} {
+		paths, _ := filepath.Glob(filepath.Join(dir, "sandboxes", "*", name))
+		for _, p := range paths {
+			b, _ := os.ReadFile(p)
+			if len(b) > 64<<10 {
+				b = b[len(b)-64<<10:]
+			}
+			t.Logf("%s:\n%s", p, b)
 		}
 	}
 }
