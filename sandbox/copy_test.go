@@ -13,6 +13,14 @@ import (
 	"github.com/capsa-sandbox/capsa/agent"
 )
 
+// unixGuest reaches an agent on the Unix socket at sock.
+func unixGuest(sock string) *Guest {
+	return NewGuest(&agent.Client{Name: "test", Dial: func(ctx context.Context) (net.Conn, error) {
+		var d net.Dialer
+		return d.DialContext(ctx, "unix", sock)
+	}}, nil, "", 0, nil)
+}
+
 // localGuest is the real agent serving this machine's files, as a guest's
 // would.
 func localGuest(t *testing.T) *Guest {
@@ -25,10 +33,7 @@ func localGuest(t *testing.T) *Guest {
 	ctx, cancel := context.WithCancel(context.Background())
 	t.Cleanup(func() { cancel(); l.Close() })
 	go (&agent.Server{}).Serve(ctx, l)
-	return NewGuest(&agent.Client{Name: "test", Dial: func(ctx context.Context) (net.Conn, error) {
-		var d net.Dialer
-		return d.DialContext(ctx, "unix", sock)
-	}}, nil, "", 0, nil)
+	return unixGuest(sock)
 }
 
 func TestCopyInAndOut(t *testing.T) {
@@ -113,10 +118,7 @@ func hostileGuest(t *testing.T, entries []agent.FileInfo) *Guest {
 			}()
 		}
 	}()
-	return NewGuest(&agent.Client{Name: "test", Dial: func(ctx context.Context) (net.Conn, error) {
-		var d net.Dialer
-		return d.DialContext(ctx, "unix", sock)
-	}}, nil, "", 0, nil)
+	return unixGuest(sock)
 }
 
 // A guest's listing cannot lead CopyOut outside its destination, and an
