@@ -154,8 +154,7 @@ func FromSpec(s Spec) *Workload {
 	if s.MemoryMiB != 0 {
 		b.Memory(s.MemoryMiB)
 	}
-	b.Env(s.Env...)
-	b.c.Kernel, b.c.Initrd = s.Kernel, s.Initrd
+	b.Env(s.Env...).Kernel(s.Kernel).Initrd(s.Initrd)
 	if s.ReadyTimeout != 0 {
 		b.ReadyTimeout(s.ReadyTimeout)
 	}

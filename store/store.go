@@ -276,12 +276,7 @@ func (s *Store) Get(name string) (*Record, error) {
 	if err := CheckName(name); err != nil {
 		return nil, err
 	}
-	var r *Record
-	err := s.db(false, func(b *bolt.Bucket) error {
-		var err error
-		r, err = get(b, name)
-		return err
-	})
+	r, err := s.getRaw(name)
 	if err != nil {
 		return nil, err
 	}
@@ -347,6 +342,7 @@ func (s *Store) checkAlive(r *Record) *Record {
 
 var errStale = errors.New("store: record changed")
 
+// getRaw reads name's record as it is, liveness unchecked.
 func (s *Store) getRaw(name string) (*Record, error) {
 	var r *Record
 	err := s.db(false, func(b *bolt.Bucket) error {

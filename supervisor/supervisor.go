@@ -7,13 +7,14 @@
 // A supervisor boots the sandbox its store record describes, serves the
 // guest agent on the sandbox directory's agent.sock (the hybrid-vsock
 // handshake, so `capsa exec` and any other client use the one agent
-// client) and its own control API on control.sock (HTTP: status, stop),
+// client) and its own control API on control.sock (HTTP: stop),
 // writes the main process's output and the guest console to bounded logs,
 // and records every change of state. When the main process ends, or on
 // stop, TTL or SIGTERM, it stops the VM and records how it ended.
 package supervisor
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -25,7 +26,6 @@ import (
 	"os/signal"
 	"path/filepath"
 	"strings"
-	"sync"
 	"syscall"
 	"time"
 
@@ -41,6 +41,7 @@ const (
 	ControlSocket = "control.sock"
 	MainLog       = "main.log"
 	ConsoleLog    = "console.log"
+	SupervisorLog = "supervisor.log" // the supervisor's own log (its stderr)
 )
 
 // DefaultLogLimit bounds each log a supervisor keeps (the live file and
@@ -98,18 +99,20 @@ func Run(ctx context.Context, o Options) error {
 			log.Error("supervisor: record the end", "err", err)
 		}
 	}
-	mainLog, err := newRotatingLog(filepath.Join(dir, MainLog), limit)
-	if err != nil {
+	// fail records that the sandbox could not start, and says why.
+	fail := func(err error) error {
 		end(store.Exited, nil, err.Error())
 		ready(err)
 		return err
 	}
+	mainLog, err := newRotatingLog(filepath.Join(dir, MainLog), limit)
+	if err != nil {
+		return fail(err)
+	}
 	defer mainLog.Close()
 	consoleLog, err := newRotatingLog(filepath.Join(dir, ConsoleLog), limit)
 	if err != nil {
-		end(store.Exited, nil, err.Error())
-		ready(err)
-		return err
+		return fail(err)
 	}
 	defer consoleLog.Close()
 
@@ -118,18 +121,14 @@ func Run(ctx context.Context, o Options) error {
 	w := sandbox.FromSpec(spec).Logger(log).Console(consoleLog).Stdout(mainLog).Stderr(mainLog)
 	sb, err := w.Start(ctx)
 	if err != nil {
-		end(store.Exited, nil, err.Error())
-		ready(err)
-		return err
+		return fail(err)
 	}
 	defer sb.Close()
 
 	c := &control{sb: sb, stopc: make(chan stopRequest, 1), started: time.Now()}
 	srv, err := c.serve(filepath.Join(dir, ControlSocket), log)
 	if err != nil {
-		end(store.Exited, nil, err.Error())
-		ready(err)
-		return err
+		return fail(err)
 	}
 	defer srv.Close()
 
@@ -231,7 +230,6 @@ type control struct {
 	sb      *sandbox.Sandbox
 	stopc   chan stopRequest
 	started time.Time
-	once    sync.Once
 }
 
 // stopMain ends the main process: SIGTERM, then SIGKILL after timeout (at
@@ -259,10 +257,10 @@ func (c *control) stopMain(mainDone <-chan struct{}, timeout time.Duration, kill
 	}
 }
 
-// Status is the control API's answer to GET /v1/status.
-type Status struct {
-	PID    int           `json:"pid"`
-	Uptime time.Duration `json:"uptime_ns"`
+// stopBody is POST /v1/stop's request.
+type stopBody struct {
+	Timeout time.Duration `json:"timeout_ns"`
+	Kill    bool          `json:"kill"`
 }
 
 func (c *control) serve(path string, log *slog.Logger) (*http.Server, error) {
@@ -275,14 +273,8 @@ func (c *control) serve(path string, log *slog.Logger) (*http.Server, error) {
 		return nil, fmt.Errorf("supervisor: control socket: %w", err)
 	}
 	mux := http.NewServeMux()
-	mux.HandleFunc("GET /v1/status", func(w http.ResponseWriter, r *http.Request) {
-		writeJSON(w, Status{PID: os.Getpid(), Uptime: time.Since(c.started)})
-	})
 	mux.HandleFunc("POST /v1/stop", func(w http.ResponseWriter, r *http.Request) {
-		var req struct {
-			Timeout time.Duration `json:"timeout_ns"`
-			Kill    bool          `json:"kill"`
-		}
+		var req stopBody
 		if err := json.NewDecoder(http.MaxBytesReader(w, r.Body, 4096)).Decode(&req); err != nil {
 			http.Error(w, "bad stop request: "+err.Error(), http.StatusBadRequest)
 			return
@@ -301,11 +293,6 @@ func (c *control) serve(path string, log *slog.Logger) (*http.Server, error) {
 		ErrorLog: slog.NewLogLogger(log.Handler(), slog.LevelWarn)}
 	go srv.Serve(l)
 	return srv, nil
-}
-
-func writeJSON(w http.ResponseWriter, v any) {
-	w.Header().Set("Content-Type", "application/json")
-	json.NewEncoder(w).Encode(v)
 }
 
 // Handle is a running detached sandbox, reached by name: its guest
@@ -373,8 +360,11 @@ func describeEnd(r *store.Record) string {
 // SIGKILL after timeout (at once with kill), then the VM stops. It returns
 // once the supervisor has recorded the end, or ctx ends.
 func (h *Handle) Stop(ctx context.Context, timeout time.Duration, kill bool) error {
-	body := fmt.Sprintf(`{"timeout_ns":%d,"kill":%t}`, timeout, kill)
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, "http://supervisor/v1/stop", strings.NewReader(body))
+	body, err := json.Marshal(stopBody{Timeout: timeout, Kill: kill})
+	if err != nil {
+		return err
+	}
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, "http://supervisor/v1/stop", bytes.NewReader(body))
 	if err != nil {
 		return err
 	}
@@ -407,24 +397,6 @@ func (h *Handle) WaitEnded(ctx context.Context) error {
 		case <-tick.C:
 		}
 	}
-}
-
-// Status asks the supervisor how it is.
-func (h *Handle) Status(ctx context.Context) (*Status, error) {
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://supervisor/v1/status", nil)
-	if err != nil {
-		return nil, err
-	}
-	resp, err := h.http.Do(req)
-	if err != nil {
-		return nil, h.explain(fmt.Errorf("supervisor: status of %s: %w", h.Name, err))
-	}
-	defer resp.Body.Close()
-	var s Status
-	if err := json.NewDecoder(http.MaxBytesReader(nil, resp.Body, 1<<20)).Decode(&s); err != nil {
-		return nil, fmt.Errorf("supervisor: status of %s: %w", h.Name, err)
-	}
-	return &s, nil
 }
 
 // dialAgent reaches the guest agent through the supervisor's hybrid-vsock

@@ -68,7 +68,7 @@ func startDetached(ctx context.Context, w *sandbox.Workload, name string, rm boo
 		return fail("find capsa's own binary: %v", err)
 	}
 	dir := st.SandboxDir(name)
-	logPath := filepath.Join(dir, "supervisor.log")
+	logPath := filepath.Join(dir, supervisor.SupervisorLog)
 	logf, err := os.OpenFile(logPath, os.O_WRONLY|os.O_CREATE|os.O_APPEND, 0o600)
 	if err != nil {
 		return fail("%v", err)
@@ -87,7 +87,6 @@ func startDetached(ctx context.Context, w *sandbox.Workload, name string, rm boo
 	cmd.Stdout, cmd.Stderr = logf, logf
 	cmd.ExtraFiles = []*os.File{lock.File(), readyW} // fds 3 and 4
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
-	cmd.Env = append(os.Environ(), "CAPSA_STATE="+st.Dir())
 	if err := cmd.Start(); err != nil {
 		readyW.Close()
 		st.Update(name, func(r *store.Record) error { r.State, r.Reason = store.Exited, err.Error(); return nil })
@@ -103,23 +102,14 @@ func startDetached(ctx context.Context, w *sandbox.Workload, name string, rm boo
 		return 0
 	}
 	if len(msg) == 0 {
-		msg = []byte("the supervisor ended before the sandbox ran; its log:\n" + tail(logPath, 20))
+		var last strings.Builder
+		if err := supervisor.Logs(ctx, st, name, supervisor.SupervisorLog, 20, false, &last); err != nil {
+			last.WriteString(err.Error())
+		}
+		msg = []byte("the supervisor ended before the sandbox ran; its log:\n" + last.String())
 	}
 	fmt.Fprintf(stderr, "capsa run: %s: %s\n", name, strings.TrimSpace(string(msg)))
 	return 125
-}
-
-// tail returns the last n lines of a file.
-func tail(path string, n int) string {
-	b, err := os.ReadFile(path)
-	if err != nil {
-		return err.Error()
-	}
-	lines := strings.SplitAfter(string(b), "\n")
-	if len(lines) > n {
-		lines = lines[len(lines)-n:]
-	}
-	return strings.Join(lines, "")
 }
 
 // runSupervise is the supervisor process (`run -d` starts it): fd 3 is the

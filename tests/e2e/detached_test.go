@@ -293,7 +293,7 @@ func logSandboxFiles(t *testing.T, dir string) {
 		}
 		time.Sleep(5 * time.Second)
 	}
-	for _, name := range []string{"supervisor.log", supervisor.ConsoleLog} {
+	for _, name := range []string{supervisor.SupervisorLog, supervisor.ConsoleLog} {
 		paths, _ := filepath.Glob(filepath.Join(dir, "sandboxes", "*", name))
 		for _, p := range paths {
 			b, _ := os.ReadFile(p)
