@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"sync/atomic"
 	"unsafe"
+
+	"golang.org/x/sys/unix"
 )
 
 // Virtqueue ring indices are 16-bit fields that the guest and the VMM
@@ -57,4 +59,17 @@ func littleEndianWord(w uint32) uint32 {
 	var b [4]byte
 	binary.NativeEndian.PutUint32(b[:], w)
 	return binary.LittleEndian.Uint32(b[:])
+}
+
+// mincore is mincore(2), which golang.org/x/sys/unix does not wrap on
+// Linux: one byte in vec per page of b, bit 0 set when it is resident.
+func mincore(b, vec []byte) error {
+	if len(b) == 0 {
+		return nil
+	}
+	_, _, errno := unix.Syscall(unix.SYS_MINCORE, uintptr(unsafe.Pointer(&b[0])), uintptr(len(b)), uintptr(unsafe.Pointer(&vec[0])))
+	if errno != 0 {
+		return errno
+	}
+	return nil
 }

@@ -239,3 +239,26 @@ func (m *Memory) PutUint64(gpa uint64, v uint64) error {
 	binary.LittleEndian.PutUint64(b, v)
 	return nil
 }
+
+// Resident is how many bytes of guest RAM the host holds in memory now
+// (mincore over every region): the pages the guest has touched and the
+// host has not reclaimed, what a sandbox really costs the host.
+func (m *Memory) Resident() (uint64, error) {
+	page := uint64(unix.Getpagesize())
+	var vec []byte
+	var n uint64
+	for _, r := range m.regions {
+		pages := (uint64(len(r.Host)) + page - 1) / page
+		if uint64(cap(vec)) < pages {
+			vec = make([]byte, pages)
+		}
+		vec = vec[:pages]
+		if err := mincore(r.Host, vec); err != nil {
+			return 0, fmt.Errorf("mincore guest memory at %#x: %w", r.GPA, err)
+		}
+		for _, v := range vec {
+			n += uint64(v & 1)
+		}
+	}
+	return n * page, nil
+}

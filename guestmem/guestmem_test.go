@@ -146,3 +146,24 @@ func TestAtomicUint16(t *testing.T) {
 		t.Error("address past the end accepted")
 	}
 }
+
+// TestResident: a fresh mapping holds nothing; written pages are counted,
+// never more than the guest's RAM.
+func TestResident(t *testing.T) {
+	m, err := New(8 << 20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	if n, err := m.Resident(); err != nil || n != 0 {
+		t.Errorf("Resident() of untouched memory = %d, %v; want 0", n, err)
+	}
+	for gpa := uint64(0); gpa < 1<<20; gpa += 4096 {
+		if err := m.PutUint8(gpa, 1); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if n, err := m.Resident(); err != nil || n < 1<<20 || n > m.Size() {
+		t.Errorf("Resident() after writing 1 MiB = %d, %v; want between 1 MiB and %d", n, err, m.Size())
+	}
+}

@@ -19,6 +19,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"net"
 	"net/http"
@@ -178,6 +179,7 @@ func Run(ctx context.Context, o Options) error {
 		defer t.Stop()
 		ttl = t.C
 	}
+	idle := watchIdle(sb, rec.IdleTimeout)
 	var reason string
 	select {
 	case <-mainDone:
@@ -192,6 +194,9 @@ func Run(ctx context.Context, o Options) error {
 		c.stopMain(mainDone, req.timeout, req.kill, log)
 	case <-ttl:
 		reason = fmt.Sprintf("its TTL of %v passed", rec.TTL)
+		c.stopMain(mainDone, DefaultStopTimeout, false, log)
+	case <-idle:
+		reason = fmt.Sprintf("nobody was connected to it for its idle timeout of %v", rec.IdleTimeout)
 		c.stopMain(mainDone, DefaultStopTimeout, false, log)
 	case <-ctx.Done():
 		reason = "its supervisor was told to stop"
@@ -217,6 +222,32 @@ func Run(ctx context.Context, o Options) error {
 	end(store.Exited, code, reason)
 	log.Info("supervisor: ended", "name", o.Name, "reason", reason)
 	return nil
+}
+
+// watchIdle returns a channel closed once nobody has been connected to the
+// sandbox's agent socket for timeout (never for 0); it stops looking when
+// the sandbox ends.
+func watchIdle(sb *sandbox.Sandbox, timeout time.Duration) <-chan struct{} {
+	idle := make(chan struct{})
+	if timeout <= 0 {
+		return idle
+	}
+	go func() {
+		tick := time.NewTicker(min(time.Second, max(timeout/10, 10*time.Millisecond)))
+		defer tick.Stop()
+		for {
+			select {
+			case <-sb.Done():
+				return
+			case <-tick.C:
+			}
+			if since, ok := sb.IdleSince(); ok && time.Since(since) >= timeout {
+				close(idle)
+				return
+			}
+		}
+	}()
+	return idle
 }
 
 // stopRequest asks the supervisor to stop the sandbox.
@@ -288,6 +319,15 @@ func (c *control) serve(path string, log *slog.Logger) (*http.Server, error) {
 		default: // a stop is already under way
 		}
 		w.WriteHeader(http.StatusAccepted)
+	})
+	mux.HandleFunc("GET /v1/stats", func(w http.ResponseWriter, r *http.Request) {
+		st, err := c.sb.Stats()
+		if err != nil {
+			http.Error(w, err.Error(), http.StatusInternalServerError)
+			return
+		}
+		w.Header().Set("Content-Type", "application/json")
+		json.NewEncoder(w).Encode(st)
 	})
 	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second,
 		ErrorLog: slog.NewLogLogger(log.Handler(), slog.LevelWarn)}
@@ -377,6 +417,32 @@ func (h *Handle) Stop(ctx context.Context, timeout time.Duration, kill bool) err
 		return fmt.Errorf("supervisor: stop %s: %s", h.Name, resp.Status)
 	}
 	return h.WaitEnded(ctx)
+}
+
+// Stats reports what the sandbox has used so far (sandbox.Stats), asked
+// of its supervisor.
+func (h *Handle) Stats(ctx context.Context) (*sandbox.Stats, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://supervisor/v1/stats", nil)
+	if err != nil {
+		return nil, err
+	}
+	resp, err := h.http.Do(req)
+	if err != nil {
+		return nil, h.explain(fmt.Errorf("supervisor: stats of %s: %w", h.Name, err))
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(io.LimitReader(resp.Body, 64<<10))
+	if err != nil {
+		return nil, h.explain(fmt.Errorf("supervisor: stats of %s: %w", h.Name, err))
+	}
+	if resp.StatusCode != http.StatusOK {
+		return nil, fmt.Errorf("supervisor: stats of %s: %s: %s", h.Name, resp.Status, strings.TrimSpace(string(body)))
+	}
+	var st sandbox.Stats
+	if err := json.Unmarshal(body, &st); err != nil {
+		return nil, fmt.Errorf("supervisor: stats of %s: %w", h.Name, err)
+	}
+	return &st, nil
 }
 
 // WaitEnded waits until the sandbox's record says it no longer runs.

@@ -55,6 +55,7 @@ func (m *Machine) createVCPUs(state *boot.CPUState) error {
 		return err
 	}
 	m.tids = make([]atomic.Int32, m.cfg.CPUs)
+	m.cpuBase = make([]atomic.Int64, m.cfg.CPUs)
 	for range m.cfg.CPUs {
 		m.track = append(m.track, newVCPUTrack())
 	}

@@ -71,6 +71,8 @@ type Machine struct {
 	mem     *guestmem.Memory
 	vcpus   []*kvm.VCPU
 	tids    []atomic.Int32 // OS thread of each running vCPU, 0 before it starts
+	cpuBase []atomic.Int64 // each running vCPU thread's CPU time (ns) when it took the vCPU
+	cpuDone atomic.Int64   // CPU time (ns) the vCPU threads that ended spent on their vCPUs
 	ports   *devices.Bus
 	mmio    *devices.Bus
 	serial  *devices.Serial
@@ -320,8 +322,16 @@ func (m *Machine) kickAll() {
 func (m *Machine) runVCPU(i int) {
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
+	// The thread may have run other goroutines before: only its time
+	// from here on is the vCPU's.
+	m.cpuBase[i].Store(int64(threadCPUTime()))
 	m.tids[i].Store(int32(unix.Gettid()))
-	defer m.tids[i].Store(0)
+	defer func() {
+		// Cleared before the time is added: Stats counts a thread
+		// either live or here, at worst briefly neither.
+		m.tids[i].Store(0)
+		m.cpuDone.Add(int64(threadCPUTime()) - m.cpuBase[i].Load())
+	}()
 	v := m.vcpus[i]
 	t := m.track[i]
 	for !m.stopping.Load() {

@@ -35,7 +35,7 @@ func openStateStore() (*store.Store, error) {
 
 // startDetached records the sandbox, starts its supervisor and waits until
 // the sandbox runs (or says why it cannot).
-func startDetached(ctx context.Context, w *sandbox.Workload, name string, rm bool, ttl time.Duration, stdout, stderr io.Writer) int {
+func startDetached(ctx context.Context, w *sandbox.Workload, name string, rm bool, ttl, idle time.Duration, stdout, stderr io.Writer) int {
 	fail := func(format string, a ...any) int {
 		fmt.Fprintf(stderr, "capsa run: "+format+"\n", a...)
 		return 125
@@ -54,7 +54,7 @@ func startDetached(ctx context.Context, w *sandbox.Workload, name string, rm boo
 			return fail("%v", err)
 		}
 	}
-	lock, err := st.Create(&store.Record{Name: name, Spec: spec, TTL: ttl})
+	lock, err := st.Create(&store.Record{Name: name, Spec: spec, TTL: ttl, IdleTimeout: idle})
 	if err != nil {
 		if errors.Is(err, store.ErrExists) {
 			fmt.Fprintf(stderr, "capsa run: the name %q is taken: %v\n", name, err)
@@ -235,6 +235,10 @@ type psRow struct {
 	Ports    []string      `json:"ports,omitempty"`
 	ExitCode *int          `json:"exit_code,omitempty"`
 	Reason   string        `json:"reason,omitempty"`
+	// Lifetimes: the sandbox stops TTL after it started, or once nobody
+	// has been connected to it for IdleTimeout.
+	TTL         time.Duration `json:"ttl_ns,omitempty"`
+	IdleTimeout time.Duration `json:"idle_timeout_ns,omitempty"`
 }
 
 // describeCommand is what a sandbox runs: its image and arguments, or its
@@ -273,7 +277,8 @@ func runPs(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 			continue
 		}
 		row := psRow{Name: r.Name, State: r.State, Command: describeCommand(r.Spec), CPUs: r.Spec.CPUs,
-			Memory: r.Spec.MemoryMiB, Ports: r.Ports, ExitCode: r.ExitCode, Reason: r.Reason}
+			Memory: r.Spec.MemoryMiB, Ports: r.Ports, ExitCode: r.ExitCode, Reason: r.Reason,
+			TTL: r.TTL, IdleTimeout: r.IdleTimeout}
 		if r.State == store.Running && !r.Started.IsZero() {
 			row.Uptime = time.Since(r.Started).Round(time.Second)
 		}
@@ -286,7 +291,7 @@ func runPs(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		return 0
 	}
 	tw := tabwriter.NewWriter(stdout, 0, 8, 2, ' ', 0)
-	fmt.Fprintln(tw, "NAME\tSTATE\tCOMMAND\tUPTIME\tCPUS\tMEMORY\tPORTS")
+	fmt.Fprintln(tw, "NAME\tSTATE\tCOMMAND\tUPTIME\tCPUS\tMEMORY\tPORTS\tLIFETIME")
 	for _, r := range rows {
 		state := string(r.State)
 		if r.ExitCode != nil {
@@ -296,7 +301,15 @@ func runPs(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		if r.Uptime > 0 {
 			up = r.Uptime.String()
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%d\t%dM\t%s\n", r.Name, state, r.Command, up, r.CPUs, r.Memory, strings.Join(r.Ports, ","))
+		var life []string
+		if r.TTL > 0 {
+			life = append(life, "ttl "+r.TTL.String())
+		}
+		if r.IdleTimeout > 0 {
+			life = append(life, "idle "+r.IdleTimeout.String())
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%d\t%dM\t%s\t%s\n", r.Name, state, r.Command, up, r.CPUs, r.Memory,
+			strings.Join(r.Ports, ","), strings.Join(life, ","))
 	}
 	tw.Flush()
 	return 0

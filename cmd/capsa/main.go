@@ -45,6 +45,7 @@ func commands() []command {
 		{"kill", "kill detached sandboxes' main processes and stop them", runKill, false},
 		{"rm", "remove ended detached sandboxes", runRm, false},
 		{"inspect", "describe detached sandboxes (JSON)", runInspect, false},
+		{"stats", "show detached sandboxes' CPU, memory, network and disk use", runStats, false},
 		{"supervise", "", runSupervise, true},
 		{"vm", "boot a kernel in a raw microVM and show its console", runVM, false},
 		{"image", "pull, import, list, inspect and remove OCI images", runImage, false},

@@ -53,6 +53,7 @@ func runRun(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	name := fs.String("name", "", "with -d: the sandbox's name (default: generated)")
 	rm := fs.Bool("rm", false, "with -d: remove the sandbox's record when it ends")
 	ttl := fs.Duration("ttl", 0, "with -d: stop the sandbox this long after it started (0: never)")
+	idle := fs.Duration("idle-timeout", 0, "with -d: stop the sandbox once nobody has been connected to it (exec, cp) for this long (0: never)")
 	watchdog := fs.Duration("watchdog", defaultWatchdog, "stop the sandbox as hung when its agent has not answered for this long and no vCPU moved; 0 turns it off")
 	if code := parseFlags(fs, args, stderr); code >= 0 {
 		return code
@@ -72,7 +73,7 @@ func runRun(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		}
 	}
 	if !*detach {
-		for _, f := range []string{"name", "rm", "ttl"} {
+		for _, f := range []string{"name", "rm", "ttl", "idle-timeout"} {
 			if fs.Changed(f) {
 				return fail("--%s needs -d", f)
 			}
@@ -85,6 +86,8 @@ func runRun(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 			return fail("--verbose and -d do not go together: see capsa logs --console")
 		case *ttl < 0:
 			return fail("--ttl %v: must not be negative", *ttl)
+		case *idle < 0:
+			return fail("--idle-timeout %v: must not be negative", *idle)
 		}
 		if *name != "" {
 			if err := store.CheckName(*name); err != nil {
@@ -186,7 +189,7 @@ func runRun(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	}
 	w.Dir(*dir).User(*userFlag).Timeout(*timeout)
 	if *detach {
-		return startDetached(ctx, w, *name, *rm, *ttl, stdout, stderr)
+		return startDetached(ctx, w, *name, *rm, *ttl, *idle, stdout, stderr)
 	}
 	w.Stdout(stdout).Stderr(stderr)
 	if *interactive {

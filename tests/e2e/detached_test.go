@@ -124,6 +124,7 @@ func TestDetachedSandbox(t *testing.T) {
 	}
 	followLogs(t, dir)
 	copyBothWays(t, cli)
+	checkStats(t, cli)
 
 	// Two runs of one name at once: one sandbox, one clear error.
 	var wg sync.WaitGroup
@@ -194,16 +195,77 @@ func TestDetachedSandbox(t *testing.T) {
 	if r := cli(3*time.Minute, "run", "-d", "--name", "dup", "--ttl", "5s", "--", "sleep", "3600"); r.code != 0 {
 		t.Fatalf("run -d --name dup after rm = exit %d, stderr %q", r.code, r.stderr)
 	}
+	if e := waitExited(t, cli, "dup", 2*time.Minute); !strings.Contains(e.Reason, "TTL") || time.Since(start) < 5*time.Second {
+		t.Errorf("dup ended after %v: %+v; want its TTL of 5s", time.Since(start), e)
+	}
+	checkIdleTimeout(t, cli)
+}
+
+// checkStats: `capsa stats --no-stream` measures the CPU use of a busy loop
+// in the running sandbox w, and its resident guest memory.
+func checkStats(t *testing.T, cli func(time.Duration, ...string) result) {
+	t.Helper()
+	busy := make(chan result, 1)
+	go func() {
+		// Sent even if cli gives up on this goroutine (t.Fatal).
+		var r result
+		defer func() { busy <- r }()
+		r = cli(time.Minute, "exec", "--timeout", "8s", "w", "--", "sh", "-c", "while :; do :; done")
+	}()
+	time.Sleep(2 * time.Second)
+	r := cli(time.Minute, "stats", "--no-stream", "--format", "json", "w")
+	var rows []struct {
+		Name       string  `json:"name"`
+		CPUPercent float64 `json:"cpu_percent"`
+		CPUTime    int64   `json:"cpu_time_ns"`
+		Resident   uint64  `json:"memory_resident_bytes"`
+		Memory     uint64  `json:"memory_bytes"`
+		Uptime     int64   `json:"uptime_ns"`
+		Error      string  `json:"error"`
+	}
+	if err := json.Unmarshal([]byte(r.stdout), &rows); r.code != 0 || err != nil || len(rows) != 1 {
+		t.Fatalf("capsa stats --no-stream --format json w = exit %d, %v, %q (stderr %q); want one row", r.code, err, r.stdout, r.stderr)
+	}
+	s := rows[0]
+	if s.Name != "w" || s.CPUPercent < 20 || s.CPUTime <= 0 || s.Resident == 0 || s.Resident > s.Memory || s.Memory != 512<<20 || s.Uptime <= 0 {
+		t.Errorf("capsa stats of w running a busy loop = %+v; want its name, CPU above 20%%, some of its 512 MiB resident", s)
+	}
+	if b := <-busy; b.code != 124 {
+		t.Errorf("the busy loop's exec --timeout 8s = exit %d, stderr %q; want 124, its timeout", b.code, b.stderr)
+	}
+	if r := cli(time.Minute, "stats", "--no-stream", "nosuch"); r.code == 0 || !strings.Contains(r.stderr, "no such sandbox") {
+		t.Errorf("capsa stats nosuch = exit %d, stderr %q; want an error naming the missing sandbox", r.code, r.stderr)
+	}
+}
+
+// checkIdleTimeout: --idle-timeout stops a sandbox once nobody has been
+// connected to it for that long, and not while an exec runs.
+func checkIdleTimeout(t *testing.T, cli func(time.Duration, ...string) result) {
+	t.Helper()
+	if r := cli(3*time.Minute, "run", "-d", "--name", "idle", "--idle-timeout", "4s", "--", "sleep", "3600"); r.code != 0 {
+		t.Fatalf("run -d --name idle --idle-timeout 4s = exit %d, stderr %q", r.code, r.stderr)
+	}
+	// An exec that lasts longer than the timeout keeps it alive.
+	if r := cli(time.Minute, "exec", "idle", "--", "sleep", "6"); r.code != 0 {
+		t.Fatalf("capsa exec idle -- sleep 6 = exit %d, stderr %q; the sandbox must not stop while an exec runs", r.code, r.stderr)
+	}
+	last := time.Now()
+	if e := waitExited(t, cli, "idle", 2*time.Minute); !strings.Contains(e.Reason, "idle timeout") || time.Since(last) < 3*time.Second {
+		t.Errorf("idle ended %v after its last exec: %+v; want its idle timeout of 4s", time.Since(last), e)
+	}
+}
+
+// waitExited polls `ps -a` until the sandbox name has exited.
+func waitExited(t *testing.T, cli func(time.Duration, ...string) result, name string, limit time.Duration) psEntry {
+	t.Helper()
+	start := time.Now()
 	for {
-		e := psAll(t, cli)["dup"]
+		e := psAll(t, cli)[name]
 		if e.State == "exited" {
-			if !strings.Contains(e.Reason, "TTL") || time.Since(start) < 5*time.Second {
-				t.Errorf("dup ended after %v: %+v; want its TTL of 5s", time.Since(start), e)
-			}
-			break
+			return e
 		}
-		if time.Since(start) > 2*time.Minute {
-			t.Fatalf("--ttl 5s: dup still %s after %v", e.State, time.Since(start))
+		if time.Since(start) > limit {
+			t.Fatalf("%s still %s after %v", name, e.State, limit)
 		}
 		time.Sleep(time.Second)
 	}

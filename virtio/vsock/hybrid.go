@@ -37,6 +37,10 @@ type HybridSocket struct {
 	mu     sync.Mutex
 	closed bool
 	conns  map[io.Closer]struct{} // live client and guest connections
+	// Clients on the Unix socket: how many are connected, and when one
+	// last came or went (Activity).
+	clients    int
+	lastClient time.Time
 }
 
 // ServeUnix listens on path and serves the hybrid-vsock handshake until
@@ -133,11 +137,30 @@ func (h *HybridSocket) accept() {
 			c.Close()
 			return
 		}
+		h.client(+1)
 		go func() {
 			defer end()
+			defer h.client(-1)
 			h.serve(c)
 		}()
 	}
+}
+
+// client counts a client connection coming (+1) or going (-1).
+func (h *HybridSocket) client(d int) {
+	h.mu.Lock()
+	h.clients += d
+	h.lastClient = time.Now()
+	h.mu.Unlock()
+}
+
+// Activity says how many clients are connected to the Unix socket now and
+// when one last connected or left (zero if none ever did): a sandbox is
+// idle while nobody is connected.
+func (h *HybridSocket) Activity() (clients int, last time.Time) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.clients, h.lastClient
 }
 
 // serve runs one client's handshake, then joins it to the guest connection.

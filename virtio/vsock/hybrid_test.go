@@ -168,3 +168,36 @@ func TestDialHybrid(t *testing.T) {
 		t.Error("DialHybrid to a refused port succeeded")
 	}
 }
+
+// TestHybridActivity: clients are counted while connected, and the time of
+// the last one to come or go is kept; guest connections forwarded out are
+// not clients.
+func TestHybridActivity(t *testing.T) {
+	g := newGuest(t)
+	h, path := serveHybrid(t, g)
+	if n, last := h.Activity(); n != 0 || !last.IsZero() {
+		t.Fatalf("Activity() before any client = %d, %v; want 0, zero time", n, last)
+	}
+	forwarded(t, g, path, 700)
+	if n, _ := h.Activity(); n != 0 {
+		t.Errorf("Activity() with a forwarded guest connection = %d clients, want 0", n)
+	}
+	before := time.Now()
+	c, _, hostPort := hybridConnect(t, g, path, 52, "")
+	if n, last := h.Activity(); n != 1 || last.Before(before) {
+		t.Errorf("Activity() with a client = %d, %v; want 1, after %v", n, last, before)
+	}
+	c.Close()
+	g.send(header{SrcPort: 52, DstPort: hostPort, Op: opRst}, nil)
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		n, last := h.Activity()
+		if n == 0 && !last.Before(before) {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("Activity() after the client left = %d, %v; want 0", n, last)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}

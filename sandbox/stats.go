@@ -1,0 +1,92 @@
+package sandbox
+
+import (
+	"fmt"
+	"time"
+)
+
+// Stats is what a sandbox has used since it started: what `capsa stats`
+// shows and `capsa metrics` exports. Counters only grow; a rate (CPU %,
+// bytes a second) is the difference of two Stats over their Taken times.
+type Stats struct {
+	Taken  time.Time     `json:"taken"`
+	Uptime time.Duration `json:"uptime_ns"`
+	// CPUTime is the vCPU threads' CPU time (the guest's, and the exits
+	// handled on them); CPUs is how many vCPUs there are.
+	CPUTime time.Duration `json:"cpu_time_ns"`
+	CPUs    int           `json:"cpus"`
+	// MemoryResident is the guest RAM the host holds now; MemoryBytes the
+	// guest's configured RAM, its bound.
+	MemoryResident uint64 `json:"memory_resident_bytes"`
+	MemoryBytes    uint64 `json:"memory_bytes"`
+	// Network: frames and bytes the guest received (Rx) and sent (Tx);
+	// zero without a network.
+	NetRxBytes   uint64 `json:"net_rx_bytes"`
+	NetRxPackets uint64 `json:"net_rx_packets"`
+	NetTxBytes   uint64 `json:"net_tx_bytes"`
+	NetTxPackets uint64 `json:"net_tx_packets"`
+	// Disk: what the guest read and wrote on its virtio-blk disks (the
+	// image's root filesystem included).
+	DiskReadBytes  uint64 `json:"disk_read_bytes"`
+	DiskReads      uint64 `json:"disk_reads"`
+	DiskWriteBytes uint64 `json:"disk_write_bytes"`
+	DiskWrites     uint64 `json:"disk_writes"`
+	// Exits counts the VM exits to capsa.
+	Exits uint64 `json:"exits"`
+}
+
+// Stats reports what the sandbox has used so far.
+func (s *Sandbox) Stats() (*Stats, error) {
+	vs, err := s.vm.Stats()
+	if err != nil {
+		return nil, fmt.Errorf("sandbox: stats: %w", err)
+	}
+	now := time.Now()
+	st := &Stats{
+		Taken: now, Uptime: now.Sub(s.started), CPUTime: vs.CPUTime, CPUs: s.c.CPUs,
+		MemoryResident: vs.MemoryResident, MemoryBytes: vs.MemoryBytes, Exits: vs.Exits,
+	}
+	if s.net != nil {
+		n := s.net.nic.Stats()
+		st.NetRxBytes, st.NetRxPackets, st.NetTxBytes, st.NetTxPackets = n.RxBytes, n.RxFrames, n.TxBytes, n.TxFrames
+	}
+	for _, d := range s.disks {
+		b := d.Stats()
+		st.DiskReadBytes += b.ReadBytes
+		st.DiskReads += b.Reads
+		st.DiskWriteBytes += b.WriteBytes
+		st.DiskWrites += b.Writes
+	}
+	return st, nil
+}
+
+// CPUPercent is the CPU use between two Stats of one sandbox, as `docker
+// stats` shows it: 100 is one vCPU busy all the time.
+func CPUPercent(prev, cur *Stats) float64 {
+	if prev == nil || cur == nil {
+		return 0
+	}
+	wall := cur.Taken.Sub(prev.Taken)
+	if wall <= 0 || cur.CPUTime < prev.CPUTime {
+		return 0
+	}
+	return 100 * float64(cur.CPUTime-prev.CPUTime) / float64(wall)
+}
+
+// IdleSince says since when nobody has been connected to the sandbox's
+// vsock Unix socket (VsockSocket; every `capsa exec` and `cp` comes that
+// way): idle is false while someone is, and since is the sandbox's start
+// if nobody ever was. Without a VsockSocket the sandbox is never idle.
+func (s *Sandbox) IdleSince() (since time.Time, idle bool) {
+	if s.hybrid == nil {
+		return time.Time{}, false
+	}
+	n, last := s.hybrid.Activity()
+	if n > 0 {
+		return time.Time{}, false
+	}
+	if last.Before(s.started) {
+		last = s.started
+	}
+	return last, true
+}
