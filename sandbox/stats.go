@@ -6,7 +6,7 @@ import (
 )
 
 // Stats is what a sandbox has used since it started: what `capsa stats`
-// shows and `capsa metrics` exports. Counters only grow; a rate (CPU %,
+// shows. Counters only grow; a rate (CPU %,
 // bytes a second) is the difference of two Stats over their Taken times.
 type Stats struct {
 	Taken  time.Time     `json:"taken"`

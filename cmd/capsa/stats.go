@@ -61,6 +61,10 @@ func runStats(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 		clear = term.IsTerminal(int(f.Fd()))
 	}
 	prev := map[string]*sandbox.Stats{}
+	// One handle per sandbox for every round: a handle keeps its
+	// connection to the supervisor, so opening one each round would leave
+	// one more idle connection behind every time.
+	handles := map[string]*supervisor.Handle{}
 	// measure takes one round; rows for names that stopped say so.
 	measure := func() []statsRow {
 		if all {
@@ -69,22 +73,35 @@ func runStats(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 			if err != nil {
 				return []statsRow{{Err: err.Error()}}
 			}
+			running := map[string]bool{}
 			for _, r := range recs {
 				if r.State == store.Running {
 					names = append(names, r.Name)
+					running[r.Name] = true
+				}
+			}
+			for n := range handles { // sandboxes that ended since
+				if !running[n] {
+					delete(handles, n)
+					delete(prev, n)
 				}
 			}
 		}
 		rows := make([]statsRow, 0, len(names))
 		for _, n := range names {
 			row := statsRow{Name: n}
-			h, err := supervisor.Open(ctx, st, n)
+			h, err := handles[n], error(nil)
+			if h == nil {
+				h, err = supervisor.Open(ctx, st, n)
+			}
 			if err == nil {
+				handles[n] = h
 				row.Stats, err = h.Stats(ctx)
 			}
 			if err != nil {
 				row.Err = err.Error()
 				delete(prev, n)
+				delete(handles, n)
 			} else {
 				row.CPUPercent = sandbox.CPUPercent(prev[n], row.Stats)
 				prev[n] = row.Stats
