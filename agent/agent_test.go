@@ -291,7 +291,7 @@ func FuzzReadFrame(f *testing.F) {
 // FuzzServeConn feeds arbitrary bytes to a server connection: it must
 // answer or close, never panic or hang.
 func FuzzServeConn(f *testing.F) {
-	f.Add([]byte{0, 0, 0, 13, 1, '{', '"', 'v', 'e', 'r', 's', 'i', 'o', 'n', '"', ':', '1', '}'})
+	f.Add([]byte{0, 0, 0, 13, 1, '{', '"', 'v', 'e', 'r', 's', 'i', 'o', 'n', '"', ':', '2', '}'})
 	f.Fuzz(func(t *testing.T, b []byte) {
 		a, srv := net.Pipe()
 		done := make(chan struct{})

@@ -60,15 +60,28 @@ func (cl *Client) open(ctx context.Context, req Request) (*Conn, net.Conn, func(
 		}
 		return nil, nil, nil, err
 	}
-	if err := c.WriteJSON(FrameHello, Hello{Version: ProtocolVersion, Name: cl.Name}); err != nil {
+	op, ok := LookupOperation(req.Op)
+	if !ok {
+		return fail(fmt.Errorf("agent: unknown operation %q", req.Op))
+	}
+	mine := Hello{Version: ProtocolVersion, MinVersion: MinProtocolVersion, Name: cl.Name}
+	if err := c.WriteJSON(FrameHello, mine); err != nil {
 		return fail(fmt.Errorf("agent: hello: %w", err))
 	}
 	var h Hello
 	if err := c.ReadJSON(FrameHello, &h); err != nil {
 		return fail(fmt.Errorf("agent: hello: %w", err))
 	}
-	if h.Version != ProtocolVersion {
-		return fail(fmt.Errorf("%w: agent speaks %d, client %d", ErrVersion, h.Version, ProtocolVersion))
+	// The agent chose a version: it must be one this client speaks.
+	if v, err := negotiate(mine, Hello{Version: h.Version}); err != nil || v != h.Version {
+		return fail(fmt.Errorf("%w: the agent chose %d, the client speaks %d..%d", ErrVersion, h.Version, MinProtocolVersion, ProtocolVersion))
+	}
+	need := op.Feature
+	if req.Op == OpExec && req.Exec != nil && req.Exec.TTY != nil {
+		need = FeaturePTY
+	}
+	if !h.has(need) {
+		return fail(fmt.Errorf("agent: %s: %w (%q lacks %q)", req.Op, ErrUnsupported, h.Name, need))
 	}
 	if err := c.WriteJSON(FrameRequest, req); err != nil {
 		return fail(fmt.Errorf("agent: %s: %w", req.Op, err))
@@ -254,11 +267,16 @@ type ExecOptions struct {
 	// together (0: DefaultMaxOutput; negative: no limit). Past it the
 	// process is killed and Output fails with ErrLimit.
 	MaxOutput int64
+	// TTY runs the process on a pseudo-terminal of this size: its output
+	// all comes to Stdout, Stdin goes to the terminal, Process.Resize
+	// changes its size.
+	TTY *WindowSize
 }
 
-// Process is a running guest process.
+// Process is a guest process this client started or attached to.
 type Process struct {
-	PID  int
+	ID   int // in the agent's table
+	PID  int // in the guest
 	cl   *Client
 	c    *Conn
 	done func()
@@ -267,14 +285,36 @@ type Process struct {
 	err  error
 }
 
-// Start starts a process and streams its output as it comes.
+// Start starts a process and streams its output as it comes. The process
+// belongs to the agent: it goes on if this client goes (Attach reaches it
+// again), but Start kills it if ctx ends or a writer fails first.
 func (cl *Client) Start(ctx context.Context, o ExecOptions) (*Process, error) {
 	req := &ExecRequest{Argv: o.Argv, Shell: o.Shell, Env: o.Env, Dir: o.Dir, User: o.User,
-		Stdin: o.Stdin != nil, TimeoutMs: o.Timeout.Milliseconds()}
+		Stdin: o.Stdin != nil, TimeoutMs: o.Timeout.Milliseconds(), TTY: o.TTY}
 	if o.Timeout > 0 && req.TimeoutMs == 0 {
 		req.TimeoutMs = 1
 	}
-	c, _, done, err := cl.open(ctx, Request{Op: OpExec, Exec: req})
+	return cl.follow(ctx, Request{Op: OpExec, Exec: req}, req.name(), o.Stdin, o.Stdout, o.Stderr, o.Timeout, true)
+}
+
+// AttachOptions say where an attached process's streams go.
+type AttachOptions struct {
+	Stdin  io.Reader // nil: none
+	Stdout io.Writer // nil: discarded
+	Stderr io.Writer // nil: discarded
+}
+
+// Attach reaches a process by its ID: what it wrote lately (up to 64 KiB)
+// and then everything until it exits. Detaching (ctx ending) leaves the
+// process running.
+func (cl *Client) Attach(ctx context.Context, id int, o AttachOptions) (*Process, error) {
+	return cl.follow(ctx, Request{Op: OpAttach, ID: id}, fmt.Sprintf("process %d", id), o.Stdin, o.Stdout, o.Stderr, 0, false)
+}
+
+// follow opens req (an exec or an attach) and streams the process on it.
+// kill: the process is killed if the client stops following it first.
+func (cl *Client) follow(ctx context.Context, req Request, name string, stdin io.Reader, stdoutW, stderrW io.Writer, timeout time.Duration, kill bool) (*Process, error) {
+	c, _, done, err := cl.open(ctx, req)
 	if err != nil {
 		return nil, err
 	}
@@ -283,10 +323,10 @@ func (cl *Client) Start(ctx context.Context, o ExecOptions) (*Process, error) {
 		done()
 		return nil, ctxErr(ctx, err)
 	}
-	p := &Process{PID: started.PID, cl: cl, c: c, done: done, wait: make(chan struct{})}
-	if o.Stdin != nil {
+	p := &Process{ID: started.ID, PID: started.PID, cl: cl, c: c, done: done, wait: make(chan struct{})}
+	if stdin != nil {
 		go func() {
-			io.Copy(frameWriter{c, FrameStdin}, o.Stdin)
+			io.Copy(frameWriter{c, FrameStdin}, stdin)
 			c.WriteFrame(FrameStdinClose, nil)
 		}()
 	}
@@ -295,9 +335,9 @@ func (cl *Client) Start(ctx context.Context, o ExecOptions) (*Process, error) {
 	// not time the caller's writers take.
 	var hostTimedOut, writing atomic.Bool
 	stopTimer := func() bool { return false }
-	if o.Timeout > 0 {
+	if timeout > 0 {
 		var t *time.Timer
-		t = time.AfterFunc(o.Timeout+hostGrace, func() {
+		t = time.AfterFunc(timeout+hostGrace, func() {
 			if writing.Load() {
 				t.Reset(time.Second)
 				return
@@ -307,17 +347,19 @@ func (cl *Client) Start(ctx context.Context, o ExecOptions) (*Process, error) {
 		})
 		stopTimer = t.Stop
 	}
-	// abandon kills a process the client stops waiting for (the guest
-	// would otherwise notice only when it next reads the connection),
-	// over a connection of its own.
+	// abandon kills a process the client stops waiting for, over a
+	// connection of its own (the agent keeps processes whose client went).
 	abandon := func() {
+		if !kill {
+			return
+		}
 		go func() {
 			kctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
 			defer cancel()
-			cl.call(kctx, Request{Op: OpSignal, PID: p.PID, Signal: "SIGKILL"}, &Empty{})
+			cl.Signal(kctx, p.ID, "SIGKILL")
 		}()
 	}
-	stdout, stderr := orDiscard(o.Stdout), orDiscard(o.Stderr)
+	stdout, stderr := orDiscard(stdoutW), orDiscard(stderrW)
 	go func() {
 		defer close(p.wait)
 		defer done()
@@ -327,10 +369,10 @@ func (cl *Client) Start(ctx context.Context, o ExecOptions) (*Process, error) {
 			if err != nil {
 				abandon()
 				if hostTimedOut.Load() {
-					p.err = fmt.Errorf("agent: exec %s: %w (no exit status %v after its %v timeout)", req.name(), ErrTimedOut, hostGrace, o.Timeout)
+					p.err = fmt.Errorf("agent: exec %s: %w (no exit status %v after its %v timeout)", name, ErrTimedOut, hostGrace, timeout)
 					return
 				}
-				p.err = ctxErr(ctx, fmt.Errorf("agent: exec: connection lost: %w", err))
+				p.err = ctxErr(ctx, fmt.Errorf("agent: %s: connection lost: %w", name, err))
 				return
 			}
 			switch t {
@@ -346,7 +388,7 @@ func (cl *Client) Start(ctx context.Context, o ExecOptions) (*Process, error) {
 				writing.Store(false)
 				if err != nil {
 					abandon()
-					p.err = fmt.Errorf("agent: exec %s: %w", req.name(), err)
+					p.err = fmt.Errorf("agent: %s: %w", name, err)
 					return
 				}
 			default:
@@ -361,6 +403,54 @@ func (cl *Client) Start(ctx context.Context, o ExecOptions) (*Process, error) {
 	return p, nil
 }
 
+// Resize gives a process on a pty (ExecOptions.TTY) a new window size.
+func (p *Process) Resize(ws WindowSize) error {
+	if ws.Rows == 0 || ws.Cols == 0 {
+		return fmt.Errorf("agent: resize to %dx%d: want rows and columns above 0", ws.Cols, ws.Rows)
+	}
+	return p.c.WriteJSON(FrameResize, ws)
+}
+
+// Signal sends a signal ("SIGTERM", "TERM", ...) to a process's group by
+// its ID, on a connection of its own (so a process that does not read its
+// stdin, with its connection full of it, can still be signalled).
+func (cl *Client) Signal(ctx context.Context, id int, name string) error {
+	if _, err := ParseSignal(name); err != nil {
+		return err
+	}
+	return cl.call(ctx, Request{Op: OpSignal, ID: id, Signal: name}, &Empty{})
+}
+
+// maxProcesses bounds a process list the client accepts.
+const maxProcesses = 1 << 16
+
+// Processes lists the agent's processes: the running ones and the most
+// recent that exited, by ID.
+func (cl *Client) Processes(ctx context.Context) ([]ProcessInfo, error) {
+	var l ProcessList
+	if err := cl.call(ctx, Request{Op: OpProcesses}, &l); err != nil {
+		return nil, err
+	}
+	if len(l.Processes) > maxProcesses {
+		return nil, fmt.Errorf("agent: processes: %d is more than %d", len(l.Processes), maxProcesses)
+	}
+	return l.Processes, nil
+}
+
+// Wait waits for the process with ID id to exit and returns how it ended.
+func (cl *Client) Wait(ctx context.Context, id int) (*ExitStatus, error) {
+	c, _, done, err := cl.open(ctx, Request{Op: OpWait, ID: id})
+	if err != nil {
+		return nil, err
+	}
+	defer done()
+	var st ExitStatus
+	if err := c.ReadJSON(FrameExit, &st); err != nil {
+		return nil, ctxErr(ctx, err)
+	}
+	return &st, nil
+}
+
 func orDiscard(w io.Writer) io.Writer {
 	if w == nil {
 		return io.Discard
@@ -368,14 +458,10 @@ func orDiscard(w io.Writer) io.Writer {
 	return w
 }
 
-// Signal sends a signal ("SIGTERM", "TERM", ...) to the process group. It
-// goes on a connection of its own, so a process that does not read its
-// stdin (with the exec's connection full of it) can still be signalled.
+// Signal sends a signal ("SIGTERM", "TERM", ...) to the process group
+// (Client.Signal).
 func (p *Process) Signal(ctx context.Context, name string) error {
-	if _, err := ParseSignal(name); err != nil {
-		return err
-	}
-	return p.cl.call(ctx, Request{Op: OpSignal, PID: p.PID, Signal: name}, &Empty{})
+	return p.cl.Signal(ctx, p.ID, name)
 }
 
 // Wait waits for the process to end and its output to be delivered.

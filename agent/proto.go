@@ -20,12 +20,32 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"slices"
 	"sync"
 	"syscall"
 )
 
-// ProtocolVersion is the version both sides must speak.
-const ProtocolVersion = 1
+// ProtocolVersion is the newest protocol version this package speaks, and
+// MinProtocolVersion the oldest. Each side's Hello gives its range; the
+// agent answers with the newest version in both and the features it has,
+// so a newer host still talks to an older agent (one frozen in a snapshot)
+// and asks it only for what it announced.
+const (
+	ProtocolVersion    = 2
+	MinProtocolVersion = 2
+)
+
+// Features an agent may announce in its Hello.
+const (
+	// FeatureProcesses: a process table (list, attach, wait); processes
+	// outlive the connection that started them.
+	FeatureProcesses = "processes"
+	// FeaturePTY: processes on a pseudo-terminal, resized by Resize frames.
+	FeaturePTY = "pty"
+)
+
+// agentFeatures is what this package's agent announces.
+var agentFeatures = []string{FeatureProcesses, FeaturePTY}
 
 // Port is the vsock port the agent listens on; ReadyPort is the host port
 // the agent connects to once it is listening, to announce itself.
@@ -57,22 +77,50 @@ const (
 	FrameStderr
 	FrameSignal
 	FrameExit
+	FrameResize // a pty process's new window size (WindowSize)
 	frameLimit
 )
 
 func (t FrameType) String() string {
 	names := [...]string{"", "Hello", "Error", "Request", "Reply", "Data", "End", "Stdin", "StdinClose",
-		"Stdout", "Stderr", "Signal", "Exit"}
+		"Stdout", "Stderr", "Signal", "Exit", "Resize"}
 	if t > 0 && t < frameLimit {
 		return names[t]
 	}
 	return fmt.Sprintf("frame type %d", uint8(t))
 }
 
-// Hello opens a connection, from each side.
+// Hello opens a connection, from each side. The client's gives the range
+// of versions it speaks; the agent's, the version chosen and its features.
 type Hello struct {
-	Version int    `json:"version"`
-	Name    string `json:"name"` // client or agent name and version
+	Version    int      `json:"version"`               // the newest spoken (agent: the one chosen)
+	MinVersion int      `json:"min_version,omitempty"` // the oldest spoken; 0: only Version
+	Name       string   `json:"name"`                  // client or agent name and version
+	Features   []string `json:"features,omitempty"`    // the agent's
+}
+
+// oldest is the oldest version h speaks.
+func (h Hello) oldest() int {
+	if h.MinVersion == 0 {
+		return h.Version
+	}
+	return h.MinVersion
+}
+
+// negotiate picks the newest version both a client's and an agent's
+// ranges hold.
+func negotiate(client, agent Hello) (int, error) {
+	v := min(client.Version, agent.Version)
+	if client.oldest() > client.Version || v < max(client.oldest(), agent.oldest()) {
+		return 0, fmt.Errorf("%w: client speaks %d..%d, agent %d..%d", ErrVersion,
+			client.oldest(), client.Version, agent.oldest(), agent.Version)
+	}
+	return v, nil
+}
+
+// has reports whether the agent's Hello announced feature.
+func (h Hello) has(feature string) bool {
+	return feature == "" || slices.Contains(h.Features, feature)
 }
 
 // ErrorReply is an Error frame's payload.
@@ -101,22 +149,72 @@ func (e *RemoteError) Unwrap() error {
 	return e.Errno
 }
 
-// Operations.
+// Operations' names; Operations describes each.
 const (
-	OpExec     = "exec"
-	OpRead     = "read"
-	OpWrite    = "write"
-	OpStat     = "stat"
-	OpList     = "list"
-	OpMkdir    = "mkdir"
-	OpRemove   = "remove"
-	OpExists   = "exists"
-	OpInfo     = "info"
-	OpShutdown = "shutdown"
-	OpSignal   = "signal"  // a running exec's process group, by PID, on a connection of its own
-	OpSymlink  = "symlink" // Path becomes a symlink to Target
-	OpChown    = "chown"   // Path (not what a symlink names) gets Owner
+	OpExec      = "exec"
+	OpRead      = "read"
+	OpWrite     = "write"
+	OpStat      = "stat"
+	OpList      = "list"
+	OpMkdir     = "mkdir"
+	OpRemove    = "remove"
+	OpExists    = "exists"
+	OpInfo      = "info"
+	OpShutdown  = "shutdown"
+	OpSignal    = "signal"
+	OpSymlink   = "symlink"
+	OpChown     = "chown"
+	OpProcesses = "processes"
+	OpAttach    = "attach"
+	OpWait      = "wait"
 )
+
+// An Operation is one request a client may make: the table that the
+// agent's server, its client and the tools built on them (the CLI, the
+// MCP server) all follow.
+type Operation struct {
+	Name string
+	// Path: the request names a guest file in Request.Path, which must
+	// be absolute.
+	Path bool
+	// Feature is what the agent must announce for it ("": every agent).
+	Feature string
+	Doc     string
+}
+
+// Operations is every operation the protocol has.
+var Operations = []Operation{
+	{Name: OpExec, Doc: "start a process (Request.Exec) and stream its input and output until it exits"},
+	{Name: OpRead, Path: true, Doc: "stream a file's contents"},
+	{Name: OpWrite, Path: true, Doc: "stream data into a file, replacing it atomically or appending"},
+	{Name: OpStat, Path: true, Doc: "describe a file, not following a final symlink"},
+	{Name: OpList, Path: true, Doc: "list a directory"},
+	{Name: OpMkdir, Path: true, Doc: "make a directory, and its parents if asked"},
+	{Name: OpRemove, Path: true, Doc: "remove a file, an empty directory or a whole tree"},
+	{Name: OpExists, Path: true, Doc: "say whether a file exists"},
+	{Name: OpSymlink, Path: true, Doc: "make Path a symbolic link to Target"},
+	{Name: OpChown, Path: true, Doc: "set the owner of Path (a symlink's own)"},
+	{Name: OpInfo, Doc: "describe the guest"},
+	{Name: OpShutdown, Doc: "shut the guest down"},
+	{Name: OpSignal, Doc: "signal a process's group, by ID"},
+	{Name: OpProcesses, Feature: FeatureProcesses, Doc: "list the processes the agent started: running, and the most recent that exited"},
+	{Name: OpAttach, Feature: FeatureProcesses, Doc: "replay a process's recent output, then stream it (and its input) until it exits"},
+	{Name: OpWait, Feature: FeatureProcesses, Doc: "wait for a process to exit and return its status"},
+}
+
+// LookupOperation returns the operation named name.
+func LookupOperation(name string) (Operation, bool) {
+	for _, op := range Operations {
+		if op.Name == name {
+			return op, true
+		}
+	}
+	return Operation{}, false
+}
+
+// ErrUnsupported is wrapped by the error for an operation the agent did
+// not announce (an older agent).
+var ErrUnsupported = errors.New("not supported by this agent")
 
 // Owner is a file's numeric owner and group.
 type Owner struct {
@@ -133,7 +231,7 @@ type Request struct {
 	Parents   bool         `json:"parents,omitempty"`
 	Recursive bool         `json:"recursive,omitempty"`
 	Append    bool         `json:"append,omitempty"`
-	PID       int          `json:"pid,omitempty"`    // OpSignal: the exec's ExecStarted.PID
+	ID        int          `json:"id,omitempty"`     // OpSignal, OpAttach, OpWait: the process's ExecStarted.ID
 	Signal    string       `json:"signal,omitempty"` // OpSignal: the signal's name
 	Target    string       `json:"target,omitempty"` // OpSymlink: where the link points
 	Owner     *Owner       `json:"owner,omitempty"`  // OpChown
@@ -148,6 +246,16 @@ type ExecRequest struct {
 	User      string   `json:"user,omitempty"` // name or uid[:gid]; empty: root
 	Stdin     bool     `json:"stdin,omitempty"`
 	TimeoutMs int64    `json:"timeout_ms,omitempty"`
+	// TTY, if set, runs the process on a pseudo-terminal of this size
+	// (FeaturePTY): stdout carries its merged output, stdin goes to the
+	// terminal (so ^C is an interrupt), Resize frames change its size.
+	TTY *WindowSize `json:"tty,omitempty"`
+}
+
+// WindowSize is a terminal's size in characters.
+type WindowSize struct {
+	Rows uint16 `json:"rows"`
+	Cols uint16 `json:"cols"`
 }
 
 // name is how errors name the process: its program, or the shell.
@@ -158,9 +266,25 @@ func (r *ExecRequest) name() string {
 	return "/bin/sh -c"
 }
 
-// ExecStarted is the reply to an exec request.
+// ExecStarted is the reply to an exec or attach request.
 type ExecStarted struct {
-	PID int `json:"pid"`
+	ID  int `json:"id"`  // the process's ID in the agent's table
+	PID int `json:"pid"` // its guest PID (and process group)
+}
+
+// ProcessInfo describes a process in the agent's table.
+type ProcessInfo struct {
+	ID        int         `json:"id"`
+	PID       int         `json:"pid"`
+	Argv      []string    `json:"argv"` // as run (a shell command as /bin/sh -c)
+	TTY       bool        `json:"tty,omitempty"`
+	StartedNs int64       `json:"started_ns"` // guest wall clock
+	Exit      *ExitStatus `json:"exit,omitempty"`
+}
+
+// ProcessList is the reply to a processes request.
+type ProcessList struct {
+	Processes []ProcessInfo `json:"processes"`
 }
 
 // ExitStatus ends an exec: how the process ended.

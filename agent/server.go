@@ -19,6 +19,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/creack/pty"
 	"golang.org/x/sys/unix"
 )
 
@@ -41,23 +42,8 @@ type Server struct {
 	// Shutdown is called after a shutdown request is acknowledged.
 	Shutdown func()
 
-	mu    sync.Mutex
-	execs map[int]*execEntry // running execs by PID
+	procs procTable
 }
-
-// gatedWriter writes to w once ready is closed.
-type gatedWriter struct {
-	w     io.Writer
-	ready <-chan struct{}
-}
-
-func (g gatedWriter) Write(p []byte) (int, error) {
-	<-g.ready
-	return g.w.Write(p)
-}
-
-// execEntry is a running exec: kill signals its process group.
-type execEntry struct{ kill func(syscall.Signal) }
 
 func (s *Server) log() *slog.Logger {
 	if s.Log == nil {
@@ -96,11 +82,13 @@ func (s *Server) ServeConn(ctx context.Context, nc net.Conn) {
 		c.WriteError(err)
 		return
 	}
-	if hello.Version != ProtocolVersion {
-		c.WriteError(fmt.Errorf("%w: client speaks %d, agent %d", ErrVersion, hello.Version, ProtocolVersion))
+	v, err := negotiate(hello, Hello{Version: ProtocolVersion, MinVersion: MinProtocolVersion})
+	if err != nil {
+		c.WriteError(err)
 		return
 	}
-	if err := c.WriteJSON(FrameHello, Hello{Version: ProtocolVersion, Name: "capsa-agent " + Version}); err != nil {
+	if err := c.WriteJSON(FrameHello, Hello{Version: v, MinVersion: MinProtocolVersion,
+		Name: "capsa-agent " + Version, Features: agentFeatures}); err != nil {
 		return
 	}
 	var req Request
@@ -115,46 +103,77 @@ func (s *Server) ServeConn(ctx context.Context, nc net.Conn) {
 
 // handle runs one request. A returned error is sent to the client.
 func (s *Server) handle(ctx context.Context, c *Conn, req *Request) error {
-	switch req.Op {
-	case OpExec, OpInfo, OpShutdown, OpSignal:
-	case OpRead, OpWrite, OpStat, OpList, OpMkdir, OpRemove, OpExists, OpSymlink, OpChown:
-		if !filepath.IsAbs(req.Path) {
-			return fmt.Errorf("%s %q: path must be absolute", req.Op, req.Path)
-		}
-	default:
+	op, ok := LookupOperation(req.Op)
+	h := handlers[req.Op]
+	if !ok || h == nil {
 		return fmt.Errorf("unknown operation %q", req.Op)
 	}
-	reply := func(v any) error { return c.WriteJSON(FrameReply, v) }
-	switch req.Op {
-	case OpExec:
+	if op.Path && !filepath.IsAbs(req.Path) {
+		return fmt.Errorf("%s %q: path must be absolute", req.Op, req.Path)
+	}
+	return h(s, ctx, c, req)
+}
+
+// handlers serve the operations of Operations, one each.
+var handlers = map[string]func(s *Server, ctx context.Context, c *Conn, req *Request) error{
+	OpExec: func(s *Server, ctx context.Context, c *Conn, req *Request) error {
 		if req.Exec == nil {
 			return errors.New("exec: no command")
 		}
 		return s.exec(ctx, c, req.Exec)
-	case OpSignal:
+	},
+	OpSignal: func(s *Server, _ context.Context, c *Conn, req *Request) error {
 		sig, err := ParseSignal(req.Signal)
 		if err != nil {
 			return err
 		}
-		s.mu.Lock()
-		e := s.execs[req.PID]
-		s.mu.Unlock()
-		if e == nil {
-			return opError("signal", strconv.Itoa(req.PID), syscall.ESRCH)
+		p := s.procs.get(req.ID)
+		if p == nil || p.exit.Load() != nil {
+			return opError("signal", "process "+strconv.Itoa(req.ID), syscall.ESRCH)
 		}
-		e.kill(sig)
-		return reply(Empty{})
-	case OpRead:
-		return readFile(c, req.Path)
-	case OpWrite:
-		return writeFile(c, req)
-	case OpStat:
+		p.kill(sig)
+		return reply(c, Empty{})
+	},
+	OpProcesses: func(s *Server, _ context.Context, c *Conn, _ *Request) error {
+		return reply(c, ProcessList{Processes: s.procs.list()})
+	},
+	OpAttach: func(s *Server, _ context.Context, c *Conn, req *Request) error {
+		p := s.procs.get(req.ID)
+		if p == nil {
+			return opError("attach", "process "+strconv.Itoa(req.ID), syscall.ESRCH)
+		}
+		if err := reply(c, ExecStarted{ID: p.info.ID, PID: p.info.PID}); err != nil {
+			return nil
+		}
+		if running, err := p.attach(c, true); running && err == nil {
+			p.follow(c)
+		}
+		return nil
+	},
+	OpWait: func(s *Server, _ context.Context, c *Conn, req *Request) error {
+		p := s.procs.get(req.ID)
+		if p == nil {
+			return opError("wait", "process "+strconv.Itoa(req.ID), syscall.ESRCH)
+		}
+		gone := make(chan struct{})
+		go func() { c.ReadFrame(); close(gone) }() // the client hanging up
+		select {
+		case <-p.done:
+			return c.WriteJSON(FrameExit, p.exit.Load())
+		case <-gone:
+			return nil
+		}
+	},
+	OpRead:  func(_ *Server, _ context.Context, c *Conn, req *Request) error { return readFile(c, req.Path) },
+	OpWrite: func(_ *Server, _ context.Context, c *Conn, req *Request) error { return writeFile(c, req) },
+	OpStat: func(_ *Server, _ context.Context, c *Conn, req *Request) error {
 		st, err := os.Lstat(req.Path)
 		if err != nil {
 			return opError("stat", req.Path, err)
 		}
-		return reply(fileInfo(req.Path, st))
-	case OpList:
+		return reply(c, fileInfo(req.Path, st))
+	},
+	OpList: func(_ *Server, _ context.Context, c *Conn, req *Request) error {
 		ents, err := os.ReadDir(req.Path)
 		if err != nil {
 			return opError("list", req.Path, err)
@@ -165,8 +184,9 @@ func (s *Server) handle(ctx context.Context, c *Conn, req *Request) error {
 				list.Entries = append(list.Entries, fileInfo(filepath.Join(req.Path, e.Name()), st))
 			}
 		}
-		return reply(list)
-	case OpMkdir:
+		return reply(c, list)
+	},
+	OpMkdir: func(_ *Server, _ context.Context, c *Conn, req *Request) error {
 		mode := os.FileMode(req.Mode).Perm()
 		if mode == 0 {
 			mode = 0o755
@@ -180,8 +200,9 @@ func (s *Server) handle(ctx context.Context, c *Conn, req *Request) error {
 		if err != nil {
 			return opError("mkdir", req.Path, err)
 		}
-		return reply(Empty{})
-	case OpRemove:
+		return reply(c, Empty{})
+	},
+	OpRemove: func(_ *Server, _ context.Context, c *Conn, req *Request) error {
 		var err error
 		if req.Recursive {
 			if _, err = os.Lstat(req.Path); err == nil {
@@ -193,42 +214,47 @@ func (s *Server) handle(ctx context.Context, c *Conn, req *Request) error {
 		if err != nil {
 			return opError("remove", req.Path, err)
 		}
-		return reply(Empty{})
-	case OpSymlink:
+		return reply(c, Empty{})
+	},
+	OpSymlink: func(_ *Server, _ context.Context, c *Conn, req *Request) error {
 		if req.Target == "" {
 			return fmt.Errorf("symlink %s: no target", req.Path)
 		}
 		if err := os.Symlink(req.Target, req.Path); err != nil {
 			return opError("symlink", req.Path, err)
 		}
-		return reply(Empty{})
-	case OpChown:
+		return reply(c, Empty{})
+	},
+	OpChown: func(_ *Server, _ context.Context, c *Conn, req *Request) error {
 		if req.Owner == nil || req.Owner.UID < 0 || req.Owner.GID < 0 {
 			return fmt.Errorf("chown %s: no owner", req.Path)
 		}
 		if err := os.Lchown(req.Path, req.Owner.UID, req.Owner.GID); err != nil {
 			return opError("chown", req.Path, err)
 		}
-		return reply(Empty{})
-	case OpExists:
+		return reply(c, Empty{})
+	},
+	OpExists: func(_ *Server, _ context.Context, c *Conn, req *Request) error {
 		_, err := os.Lstat(req.Path)
 		if err != nil && !errors.Is(err, os.ErrNotExist) {
 			return opError("exists", req.Path, err)
 		}
-		return reply(ExistsReply{Exists: err == nil})
-	case OpInfo:
-		return reply(guestInfo())
-	case OpShutdown:
-		if err := reply(Empty{}); err != nil {
+		return reply(c, ExistsReply{Exists: err == nil})
+	},
+	OpInfo: func(_ *Server, _ context.Context, c *Conn, _ *Request) error { return reply(c, guestInfo()) },
+	OpShutdown: func(s *Server, _ context.Context, c *Conn, _ *Request) error {
+		if err := reply(c, Empty{}); err != nil {
 			return nil
 		}
 		if s.Shutdown != nil {
 			go s.Shutdown()
 		}
 		return nil
-	}
-	return fmt.Errorf("unknown operation %q", req.Op)
+	},
 }
+
+// reply sends an operation's JSON reply.
+func reply(c *Conn, v any) error { return c.WriteJSON(FrameReply, v) }
 
 // opError words an error as "op path: reason".
 func opError(op, path string, err error) error {
@@ -475,7 +501,8 @@ func lookPath(file, path string) (string, error) {
 	return "", &exec.Error{Name: file, Err: exec.ErrNotFound}
 }
 
-// exec runs a process, streaming its output, until it exits.
+// exec starts a process, enters it in the table and follows it on c until
+// it exits or the client goes; it goes on without the client.
 func (s *Server) exec(ctx context.Context, c *Conn, req *ExecRequest) error {
 	var argv []string
 	switch {
@@ -505,6 +532,9 @@ func (s *Server) exec(ctx context.Context, c *Conn, req *ExecRequest) error {
 			return fmt.Errorf("exec: bad environment entry %q (want KEY=VALUE)", e)
 		}
 	}
+	if req.TTY != nil && (req.TTY.Rows == 0 || req.TTY.Cols == 0) {
+		return fmt.Errorf("exec: terminal size %dx%d: want rows and columns above 0", req.TTY.Cols, req.TTY.Rows)
+	}
 	cred, home, err := credential(req.User)
 	if err != nil {
 		return fmt.Errorf("exec: %w", err)
@@ -513,150 +543,172 @@ func (s *Server) exec(ctx context.Context, c *Conn, req *ExecRequest) error {
 	if home != "" {
 		env = append(env, "HOME="+home)
 	}
+	if req.TTY != nil {
+		env = append(env, "TERM=xterm") // unless the request names its own
+	}
 	cmd.Env = append(env, req.Env...)
 	cmd.Dir = req.Dir
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Credential: cred}
-	// Output waits until the client has its ExecStarted reply.
-	started := make(chan struct{})
-	startOnce := sync.OnceFunc(func() { close(started) })
-	defer startOnce()
-	cmd.Stdout = gatedWriter{frameWriter{c, FrameStdout}, started}
-	cmd.Stderr = gatedWriter{frameWriter{c, FrameStderr}, started}
-	cmd.WaitDelay = 2 * time.Second // background children holding the pipes
-	var stdin io.WriteCloser
-	if req.Stdin {
-		if stdin, err = cmd.StdinPipe(); err != nil {
-			return fmt.Errorf("exec: %w", err)
+
+	p := newProc(argv, req.TTY != nil, req.Stdin)
+	// Output waits until the client has the process's ID and is attached.
+	gate := make(chan struct{})
+	openGate := sync.OnceFunc(func() { close(gate) })
+	defer openGate()
+	var in io.Writer // where input goes
+	var eof func()   // ends the input
+	var drain func() // after the exit: waits for the last output
+	if req.TTY != nil {
+		ptmx, err := startPTY(cmd, cred, *req.TTY)
+		if err != nil {
+			return fmt.Errorf("exec %s: %w", cmd.Args[0], err)
 		}
-	}
-	if err := cmd.Start(); err != nil {
-		return fmt.Errorf("exec %s: %w", cmd.Args[0], err)
+		in, eof = ptmx, func() { ptmx.Write([]byte{4}) } // ^D
+		p.resize = func(ws WindowSize) error {
+			return pty.Setsize(ptmx, &pty.Winsize{Rows: ws.Rows, Cols: ws.Cols})
+		}
+		read := make(chan struct{})
+		go func() {
+			defer close(read)
+			buf := make([]byte, chunk)
+			for {
+				n, err := ptmx.Read(buf)
+				if n > 0 {
+					<-gate
+					p.output(FrameStdout, buf[:n])
+				}
+				if err != nil { // EIO once no one holds the terminal
+					return
+				}
+			}
+		}()
+		drain = func() {
+			// A background process may keep the terminal open.
+			select {
+			case <-read:
+			case <-time.After(2 * time.Second):
+			}
+			ptmx.Close()
+			<-read
+		}
+	} else {
+		cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Credential: cred}
+		cmd.Stdout = procWriter{p, FrameStdout, gate}
+		cmd.Stderr = procWriter{p, FrameStderr, gate}
+		cmd.WaitDelay = 2 * time.Second // background children holding the pipes
+		if req.Stdin {
+			stdin, err := cmd.StdinPipe()
+			if err != nil {
+				return fmt.Errorf("exec: %w", err)
+			}
+			in, eof = stdin, func() { stdin.Close() }
+		}
+		if err := cmd.Start(); err != nil {
+			return fmt.Errorf("exec %s: %w", cmd.Args[0], err)
+		}
+		drain = func() {}
 	}
 	pgid := cmd.Process.Pid
+	p.info.PID = pgid
 	var mu sync.Mutex
 	timedOut, exited := false, false
-	// killGroup signals the process group while it can still be ours: once
+	// kill signals the process group while it can still be ours: once
 	// Wait has reaped the leader, the id may be reused.
-	killGroup := func(sig syscall.Signal) {
+	p.kill = func(sig syscall.Signal) {
 		mu.Lock()
 		defer mu.Unlock()
 		if !exited {
 			unix.Kill(-pgid, sig)
 		}
 	}
+	var timer *time.Timer
 	if req.TimeoutMs > 0 {
-		t := time.AfterFunc(time.Duration(req.TimeoutMs)*time.Millisecond, func() {
+		timer = time.AfterFunc(time.Duration(req.TimeoutMs)*time.Millisecond, func() {
 			mu.Lock()
 			timedOut = !exited
 			mu.Unlock()
-			killGroup(unix.SIGKILL)
+			p.kill(unix.SIGKILL)
 		})
-		defer t.Stop()
 	}
-	stop := context.AfterFunc(ctx, func() { killGroup(unix.SIGKILL) })
-	defer stop()
-	// Registered before the client learns the PID, so a Signal right
-	// after it finds the exec; removed only while it is still this one's
-	// (the PID may be reused by a later exec once this one is reaped).
-	entry := &execEntry{kill: killGroup}
-	s.mu.Lock()
-	if s.execs == nil {
-		s.execs = map[int]*execEntry{}
-	}
-	s.execs[pgid] = entry
-	s.mu.Unlock()
-	defer func() {
-		s.mu.Lock()
-		if s.execs[pgid] == entry {
-			delete(s.execs, pgid)
-		}
-		s.mu.Unlock()
-	}()
-	if err := c.WriteJSON(FrameReply, ExecStarted{PID: pgid}); err != nil {
-		killGroup(unix.SIGKILL)
-	}
-	startOnce()
-
-	// stdin is written from its own goroutine, so a process slow to read
-	// it does not hold up the frame reader below; the queue bounds what is
-	// held, and past it the reader waits (the client signals on
-	// connections of its own, and kills a process it gives up on the same
-	// way, so neither needs this reader).
-	exitedCh := make(chan struct{})
-	defer close(exitedCh)
-	var stdinCh chan []byte
-	if stdin != nil {
-		stdinCh = make(chan []byte, 16)
+	stop := context.AfterFunc(ctx, func() { p.kill(unix.SIGKILL) })
+	if p.input != nil {
+		// Input is written from its own goroutine, so a process slow to
+		// read it holds up no connection's reader beyond the queue.
 		go func() {
-			for b := range stdinCh {
-				if b == nil {
-					stdin.Close()
-					continue
+			for {
+				select {
+				case b := <-p.input:
+					if b == nil {
+						eof()
+						continue
+					}
+					in.Write(b)
+				case <-p.done:
+					return
 				}
-				stdin.Write(b)
 			}
 		}()
 	}
-	toStdin := func(b []byte) {
-		if stdinCh == nil {
-			return
-		}
-		select {
-		case stdinCh <- b:
-		case <-exitedCh:
-		}
-	}
-
-	// The client's frames: stdin, its end, and signals. A client that goes
-	// away kills the process.
+	s.procs.add(p)
 	go func() {
-		if stdinCh != nil {
-			defer close(stdinCh)
+		werr := cmd.Wait()
+		drain()
+		mu.Lock()
+		exited = true
+		st := ExitStatus{TimedOut: timedOut}
+		mu.Unlock()
+		stop()
+		if timer != nil {
+			timer.Stop()
 		}
-		for {
-			t, b, err := c.ReadFrame()
-			if err != nil {
-				killGroup(unix.SIGKILL)
-				return
+		if ps := cmd.ProcessState; ps != nil {
+			ws := ps.Sys().(syscall.WaitStatus)
+			if ws.Signaled() {
+				st.Signal = unix.SignalName(ws.Signal())
+				st.Code = 128 + int(ws.Signal())
+			} else {
+				st.Code = ws.ExitStatus()
 			}
-			switch t {
-			case FrameStdin:
-				toStdin(b)
-			case FrameStdinClose:
-				toStdin(nil)
-			case FrameSignal:
-				var sr SignalRequest
-				if decodeStrict(b, &sr) == nil {
-					if sig, err := ParseSignal(sr.Name); err == nil {
-						killGroup(sig)
-					}
-				}
-			default:
-				killGroup(unix.SIGKILL)
-				return
-			}
+		} else {
+			s.log().Error("agent: wait", "argv", argv, "err", werr)
+			st.Code = 255
 		}
+		p.finish(st)
+		s.procs.ended(p)
 	}()
-
-	werr := cmd.Wait()
-	mu.Lock()
-	exited = true
-	mu.Unlock()
-	st := ExitStatus{}
-	if ps := cmd.ProcessState; ps != nil {
-		ws := ps.Sys().(syscall.WaitStatus)
-		switch {
-		case ws.Signaled():
-			st.Signal = unix.SignalName(ws.Signal())
-			st.Code = 128 + int(ws.Signal())
-		default:
-			st.Code = ws.ExitStatus()
-		}
-	} else if werr != nil {
-		return fmt.Errorf("exec %s: %w", cmd.Args[0], werr)
+	// Registered before the client learns the ID, so a Signal right after
+	// it finds the process.
+	if err := reply(c, ExecStarted{ID: p.info.ID, PID: pgid}); err != nil {
+		return nil // the process goes on; it can be attached to
 	}
-	mu.Lock()
-	st.TimedOut = timedOut
-	mu.Unlock()
-	return c.WriteJSON(FrameExit, st)
+	if _, err := p.attach(c, false); err != nil {
+		return nil
+	}
+	openGate()
+	p.follow(c)
+	return nil
+}
+
+// startPTY starts cmd as the leader of a new session whose controlling
+// terminal is a new pty of size ws, and returns the pty's master side.
+func startPTY(cmd *exec.Cmd, cred *syscall.Credential, ws WindowSize) (*os.File, error) {
+	ptmx, tty, err := pty.Open()
+	if err != nil {
+		return nil, fmt.Errorf("open a pty: %w", err)
+	}
+	defer tty.Close()
+	fail := func(err error) (*os.File, error) { ptmx.Close(); return nil, err }
+	if err := pty.Setsize(ptmx, &pty.Winsize{Rows: ws.Rows, Cols: ws.Cols}); err != nil {
+		return fail(fmt.Errorf("size the pty: %w", err))
+	}
+	if cred != nil { // the user's own terminal, as login makes it
+		if err := tty.Chown(int(cred.Uid), int(cred.Gid)); err != nil {
+			return fail(fmt.Errorf("give the pty to %d: %w", cred.Uid, err))
+		}
+	}
+	cmd.Stdin, cmd.Stdout, cmd.Stderr = tty, tty, tty
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true, Setctty: true, Ctty: 0, Credential: cred}
+	if err := cmd.Start(); err != nil {
+		return fail(err)
+	}
+	return ptmx, nil
 }

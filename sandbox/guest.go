@@ -59,6 +59,35 @@ func (s *Guest) Stream(ctx context.Context, o ExecOptions) (*agent.Process, erro
 	return p, s.explain(err)
 }
 
+// Processes lists the processes the agent started: the running ones and
+// the most recent that exited, with how they ended. Processes outlive the
+// connection (and the capsa exec) that started them.
+func (s *Guest) Processes(ctx context.Context) ([]agent.ProcessInfo, error) {
+	ps, err := s.client.Processes(ctx)
+	return ps, s.explain(err)
+}
+
+// Attach follows a process by its ID (ProcessInfo.ID, Process.ID): its
+// recent output replayed, then the rest until it exits. Ending ctx
+// detaches and leaves the process running.
+func (s *Guest) Attach(ctx context.Context, id int, o agent.AttachOptions) (*agent.Process, error) {
+	p, err := s.client.Attach(ctx, id, o)
+	return p, s.explain(err)
+}
+
+// WaitProcess waits for the process with ID id to exit and says how it
+// ended.
+func (s *Guest) WaitProcess(ctx context.Context, id int) (*agent.ExitStatus, error) {
+	st, err := s.client.Wait(ctx, id)
+	return st, s.explain(err)
+}
+
+// SignalProcess signals the process group of the process with ID id
+// ("TERM", "SIGKILL", ...).
+func (s *Guest) SignalProcess(ctx context.Context, id int, signal string) error {
+	return s.explain(s.client.Signal(ctx, id, signal))
+}
+
 // defaults gives a process the sandbox's environment (the image's, then
 // Env's) under its own, and the image's working directory unless it
 // names one.

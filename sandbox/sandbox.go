@@ -149,6 +149,7 @@ type Workload struct {
 	stdin  io.Reader
 	stdout io.Writer
 	stderr io.Writer
+	tty    *agent.WindowSize
 }
 
 // Stdin feeds the main process's standard input.
@@ -159,6 +160,11 @@ func (w *Workload) Stdout(o io.Writer) *Workload { w.stdout = o; return w }
 
 // Stderr receives the main process's standard error as it comes.
 func (w *Workload) Stderr(o io.Writer) *Workload { w.stderr = o; return w }
+
+// TTY runs the main process on a pseudo-terminal of size ws: all its
+// output comes to Stdout, Stdin goes to the terminal (^C interrupts), and
+// Sandbox.Resize changes its size.
+func (w *Workload) TTY(ws agent.WindowSize) *Workload { w.tty = &ws; return w }
 
 // Dir sets the main process's working directory.
 func (w *Workload) Dir(dir string) *Workload { w.c.Main.Dir = dir; return w }
@@ -211,7 +217,7 @@ func (w *Workload) Start(ctx context.Context) (*Sandbox, error) {
 		return nil, err
 	}
 	opts := ExecOptions{Argv: w.c.Main.Argv, Dir: w.c.Main.Dir, User: w.c.Main.User, Timeout: w.c.Main.Timeout,
-		Stdin: w.stdin, Stdout: w.stdout, Stderr: w.stderr}
+		Stdin: w.stdin, Stdout: w.stdout, Stderr: w.stderr, TTY: w.tty}
 	var root *rootfs
 	if w.c.Image != nil {
 		var err error
@@ -454,6 +460,17 @@ func (s *Sandbox) Signal(ctx context.Context, name string) error {
 		return errors.New("sandbox: signal: no main process")
 	}
 	return s.vmErr(p.Signal(ctx, name))
+}
+
+// Resize gives the main process's terminal (Workload.TTY) a new size.
+func (s *Sandbox) Resize(ws agent.WindowSize) error {
+	s.mu.Lock()
+	p := s.main
+	s.mu.Unlock()
+	if p == nil {
+		return errors.New("sandbox: resize: no main process")
+	}
+	return p.Resize(ws)
 }
 
 // Shutdown asks the guest to stop and waits for the VM to end; if the guest

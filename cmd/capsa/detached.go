@@ -20,6 +20,7 @@ import (
 	"text/tabwriter"
 	"time"
 
+	"github.com/capsa-sandbox/capsa/agent"
 	"github.com/capsa-sandbox/capsa/sandbox"
 	"github.com/capsa-sandbox/capsa/store"
 	"github.com/capsa-sandbox/capsa/supervisor"
@@ -174,6 +175,7 @@ func runExec(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	dir := fs.StringP("workdir", "w", "", "working directory in the guest")
 	userFlag := fs.StringP("user", "u", "", "run as USER, UID, USER:GROUP or UID:GID")
 	interactive := fs.BoolP("interactive", "i", false, "pass standard input to the command")
+	tty := fs.BoolP("tty", "t", false, "run the command on a terminal (with -i, capsa's terminal becomes it: raw, resized with it, ^C to the command)")
 	timeout := fs.Duration("timeout", 0, "kill the command after this long; exit 124")
 	if code := parseFlags(fs, args, stderr); code >= 0 {
 		return code
@@ -181,6 +183,17 @@ func runExec(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	if fs.NArg() < 2 {
 		fmt.Fprintln(stderr, "capsa exec: want NAME -- CMD [ARGS...]")
 		return 2
+	}
+	var term *terminal
+	var window *agent.WindowSize
+	if *tty {
+		t, ws, err := openTerminal(os.Stdin, *interactive)
+		if err != nil {
+			fmt.Fprintf(stderr, "capsa exec: %v\n", err)
+			return 2
+		}
+		term, window = t, &ws
+		*env = append([]string{"TERM=" + termName()}, *env...)
 	}
 	for _, e := range *env {
 		if k, _, ok := strings.Cut(e, "="); !ok || k == "" {
@@ -192,18 +205,12 @@ func runExec(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "capsa exec: --timeout %v: must not be negative\n", *timeout)
 		return 2
 	}
-	st, err := openStateStore()
-	if err != nil {
-		fmt.Fprintf(stderr, "capsa exec: %v\n", err)
-		return 125
-	}
-	h, err := supervisor.Open(ctx, st, fs.Arg(0))
-	if err != nil {
-		fmt.Fprintf(stderr, "capsa exec: %v\n", err)
+	h, ok := openHandle(ctx, "exec", fs.Arg(0), stderr)
+	if !ok {
 		return 125
 	}
 	o := sandbox.ExecOptions{Argv: fs.Args()[1:], Env: *env, Dir: *dir, User: *userFlag, Timeout: *timeout,
-		Stdout: stdout, Stderr: stderr}
+		Stdout: stdout, Stderr: stderr, TTY: window}
 	if *interactive {
 		o.Stdin = os.Stdin
 	}
@@ -212,7 +219,18 @@ func runExec(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "capsa exec: %v\n", err)
 		return 125
 	}
+	if term != nil && *interactive {
+		if err := term.raw(p.Resize); err != nil {
+			p.Signal(ctx, "KILL")
+			fmt.Fprintf(stderr, "capsa exec: the terminal: %v\n", err)
+			return 125
+		}
+		defer term.restore()
+	}
 	es, err := p.Wait()
+	if term != nil {
+		term.restore() // before any message
+	}
 	switch {
 	case err != nil:
 		fmt.Fprintf(stderr, "capsa exec: %v\n", err)

@@ -2,7 +2,7 @@
 //
 //	capsa run [flags] -- CMD  run CMD in a sandbox, stream its output, exit with its code
 //	capsa run -d [--name N] -- CMD  the same, detached: the sandbox outlives the command
-//	capsa exec|cp|ps|logs|stop|kill|rm|inspect  manage detached sandboxes by name
+//	capsa exec|cp|ps|logs|stop|kill|rm|inspect|stats|top|attach  manage detached sandboxes by name
 //	capsa vm [flags]        boot a kernel (the built-in one by default) and show its console
 //	capsa version           print the version
 //
@@ -37,7 +37,9 @@ type command struct {
 func commands() []command {
 	return []command{
 		{"run", "run a command in a sandbox and exit with its exit code (-d: detached, by name)", runRun, false},
-		{"exec", "run a command in a detached sandbox", runExec, false},
+		{"exec", "run a command in a detached sandbox (-it: on a terminal)", runExec, false},
+		{"top", "list the processes started in a detached sandbox, running and exited", runTop, false},
+		{"attach", "follow a process of a detached sandbox by its ID (from top)", runAttach, false},
 		{"cp", "copy files and directories into and out of a detached sandbox", runCp, false},
 		{"ps", "list detached sandboxes", runPs, false},
 		{"logs", "print a detached sandbox's output", runLogs, false},

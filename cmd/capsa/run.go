@@ -9,6 +9,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/capsa-sandbox/capsa/agent"
 	"github.com/capsa-sandbox/capsa/netstack"
 	"github.com/capsa-sandbox/capsa/sandbox"
 	"github.com/capsa-sandbox/capsa/store"
@@ -30,6 +31,7 @@ func runRun(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	env := fs.StringArrayP("env", "e", nil, "set K=V in the command's environment (repeatable)")
 	dir := fs.StringP("workdir", "w", "", "working directory in the guest")
 	interactive := fs.BoolP("interactive", "i", false, "pass standard input to the command")
+	tty := fs.BoolP("tty", "t", false, "run the command on a terminal (with -i, capsa's terminal becomes it: raw, resized with it, ^C to the command)")
 	timeout := fs.Duration("timeout", 0, "kill the command after this long (e.g. 30s); exit 124")
 	kernel := fs.String("kernel", "", "use this kernel instead of the built-in one")
 	initrd := fs.String("initrd", "", "use this initramfs instead of the built-in one")
@@ -80,8 +82,8 @@ func runRun(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		}
 	} else {
 		switch {
-		case *interactive:
-			return fail("-i and -d do not go together: a detached sandbox has no standard input (use capsa exec -i)")
+		case *interactive || *tty:
+			return fail("-i and -t do not go together with -d: a detached sandbox has no terminal or standard input (use capsa exec -it)")
 		case *verbose:
 			return fail("--verbose and -d do not go together: see capsa logs --console")
 		case *ttl < 0:
@@ -115,6 +117,14 @@ func runRun(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	}
 	if *watchdog < 0 {
 		return fail("--watchdog %v: must not be negative", *watchdog)
+	}
+	var term *terminal
+	var window agent.WindowSize
+	if *tty && !*detach {
+		if term, window, err = openTerminal(os.Stdin, *interactive); err != nil {
+			return fail("%v", err)
+		}
+		*env = append([]string{"TERM=" + termName()}, *env...)
 	}
 	b := sandbox.New().CPUs(*cpus).Memory(int(mem >> 20)).Env(*env...).Watchdog(*watchdog)
 	switch {
@@ -191,6 +201,9 @@ func runRun(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	if *detach {
 		return startDetached(ctx, w, *name, *rm, *ttl, *idle, stdout, stderr)
 	}
+	if term != nil {
+		w.TTY(window)
+	}
 	w.Stdout(stdout).Stderr(stderr)
 	if *interactive {
 		w.Stdin(os.Stdin)
@@ -200,7 +213,18 @@ func runRun(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "capsa run: %v\n", err)
 		return 125
 	}
+	if term != nil && *interactive {
+		if err := term.raw(sb.Resize); err != nil {
+			sb.Close()
+			fmt.Fprintf(stderr, "capsa run: the terminal: %v\n", err)
+			return 125
+		}
+		defer term.restore()
+	}
 	st, err := sb.Wait(ctx)
+	if term != nil {
+		term.restore() // before any message
+	}
 	shutdownCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
 	defer cancel()
 	sb.Shutdown(shutdownCtx)

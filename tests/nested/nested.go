@@ -293,6 +293,8 @@ mkdir -p /proc /sys /dev /tmp
 mount -t proc proc /proc
 mount -t sysfs sysfs /sys
 mount -t devtmpfs devtmpfs /dev
+mkdir -p /dev/pts
+mount -t devpts -o ptmxmode=0666 devpts /dev/pts
 mount -t tmpfs tmpfs /tmp
 ip link set lo up
 stty -F /dev/ttyS1 raw -echo
