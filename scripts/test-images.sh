@@ -8,6 +8,8 @@
 #                      unpacked, never installed or started on this host) with
 #                      the libc it loads and a wrapper `registry CONFIG`,
 #                      since L1 has only busybox.
+#   OUTDIR/tmux/tmux   tmux with the libraries it loads, the same way: the
+#                      terminal test types at `capsa exec -it` through it.
 # Prints OUTDIR's cache directory when done.
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
@@ -40,6 +42,24 @@ d=$(dirname "$0")
 exec "$d/lib/ld-linux-x86-64.so.2" --library-path "$d/lib" "$d/docker-registry" serve "$@"
 WRAP
 	chmod +x "$dir.tmp/registry/registry"
+	# tmux: the host's package (installed here if missing), with its
+	# libraries, behind the same kind of wrapper.
+	"$here/scripts/apt-install.sh" tmux
+	mkdir -p "$dir.tmp/tmux/lib"
+	cp /usr/bin/tmux "$dir.tmp/tmux/tmux.bin"
+	ldd /usr/bin/tmux | awk '/=>/ {print $3}' | while read -r lib; do
+		[ -f "$lib" ] && cp -L "$lib" "$dir.tmp/tmux/lib/"
+	done
+	cp -L "$(ldd /usr/bin/tmux | awk '/ld-linux/ {print $1}')" "$dir.tmp/tmux/lib/ld-linux-x86-64.so.2"
+	# tmux refuses to start without a UTF-8 locale: libc-bin's C.UTF-8.
+	mkdir -p "$dir.tmp/tmux/locale"
+	cp -r /usr/lib/locale/C.utf8 "$dir.tmp/tmux/locale/"
+	cat >"$dir.tmp/tmux/tmux" <<'WRAP'
+#!/bin/sh
+d=$(cd "$(dirname "$0")" && pwd)
+LOCPATH="$d/locale" exec "$d/lib/ld-linux-x86-64.so.2" --library-path "$d/lib" "$d/tmux.bin" "$@"
+WRAP
+	chmod +x "$dir.tmp/tmux/tmux"
 	rm -rf "$dir.tmp/pkg" "$dir.tmp"/*.deb
 	touch "$dir.tmp/done"
 	rm -rf "$dir" && mv "$dir.tmp" "$dir"
@@ -47,4 +67,5 @@ fi
 rm -rf "$out" && mkdir -p "$out"
 ln -s "$dir/python.tar.gz" "$out/python.tar.gz"
 cp -r "$dir/registry" "$out/registry"
+cp -r "$dir/tmux" "$out/tmux"
 echo "$dir"

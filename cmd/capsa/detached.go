@@ -6,7 +6,6 @@ package main
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -303,9 +302,7 @@ func runPs(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		rows = append(rows, row)
 	}
 	if *format == "json" {
-		e := json.NewEncoder(stdout)
-		e.SetIndent("", "  ")
-		e.Encode(rows)
+		writeJSON(stdout, rows)
 		return 0
 	}
 	tw := tabwriter.NewWriter(stdout, 0, 8, 2, ' ', 0)
@@ -443,9 +440,7 @@ func runInspect(ctx context.Context, args []string, stdout, stderr io.Writer) in
 		return err
 	})
 	if len(recs) > 0 {
-		e := json.NewEncoder(stdout)
-		e.SetIndent("", "  ")
-		e.Encode(recs)
+		writeJSON(stdout, recs)
 	}
 	return code
 }

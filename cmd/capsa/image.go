@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"encoding/json"
 	"fmt"
 	"io"
 	"os"
@@ -158,9 +157,7 @@ func imageList(ctx context.Context, args []string, stdout, stderr io.Writer) int
 		if imgs == nil {
 			imgs = []*image.Image{}
 		}
-		enc := json.NewEncoder(stdout)
-		enc.SetIndent("", "  ")
-		enc.Encode(imgs)
+		writeJSON(stdout, imgs)
 	case "table":
 		tw := tabwriter.NewWriter(stdout, 0, 4, 2, ' ', 0)
 		fmt.Fprintln(tw, "REFERENCE\tDIGEST\tSIZE\tROOTFS\tPULLED")
@@ -199,9 +196,7 @@ func imageInspect(ctx context.Context, args []string, stdout, stderr io.Writer) 
 		fmt.Fprintf(stderr, "capsa image inspect: %v\n", err)
 		return 1
 	}
-	enc := json.NewEncoder(stdout)
-	enc.SetIndent("", "  ")
-	enc.Encode(img)
+	writeJSON(stdout, img)
 	return 0
 }
 

@@ -11,6 +11,7 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -48,6 +49,7 @@ func commands() []command {
 		{"rm", "remove ended detached sandboxes", runRm, false},
 		{"inspect", "describe detached sandboxes (JSON)", runInspect, false},
 		{"stats", "show detached sandboxes' CPU, memory, network and disk use", runStats, false},
+		{"metrics", "serve detached sandboxes' use as Prometheus metrics", runMetrics, false},
 		{"supervise", "", runSupervise, true},
 		{"vm", "boot a kernel in a raw microVM and show its console", runVM, false},
 		{"image", "pull, import, list, inspect and remove OCI images", runImage, false},
@@ -103,6 +105,14 @@ func newFlags(name, synopsis string, stdout io.Writer) *pflag.FlagSet {
 		fmt.Fprintf(stdout, "usage: capsa %s %s\n\nflags:\n%s", name, synopsis, fs.FlagUsages())
 	}
 	return fs
+}
+
+// writeJSON prints v as indented JSON, as the --format json of every
+// command does.
+func writeJSON(w io.Writer, v any) {
+	e := json.NewEncoder(w)
+	e.SetIndent("", "  ")
+	e.Encode(v)
 }
 
 // parseFlags parses args; it returns -1 to go on, else the exit code.

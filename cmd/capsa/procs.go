@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"encoding/json"
 	"fmt"
 	"io"
 	"os"
@@ -57,9 +56,7 @@ func runTop(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		return 1
 	}
 	if *format == "json" {
-		e := json.NewEncoder(stdout)
-		e.SetIndent("", "  ")
-		e.Encode(procs)
+		writeJSON(stdout, procs)
 		return 0
 	}
 	tw := tabwriter.NewWriter(stdout, 0, 8, 2, ' ', 0)

@@ -53,8 +53,40 @@ func psAll(t *testing.T, cli func(time.Duration, ...string) result) map[string]p
 	return m
 }
 
+// detachedState gives a test a state directory of its own and the CLI on
+// it; at cleanup the sandboxes left running are killed, and on failure
+// their files logged.
+func detachedState(t *testing.T) (string, func(time.Duration, ...string) result) {
+	dir := t.TempDir()
+	t.Cleanup(func() {
+		if t.Failed() {
+			logSandboxFiles(t, dir)
+		}
+		stopAll(t, dir)
+	})
+	return dir, detachedCLI(t, dir)
+}
+
+// openByName reaches the detached sandbox name in the state directory dir
+// through the library, with a context that ends with the test (or in two
+// minutes).
+func openByName(t *testing.T, dir, name string) (context.Context, *supervisor.Handle) {
+	t.Helper()
+	st, err := store.Open(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	t.Cleanup(cancel)
+	h, err := supervisor.Open(ctx, st, name)
+	if err != nil {
+		t.Fatalf("supervisor.Open(%s) = %v", name, err)
+	}
+	return ctx, h
+}
+
 // stopAll stops whatever the test left running, at cleanup.
-func stopAll(t *testing.T, dir string) {
+func stopAll(t testing.TB, dir string) {
 	st, err := store.Open(dir)
 	if err != nil {
 		return
@@ -73,14 +105,7 @@ func stopAll(t *testing.T, dir string) {
 // can be used again; --ttl stops a sandbox by itself; another user cannot
 // reach it.
 func TestDetachedSandbox(t *testing.T) {
-	dir := t.TempDir()
-	cli := detachedCLI(t, dir)
-	t.Cleanup(func() {
-		if t.Failed() {
-			logSandboxFiles(t, dir)
-		}
-		stopAll(t, dir)
-	})
+	dir, cli := detachedState(t)
 
 	r := cli(3*time.Minute, "run", "-d", "--name", "w", "--", "sh", "-c", "echo started; while true; do echo tick; sleep 1; done")
 	if r.code != 0 || r.stdout != "w\n" {
@@ -101,16 +126,7 @@ func TestDetachedSandbox(t *testing.T) {
 	}
 
 	// The library reaches it by name, with typed guest errors.
-	st, err := store.Open(dir)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-	defer cancel()
-	h, err := supervisor.Open(ctx, st, "w")
-	if err != nil {
-		t.Fatalf("supervisor.Open(w) = %v", err)
-	}
+	ctx, h := openByName(t, dir, "w")
 	if _, err := h.ReadFile(ctx, "/no/such/file"); !errors.Is(err, fs.ErrNotExist) {
 		t.Errorf("ReadFile(/no/such/file) = %v, want an error that is fs.ErrNotExist", err)
 	}
@@ -173,6 +189,10 @@ func TestDetachedSandbox(t *testing.T) {
 	}
 
 	// A supervisor killed with SIGKILL: crashed, removable, name reusable.
+	st, err := store.Open(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
 	rec, err := st.Get("dup")
 	if err != nil || rec.PID == 0 {
 		t.Fatalf("the record of dup = %+v, %v", rec, err)

@@ -2,35 +2,27 @@ package e2e
 
 import (
 	"bufio"
-	"context"
-	"io"
+	"fmt"
+	"net/http"
 	"os"
 	"os/exec"
+	"path/filepath"
+	"slices"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
 
 	"github.com/capsa-sandbox/capsa/agent"
-	"github.com/capsa-sandbox/capsa/store"
-	"github.com/capsa-sandbox/capsa/supervisor"
-	"github.com/creack/pty"
-	"golang.org/x/sys/unix"
+	"github.com/prometheus/common/expfmt"
+	"github.com/prometheus/common/model"
 )
 
 // TestProcessOutlivesExec: a process whose `capsa exec` is killed keeps
 // running and finishes its work; the library lists it, attaches to it
 // (its earlier output replayed) and reads how it ended.
 func TestProcessOutlivesExec(t *testing.T) {
-	dir := t.TempDir()
-	cli := detachedCLI(t, dir)
-	t.Cleanup(func() {
-		if t.Failed() {
-			logSandboxFiles(t, dir)
-		}
-		stopAll(t, dir)
-	})
+	dir, cli := detachedState(t)
 	if r := cli(3*time.Minute, "run", "-d", "--name", "p", "--", "sleep", "3600"); r.code != 0 {
 		t.Fatalf("capsa run -d --name p = exit %d, stderr %q", r.code, r.stderr)
 	}
@@ -52,16 +44,7 @@ func TestProcessOutlivesExec(t *testing.T) {
 	cmd.Process.Kill() // SIGKILL: no goodbye to the guest
 	cmd.Wait()
 
-	st, err := store.Open(dir)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-	defer cancel()
-	h, err := supervisor.Open(ctx, st, "p")
-	if err != nil {
-		t.Fatalf("supervisor.Open(p) = %v", err)
-	}
+	ctx, h := openByName(t, dir, "p")
 	procs, err := h.Processes(ctx)
 	if err != nil {
 		t.Fatalf("Processes() = %v", err)
@@ -90,129 +73,168 @@ func TestProcessOutlivesExec(t *testing.T) {
 	if b, err := h.ReadFile(ctx, "/tmp/done"); err != nil || string(b) != "finished\n" {
 		t.Errorf("the process's work: /tmp/done = %q, %v", b, err)
 	}
+	checkMetrics(t, dir, "p")
 }
 
-// screen collects what a terminal shows.
-type screen struct {
-	mu sync.Mutex
-	b  strings.Builder
-}
-
-func (s *screen) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-// after waits until what the screen shows past offset from holds want, and
-// returns the offset past it.
-func (s *screen) after(t *testing.T, from int, want string) int {
-	t.Helper()
-	deadline := time.Now().Add(90 * time.Second)
-	for {
-		s.mu.Lock()
-		text := s.b.String()
-		s.mu.Unlock()
-		if i := strings.Index(text[from:], want); i >= 0 {
-			return from + i + len(want)
+// checkMetrics: `capsa metrics` serves the running sandbox name's use to
+// Prometheus, labelled by name.
+func checkMetrics(t *testing.T, dir, name string) {
+	cmd := exec.Command(artifact(t, "capsa"), "metrics", "--listen", "127.0.0.1:0")
+	cmd.Env = append(os.Environ(), "CAPSA_STATE="+dir)
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var stderr strings.Builder
+	cmd.Stderr = &stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer func() {
+		cmd.Process.Signal(syscall.SIGTERM)
+		cmd.Wait()
+		if t.Failed() {
+			t.Logf("capsa metrics's stderr:\n%s", stderr.String())
 		}
-		if time.Now().After(deadline) {
-			t.Fatalf("the terminal never showed %q; it shows:\n%s", want, text[from:])
+	}()
+	line, err := bufio.NewReader(stdout).ReadString('\n')
+	url, ok := strings.CutPrefix(strings.TrimSpace(line), "capsa metrics: serving ")
+	if err != nil || !ok {
+		t.Fatalf("capsa metrics printed %q, %v; want where it serves", line, err)
+	}
+	resp, err := http.Get(url)
+	if err != nil {
+		t.Fatalf("GET %s: %v", url, err)
+	}
+	defer resp.Body.Close()
+	parser := expfmt.NewTextParser(model.UTF8Validation)
+	fams, err := parser.TextToMetricFamilies(resp.Body)
+	if err != nil {
+		t.Fatalf("GET %s: not Prometheus text: %v", url, err)
+	}
+	value := func(family string) (float64, bool) {
+		f := fams[family]
+		if f == nil {
+			return 0, false
 		}
-		time.Sleep(50 * time.Millisecond)
+		for _, m := range f.Metric {
+			for _, l := range m.Label {
+				if l.GetName() == "sandbox" && l.GetValue() == name {
+					switch {
+					case m.Counter != nil:
+						return m.Counter.GetValue(), true
+					case m.Gauge != nil:
+						return m.Gauge.GetValue(), true
+					}
+				}
+			}
+		}
+		return 0, false
+	}
+	for family, min := range map[string]float64{
+		"capsa_sandbox_up": 1, "capsa_sandbox_cpu_seconds_total": 0.01, "capsa_sandbox_memory_resident_bytes": 1 << 20,
+		"capsa_sandbox_memory_bytes": 256 << 20, "capsa_sandbox_uptime_seconds": 1, "capsa_sandbox_vcpus": 1,
+		"capsa_sandbox_vm_exits_total": 1,
+	} {
+		if v, ok := value(family); !ok || v < min {
+			t.Errorf("%s{sandbox=%q} = %v (present: %v), want at least %v", family, name, v, ok, min)
+		}
+	}
+	if _, ok := value("capsa_sandbox_network_receive_bytes_total"); !ok {
+		t.Errorf("capsa_sandbox_network_receive_bytes_total{sandbox=%q} is missing", name)
 	}
 }
 
-// TestTerminal: `capsa exec -it NAME sh` on a terminal, typed at as a
-// person does: the shell's prompt, `stty size` as the terminal's, a resize
-// followed, ^C interrupting `sleep 100` with the shell still there, its
-// exit code passed through, and the terminal as it was afterwards.
+// tmuxServer runs commands of a tmux server of the test's own (tmux from
+// scripts/test-images.sh), killed at cleanup.
+func tmuxServer(t *testing.T) func(args ...string) string {
+	bin := artifact(t, "testimages/tmux/tmux")
+	sock := filepath.Join(t.TempDir(), "tmux.sock")
+	tm := func(args ...string) string {
+		t.Helper()
+		out, err := exec.Command("/bin/sh", append([]string{bin, "-S", sock}, args...)...).CombinedOutput()
+		if err != nil {
+			t.Fatalf("tmux %s: %v\n%s", strings.Join(args, " "), err, out)
+		}
+		return string(out)
+	}
+	t.Cleanup(func() { exec.Command("/bin/sh", bin, "-S", sock, "kill-server").Run() })
+	return tm
+}
+
+// TestTerminal: `capsa exec -it NAME sh` in a tmux pane, typed at through
+// send-keys as a person does and read with capture-pane: the shell's
+// prompt, `stty size` as the pane's, a resize followed, ^C interrupting
+// `sleep 100` with the shell still there, its exit code passed through,
+// and the terminal's modes as they were before.
 func TestTerminal(t *testing.T) {
 	startRegistry(t)
 	ref := registryAddr + "/capsa-test/python:tty"
 	pushPythonImage(t, ref)
 	t.Setenv("CAPSA_CACHE", t.TempDir())
-	dir := t.TempDir()
-	cli := detachedCLI(t, dir)
-	t.Cleanup(func() {
-		if t.Failed() {
-			logSandboxFiles(t, dir)
-		}
-		stopAll(t, dir)
-	})
+	dir, cli := detachedState(t)
 	if r := cli(5*time.Minute, "run", "-d", "--name", "tty", "--image", ref, "-u", "0", "--", "sleep", "3600"); r.code != 0 {
 		t.Fatalf("capsa run -d --image %s = exit %d, stderr %q", ref, r.code, r.stderr)
 	}
-
-	ptmx, tty, err := pty.Open()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ptmx.Close()
-	defer tty.Close()
-	if err := pty.Setsize(ptmx, &pty.Winsize{Rows: 30, Cols: 100}); err != nil {
-		t.Fatal(err)
-	}
-	before, err := unix.IoctlGetTermios(int(tty.Fd()), unix.TCGETS)
-	if err != nil {
-		t.Fatal(err)
-	}
-	cmd := exec.Command(artifact(t, "capsa"), "exec", "-it", "tty", "--", "sh")
-	cmd.Env = append(os.Environ(), "CAPSA_STATE="+dir, "TERM=xterm")
-	cmd.Stdin, cmd.Stdout, cmd.Stderr = tty, tty, tty
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true, Setctty: true, Ctty: 0}
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	defer cmd.Process.Kill()
-	var scr screen
-	go io.Copy(&scr, ptmx)
-	typeIn := func(s string) {
-		for _, r := range s { // a key at a time
-			ptmx.Write([]byte(string(r)))
-			time.Sleep(20 * time.Millisecond)
+	tm := tmuxServer(t)
+	work := t.TempDir()
+	// The pane: the terminal's modes before and after capsa, and its exit
+	// code, then a pause so the pane stays to be read.
+	pane := fmt.Sprintf("stty -g > %[1]s/before; CAPSA_STATE=%[2]s %[3]s exec -it tty -- sh; echo capsa-exit-$?; stty -g > %[1]s/after; sleep 3600",
+		work, dir, artifact(t, "capsa"))
+	tm("new-session", "-d", "-s", "e2e", "-x", "100", "-y", "30", pane)
+	screen := func() string { return tm("capture-pane", "-p", "-t", "e2e") }
+	// seen waits for want on the screen ("#": a line that is dash's
+	// prompt and nothing else, as capture-pane drops trailing spaces).
+	seen := func(want string) {
+		t.Helper()
+		deadline := time.Now().Add(90 * time.Second)
+		has := func(s string) bool { return strings.Contains(s, want) }
+		if want == "#" {
+			has = func(s string) bool { return slices.Contains(strings.Split(s, "\n"), "#") }
+		}
+		for !has(screen()) {
+			if time.Now().After(deadline) {
+				t.Fatalf("the pane never showed %q; it shows:\n%s", want, screen())
+			}
+			time.Sleep(100 * time.Millisecond)
 		}
 	}
-	at := scr.after(t, 0, "# ")
-	typeIn("stty size\r")
-	at = scr.after(t, at, "30 100\r\n")
-	at = scr.after(t, at, "# ")
+	keys := func(keys ...string) { tm(append([]string{"send-keys", "-t", "e2e"}, keys...)...) }
+	seen("#")
+	keys("stty size", "Enter")
+	seen("30 100")
 
-	if err := pty.Setsize(ptmx, &pty.Winsize{Rows: 40, Cols: 120}); err != nil { // SIGWINCH to capsa
-		t.Fatal(err)
-	}
+	tm("resize-window", "-t", "e2e", "-x", "120", "-y", "40") // SIGWINCH to capsa
 	time.Sleep(time.Second)
-	typeIn("stty size\r")
-	at = scr.after(t, at, "40 120\r\n")
-	at = scr.after(t, at, "# ")
+	keys("clear", "Enter")
+	keys("stty size", "Enter")
+	seen("40 120")
 
-	typeIn("sleep 100\r")
+	keys("sleep 100", "Enter")
 	time.Sleep(2 * time.Second)
 	start := time.Now()
-	ptmx.Write([]byte{3}) // ^C
-	at = scr.after(t, at, "# ")
+	keys("C-c")
+	keys("echo alive-$?", "Enter")
+	seen("alive-130")
 	if d := time.Since(start); d > 60*time.Second {
 		t.Errorf("^C took %v to end sleep 100", d)
 	}
-	typeIn("echo alive-$?\r")
-	at = scr.after(t, at, "alive-130\r\n")
-	typeIn("exit 3\r")
-
-	done := make(chan error, 1)
-	go func() { done <- cmd.Wait() }()
-	select {
-	case err := <-done:
-		if ee, ok := err.(*exec.ExitError); !ok || ee.ExitCode() != 3 {
-			t.Errorf("capsa exec -it tty -- sh after exit 3: %v, want exit code 3", err)
+	keys("exit 3", "Enter")
+	seen("capsa-exit-3")
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		before, _ := os.ReadFile(filepath.Join(work, "before"))
+		after, err := os.ReadFile(filepath.Join(work, "after"))
+		if err == nil && len(after) > 0 {
+			if string(after) != string(before) {
+				t.Errorf("the terminal's modes after capsa exec -it = %q, want them restored to %q", after, before)
+			}
+			break
 		}
-	case <-time.After(time.Minute):
-		t.Fatal("capsa exec -it did not end after the shell's exit")
-	}
-	after, err := unix.IoctlGetTermios(int(tty.Fd()), unix.TCGETS)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if *after != *before {
-		t.Errorf("the terminal after capsa exec -it = %+v, want it restored to %+v", after, before)
+		if time.Now().After(deadline) {
+			t.Fatalf("the pane never recorded the terminal's modes after capsa; it shows:\n%s", screen())
+		}
+		time.Sleep(100 * time.Millisecond)
 	}
 }

@@ -1,0 +1,116 @@
+package e2e
+
+import (
+	"bufio"
+	"context"
+	"os"
+	"os/exec"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/capsa-sandbox/capsa/sandbox"
+	"github.com/capsa-sandbox/capsa/store"
+	"github.com/capsa-sandbox/capsa/supervisor"
+)
+
+// BenchmarkDetachedExec measures `true` run in a detached sandbox, beside
+// the same in a sandbox of this process (the anchor): through a library
+// handle to the supervisor (supervisor.Open), and as a whole `capsa exec`
+// command. It also reports the supervisor's RSS beside the guest memory
+// the host holds for it.
+func BenchmarkDetachedExec(b *testing.B) {
+	ctx := context.Background()
+	b.Run("in-process", func(b *testing.B) {
+		sb := newSandbox(b, ctx, 1)
+		var samples []time.Duration
+		for b.Loop() {
+			start := time.Now()
+			if out, err := sb.Exec(ctx, sandbox.Command("true")); err != nil || out.Code != 0 {
+				b.Fatalf("true: %+v, %v", out, err)
+			}
+			samples = append(samples, time.Since(start))
+		}
+		reportSpread(b, samples)
+	})
+
+	dir := b.TempDir()
+	b.Cleanup(func() { stopAll(b, dir) })
+	run := exec.Command(artifact(b, "capsa"), "run", "-d", "--name", "bench", "--memory", "256M", "--", "sleep", "100000")
+	run.Env = append(os.Environ(), "CAPSA_STATE="+dir)
+	if out, err := run.CombinedOutput(); err != nil {
+		b.Fatalf("capsa run -d: %v\n%s", err, out)
+	}
+	st, err := store.Open(dir)
+	if err != nil {
+		b.Fatal(err)
+	}
+	h, err := supervisor.Open(ctx, st, "bench")
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Run("supervisor-handle", func(b *testing.B) {
+		var samples []time.Duration
+		for b.Loop() {
+			start := time.Now()
+			if out, err := h.Exec(ctx, sandbox.Command("true")); err != nil || out.Code != 0 {
+				b.Fatalf("true: %+v, %v", out, err)
+			}
+			samples = append(samples, time.Since(start))
+		}
+		reportSpread(b, samples)
+	})
+	b.Run("capsa-exec-cli", func(b *testing.B) {
+		var samples []time.Duration
+		for b.Loop() {
+			start := time.Now()
+			c := exec.Command(artifact(b, "capsa"), "exec", "bench", "--", "true")
+			c.Env = append(os.Environ(), "CAPSA_STATE="+dir)
+			if out, err := c.CombinedOutput(); err != nil {
+				b.Fatalf("capsa exec bench -- true: %v\n%s", err, out)
+			}
+			samples = append(samples, time.Since(start))
+		}
+		reportSpread(b, samples)
+	})
+	b.Run("memory", func(b *testing.B) {
+		rec, err := st.Get("bench")
+		if err != nil {
+			b.Fatal(err)
+		}
+		var rss, guest float64
+		for b.Loop() {
+			if rss, err = vmRSS(rec.PID); err != nil {
+				b.Fatal(err)
+			}
+			s, err := h.Stats(ctx)
+			if err != nil {
+				b.Fatal(err)
+			}
+			guest = float64(s.MemoryResident)
+		}
+		// The supervisor's RSS counts the guest memory it touched: the
+		// VMM's own is the difference.
+		b.ReportMetric(rss/(1<<20), "supervisor-RSS-MiB")
+		b.ReportMetric(guest/(1<<20), "guest-resident-MiB")
+		b.ReportMetric((rss-guest)/(1<<20), "VMM-own-MiB")
+	})
+}
+
+// vmRSS reads a process's resident set size, in bytes.
+func vmRSS(pid int) (float64, error) {
+	f, err := os.Open("/proc/" + strconv.Itoa(pid) + "/status")
+	if err != nil {
+		return 0, err
+	}
+	defer f.Close()
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		if v, ok := strings.CutPrefix(sc.Text(), "VmRSS:"); ok {
+			kb, err := strconv.ParseFloat(strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(v), "kB")), 64)
+			return kb * 1024, err
+		}
+	}
+	return 0, os.ErrNotExist
+}
