@@ -286,8 +286,9 @@ type Process struct {
 }
 
 // Start starts a process and streams its output as it comes. The process
-// belongs to the agent: it goes on if this client goes (Attach reaches it
-// again), but Start kills it if ctx ends or a writer fails first.
+// belongs to the agent: it goes on if this client or its connection goes
+// (Attach reaches it again), but Start kills it if ctx ends, a writer
+// fails or the host's deadline passes first.
 func (cl *Client) Start(ctx context.Context, o ExecOptions) (*Process, error) {
 	req := &ExecRequest{Argv: o.Argv, Shell: o.Shell, Env: o.Env, Dir: o.Dir, User: o.User,
 		Stdin: o.Stdin != nil, TimeoutMs: o.Timeout.Milliseconds(), TTY: o.TTY}
@@ -367,7 +368,12 @@ func (cl *Client) follow(ctx context.Context, req Request, name string, stdin io
 		for {
 			t, b, err := c.ReadFrame()
 			if err != nil {
-				abandon()
+				// Given up on (ctx, the host's deadline): killed. A
+				// connection that was merely lost leaves the process to
+				// the agent, to be attached to again.
+				if ctx.Err() != nil || hostTimedOut.Load() {
+					abandon()
+				}
 				if hostTimedOut.Load() {
 					p.err = fmt.Errorf("agent: exec %s: %w (no exit status %v after its %v timeout)", name, ErrTimedOut, hostGrace, timeout)
 					return
