@@ -40,6 +40,7 @@ import (
 type State string
 
 const (
+	Created  State = "created"  // recorded by capsa create, never started
 	Creating State = "creating" // its supervisor is booting it
 	Running  State = "running"
 	Exited   State = "exited"  // stopped, or its main process ended
@@ -70,6 +71,8 @@ type Record struct {
 	// long after the last exec or copy. 0: never.
 	TTL         time.Duration `json:"ttl_ns,omitempty"`
 	IdleTimeout time.Duration `json:"idle_timeout_ns,omitempty"`
+	// AutoRemove: the record goes when the sandbox ends (--rm).
+	AutoRemove bool `json:"auto_remove,omitempty"`
 }
 
 // Alive reports whether the sandbox's supervisor may still be running.
@@ -247,6 +250,34 @@ func (s *Store) Create(r *Record) (*Lock, error) {
 			return fmt.Errorf("store: %s: %w (%s; remove it first)", r.Name, ErrExists, old.State)
 		}
 		return put(b, r)
+	})
+	if err != nil {
+		l.Close()
+		return nil, err
+	}
+	return l, nil
+}
+
+// Start claims a sandbox that capsa create recorded (state Created) for
+// its supervisor: it returns the sandbox's lock with the record in state
+// Creating. Any other state is an error that says it.
+func (s *Store) Start(name string) (*Lock, error) {
+	if err := CheckName(name); err != nil {
+		return nil, err
+	}
+	if _, err := s.getRaw(name); err != nil {
+		return nil, err
+	}
+	l, err := s.lock(name)
+	if err != nil {
+		return nil, fmt.Errorf("store: start %s: it is running", name)
+	}
+	err = s.Update(name, func(r *Record) error {
+		if r.State != Created {
+			return fmt.Errorf("store: start %s: it is %s; only a created sandbox starts (run a new one)", name, r.State)
+		}
+		r.State = Creating
+		return nil
 	})
 	if err != nil {
 		l.Close()

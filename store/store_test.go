@@ -131,3 +131,38 @@ func TestNames(t *testing.T) {
 		t.Fatalf("NewName() = %q, %v", name, err)
 	}
 }
+
+// TestStart: only a created sandbox starts, once, and a created one is not
+// mistaken for a crashed one.
+func TestStart(t *testing.T) {
+	s := open(t)
+	l, err := s.Create(&Record{Name: "c"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Update("c", func(r *Record) error { r.State = Created; return nil }); err != nil {
+		t.Fatal(err)
+	}
+	l.Close()
+	if r, err := s.Get("c"); err != nil || r.State != Created {
+		t.Fatalf("Get(c) of a created sandbox = %+v, %v; want created (not crashed)", r, err)
+	}
+	l, err = s.Start("c")
+	if err != nil {
+		t.Fatalf("Start(c) = %v", err)
+	}
+	if r, _ := s.Get("c"); r.State != Creating {
+		t.Errorf("Start(c) left state %s, want creating", r.State)
+	}
+	if _, err := s.Start("c"); err == nil {
+		t.Error("Start(c) while its lock is held succeeded")
+	}
+	l.Close()
+	s.Update("c", func(r *Record) error { r.State = Exited; return nil })
+	if _, err := s.Start("c"); err == nil {
+		t.Error("Start of an exited sandbox succeeded")
+	}
+	if _, err := s.Start("none"); !errors.Is(err, ErrNotFound) {
+		t.Errorf("Start(none) = %v, want ErrNotFound", err)
+	}
+}

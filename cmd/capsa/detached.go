@@ -34,15 +34,20 @@ func openStateStore() (*store.Store, error) {
 }
 
 // startDetached records the sandbox, starts its supervisor and waits until
-// the sandbox runs (or says why it cannot).
-func startDetached(ctx context.Context, w *sandbox.Workload, name string, rm bool, ttl, idle time.Duration, stdout, stderr io.Writer) int {
+// the sandbox runs (or says why it cannot). With create (capsa create) it
+// only records it, for capsa start.
+func startDetached(ctx context.Context, w *sandbox.Workload, name string, rm bool, ttl, idle time.Duration, create bool, stdout, stderr io.Writer) int {
+	cmdName := "run"
+	if create {
+		cmdName = "create"
+	}
 	fail := func(format string, a ...any) int {
-		fmt.Fprintf(stderr, "capsa run: "+format+"\n", a...)
+		fmt.Fprintf(stderr, "capsa "+cmdName+": "+format+"\n", a...)
 		return 125
 	}
 	spec, err := w.Spec()
 	if err != nil {
-		fmt.Fprintf(stderr, "capsa run: %v\n", err)
+		fmt.Fprintf(stderr, "capsa %s: %v\n", cmdName, err)
 		return 2
 	}
 	st, err := openStateStore()
@@ -54,13 +59,70 @@ func startDetached(ctx context.Context, w *sandbox.Workload, name string, rm boo
 			return fail("%v", err)
 		}
 	}
-	lock, err := st.Create(&store.Record{Name: name, Spec: spec, TTL: ttl, IdleTimeout: idle})
+	lock, err := st.Create(&store.Record{Name: name, Spec: spec, TTL: ttl, IdleTimeout: idle, AutoRemove: rm})
 	if err != nil {
 		if errors.Is(err, store.ErrExists) {
-			fmt.Fprintf(stderr, "capsa run: the name %q is taken: %v\n", name, err)
+			fmt.Fprintf(stderr, "capsa %s: the name %q is taken: %v\n", cmdName, name, err)
 			return 2
 		}
 		return fail("%v", err)
+	}
+	if create {
+		err := st.Update(name, func(r *store.Record) error { r.State = store.Created; return nil })
+		lock.Close()
+		if err != nil {
+			return fail("%v", err)
+		}
+		fmt.Fprintln(stdout, name)
+		return 0
+	}
+	return superviseDetached(ctx, cmdName, st, name, lock, rm, stdout, stderr)
+}
+
+// runStart starts sandboxes that capsa create recorded.
+func runStart(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	fs := newFlags("start", "NAME...", stdout)
+	if code := parseFlags(fs, args, stderr); code >= 0 {
+		return code
+	}
+	if fs.NArg() == 0 {
+		fmt.Fprintln(stderr, "capsa start: want NAME... (sandboxes made by capsa create)")
+		return 2
+	}
+	st, err := openStateStore()
+	if err != nil {
+		fmt.Fprintf(stderr, "capsa start: %v\n", err)
+		return 125
+	}
+	code := 0
+	for _, name := range fs.Args() {
+		lock, err := st.Start(name)
+		if err != nil {
+			fmt.Fprintf(stderr, "capsa start: %v\n", err)
+			code = 125
+			continue
+		}
+		rec, err := st.Get(name)
+		if err != nil {
+			lock.Close()
+			fmt.Fprintf(stderr, "capsa start: %v\n", err)
+			code = 125
+			continue
+		}
+		if c := superviseDetached(ctx, "start", st, name, lock, rec.AutoRemove, stdout, stderr); c != 0 {
+			code = c
+		}
+	}
+	return code
+}
+
+// superviseDetached starts the supervisor of the recorded sandbox name,
+// handing it lock, and waits until the sandbox runs (or says why it
+// cannot); cmdName names the command in errors.
+func superviseDetached(ctx context.Context, cmdName string, st *store.Store, name string, lock *store.Lock, rm bool, stdout, stderr io.Writer) int {
+	fail := func(format string, a ...any) int {
+		fmt.Fprintf(stderr, "capsa "+cmdName+": "+format+"\n", a...)
+		return 125
 	}
 	defer lock.Close()
 	exe, err := os.Executable()
@@ -108,8 +170,7 @@ func startDetached(ctx context.Context, w *sandbox.Workload, name string, rm boo
 		}
 		msg = []byte("the supervisor ended before the sandbox ran; its log:\n" + last.String())
 	}
-	fmt.Fprintf(stderr, "capsa run: %s: %s\n", name, strings.TrimSpace(string(msg)))
-	return 125
+	return fail("%s: %s", name, strings.TrimSpace(string(msg)))
 }
 
 // runSupervise is the supervisor process (`run -d` starts it): fd 3 is the

@@ -38,6 +38,8 @@ type command struct {
 func commands() []command {
 	return []command{
 		{"run", "run a command in a sandbox and exit with its exit code (-d: detached, by name)", runRun, false},
+		{"create", "record a detached sandbox with run's flags, to start later", runCreate, false},
+		{"start", "start sandboxes made by create", runStart, false},
 		{"exec", "run a command in a detached sandbox (-it: on a terminal)", runExec, false},
 		{"top", "list the processes started in a detached sandbox, running and exited", runTop, false},
 		{"attach", "follow a process of a detached sandbox by its ID (from top)", runAttach, false},

@@ -25,7 +25,19 @@ const exitTimedOut = 124
 const defaultWatchdog = 5 * time.Minute
 
 func runRun(ctx context.Context, args []string, stdout, stderr io.Writer) int {
-	fs := newFlags("run", "[flags] -- CMD [ARGS...]", stdout)
+	return runOrCreate(ctx, "run", args, stdout, stderr)
+}
+
+// runCreate records a detached sandbox with run's flags without starting
+// it: capsa start does.
+func runCreate(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	return runOrCreate(ctx, "create", args, stdout, stderr)
+}
+
+// runOrCreate is capsa run, or with cmdName "create" capsa create (run -d
+// that records the sandbox and stops there).
+func runOrCreate(ctx context.Context, cmdName string, args []string, stdout, stderr io.Writer) int {
+	fs := newFlags(cmdName, "[flags] -- CMD [ARGS...]", stdout)
 	cpus := fs.Int("cpus", 1, "number of vCPUs")
 	memory := fs.String("memory", "512M", "guest memory (e.g. 512M, 2G)")
 	env := fs.StringArrayP("env", "e", nil, "set K=V in the command's environment (repeatable)")
@@ -52,6 +64,11 @@ func runRun(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	dnsServer := fs.String("dns-server", "", "resolve the guest's DNS queries through this IP:PORT instead of the host's resolver")
 	verbose := fs.Bool("verbose", false, "log VMM events and the guest console to stderr")
 	detach := fs.BoolP("detach", "d", false, "run detached: print the sandbox's name and leave it running (manage it with exec, ps, logs, stop, rm)")
+	create := cmdName == "create"
+	if create {
+		fs.MarkHidden("detach")
+		*detach = true
+	}
 	name := fs.String("name", "", "with -d: the sandbox's name (default: generated)")
 	rm := fs.Bool("rm", false, "with -d: remove the sandbox's record when it ends")
 	ttl := fs.Duration("ttl", 0, "with -d: stop the sandbox this long after it started (0: never)")
@@ -61,7 +78,7 @@ func runRun(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		return code
 	}
 	fail := func(format string, a ...any) int {
-		fmt.Fprintf(stderr, "capsa run: "+format+"\n", a...)
+		fmt.Fprintf(stderr, "capsa "+cmdName+": "+format+"\n", a...)
 		return 2
 	}
 	if fs.NArg() == 0 && *imageRef == "" {
@@ -199,7 +216,7 @@ func runRun(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	}
 	w.Dir(*dir).User(*userFlag).Timeout(*timeout)
 	if *detach {
-		return startDetached(ctx, w, *name, *rm, *ttl, *idle, stdout, stderr)
+		return startDetached(ctx, w, *name, *rm, *ttl, *idle, create, stdout, stderr)
 	}
 	if term != nil {
 		w.TTY(window)

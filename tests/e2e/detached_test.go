@@ -386,3 +386,42 @@ func logSandboxFiles(t *testing.T, dir string) {
 		}
 	}
 }
+
+// TestCreateStart: `capsa create` records a sandbox that does not run until
+// `capsa start`; only a created sandbox starts.
+func TestCreateStart(t *testing.T) {
+	_, cli := detachedState(t)
+	if r := cli(time.Minute, "create", "--name", "c", "--", "sh", "-c", "echo created-then-started; sleep 3600"); r.code != 0 || r.stdout != "c\n" {
+		t.Fatalf("capsa create --name c = exit %d, stdout %q, stderr %q", r.code, r.stdout, r.stderr)
+	}
+	if e := psAll(t, cli)["c"]; e.State != "created" {
+		t.Errorf("ps -a after create: c = %+v, want created", e)
+	}
+	if r := cli(time.Minute, "exec", "c", "--", "true"); r.code != 125 || !strings.Contains(r.stderr, "not running") {
+		t.Errorf("capsa exec of a created sandbox = exit %d, stderr %q; want 125, not running", r.code, r.stderr)
+	}
+	if r := cli(3*time.Minute, "start", "c"); r.code != 0 || r.stdout != "c\n" {
+		t.Fatalf("capsa start c = exit %d, stdout %q, stderr %q", r.code, r.stdout, r.stderr)
+	}
+	if r := cli(time.Minute, "exec", "c", "--", "true"); r.code != 0 {
+		t.Errorf("capsa exec c after start = exit %d, stderr %q", r.code, r.stderr)
+	}
+	if r := cli(time.Minute, "logs", "c"); !strings.Contains(r.stdout, "created-then-started") {
+		t.Errorf("capsa logs c = %q; want the main process's output", r.stdout)
+	}
+	if r := cli(time.Minute, "start", "c"); r.code == 0 || !strings.Contains(r.stderr, "running") {
+		t.Errorf("capsa start of a running sandbox = exit %d, stderr %q; want an error saying it runs", r.code, r.stderr)
+	}
+	if r := cli(time.Minute, "stop", "c"); r.code != 0 {
+		t.Fatalf("capsa stop c = exit %d, stderr %q", r.code, r.stderr)
+	}
+	if r := cli(time.Minute, "start", "c"); r.code == 0 || !strings.Contains(r.stderr, "only a created sandbox starts") {
+		t.Errorf("capsa start of an exited sandbox = exit %d, stderr %q; want a clear refusal", r.code, r.stderr)
+	}
+	if r := cli(time.Minute, "start", "nosuch"); r.code == 0 || !strings.Contains(r.stderr, "no such sandbox") {
+		t.Errorf("capsa start nosuch = exit %d, stderr %q; want no such sandbox", r.code, r.stderr)
+	}
+	if r := cli(time.Minute, "rm", "c"); r.code != 0 {
+		t.Errorf("capsa rm c = exit %d, stderr %q", r.code, r.stderr)
+	}
+}

@@ -27,7 +27,8 @@ import (
 // program that reports what a process in an image sees.
 const probeEnv = "CAPSA_E2E_PROBE"
 
-// probe runs one action: report, write PATH TEXT, cat PATH, fill PATH.
+// probe runs one action: report, write PATH TEXT, cat PATH, fill PATH,
+// wait (forever), eat (memory), forkbomb.
 func probe(args []string) int {
 	if len(args) == 0 {
 		fmt.Fprintln(os.Stderr, "probe: no action")
@@ -73,6 +74,10 @@ func probe(args []string) int {
 			err = f.Sync()
 		}
 		fmt.Printf("wrote %d MiB: %v enospc=%v\n", n, err, errors.Is(err, syscall.ENOSPC))
+	case "wait":
+		for {
+			time.Sleep(time.Hour)
+		}
 	case "eat":
 		// Takes memory 1 MiB at a time, touching every page, until the
 		// guest's OOM killer ends it.
@@ -224,14 +229,26 @@ func TestImageRun(t *testing.T) {
 	if want := "uid=0 gid=0 cwd=/ greeting=override home=/root"; r.code != 0 || !strings.HasPrefix(r.stdout, want) {
 		t.Errorf("capsa run --image with -e, -u and -w: exit %d, stdout %q, want it to start %q", r.code, r.stdout, want)
 	}
-	r = capsa(t, 3*time.Minute, "run", "--image", "capsa.test/probe:1", "-u", "0", "--", "write", "/data/kept.txt", "changed")
-	if r.code != 0 {
-		t.Errorf("writing over an image file: exit %d, stdout %q", r.code, r.stdout)
+	// Two sandboxes of the image at once write the same path: each reads
+	// its own, a third the image's.
+	_, cli := detachedState(t)
+	for _, n := range []string{"a", "b"} {
+		if r := cli(3*time.Minute, "run", "-d", "--name", n, "--image", "capsa.test/probe:1", "--", "wait"); r.code != 0 {
+			t.Fatalf("capsa run -d --name %s --image: exit %d, stderr %q", n, r.code, r.stderr)
+		}
+		if r := cli(time.Minute, "exec", "-u", "0", n, "--", "/bin/probe", "write", "/data/kept.txt", "from-"+n); r.code != 0 {
+			t.Errorf("writing over an image file in %s: exit %d, stdout %q", n, r.code, r.stdout)
+		}
 	}
-	// A second sandbox sees the image, not the first one's change.
+	for _, n := range []string{"a", "b"} {
+		if r := cli(time.Minute, "exec", n, "--", "/bin/probe", "cat", "/data/kept.txt"); r.code != 0 || r.stdout != "from-"+n {
+			t.Errorf("sandbox %s reads %q (exit %d), want its own from-%s", n, r.stdout, r.code, n)
+		}
+		cli(time.Minute, "stop", n)
+	}
 	r = capsa(t, 3*time.Minute, "run", "--image", "capsa.test/probe:1", "--", "cat", "/data/kept.txt")
 	if r.code != 0 || r.stdout != "kept" {
-		t.Errorf("a second sandbox reads %q (exit %d), want the image's kept", r.stdout, r.code)
+		t.Errorf("a third sandbox reads %q (exit %d), want the image's kept", r.stdout, r.code)
 	}
 	if after := fileSum(t, rootfs); after != before {
 		t.Error("the image's root filesystem changed on the host")
