@@ -10,7 +10,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/capsa-sandbox/capsa/sandbox"
 	"github.com/capsa-sandbox/capsa/store"
 	"github.com/capsa-sandbox/capsa/supervisor"
 )
@@ -22,18 +21,7 @@ import (
 // the host holds for it.
 func BenchmarkDetachedExec(b *testing.B) {
 	ctx := context.Background()
-	b.Run("in-process", func(b *testing.B) {
-		sb := newSandbox(b, ctx, 1)
-		var samples []time.Duration
-		for b.Loop() {
-			start := time.Now()
-			if out, err := sb.Exec(ctx, sandbox.Command("true")); err != nil || out.Code != 0 {
-				b.Fatalf("true: %+v, %v", out, err)
-			}
-			samples = append(samples, time.Since(start))
-		}
-		reportSpread(b, samples)
-	})
+	b.Run("in-process", func(b *testing.B) { benchTrue(b, ctx, &newSandbox(b, ctx, 1).Guest) })
 
 	dir := b.TempDir()
 	b.Cleanup(func() { stopAll(b, dir) })
@@ -50,17 +38,7 @@ func BenchmarkDetachedExec(b *testing.B) {
 	if err != nil {
 		b.Fatal(err)
 	}
-	b.Run("supervisor-handle", func(b *testing.B) {
-		var samples []time.Duration
-		for b.Loop() {
-			start := time.Now()
-			if out, err := h.Exec(ctx, sandbox.Command("true")); err != nil || out.Code != 0 {
-				b.Fatalf("true: %+v, %v", out, err)
-			}
-			samples = append(samples, time.Since(start))
-		}
-		reportSpread(b, samples)
-	})
+	b.Run("supervisor-handle", func(b *testing.B) { benchTrue(b, ctx, h.Guest) })
 	b.Run("capsa-exec-cli", func(b *testing.B) {
 		var samples []time.Duration
 		for b.Loop() {
