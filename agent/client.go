@@ -91,18 +91,17 @@ func (cl *Client) open(ctx context.Context, req Request) (*Conn, net.Conn, func(
 
 // call runs a request whose whole answer is one JSON reply.
 func (cl *Client) call(ctx context.Context, req Request, reply any) error {
+	return cl.callFor(ctx, req, FrameReply, reply)
+}
+
+// callFor runs a request whose whole answer is one JSON frame of type want.
+func (cl *Client) callFor(ctx context.Context, req Request, want FrameType, reply any) error {
 	c, _, done, err := cl.open(ctx, req)
 	if err != nil {
 		return err
 	}
 	defer done()
-	if err := c.ReadJSON(FrameReply, reply); err != nil {
-		if ctx.Err() != nil {
-			return ctx.Err()
-		}
-		return err
-	}
-	return nil
+	return ctxErr(ctx, c.ReadJSON(want, reply))
 }
 
 // Stat describes path (without following a final symlink).
@@ -445,14 +444,9 @@ func (cl *Client) Processes(ctx context.Context) ([]ProcessInfo, error) {
 
 // Wait waits for the process with ID id to exit and returns how it ended.
 func (cl *Client) Wait(ctx context.Context, id int) (*ExitStatus, error) {
-	c, _, done, err := cl.open(ctx, Request{Op: OpWait, ID: id})
-	if err != nil {
-		return nil, err
-	}
-	defer done()
 	var st ExitStatus
-	if err := c.ReadJSON(FrameExit, &st); err != nil {
-		return nil, ctxErr(ctx, err)
+	if err := cl.callFor(ctx, Request{Op: OpWait, ID: id}, FrameExit, &st); err != nil {
+		return nil, err
 	}
 	return &st, nil
 }

@@ -2,6 +2,7 @@ package agent
 
 import (
 	"slices"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -40,11 +41,15 @@ func (t *procTable) add(p *proc) {
 	t.procs[p.info.ID] = p
 }
 
-// get returns the process with ID id, or nil.
-func (t *procTable) get(id int) *proc {
+// lookup returns the process with ID id for operation op, or an ESRCH
+// error naming both.
+func (t *procTable) lookup(op string, id int) (*proc, error) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	return t.procs[id]
+	if p := t.procs[id]; p != nil {
+		return p, nil
+	}
+	return nil, opError(op, "process "+strconv.Itoa(id), syscall.ESRCH)
 }
 
 // ended records that p exited, forgetting the oldest exited processes

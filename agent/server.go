@@ -127,8 +127,11 @@ var handlers = map[string]func(s *Server, ctx context.Context, c *Conn, req *Req
 		if err != nil {
 			return err
 		}
-		p := s.procs.get(req.ID)
-		if p == nil || p.exit.Load() != nil {
+		p, err := s.procs.lookup("signal", req.ID)
+		if err != nil {
+			return err
+		}
+		if p.exit.Load() != nil {
 			return opError("signal", "process "+strconv.Itoa(req.ID), syscall.ESRCH)
 		}
 		p.kill(sig)
@@ -138,9 +141,9 @@ var handlers = map[string]func(s *Server, ctx context.Context, c *Conn, req *Req
 		return reply(c, ProcessList{Processes: s.procs.list()})
 	},
 	OpAttach: func(s *Server, _ context.Context, c *Conn, req *Request) error {
-		p := s.procs.get(req.ID)
-		if p == nil {
-			return opError("attach", "process "+strconv.Itoa(req.ID), syscall.ESRCH)
+		p, err := s.procs.lookup("attach", req.ID)
+		if err != nil {
+			return err
 		}
 		if err := reply(c, ExecStarted{ID: p.info.ID, PID: p.info.PID}); err != nil {
 			return nil
@@ -151,9 +154,9 @@ var handlers = map[string]func(s *Server, ctx context.Context, c *Conn, req *Req
 		return nil
 	},
 	OpWait: func(s *Server, _ context.Context, c *Conn, req *Request) error {
-		p := s.procs.get(req.ID)
-		if p == nil {
-			return opError("wait", "process "+strconv.Itoa(req.ID), syscall.ESRCH)
+		p, err := s.procs.lookup("wait", req.ID)
+		if err != nil {
+			return err
 		}
 		gone := make(chan struct{})
 		go func() { c.ReadFrame(); close(gone) }() // the client hanging up

@@ -16,7 +16,6 @@ import (
 
 	"github.com/capsa-sandbox/capsa/sandbox"
 	"github.com/capsa-sandbox/capsa/store"
-	"github.com/capsa-sandbox/capsa/supervisor"
 )
 
 // runMetrics serves every detached sandbox's use as Prometheus metrics,
@@ -70,12 +69,12 @@ type sandboxCollector struct {
 	ctx context.Context
 	st  *store.Store
 
-	mu      sync.Mutex
-	handles map[string]*supervisor.Handle // kept across scrapes: one connection each
+	mu      sync.Mutex // scrapes may come at once
+	handles *statsHandles
 }
 
 func newSandboxCollector(ctx context.Context, st *store.Store) *sandboxCollector {
-	return &sandboxCollector{ctx: ctx, st: st, handles: map[string]*supervisor.Handle{}}
+	return &sandboxCollector{ctx: ctx, st: st, handles: newStatsHandles(st)}
 }
 
 // metric describes one per-sandbox series and how to read it from Stats.
@@ -156,25 +155,12 @@ func (c *sandboxCollector) Collect(ch chan<- prometheus.Metric) {
 	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	for n := range c.handles { // sandboxes that ended since
-		if !running[n] {
-			delete(c.handles, n)
-		}
-	}
+	c.handles.keep(running)
 	for name := range running {
 		ctx, cancel := context.WithTimeout(c.ctx, scrapeTimeout)
-		h, err := c.handles[name], error(nil)
-		if h == nil {
-			h, err = supervisor.Open(ctx, c.st, name)
-		}
-		var s *sandbox.Stats
-		if err == nil {
-			c.handles[name] = h
-			s, err = h.Stats(ctx)
-		}
+		s, err := c.handles.stats(ctx, name)
 		cancel()
 		if err != nil {
-			delete(c.handles, name)
 			ch <- prometheus.MustNewConstMetric(sandboxUp, prometheus.GaugeValue, 0, name)
 			continue
 		}

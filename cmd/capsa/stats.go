@@ -61,10 +61,7 @@ func runStats(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 		clear = term.IsTerminal(int(f.Fd()))
 	}
 	prev := map[string]*sandbox.Stats{}
-	// One handle per sandbox for every round: a handle keeps its
-	// connection to the supervisor, so opening one each round would leave
-	// one more idle connection behind every time.
-	handles := map[string]*supervisor.Handle{}
+	handles := newStatsHandles(st)
 	// measure takes one round; rows for names that stopped say so.
 	measure := func() []statsRow {
 		if all {
@@ -80,9 +77,9 @@ func runStats(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 					running[r.Name] = true
 				}
 			}
-			for n := range handles { // sandboxes that ended since
+			handles.keep(running)
+			for n := range prev { // sandboxes that ended since
 				if !running[n] {
-					delete(handles, n)
 					delete(prev, n)
 				}
 			}
@@ -90,18 +87,10 @@ func runStats(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 		rows := make([]statsRow, 0, len(names))
 		for _, n := range names {
 			row := statsRow{Name: n}
-			h, err := handles[n], error(nil)
-			if h == nil {
-				h, err = supervisor.Open(ctx, st, n)
-			}
-			if err == nil {
-				handles[n] = h
-				row.Stats, err = h.Stats(ctx)
-			}
-			if err != nil {
+			var err error
+			if row.Stats, err = handles.stats(ctx, n); err != nil {
 				row.Err = err.Error()
 				delete(prev, n)
-				delete(handles, n)
 			} else {
 				row.CPUPercent = sandbox.CPUPercent(prev[n], row.Stats)
 				prev[n] = row.Stats
@@ -130,6 +119,45 @@ func runStats(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 		case <-tick.C:
 		}
 		printStats(stdout, measure(), *format, clear)
+	}
+}
+
+// statsHandles measures sandboxes through one supervisor handle each,
+// kept from one measurement to the next: a handle keeps its connection to
+// the supervisor, so opening one each time would leave one more idle
+// connection behind every time. Not safe for concurrent use.
+type statsHandles struct {
+	st      *store.Store
+	handles map[string]*supervisor.Handle
+}
+
+func newStatsHandles(st *store.Store) *statsHandles {
+	return &statsHandles{st: st, handles: map[string]*supervisor.Handle{}}
+}
+
+// stats measures the sandbox name; a handle that fails is dropped, to be
+// opened again next time.
+func (h *statsHandles) stats(ctx context.Context, name string) (*sandbox.Stats, error) {
+	hd, err := h.handles[name], error(nil)
+	if hd == nil {
+		if hd, err = supervisor.Open(ctx, h.st, name); err != nil {
+			return nil, err
+		}
+		h.handles[name] = hd
+	}
+	s, err := hd.Stats(ctx)
+	if err != nil {
+		delete(h.handles, name)
+	}
+	return s, err
+}
+
+// keep drops the handles of sandboxes not in running (they ended).
+func (h *statsHandles) keep(running map[string]bool) {
+	for n := range h.handles {
+		if !running[n] {
+			delete(h.handles, n)
+		}
 	}
 }
 
