@@ -28,7 +28,8 @@ import (
 const probeEnv = "CAPSA_E2E_PROBE"
 
 // probe runs one action: report, write PATH TEXT, cat PATH, fill PATH,
-// wait (forever), eat (memory), forkbomb.
+// copy SRC DST (1 MiB read and write calls), wait (forever), eat
+// (memory), forkbomb.
 func probe(args []string) int {
 	if len(args) == 0 {
 		fmt.Fprintln(os.Stderr, "probe: no action")
@@ -74,6 +75,11 @@ func probe(args []string) int {
 			err = f.Sync()
 		}
 		fmt.Printf("wrote %d MiB: %v enospc=%v\n", n, err, errors.Is(err, syscall.ENOSPC))
+	case "copy":
+		if err := copyPlain(args[1], args[2]); err != nil {
+			fmt.Println(err)
+			return 1
+		}
 	case "wait":
 		for {
 			time.Sleep(time.Hour)
@@ -107,6 +113,38 @@ func probe(args []string) int {
 		return 2
 	}
 	return 0
+}
+
+// copyPlain copies src to dst with read and write calls of 1 MiB, and
+// nothing cleverer: io.Copy would hand *os.File pairs to copy_file_range
+// or splice, which measure the kernel's page-cache paths instead.
+func copyPlain(src, dst string) error {
+	in, err := os.Open(src)
+	if err != nil {
+		return err
+	}
+	defer in.Close()
+	out, err := os.Create(dst)
+	if err != nil {
+		return err
+	}
+	buf := make([]byte, 1<<20)
+	for {
+		n, rerr := io.ReadFull(in, buf)
+		if n > 0 {
+			if _, err := out.Write(buf[:n]); err != nil {
+				out.Close()
+				return err
+			}
+		}
+		if rerr == io.EOF || rerr == io.ErrUnexpectedEOF {
+			break
+		} else if rerr != nil {
+			out.Close()
+			return rerr
+		}
+	}
+	return out.Close()
 }
 
 // layerEntry is one entry of a test layer: its header and, for a regular

@@ -334,21 +334,10 @@ func TestNetworkPolicies(t *testing.T) {
 
 func TestPublishedPort(t *testing.T) {
 	artifact(t, "vmlinux")
-	self, err := os.Executable()
-	if err != nil {
-		t.Fatal(err)
-	}
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 	defer cancel()
 	sb := netSandbox(t, ctx, func(b *sandbox.Builder) { b.Network(nil).Publish("0:8080") })
-	f, err := os.Open(self)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	if err := sb.WriteFileFrom(ctx, "/tmp/server", f, 0o755); err != nil {
-		t.Fatal(err)
-	}
+	copySelf(t, ctx, sb, "/tmp/server")
 	p, err := sb.Stream(ctx, sandbox.ExecOptions{
 		Argv: []string{"/tmp/server"},
 		Env:  []string{serveEnv + "=:8080", "CAPSA_E2E_SERVE_BODY=served from the guest\n"},
