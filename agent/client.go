@@ -155,6 +155,11 @@ func (cl *Client) Info(ctx context.Context) (*Info, error) {
 	return &in, cl.call(ctx, Request{Op: OpInfo}, &in)
 }
 
+// SetTime sets the guest's wall clock to t.
+func (cl *Client) SetTime(ctx context.Context, t time.Time) error {
+	return cl.call(ctx, Request{Op: OpSetTime, TimeNs: t.UnixNano()}, &Empty{})
+}
+
 // Shutdown asks the guest to shut down.
 func (cl *Client) Shutdown(ctx context.Context) error {
 	return cl.call(ctx, Request{Op: OpShutdown}, &Empty{})

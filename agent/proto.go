@@ -42,10 +42,13 @@ const (
 	FeatureProcesses = "processes"
 	// FeaturePTY: processes on a pseudo-terminal, resized by Resize frames.
 	FeaturePTY = "pty"
+	// FeatureClock: the host may set the guest's wall clock (after a
+	// pause or a restore, when the guest's own clock did not run).
+	FeatureClock = "clock"
 )
 
 // agentFeatures is what this package's agent announces.
-var agentFeatures = []string{FeatureProcesses, FeaturePTY}
+var agentFeatures = []string{FeatureProcesses, FeaturePTY, FeatureClock}
 
 // Port is the vsock port the agent listens on; ReadyPort is the host port
 // the agent connects to once it is listening, to announce itself.
@@ -167,6 +170,7 @@ const (
 	OpProcesses = "processes"
 	OpAttach    = "attach"
 	OpWait      = "wait"
+	OpSetTime   = "settime"
 )
 
 // An Operation is one request a client may make: the table that the
@@ -200,6 +204,7 @@ var Operations = []Operation{
 	{Name: OpProcesses, Feature: FeatureProcesses, Doc: "list the processes the agent started: running, and the most recent that exited"},
 	{Name: OpAttach, Feature: FeatureProcesses, Doc: "replay a process's recent output, then stream it (and its input) until it exits"},
 	{Name: OpWait, Feature: FeatureProcesses, Doc: "wait for a process to exit and return its status"},
+	{Name: OpSetTime, Feature: FeatureClock, Doc: "set the guest's wall clock to TimeNs"},
 }
 
 // LookupOperation returns the operation named name.
@@ -231,10 +236,11 @@ type Request struct {
 	Parents   bool         `json:"parents,omitempty"`
 	Recursive bool         `json:"recursive,omitempty"`
 	Append    bool         `json:"append,omitempty"`
-	ID        int          `json:"id,omitempty"`     // OpSignal, OpAttach, OpWait: the process's ExecStarted.ID
-	Signal    string       `json:"signal,omitempty"` // OpSignal: the signal's name
-	Target    string       `json:"target,omitempty"` // OpSymlink: where the link points
-	Owner     *Owner       `json:"owner,omitempty"`  // OpChown
+	ID        int          `json:"id,omitempty"`      // OpSignal, OpAttach, OpWait: the process's ExecStarted.ID
+	Signal    string       `json:"signal,omitempty"`  // OpSignal: the signal's name
+	Target    string       `json:"target,omitempty"`  // OpSymlink: where the link points
+	Owner     *Owner       `json:"owner,omitempty"`   // OpChown
+	TimeNs    int64        `json:"time_ns,omitempty"` // OpSetTime: Unix nanoseconds
 }
 
 // ExecRequest starts a process: Argv, or Shell run by /bin/sh -c.

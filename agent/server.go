@@ -245,6 +245,16 @@ var handlers = map[string]func(s *Server, ctx context.Context, c *Conn, req *Req
 		return reply(c, ExistsReply{Exists: err == nil})
 	},
 	OpInfo: func(_ *Server, _ context.Context, c *Conn, _ *Request) error { return reply(c, guestInfo()) },
+	OpSetTime: func(_ *Server, _ context.Context, c *Conn, req *Request) error {
+		if req.TimeNs <= 0 {
+			return fmt.Errorf("settime: time %d ns is not after 1970", req.TimeNs)
+		}
+		ts := unix.NsecToTimespec(req.TimeNs)
+		if err := unix.ClockSettime(unix.CLOCK_REALTIME, &ts); err != nil {
+			return fmt.Errorf("settime: %w", err)
+		}
+		return reply(c, Empty{})
+	},
 	OpShutdown: func(s *Server, _ context.Context, c *Conn, _ *Request) error {
 		if err := reply(c, Empty{}); err != nil {
 			return nil

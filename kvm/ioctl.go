@@ -40,6 +40,8 @@ var (
 	kvmIRQFD               = iow(0x76, unsafe.Sizeof(irqfd{}))
 	kvmCreatePIT2          = iow(0x77, unsafe.Sizeof(pitConfig{}))
 	kvmIOEventFD           = iow(0x79, unsafe.Sizeof(ioeventfd{}))
+	kvmSetClock            = iow(0x7b, unsafe.Sizeof(ClockData{}))
+	kvmGetClock            = ior(0x7c, unsafe.Sizeof(ClockData{}))
 	kvmRun                 = io_(0x80)
 	kvmGetRegs             = ior(0x81, unsafe.Sizeof(Regs{}))
 	kvmSetRegs             = iow(0x82, unsafe.Sizeof(Regs{}))
@@ -70,7 +72,7 @@ var ioctlNames = map[uintptr]string{
 	kvmGetMSRs: "KVM_GET_MSRS", kvmSetMSRs: "KVM_SET_MSRS", kvmGetFPU: "KVM_GET_FPU",
 	kvmSetFPU: "KVM_SET_FPU", kvmGetLAPIC: "KVM_GET_LAPIC", kvmSetLAPIC: "KVM_SET_LAPIC",
 	kvmSetCPUID2: "KVM_SET_CPUID2", kvmGetMPState: "KVM_GET_MP_STATE", kvmSetMPState: "KVM_SET_MP_STATE",
-	kvmGetVCPUEvents: "KVM_GET_VCPU_EVENTS",
+	kvmGetVCPUEvents: "KVM_GET_VCPU_EVENTS", kvmGetClock: "KVM_GET_CLOCK", kvmSetClock: "KVM_SET_CLOCK",
 }
 
 // IoctlError is a failed KVM ioctl. Its message names the ioctl, as in

@@ -246,6 +246,23 @@ func (vm *VM) SetPITReinject(on bool) error {
 	return err
 }
 
+// Clock reads the VM's kvmclock (KVM_GET_CLOCK).
+func (vm *VM) Clock() (ClockData, error) {
+	var c ClockData
+	_, err := ioctlPtr(vm.fd, kvmGetClock, unsafe.Pointer(&c))
+	return c, err
+}
+
+// SetClock sets the VM's kvmclock to c.Clock nanoseconds (KVM_SET_CLOCK;
+// only the clock value is used: the flags are cleared, so KVM does not
+// move it on by the host time elapsed since c was read). Every vCPU must
+// be out of KVM_RUN.
+func (vm *VM) SetClock(c ClockData) error {
+	c = ClockData{Clock: c.Clock}
+	_, err := ioctlPtr(vm.fd, kvmSetClock, unsafe.Pointer(&c))
+	return err
+}
+
 // IRQLine sets the level of an interrupt line of the in-kernel irqchip.
 func (vm *VM) IRQLine(irq uint32, high bool) error {
 	l := irqLevel{IRQ: irq}

@@ -186,6 +186,19 @@ type ioeventfd struct {
 	_         [36]uint8
 }
 
+// ClockData is struct kvm_clock_data: the VM's kvmclock, in nanoseconds,
+// as the guest reads it (KVM_GET_CLOCK, KVM_SET_CLOCK). Flags, Realtime
+// and HostTSC say which extra fields KVM filled (KVM_CLOCK_REALTIME,
+// KVM_CLOCK_HOST_TSC) or is asked to use.
+type ClockData struct {
+	Clock    uint64
+	Flags    uint32
+	_        uint32
+	Realtime uint64
+	HostTSC  uint64
+	_        [4]uint32
+}
+
 // Compile-time size checks against the kernel's layouts (x86_64). Each line
 // fails to build if the size differs in either direction.
 var (
@@ -221,6 +234,8 @@ var (
 	_ [32 - unsafe.Sizeof(reinjectControl{})]struct{}
 	_ [unsafe.Sizeof(irqfd{}) - 32]struct{}
 	_ [32 - unsafe.Sizeof(irqfd{})]struct{}
+	_ [unsafe.Sizeof(ClockData{}) - 48]struct{}
+	_ [48 - unsafe.Sizeof(ClockData{})]struct{}
 	_ [unsafe.Sizeof(ioeventfd{}) - 64]struct{}
 	_ [64 - unsafe.Sizeof(ioeventfd{})]struct{}
 )

@@ -61,6 +61,7 @@ func TestLayouts(t *testing.T) {
 		ie  ioeventfd
 		ev  VCPUEvents
 		irq irqfd
+		cd  ClockData
 	)
 	for name, tc := range map[string]struct{ got, want uintptr }{
 		"kvm_segment.selector":                  {unsafe.Offsetof(seg.Selector), 0xc},
@@ -89,6 +90,9 @@ func TestLayouts(t *testing.T) {
 		"kvm_vcpu_events.exception_has_payload": {unsafe.Offsetof(ev.ExceptionHasPayload), 0x37},
 		"kvm_vcpu_events.exception_payload":     {unsafe.Offsetof(ev.ExceptionPayload), 0x38},
 		"kvm_irqfd.resamplefd":                  {unsafe.Offsetof(irq.ResampleFD), 0xc},
+		"kvm_clock_data.flags":                  {unsafe.Offsetof(cd.Flags), 0x8},
+		"kvm_clock_data.realtime":               {unsafe.Offsetof(cd.Realtime), 0x10},
+		"kvm_clock_data.host_tsc":               {unsafe.Offsetof(cd.HostTSC), 0x18},
 		// struct kvm_run offsets used by run_amd64.go.
 		"kvm_run.immediate_exit":   {runImmediateExit, 0x1},
 		"kvm_run.exit_reason":      {runExitReason, 0x8},

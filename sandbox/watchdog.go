@@ -41,10 +41,16 @@ func (s *Sandbox) watch(period time.Duration) {
 			return
 		case <-tick.C:
 		}
+		if s.vm.Paused() {
+			// Not stuck: stopped on purpose. Its silence counts from the
+			// resume.
+			lastAnswer = time.Now()
+			continue
+		}
 		ctx, cancel := context.WithTimeout(context.Background(), interval)
 		_, err := s.client.Info(ctx)
 		cancel()
-		if err == nil {
+		if err == nil || s.vm.Paused() {
 			lastAnswer = time.Now()
 			continue
 		}
@@ -61,7 +67,7 @@ func (s *Sandbox) watch(period time.Duration) {
 			return
 		}
 		cur := s.vm.Debug(context.Background())
-		if progressed(first, cur) {
+		if progressed(first, cur) || cur.Paused || first.Paused {
 			continue
 		}
 		s.c.logger().Error("sandbox hung", "silent", silent, "state", cur.String())

@@ -43,6 +43,7 @@ const (
 	Created  State = "created"  // recorded by capsa create, never started
 	Creating State = "creating" // its supervisor is booting it
 	Running  State = "running"
+	Paused   State = "paused"  // running, its guest stopped until resumed
 	Exited   State = "exited"  // stopped, or its main process ended
 	Crashed  State = "crashed" // its supervisor died without recording an end
 )
@@ -76,7 +77,7 @@ type Record struct {
 }
 
 // Alive reports whether the sandbox's supervisor may still be running.
-func (r *Record) Alive() bool { return r.State == Creating || r.State == Running }
+func (r *Record) Alive() bool { return r.State == Creating || r.State == Running || r.State == Paused }
 
 var (
 	// ErrNotFound is returned for a name with no record.

@@ -27,6 +27,7 @@ import (
 	"os/signal"
 	"path/filepath"
 	"strings"
+	"sync"
 	"syscall"
 	"time"
 
@@ -126,7 +127,7 @@ func Run(ctx context.Context, o Options) error {
 	}
 	defer sb.Close()
 
-	c := &control{sb: sb, stopc: make(chan stopRequest, 1), started: time.Now()}
+	c := &control{sb: sb, st: st, name: o.Name, stopc: make(chan stopRequest, 1), started: time.Now()}
 	srv, err := c.serve(filepath.Join(dir, ControlSocket), log)
 	if err != nil {
 		return fail(err)
@@ -235,13 +236,24 @@ func watchIdle(sb *sandbox.Sandbox, timeout time.Duration) <-chan struct{} {
 	go func() {
 		tick := time.NewTicker(min(time.Second, max(timeout/10, 10*time.Millisecond)))
 		defer tick.Stop()
+		var paused time.Time // when it was last seen paused
 		for {
 			select {
 			case <-sb.Done():
 				return
 			case <-tick.C:
 			}
-			if since, ok := sb.IdleSince(); ok && time.Since(since) >= timeout {
+			// A paused sandbox is kept, not idle: its idle time counts
+			// from its resume.
+			if sb.Paused() {
+				paused = time.Now()
+				continue
+			}
+			since, ok := sb.IdleSince()
+			if since.Before(paused) {
+				since = paused
+			}
+			if ok && time.Since(since) >= timeout {
 				close(idle)
 				return
 			}
@@ -259,13 +271,26 @@ type stopRequest struct {
 // control is the supervisor's control API.
 type control struct {
 	sb      *sandbox.Sandbox
+	st      *store.Store
+	name    string
 	stopc   chan stopRequest
 	started time.Time
+	pauseMu sync.Mutex // one pause or resume at a time
 }
 
 // stopMain ends the main process: SIGTERM, then SIGKILL after timeout (at
 // once with kill).
 func (c *control) stopMain(mainDone <-chan struct{}, timeout time.Duration, kill bool, log *slog.Logger) {
+	// A paused guest cannot take a signal: it runs again to end.
+	c.pauseMu.Lock()
+	if c.sb.Paused() {
+		ctx, cancel := context.WithTimeout(context.Background(), pauseTimeout)
+		if err := c.sb.Resume(ctx); err != nil {
+			log.Warn("supervisor: resume to stop", "err", err)
+		}
+		cancel()
+	}
+	c.pauseMu.Unlock()
 	sig := func(name string) {
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 		defer cancel()
@@ -320,6 +345,12 @@ func (c *control) serve(path string, log *slog.Logger) (*http.Server, error) {
 		}
 		w.WriteHeader(http.StatusAccepted)
 	})
+	mux.HandleFunc("POST /v1/pause", func(w http.ResponseWriter, r *http.Request) {
+		c.setPaused(w, r, true, log)
+	})
+	mux.HandleFunc("POST /v1/resume", func(w http.ResponseWriter, r *http.Request) {
+		c.setPaused(w, r, false, log)
+	})
 	mux.HandleFunc("GET /v1/stats", func(w http.ResponseWriter, r *http.Request) {
 		st, err := c.sb.Stats()
 		if err != nil {
@@ -335,6 +366,111 @@ func (c *control) serve(path string, log *slog.Logger) (*http.Server, error) {
 	return srv, nil
 }
 
+// setPaused pauses or resumes the sandbox and records its state.
+func (c *control) setPaused(w http.ResponseWriter, r *http.Request, pause bool, log *slog.Logger) {
+	c.pauseMu.Lock()
+	defer c.pauseMu.Unlock()
+	ctx, cancel := context.WithTimeout(r.Context(), pauseTimeout)
+	defer cancel()
+	op, state := "resume", store.Running
+	var err error
+	if pause {
+		op, state = "pause", store.Paused
+		err = c.sb.Pause(ctx)
+	} else {
+		err = c.sb.Resume(ctx)
+	}
+	if err == nil {
+		err = c.st.Update(c.name, func(rec *store.Record) error {
+			if rec.Alive() {
+				rec.State = state
+			}
+			return nil
+		})
+	}
+	if err != nil {
+		log.Warn("supervisor: "+op, "err", err)
+		http.Error(w, err.Error(), http.StatusConflict)
+		return
+	}
+	log.Info("supervisor: " + op + "d")
+	w.WriteHeader(http.StatusNoContent)
+}
+
+// pauseTimeout bounds a pause: the devices finish the requests they hold
+// within it, or the sandbox runs on and the pause fails.
+const pauseTimeout = 30 * time.Second
+
+// Pause pauses the running detached sandbox name (sandbox.Sandbox.Pause)
+// through its supervisor; its record says paused until Resume.
+func Pause(ctx context.Context, st *store.Store, name string) error {
+	return controlPost(ctx, st, name, "pause", nil, http.StatusNoContent)
+}
+
+// Resume runs the paused detached sandbox name again (sandbox.Sandbox.Resume).
+func Resume(ctx context.Context, st *store.Store, name string) error {
+	return controlPost(ctx, st, name, "resume", nil, http.StatusNoContent)
+}
+
+// Stop ends the detached sandbox name as `capsa stop` does: SIGTERM to the
+// main process, SIGKILL after timeout (at once with kill), then the VM
+// stops; a paused one is resumed first. It returns once the supervisor has
+// recorded the end, or ctx ends.
+func Stop(ctx context.Context, st *store.Store, name string, timeout time.Duration, kill bool) error {
+	if err := controlPost(ctx, st, name, "stop", stopBody{Timeout: timeout, Kill: kill}, http.StatusAccepted); err != nil {
+		return err
+	}
+	return waitEnded(ctx, st, name)
+}
+
+// controlPost posts body (JSON, if not nil) to a live sandbox's control
+// API and says what failed unless the answer has status want.
+func controlPost(ctx context.Context, st *store.Store, name, op string, body any, want int) error {
+	rec, err := st.Get(name)
+	if err != nil {
+		return err
+	}
+	if !rec.Alive() {
+		return fmt.Errorf("supervisor: %s %s: %w (%s)", op, name, ErrNotRunning, describeEnd(rec))
+	}
+	var r io.Reader
+	if body != nil {
+		b, err := json.Marshal(body)
+		if err != nil {
+			return err
+		}
+		r = bytes.NewReader(b)
+	}
+	hc := controlClient(filepath.Join(st.SandboxDir(name), ControlSocket))
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, "http://supervisor/v1/"+op, r)
+	if err != nil {
+		return err
+	}
+	resp, err := hc.Do(req)
+	if err != nil {
+		err = fmt.Errorf("supervisor: %s %s: %w", op, name, err)
+		if rec, gerr := st.Get(name); gerr == nil && !rec.Alive() {
+			err = fmt.Errorf("sandbox %s ended (%s): %w", name, describeEnd(rec), err)
+		}
+		return err
+	}
+	defer resp.Body.Close()
+	msg, _ := io.ReadAll(io.LimitReader(resp.Body, 64<<10))
+	if resp.StatusCode != want {
+		return fmt.Errorf("supervisor: %s %s: %s: %s", op, name, resp.Status, strings.TrimSpace(string(msg)))
+	}
+	return nil
+}
+
+// controlClient talks HTTP over a supervisor's control socket.
+func controlClient(path string) *http.Client {
+	return &http.Client{Transport: &http.Transport{
+		DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
+			var d net.Dialer
+			return d.DialContext(ctx, "unix", path)
+		}}}
+}
+
 // Handle is a running detached sandbox, reached by name: its guest
 // operations (Exec, Stream, files, Info) are sandbox.Guest's, the same as
 // an in-process Sandbox's.
@@ -348,23 +484,24 @@ type Handle struct {
 // ErrNotRunning is wrapped when a sandbox exists but does not run.
 var ErrNotRunning = errors.New("the sandbox is not running")
 
+// ErrPaused is wrapped when a sandbox's guest is paused.
+var ErrPaused = errors.New("the sandbox is paused")
+
 // Open returns a handle to the running sandbox name.
 func Open(ctx context.Context, st *store.Store, name string) (*Handle, error) {
 	rec, err := st.Get(name)
 	if err != nil {
 		return nil, err
 	}
+	if rec.State == store.Paused {
+		return nil, fmt.Errorf("supervisor: %s: %w (capsa resume %s runs it again)", name, ErrPaused, name)
+	}
 	if rec.State != store.Running {
 		return nil, fmt.Errorf("supervisor: %s: %w (%s)", name, ErrNotRunning, describeEnd(rec))
 	}
 	dir := st.SandboxDir(name)
 	agentPath := filepath.Join(dir, AgentSocket)
-	ctlPath := filepath.Join(dir, ControlSocket)
-	h := &Handle{Name: name, store: st, http: &http.Client{Transport: &http.Transport{
-		DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
-			var d net.Dialer
-			return d.DialContext(ctx, "unix", ctlPath)
-		}}}}
+	h := &Handle{Name: name, store: st, http: controlClient(filepath.Join(dir, ControlSocket))}
 	client := &agent.Client{Name: "capsa", Dial: func(ctx context.Context) (net.Conn, error) {
 		return dialAgent(ctx, agentPath)
 	}}
@@ -396,27 +533,9 @@ func describeEnd(r *store.Record) string {
 	return b.String()
 }
 
-// Stop ends the sandbox as `capsa stop` does: SIGTERM to the main process,
-// SIGKILL after timeout (at once with kill), then the VM stops. It returns
-// once the supervisor has recorded the end, or ctx ends.
+// Stop ends the sandbox: see the package's Stop.
 func (h *Handle) Stop(ctx context.Context, timeout time.Duration, kill bool) error {
-	body, err := json.Marshal(stopBody{Timeout: timeout, Kill: kill})
-	if err != nil {
-		return err
-	}
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, "http://supervisor/v1/stop", bytes.NewReader(body))
-	if err != nil {
-		return err
-	}
-	resp, err := h.http.Do(req)
-	if err != nil {
-		return h.explain(fmt.Errorf("supervisor: stop %s: %w", h.Name, err))
-	}
-	resp.Body.Close()
-	if resp.StatusCode != http.StatusAccepted {
-		return fmt.Errorf("supervisor: stop %s: %s", h.Name, resp.Status)
-	}
-	return h.WaitEnded(ctx)
+	return Stop(ctx, h.store, h.Name, timeout, kill)
 }
 
 // Stats reports what the sandbox has used so far (sandbox.Stats), asked
@@ -446,11 +565,13 @@ func (h *Handle) Stats(ctx context.Context) (*sandbox.Stats, error) {
 }
 
 // WaitEnded waits until the sandbox's record says it no longer runs.
-func (h *Handle) WaitEnded(ctx context.Context) error {
+func (h *Handle) WaitEnded(ctx context.Context) error { return waitEnded(ctx, h.store, h.Name) }
+
+func waitEnded(ctx context.Context, st *store.Store, name string) error {
 	tick := time.NewTicker(100 * time.Millisecond)
 	defer tick.Stop()
 	for {
-		rec, err := h.store.Get(h.Name)
+		rec, err := st.Get(name)
 		if err != nil {
 			return err
 		}
@@ -459,7 +580,7 @@ func (h *Handle) WaitEnded(ctx context.Context) error {
 		}
 		select {
 		case <-ctx.Done():
-			return fmt.Errorf("supervisor: %s still runs: %w", h.Name, ctx.Err())
+			return fmt.Errorf("supervisor: %s still runs: %w", name, ctx.Err())
 		case <-tick.C:
 		}
 	}

@@ -143,6 +143,8 @@ type MMIO struct {
 	active      bool
 	configGen   uint32
 	warnings    LogLimit // what the driver makes the transport warn about
+	gate        *Gate    // nil: never paused
+	live        []*Queue // the queues of the running device
 }
 
 // NewMMIO puts dev behind a virtio-mmio register file. irq raises its
@@ -152,6 +154,42 @@ func NewMMIO(dev Device, mem *guestmem.Memory, irq func(), log *slog.Logger) *MM
 		log = slog.New(slog.DiscardHandler)
 	}
 	return &MMIO{dev: dev, mem: mem, irq: irq, log: log, queues: make([]queueConfig, len(dev.QueueSizes()))}
+}
+
+// UseGate puts the device's queues behind g from its next activation on
+// (call it before the guest boots).
+func (t *MMIO) UseGate(g *Gate) {
+	t.mu.Lock()
+	t.gate = g
+	t.mu.Unlock()
+}
+
+// Kick notifies the running device of each of its queues, as the driver
+// would: after a Gate opens, a device looks again at the rings it found
+// closed.
+func (t *MMIO) Kick() {
+	t.mu.Lock()
+	n := 0
+	if t.active && t.status&StatusNeedsReset == 0 {
+		n = len(t.live)
+	}
+	live := t.live
+	t.mu.Unlock()
+	for i := range n {
+		if live[i] != nil {
+			t.dev.Notify(i)
+		}
+	}
+}
+
+// releaseQueues tells the gate that the device will return none of the
+// chains it holds (it was reset or failed). t.mu is held.
+func (t *MMIO) releaseQueues() {
+	for _, q := range t.live {
+		if q != nil && t.gate != nil {
+			t.gate.release(q)
+		}
+	}
 }
 
 func (t *MMIO) features() uint64 { return t.dev.Features() | FeatureVersion1 | FeatureEventIdx }
@@ -308,6 +346,8 @@ func (t *MMIO) reset() {
 	if t.active {
 		t.dev.Reset()
 	}
+	t.releaseQueues()
+	t.live = nil
 	t.status, t.devFeatSel, t.drvFeatSel, t.drvFeatures, t.queueSel, t.interrupt = 0, 0, 0, 0, 0, 0
 	t.active = false
 	clear(t.queues)
@@ -331,6 +371,7 @@ func (t *MMIO) activate() {
 			return
 		}
 		q.SetEventIdx(t.drvFeatures&FeatureEventIdx != 0)
+		q.gate = t.gate
 		qs[i] = q
 	}
 	err := t.dev.Activate(Activation{
@@ -342,6 +383,7 @@ func (t *MMIO) activate() {
 		return
 	}
 	t.active = true
+	t.live = qs
 }
 
 // usedBuffer raises the used-buffer interrupt.
@@ -363,6 +405,7 @@ func (t *MMIO) fail(err error) {
 func (t *MMIO) failLocked(err error) {
 	t.warnings.Warn(t.log, "virtio: device needs reset", "device", t.dev.Type(), "err", err)
 	t.status |= StatusNeedsReset
+	t.releaseQueues()
 	t.interrupt |= interruptConfigChange
 	t.configGen++
 	t.irq()
@@ -397,6 +440,8 @@ func (t *MMIO) Close() {
 		t.dev.Reset()
 		t.active = false
 	}
+	t.releaseQueues()
+	t.live = nil
 }
 
 // TransportDebug is a transport's state for diagnostics: the registers the

@@ -51,6 +51,9 @@ type Queue struct {
 	nextAvail         uint16 // the next available ring entry to consume
 	nextUsed          uint16 // the next used ring entry to fill
 	eventIdx          bool   // VIRTIO_F_EVENT_IDX was negotiated
+
+	gate *Gate // nil: never paused
+	held int   // chains handed out and not yet pushed, under gate.mu
 }
 
 // FeatureEventIdx is VIRTIO_F_EVENT_IDX (virtio 1.2 §2.7.10): the driver
@@ -109,8 +112,16 @@ type Chain struct {
 }
 
 // Next pops the next available chain, or returns nil when the ring is
-// empty. An error means the queue is broken and must not be used further.
+// empty or the queue's gate is closed. An error means the queue is broken
+// and must not be used further.
 func (q *Queue) Next() (*Chain, error) {
+	if q.gate != nil {
+		return q.gate.next(q)
+	}
+	return q.next()
+}
+
+func (q *Queue) next() (*Chain, error) {
 	// The atomic load orders the reads of the entry it published after it.
 	idx, err := q.mem.LoadUint16(q.avail + 2)
 	if err != nil {
@@ -205,6 +216,9 @@ func (q *Queue) Push(c *Chain) (bool, error) {
 	// full barrier before the read of the driver's flags or event.
 	if err := q.mem.StoreUint16(q.used+2, q.nextUsed); err != nil {
 		return false, queueErr("used index: %v", err)
+	}
+	if q.gate != nil {
+		q.gate.returned(q)
 	}
 	if q.eventIdx {
 		// The driver wants an interrupt once the entry at used_event

@@ -21,6 +21,7 @@ import (
 type Debug struct {
 	Taken   time.Time
 	Running bool
+	Paused  bool // running, but paused (Machine.Pause)
 	VCPUs   []VCPUDebug
 	Virtio  []virtio.TransportDebug
 	// Exits counts the VM exits to userspace by reason, over all vCPUs.
@@ -87,6 +88,9 @@ func (d *Debug) String() string {
 	state := "stopped"
 	if d.Running {
 		state = "running"
+	}
+	if d.Paused {
+		state = "paused"
 	}
 	fmt.Fprintf(&b, "VM debug state (%s, taken %s)\n", state, d.Taken.Format(time.RFC3339Nano))
 	for _, v := range d.VCPUs {
@@ -156,10 +160,12 @@ type vcpuTrack struct {
 	busyReason atomic.Uint32
 	busyAddr   atomic.Uint64
 	busySince  atomic.Int64
-	requests   chan chan VCPUDebug
+	// requests are run on the vCPU's own thread between two KVM_RUNs:
+	// state reads (Debug) and parking (Pause).
+	requests chan func()
 }
 
-func newVCPUTrack() *vcpuTrack { return &vcpuTrack{requests: make(chan chan VCPUDebug, 4)} }
+func newVCPUTrack() *vcpuTrack { return &vcpuTrack{requests: make(chan func(), 4)} }
 
 func (t *vcpuTrack) enter(reason kvm.ExitReason, addr uint64) {
 	switch {
@@ -197,24 +203,18 @@ const debugWait = 2 * time.Second
 func (m *Machine) Debug(ctx context.Context) *Debug {
 	d := &Debug{Taken: time.Now(), Console: m.console.Tail(), Exits: map[string]uint64{}}
 	m.runMu.Lock()
-	running := m.running
+	// A paused VM's vCPUs are parked outside KVM_RUN: read them from here.
+	running := m.running && m.paused == nil
 	defer m.runMu.Unlock()
-	d.Running = running
+	d.Running, d.Paused = m.running, m.paused != nil
 	replies := make([]chan VCPUDebug, len(m.vcpus))
-	for i, v := range m.vcpus {
+	for i := range m.vcpus {
 		if !running {
 			continue
 		}
-		replies[i] = make(chan VCPUDebug, 1)
-		select {
-		case m.track[i].requests <- replies[i]:
-		default:
-			replies[i] = nil // a full queue: requests already pending
-			continue
-		}
-		v.SetImmediateExit(true)
-		if tid := m.tids[i].Load(); tid != 0 {
-			unix.Tgkill(unix.Getpid(), int(tid), unix.SIGURG)
+		reply := make(chan VCPUDebug, 1)
+		if m.request(i, func() { reply <- m.vcpuDebug(i) }) {
+			replies[i] = reply
 		}
 	}
 	timeout := time.NewTimer(debugWait)
@@ -253,13 +253,28 @@ func (m *Machine) Debug(ctx context.Context) *Debug {
 	return d
 }
 
-// serveDebug answers pending state requests on vCPU i's own thread, between
-// two KVM_RUNs.
-func (m *Machine) serveDebug(i int) {
+// request queues f to run on vCPU i's own thread and kicks the vCPU out of
+// KVM_RUN; false if too many requests are pending already.
+func (m *Machine) request(i int, f func()) bool {
+	select {
+	case m.track[i].requests <- f:
+	default:
+		return false
+	}
+	m.vcpus[i].SetImmediateExit(true)
+	if tid := m.tids[i].Load(); tid != 0 {
+		unix.Tgkill(unix.Getpid(), int(tid), unix.SIGURG)
+	}
+	return true
+}
+
+// serveRequests runs pending requests on vCPU i's own thread, between two
+// KVM_RUNs.
+func (m *Machine) serveRequests(i int) {
 	for {
 		select {
-		case reply := <-m.track[i].requests:
-			reply <- m.vcpuDebug(i)
+		case f := <-m.track[i].requests:
+			f()
 		default:
 			return
 		}

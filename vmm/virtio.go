@@ -60,6 +60,7 @@ func (m *Machine) attachVirtio() (string, error) {
 			}
 		}
 		s.transport = virtio.NewMMIO(dev, m.mem, raise, m.log)
+		s.transport.UseGate(m.gate)
 		if err := m.mmio.Register(s.base, virtio.MMIOSize, s.transport); err != nil {
 			return "", fmt.Errorf("vmm: attach virtio device: %w", err)
 		}

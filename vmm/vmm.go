@@ -82,9 +82,12 @@ type Machine struct {
 
 	track []*vcpuTrack
 
-	// runMu guards running against Debug and Close.
+	// runMu guards running and paused against Debug, Pause, Resume and
+	// Close.
 	runMu   sync.Mutex
 	running bool
+	paused  *pause // non-nil while paused
+	gate    *virtio.Gate
 
 	stopOnce sync.Once
 	stopped  chan struct{}
@@ -113,7 +116,7 @@ func New(ctx context.Context, cfg Config) (*Machine, error) {
 		cfg.Start = time.Now()
 	}
 	cfg.MemoryBytes = (cfg.MemoryBytes + 4095) &^ 4095
-	m := &Machine{cfg: cfg, log: cfg.Log, stopped: make(chan struct{}), ports: devices.NewPortBus(), mmio: devices.NewMMIOBus()}
+	m := &Machine{cfg: cfg, log: cfg.Log, stopped: make(chan struct{}), ports: devices.NewPortBus(), mmio: devices.NewMMIOBus(), gate: virtio.NewGate()}
 	if err := m.build(ctx); err != nil {
 		m.Close()
 		return nil, err
@@ -367,7 +370,7 @@ func (m *Machine) interrupted(i int) bool {
 		m.vcpus[i].SetImmediateExit(true)
 		return false
 	}
-	m.serveDebug(i)
+	m.serveRequests(i)
 	return true
 }
 

@@ -357,7 +357,7 @@ func runPs(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		row := psRow{Name: r.Name, State: r.State, Command: describeCommand(r.Spec), CPUs: r.Spec.CPUs,
 			Memory: r.Spec.MemoryMiB, Ports: r.Ports, ExitCode: r.ExitCode, Reason: r.Reason,
 			TTL: r.TTL, IdleTimeout: r.IdleTimeout}
-		if r.State == store.Running && !r.Started.IsZero() {
+		if (r.State == store.Running || r.State == store.Paused) && !r.Started.IsZero() {
 			row.Uptime = time.Since(r.Started).Round(time.Second)
 		}
 		rows = append(rows, row)
@@ -415,16 +415,37 @@ func eachName(ctx context.Context, cmdName string, names []string, stderr io.Wri
 
 // stopByName stops a running sandbox; one that is not running is fine.
 func stopByName(ctx context.Context, st *store.Store, name string, timeout time.Duration, kill bool) error {
-	h, err := supervisor.Open(ctx, st, name)
+	wctx, cancel := context.WithTimeout(ctx, timeout+30*time.Second)
+	defer cancel()
+	err := supervisor.Stop(wctx, st, name, timeout, kill)
 	if errors.Is(err, supervisor.ErrNotRunning) {
 		return nil
 	}
-	if err != nil {
-		return err
+	return err
+}
+
+func runPause(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	return pauseOrResume(ctx, "pause", supervisor.Pause, args, stdout, stderr)
+}
+
+func runResume(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	return pauseOrResume(ctx, "resume", supervisor.Resume, args, stdout, stderr)
+}
+
+// pauseOrResume runs op on each named detached sandbox and prints the
+// names it did.
+func pauseOrResume(ctx context.Context, name string, op func(context.Context, *store.Store, string) error, args []string, stdout, stderr io.Writer) int {
+	fs := newFlags(name, "NAME...", stdout)
+	if code := parseFlags(fs, args, stderr); code >= 0 {
+		return code
 	}
-	wctx, cancel := context.WithTimeout(ctx, timeout+30*time.Second)
-	defer cancel()
-	return h.Stop(wctx, timeout, kill)
+	return eachName(ctx, name, fs.Args(), stderr, func(st *store.Store, n string) error {
+		if err := op(ctx, st, n); err != nil {
+			return err
+		}
+		fmt.Fprintln(stdout, n)
+		return nil
+	})
 }
 
 func runStop(ctx context.Context, args []string, stdout, stderr io.Writer) int {

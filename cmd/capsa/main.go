@@ -46,6 +46,8 @@ func commands() []command {
 		{"cp", "copy files and directories into and out of a detached sandbox", runCp, false},
 		{"ps", "list detached sandboxes", runPs, false},
 		{"logs", "print a detached sandbox's output", runLogs, false},
+		{"pause", "pause detached sandboxes: no vCPU runs, the guest's clocks stand still", runPause, false},
+		{"resume", "resume paused sandboxes (and set their clocks)", runResume, false},
 		{"stop", "stop detached sandboxes (SIGTERM, then SIGKILL)", runStop, false},
 		{"kill", "kill detached sandboxes' main processes and stop them", runKill, false},
 		{"rm", "remove ended detached sandboxes", runRm, false},

@@ -142,7 +142,7 @@ func (c *sandboxCollector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.NewInvalidMetric(sandboxesDesc, err)
 		return
 	}
-	states := map[store.State]int{store.Created: 0, store.Creating: 0, store.Running: 0, store.Exited: 0, store.Crashed: 0}
+	states := map[store.State]int{store.Created: 0, store.Creating: 0, store.Running: 0, store.Paused: 0, store.Exited: 0, store.Crashed: 0}
 	running := map[string]bool{}
 	for _, r := range recs {
 		states[r.State]++

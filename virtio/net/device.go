@@ -148,9 +148,6 @@ type run struct {
 
 	// Under Device.mu:
 	backlog backlog
-	// rxChain is a receive chain taken from the ring that the last frame
-	// did not fit; the next frame tries it.
-	rxChain *virtio.Chain
 }
 
 // New returns a virtio-net device with the given MAC address and MTU,
@@ -309,7 +306,6 @@ func (d *Device) stopLocked() {
 	close(r.stop)
 	d.rxDropped.Add(uint64(r.backlog.n))
 	r.backlog = backlog{}
-	r.rxChain = nil
 	d.run = nil
 }
 
@@ -391,36 +387,39 @@ func (d *Device) fillRx(r *run) (bool, error) {
 	q := r.act.Queues[rxQueue]
 	irq := false
 	for r.backlog.n > 0 {
-		c := r.rxChain
-		if c == nil {
-			var err error
-			if c, err = q.Next(); err != nil {
-				return irq, fmt.Errorf("virtio-net: receive queue: %w", err)
-			}
-			if c == nil {
-				return irq, nil // the guest notifies when it adds buffers
-			}
+		c, err := q.Next()
+		if err != nil {
+			return irq, fmt.Errorf("virtio-net: receive queue: %w", err)
 		}
-		r.rxChain = nil
+		if c == nil {
+			return irq, nil // the guest notifies when it adds buffers
+		}
 		room := c.WritableLen()
-		if room < hdrLen+ethHdrLen {
+		var frame []byte
+		empty := true // the buffer goes back without a frame
+		switch {
+		case room < hdrLen+ethHdrLen:
 			// No frame fits: give the buffer back empty rather than
 			// let it wedge receiving.
 			d.log.Debug("virtio-net: receive buffer too small for any frame", "room", room)
+		case room < hdrLen+r.backlog.peekLen():
+			// Never truncated: the frame goes, and the buffer goes back
+			// empty (the driver counts a length error and posts it
+			// again). Not kept for the next frame: a device holds no
+			// chain it is not working on, so a pause's drain of the
+			// queues (virtio.Gate) never waits on one.
+			frame = r.backlog.pop()
+			d.log.Debug("virtio-net: dropped a frame larger than the guest's buffer", "len", len(frame), "room", room)
+			d.rxDropped.Add(1)
+		default:
+			frame, empty = r.backlog.pop(), false
+		}
+		if empty {
 			more, err := q.Push(c)
 			if err != nil {
 				return irq, fmt.Errorf("virtio-net: receive queue: %w", err)
 			}
 			irq = irq || more
-			continue
-		}
-		frame := r.backlog.pop()
-		if room < hdrLen+len(frame) {
-			// Never truncated: the frame goes, the buffer waits for
-			// the next one.
-			d.log.Debug("virtio-net: dropped a frame larger than the guest's buffer", "len", len(frame), "room", room)
-			d.rxDropped.Add(1)
-			r.rxChain = c
 			continue
 		}
 		c.Write(rxHeader[:]) // cannot be short: the room was checked
@@ -554,6 +553,9 @@ func (b *backlog) push(f []byte) bool {
 	b.n++
 	return true
 }
+
+// peekLen is the oldest frame's length; the backlog is not empty.
+func (b *backlog) peekLen() int { return len(b.frames[b.head]) }
 
 // pop removes the oldest frame; the backlog is not empty.
 func (b *backlog) pop() []byte {
