@@ -12,6 +12,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"os"
 	"sort"
 
 	"golang.org/x/sys/unix"
@@ -46,7 +47,25 @@ type Memory struct {
 
 // New maps size bytes of guest RAM laid out for x86: below MMIOStart first,
 // the remainder at HighStart. size must be a positive multiple of 4 KiB.
-func New(size uint64) (*Memory, error) {
+func New(size uint64) (*Memory, error) { return mapLayout(size, nil) }
+
+// Map maps size bytes of guest RAM from f, laid out as New lays it out and
+// as WriteFile wrote it (the regions one after another), copy-on-write:
+// the guest's writes stay in this process and never reach f, and every
+// VM that maps one file shares the pages it has not written. f must hold
+// size bytes.
+func Map(f *os.File, size uint64) (*Memory, error) {
+	fi, err := f.Stat()
+	if err != nil {
+		return nil, fmt.Errorf("guest memory file: %w", err)
+	}
+	if !fi.Mode().IsRegular() || uint64(fi.Size()) != size {
+		return nil, fmt.Errorf("guest memory file %s: %d bytes (%v), want a regular file of %d", f.Name(), fi.Size(), fi.Mode().Type(), size)
+	}
+	return mapLayout(size, f)
+}
+
+func mapLayout(size uint64, f *os.File) (*Memory, error) {
 	if size == 0 || size%4096 != 0 {
 		return nil, fmt.Errorf("guest memory size %d: must be a positive multiple of 4096", size)
 	}
@@ -56,16 +75,71 @@ func New(size uint64) (*Memory, error) {
 		layout = append(layout, struct{ gpa, n uint64 }{HighStart, size - low})
 	}
 	m := &Memory{size: size, mapped: true}
+	var off int64
 	for _, l := range layout {
-		b, err := unix.Mmap(-1, 0, int(l.n), unix.PROT_READ|unix.PROT_WRITE,
-			unix.MAP_PRIVATE|unix.MAP_ANONYMOUS|unix.MAP_NORESERVE)
+		fd, flags := -1, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS|unix.MAP_NORESERVE
+		if f != nil {
+			fd, flags = int(f.Fd()), unix.MAP_PRIVATE|unix.MAP_NORESERVE
+		}
+		b, err := unix.Mmap(fd, off, int(l.n), unix.PROT_READ|unix.PROT_WRITE, flags)
 		if err != nil {
 			m.Close()
 			return nil, fmt.Errorf("mmap %d bytes of guest memory: %w", l.n, err)
 		}
 		m.regions = append(m.regions, Region{GPA: l.gpa, Host: b})
+		off += int64(l.n)
 	}
 	return m, nil
+}
+
+// WriteFile writes the memory to f as Map reads it: the regions one after
+// another. f is truncated to Size first and all-zero pages are left as
+// holes, so the file takes the disk space of the pages the guest used.
+func (m *Memory) WriteFile(f *os.File) error {
+	if err := f.Truncate(0); err != nil {
+		return fmt.Errorf("write guest memory: %w", err)
+	}
+	if err := f.Truncate(int64(m.size)); err != nil {
+		return fmt.Errorf("write guest memory: %w", err)
+	}
+	const page = 4096
+	var off int64
+	for _, r := range m.regions {
+		b := r.Host
+		for i := 0; i < len(b); {
+			// A run of pages that are not all zero, written at once.
+			if isZero(b[i : i+page]) {
+				i += page
+				continue
+			}
+			j := i + page
+			for j < len(b) && !isZero(b[j:j+page]) && j-i < 8<<20 {
+				j += page
+			}
+			if _, err := f.WriteAt(b[i:j], off+int64(i)); err != nil {
+				return fmt.Errorf("write guest memory: %w", err)
+			}
+			i = j
+		}
+		off += int64(len(b))
+	}
+	return nil
+}
+
+// isZero reports whether b holds only zero bytes.
+func isZero(b []byte) bool {
+	for len(b) >= 8 {
+		if binary.LittleEndian.Uint64(b) != 0 {
+			return false
+		}
+		b = b[8:]
+	}
+	for _, c := range b {
+		if c != 0 {
+			return false
+		}
+	}
+	return true
 }
 
 // FromRegions builds a Memory over caller-owned buffers (tests, fuzzers).

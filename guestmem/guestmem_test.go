@@ -1,8 +1,13 @@
 package guestmem
 
 import (
+	"bytes"
 	"errors"
+	"os"
+	"path/filepath"
 	"testing"
+
+	"golang.org/x/sys/unix"
 )
 
 func TestLayout(t *testing.T) {
@@ -165,5 +170,54 @@ func TestResident(t *testing.T) {
 	}
 	if n, err := m.Resident(); err != nil || n < 1<<20 || n > m.Size() {
 		t.Errorf("Resident() after writing 1 MiB = %d, %v; want between 1 MiB and %d", n, err, m.Size())
+	}
+}
+
+// TestWriteFileAndMap: memory written to a file and mapped back holds the
+// same bytes; the file is sparse where the guest left zeros, and writes to
+// the mapping never reach the file.
+func TestWriteFileAndMap(t *testing.T) {
+	const size = 16 << 20
+	m, err := New(size)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	for _, gpa := range []uint64{0, 4096 * 7, size - 4096} {
+		if err := m.WriteAt([]byte("page"), gpa+5); err != nil {
+			t.Fatal(err)
+		}
+	}
+	f, err := os.Create(filepath.Join(t.TempDir(), "mem"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if err := m.WriteFile(f); err != nil {
+		t.Fatalf("WriteFile() = %v", err)
+	}
+	var st unix.Stat_t
+	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
+		t.Fatal(err)
+	}
+	if used := st.Blocks * 512; st.Size != size || used > 1<<20 {
+		t.Errorf("file of %d bytes using %d on disk; want %d, sparse", st.Size, used, size)
+	}
+	r, err := Map(f, size)
+	if err != nil {
+		t.Fatalf("Map() = %v", err)
+	}
+	defer r.Close()
+	for _, gpa := range []uint64{0, 4096 * 7, size - 4096} {
+		if b, _ := r.Slice(gpa, 16); !bytes.Equal(b, append(make([]byte, 5), "page\x00\x00\x00\x00\x00\x00\x00"...)) {
+			t.Errorf("mapped page at %#x = % x", gpa, b)
+		}
+	}
+	r.WriteAt([]byte("guest"), 4096)
+	if b := make([]byte, 5); func() bool { f.ReadAt(b, 4096); return string(b) == "guest" }() {
+		t.Error("a write to the mapping reached the file")
+	}
+	if _, err := Map(f, size*2); err == nil {
+		t.Error("Map() of a file smaller than the memory = nil error")
 	}
 }

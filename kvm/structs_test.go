@@ -62,6 +62,10 @@ func TestLayouts(t *testing.T) {
 		ev  VCPUEvents
 		irq irqfd
 		cd  ClockData
+		xc  XCRs
+		dr  DebugRegs
+		pit PITState
+		ic  IRQChip
 	)
 	for name, tc := range map[string]struct{ got, want uintptr }{
 		"kvm_segment.selector":                  {unsafe.Offsetof(seg.Selector), 0xc},
@@ -91,6 +95,12 @@ func TestLayouts(t *testing.T) {
 		"kvm_vcpu_events.exception_payload":     {unsafe.Offsetof(ev.ExceptionPayload), 0x38},
 		"kvm_irqfd.resamplefd":                  {unsafe.Offsetof(irq.ResampleFD), 0xc},
 		"kvm_clock_data.flags":                  {unsafe.Offsetof(cd.Flags), 0x8},
+		"kvm_xcrs.xcrs":                         {unsafe.Offsetof(xc.XCRs), 0x8},
+		"kvm_debugregs.dr7":                     {unsafe.Offsetof(dr.DR7), 0x28},
+		"kvm_debugregs.flags":                   {unsafe.Offsetof(dr.Flags), 0x30},
+		"kvm_pit_channel_state.count_load_time": {unsafe.Offsetof(pit.Channels[0].CountLoadTime), 0x10},
+		"kvm_pit_state2.flags":                  {unsafe.Offsetof(pit.Flags), 0x48},
+		"kvm_irqchip.chip":                      {unsafe.Offsetof(ic.Chip), 0x8},
 		"kvm_clock_data.realtime":               {unsafe.Offsetof(cd.Realtime), 0x10},
 		"kvm_clock_data.host_tsc":               {unsafe.Offsetof(cd.HostTSC), 0x18},
 		// struct kvm_run offsets used by run_amd64.go.

@@ -13,6 +13,7 @@ import (
 // values early; these are the reset state it expects).
 const (
 	msrIA32TSC         = 0x0000_0010
+	msrTSCDeadline     = 0x0000_06e0
 	msrSysenterCS      = 0x0000_0174
 	msrSysenterESP     = 0x0000_0175
 	msrSysenterEIP     = 0x0000_0176
@@ -43,17 +44,24 @@ const (
 	cpuidHyperThreads = 1 << 28 // leaf 1 EDX: EBX[23:16] counts logical CPUs
 )
 
-func (m *Machine) createVCPUs(state *boot.CPUState) error {
+// hostCPUID is the CPUID table the vCPUs are given from: what KVM
+// supports, and whether it emulates the TSC-deadline timer.
+func (m *Machine) hostCPUID() ([]kvm.CPUIDEntry, bool, error) {
 	supported, err := m.sys.GetSupportedCPUID()
 	if err != nil {
-		return err
+		return nil, false, err
 	}
 	// KVM emulates the TSC-deadline timer but leaves its CPUID bit out of
 	// KVM_GET_SUPPORTED_CPUID; it says so with a capability instead.
 	tscDeadline, err := m.sys.CheckExtension(kvm.CapTSCDeadlineTimer)
 	if err != nil {
-		return err
+		return nil, false, err
 	}
+	return supported, tscDeadline > 0, nil
+}
+
+// newVCPUs creates the vCPUs, each with the CPUID table cpuid gives it.
+func (m *Machine) newVCPUs(cpuid func(i int) []kvm.CPUIDEntry) error {
 	m.tids = make([]atomic.Int32, m.cfg.CPUs)
 	m.cpuBase = make([]atomic.Int64, m.cfg.CPUs)
 	for range m.cfg.CPUs {
@@ -65,9 +73,27 @@ func (m *Machine) createVCPUs(state *boot.CPUState) error {
 			return err
 		}
 		m.vcpus = append(m.vcpus, v)
-		if err := v.SetCPUID2(vcpuCPUID(supported, i, m.cfg.CPUs, tscDeadline > 0)); err != nil {
-			return err
+		c := cpuid(i)
+		if err := v.SetCPUID2(c); err != nil {
+			return fmt.Errorf("vCPU %d: %w", i, err)
 		}
+		m.cpuid = append(m.cpuid, c)
+	}
+	return nil
+}
+
+// createVCPUs creates the vCPUs in their power-on state, the boot CPU at
+// the kernel's entry as state says.
+func (m *Machine) createVCPUs(state *boot.CPUState) error {
+	supported, tscDeadline, err := m.hostCPUID()
+	if err != nil {
+		return err
+	}
+	err = m.newVCPUs(func(i int) []kvm.CPUIDEntry { return vcpuCPUID(supported, i, m.cfg.CPUs, tscDeadline) })
+	if err != nil {
+		return err
+	}
+	for i, v := range m.vcpus {
 		if err := setupMSRs(v); err != nil {
 			return err
 		}

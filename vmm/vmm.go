@@ -70,6 +70,7 @@ type Machine struct {
 	vm      *kvm.VM
 	mem     *guestmem.Memory
 	vcpus   []*kvm.VCPU
+	cpuid   [][]kvm.CPUIDEntry // each vCPU's, as set
 	tids    []atomic.Int32 // OS thread of each running vCPU, 0 before it starts
 	cpuBase []atomic.Int64 // each running vCPU thread's CPU time (ns) when it took the vCPU
 	cpuDone atomic.Int64   // CPU time (ns) the vCPU threads that ended spent on their vCPUs
@@ -100,14 +101,47 @@ type Machine struct {
 // New creates the VM: it opens KVM, maps memory, loads the kernel and
 // initramfs, writes the boot structures and configures every vCPU.
 func New(ctx context.Context, cfg Config) (*Machine, error) {
-	if cfg.CPUs < 1 || cfg.CPUs > MaxCPUs {
-		return nil, fmt.Errorf("vmm: %d vCPUs: must be between 1 and %d", cfg.CPUs, MaxCPUs)
-	}
-	if cfg.MemoryBytes < 32<<20 {
-		return nil, fmt.Errorf("vmm: %d bytes of memory: at least 32 MiB is needed", cfg.MemoryBytes)
-	}
 	if len(cfg.Kernel) == 0 {
 		return nil, errors.New("vmm: no kernel image")
+	}
+	return newMachine(ctx, cfg, nil, nil)
+}
+
+// Restore creates a VM in the state st (taken by State from a paused VM)
+// on the guest memory mem, which it then owns (guestmem.Map maps a saved
+// memory file copy-on-write). cfg must describe the same machine: its
+// vCPU count and memory size are checked against st, and its Devices must
+// be the same kinds in the same order, their own state restored by their
+// transports. No kernel is loaded; Run continues the guest where it was.
+func Restore(ctx context.Context, cfg Config, st *State, mem *guestmem.Memory) (*Machine, error) {
+	if mem == nil {
+		return nil, errors.New("vmm: restore: no guest memory")
+	}
+	if mem.Size() != (cfg.MemoryBytes+4095)&^4095 {
+		mem.Close()
+		return nil, fmt.Errorf("vmm: restore: %d bytes of guest memory for a VM of %d", mem.Size(), cfg.MemoryBytes)
+	}
+	if err := st.check(cfg); err != nil {
+		mem.Close()
+		return nil, fmt.Errorf("vmm: restore: %w", err)
+	}
+	return newMachine(ctx, cfg, st, mem)
+}
+
+// newMachine checks cfg and builds the VM: booted from cfg's kernel, or
+// restored from st on mem.
+func newMachine(ctx context.Context, cfg Config, st *State, mem *guestmem.Memory) (*Machine, error) {
+	fail := func(err error) (*Machine, error) {
+		if mem != nil {
+			mem.Close()
+		}
+		return nil, err
+	}
+	if cfg.CPUs < 1 || cfg.CPUs > MaxCPUs {
+		return fail(fmt.Errorf("vmm: %d vCPUs: must be between 1 and %d", cfg.CPUs, MaxCPUs))
+	}
+	if cfg.MemoryBytes < 32<<20 {
+		return fail(fmt.Errorf("vmm: %d bytes of memory: at least 32 MiB is needed", cfg.MemoryBytes))
 	}
 	if cfg.Log == nil {
 		cfg.Log = slog.New(slog.DiscardHandler)
@@ -116,16 +150,17 @@ func New(ctx context.Context, cfg Config) (*Machine, error) {
 		cfg.Start = time.Now()
 	}
 	cfg.MemoryBytes = (cfg.MemoryBytes + 4095) &^ 4095
-	m := &Machine{cfg: cfg, log: cfg.Log, stopped: make(chan struct{}), ports: devices.NewPortBus(), mmio: devices.NewMMIOBus(), gate: virtio.NewGate()}
-	if err := m.build(ctx); err != nil {
+	m := &Machine{cfg: cfg, log: cfg.Log, stopped: make(chan struct{}), ports: devices.NewPortBus(), mmio: devices.NewMMIOBus(), gate: virtio.NewGate(), mem: mem}
+	if err := m.build(ctx, st); err != nil {
 		m.Close()
 		return nil, err
 	}
 	return m, nil
 }
 
-// build creates the VM; on error, Close releases what it made.
-func (m *Machine) build(ctx context.Context) (err error) {
+// build creates the VM, then boots it or, with st, restores it; on error,
+// Close releases what it made.
+func (m *Machine) build(ctx context.Context, st *State) (err error) {
 	cfg := m.cfg
 	if m.sys, err = kvm.OpenPath(cfg.DevicePath); err != nil {
 		return err
@@ -154,8 +189,10 @@ func (m *Machine) build(ctx context.Context) (err error) {
 	if err = m.vm.SetPITReinject(false); err != nil {
 		return err
 	}
-	if m.mem, err = guestmem.New(cfg.MemoryBytes); err != nil {
-		return err
+	if m.mem == nil {
+		if m.mem, err = guestmem.New(cfg.MemoryBytes); err != nil {
+			return err
+		}
 	}
 	for i, r := range m.mem.Regions() {
 		if err = m.vm.SetUserMemoryRegion(uint32(i), 0, r.GPA, r.Host); err != nil {
@@ -169,6 +206,13 @@ func (m *Machine) build(ctx context.Context) (err error) {
 	virtioArgs, err := m.attachVirtio()
 	if err != nil {
 		return err
+	}
+	if st != nil {
+		if err = m.restoreState(st); err != nil {
+			return fmt.Errorf("vmm: restore: %w", err)
+		}
+		m.log.Debug("vm restored", "cpus", cfg.CPUs, "memory", cfg.MemoryBytes)
+		return ctx.Err()
 	}
 	state, err := m.loadGuest(cfg.Cmdline + virtioArgs)
 	if err != nil {
