@@ -155,9 +155,9 @@ func (cl *Client) Info(ctx context.Context) (*Info, error) {
 	return &in, cl.call(ctx, Request{Op: OpInfo}, &in)
 }
 
-// SetTime sets the guest's wall clock to t.
-func (cl *Client) SetTime(ctx context.Context, t time.Time) error {
-	return cl.call(ctx, Request{Op: OpSetTime, TimeNs: t.UnixNano()}, &Empty{})
+// Resumed tells the guest it runs again after a pause or a restore.
+func (cl *Client) Resumed(ctx context.Context, r Resumed) error {
+	return cl.call(ctx, Request{Op: OpResumed, Resumed: &r}, &Empty{})
 }
 
 // Shutdown asks the guest to shut down.
@@ -307,13 +307,16 @@ type AttachOptions struct {
 	Stdin  io.Reader // nil: none
 	Stdout io.Writer // nil: discarded
 	Stderr io.Writer // nil: discarded
+	// NoReplay leaves out what the process wrote before: only its output
+	// from now on.
+	NoReplay bool
 }
 
 // Attach reaches a process by its ID: what it wrote lately (up to 64 KiB)
 // and then everything until it exits. Detaching (ctx ending) leaves the
 // process running.
 func (cl *Client) Attach(ctx context.Context, id int, o AttachOptions) (*Process, error) {
-	return cl.follow(ctx, Request{Op: OpAttach, ID: id}, fmt.Sprintf("process %d", id), o.Stdin, o.Stdout, o.Stderr, 0, false)
+	return cl.follow(ctx, Request{Op: OpAttach, ID: id, NoReplay: o.NoReplay}, fmt.Sprintf("process %d", id), o.Stdin, o.Stdout, o.Stderr, 0, false)
 }
 
 // follow opens req (an exec or an attach) and streams the process on it.

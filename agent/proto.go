@@ -42,13 +42,13 @@ const (
 	FeatureProcesses = "processes"
 	// FeaturePTY: processes on a pseudo-terminal, resized by Resize frames.
 	FeaturePTY = "pty"
-	// FeatureClock: the host may set the guest's wall clock (after a
-	// pause or a restore, when the guest's own clock did not run).
-	FeatureClock = "clock"
+	// FeatureResumed: the host tells the guest it ran again after a pause
+	// or a restore (OpResumed).
+	FeatureResumed = "resumed"
 )
 
 // agentFeatures is what this package's agent announces.
-var agentFeatures = []string{FeatureProcesses, FeaturePTY, FeatureClock}
+var agentFeatures = []string{FeatureProcesses, FeaturePTY, FeatureResumed}
 
 // Port is the vsock port the agent listens on; ReadyPort is the host port
 // the agent connects to once it is listening, to announce itself.
@@ -170,7 +170,7 @@ const (
 	OpProcesses = "processes"
 	OpAttach    = "attach"
 	OpWait      = "wait"
-	OpSetTime   = "settime"
+	OpResumed   = "resumed"
 )
 
 // An Operation is one request a client may make: the table that the
@@ -204,7 +204,7 @@ var Operations = []Operation{
 	{Name: OpProcesses, Feature: FeatureProcesses, Doc: "list the processes the agent started: running, and the most recent that exited"},
 	{Name: OpAttach, Feature: FeatureProcesses, Doc: "replay a process's recent output, then stream it (and its input) until it exits"},
 	{Name: OpWait, Feature: FeatureProcesses, Doc: "wait for a process to exit and return its status"},
-	{Name: OpSetTime, Feature: FeatureClock, Doc: "set the guest's wall clock to TimeNs"},
+	{Name: OpResumed, Feature: FeatureResumed, Doc: "the guest runs again after a pause or a restore (Request.Resumed): set its wall clock, mix a seed into its random number generator, set its hostname"},
 }
 
 // LookupOperation returns the operation named name.
@@ -236,11 +236,21 @@ type Request struct {
 	Parents   bool         `json:"parents,omitempty"`
 	Recursive bool         `json:"recursive,omitempty"`
 	Append    bool         `json:"append,omitempty"`
-	ID        int          `json:"id,omitempty"`      // OpSignal, OpAttach, OpWait: the process's ExecStarted.ID
-	Signal    string       `json:"signal,omitempty"`  // OpSignal: the signal's name
-	Target    string       `json:"target,omitempty"`  // OpSymlink: where the link points
-	Owner     *Owner       `json:"owner,omitempty"`   // OpChown
-	TimeNs    int64        `json:"time_ns,omitempty"` // OpSetTime: Unix nanoseconds
+	ID        int          `json:"id,omitempty"`        // OpSignal, OpAttach, OpWait: the process's ExecStarted.ID
+	Signal    string       `json:"signal,omitempty"`    // OpSignal: the signal's name
+	Target    string       `json:"target,omitempty"`    // OpSymlink: where the link points
+	Owner     *Owner       `json:"owner,omitempty"`     // OpChown
+	Resumed   *Resumed     `json:"resumed,omitempty"`   // OpResumed
+	NoReplay  bool         `json:"no_replay,omitempty"` // OpAttach: only output from now on
+}
+
+// Resumed is what the host tells a guest that runs again after a pause or
+// a restore from a snapshot: its own clock stood still meanwhile, and a
+// restored copy must not share its random state and name with the others.
+type Resumed struct {
+	TimeNs   int64  `json:"time_ns"`            // the wall clock, in Unix nanoseconds
+	Seed     []byte `json:"seed,omitempty"`     // mixed into the kernel's random number generator
+	Hostname string `json:"hostname,omitempty"` // set when not empty
 }
 
 // ExecRequest starts a process: Argv, or Shell run by /bin/sh -c.

@@ -148,7 +148,7 @@ var handlers = map[string]func(s *Server, ctx context.Context, c *Conn, req *Req
 		if err := reply(c, ExecStarted{ID: p.info.ID, PID: p.info.PID}); err != nil {
 			return nil
 		}
-		if running, err := p.attach(c, true); running && err == nil {
+		if running, err := p.attach(c, !req.NoReplay); running && err == nil {
 			p.follow(c)
 		}
 		return nil
@@ -245,13 +245,9 @@ var handlers = map[string]func(s *Server, ctx context.Context, c *Conn, req *Req
 		return reply(c, ExistsReply{Exists: err == nil})
 	},
 	OpInfo: func(_ *Server, _ context.Context, c *Conn, _ *Request) error { return reply(c, guestInfo()) },
-	OpSetTime: func(_ *Server, _ context.Context, c *Conn, req *Request) error {
-		if req.TimeNs <= 0 {
-			return fmt.Errorf("settime: time %d ns is not after 1970", req.TimeNs)
-		}
-		ts := unix.NsecToTimespec(req.TimeNs)
-		if err := unix.ClockSettime(unix.CLOCK_REALTIME, &ts); err != nil {
-			return fmt.Errorf("settime: %w", err)
+	OpResumed: func(_ *Server, _ context.Context, c *Conn, req *Request) error {
+		if err := resumed(req.Resumed); err != nil {
+			return err
 		}
 		return reply(c, Empty{})
 	},
@@ -264,6 +260,51 @@ var handlers = map[string]func(s *Server, ctx context.Context, c *Conn, req *Req
 		}
 		return nil
 	},
+}
+
+// resumed applies what the host says of a guest that runs again: its wall
+// clock, a seed credited to the random number generator (RNDADDENTROPY,
+// so that copies restored from one snapshot draw different numbers at
+// once), its hostname.
+func resumed(r *Resumed) error {
+	if r == nil || r.TimeNs <= 0 {
+		return errors.New("resumed: no wall clock time")
+	}
+	if len(r.Seed) > 4096 {
+		return fmt.Errorf("resumed: a seed of %d bytes, at most 4096", len(r.Seed))
+	}
+	ts := unix.NsecToTimespec(r.TimeNs)
+	if err := unix.ClockSettime(unix.CLOCK_REALTIME, &ts); err != nil {
+		return fmt.Errorf("resumed: set the clock: %w", err)
+	}
+	if len(r.Seed) > 0 {
+		if err := addEntropy(r.Seed); err != nil {
+			return fmt.Errorf("resumed: seed the random number generator: %w", err)
+		}
+	}
+	if r.Hostname != "" {
+		if err := unix.Sethostname([]byte(r.Hostname)); err != nil {
+			return fmt.Errorf("resumed: set the hostname %q: %w", r.Hostname, err)
+		}
+	}
+	return nil
+}
+
+// addEntropy mixes seed into the kernel's input pool (a write to
+// /dev/urandom) and then reseeds its generator from the pool at once
+// (RNDRESEEDCRNG), so that numbers drawn from now on depend on the seed.
+// Without the reseed a restored copy would go on drawing what every other
+// copy draws until the kernel's next periodic reseed.
+func addEntropy(seed []byte) error {
+	f, err := os.OpenFile("/dev/urandom", os.O_WRONLY, 0)
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	if _, err := f.Write(seed); err != nil {
+		return err
+	}
+	return unix.IoctlSetInt(int(f.Fd()), unix.RNDRESEEDCRNG, 0)
 }
 
 // reply sends an operation's JSON reply.

@@ -12,6 +12,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"sort"
 
@@ -95,29 +96,65 @@ func mapLayout(size uint64, f *os.File) (*Memory, error) {
 // WriteFile writes the memory to f as Map reads it: the regions one after
 // another. f is truncated to Size first and all-zero pages are left as
 // holes, so the file takes the disk space of the pages the guest used.
-func (m *Memory) WriteFile(f *os.File) error {
+// If sum is not nil, Hash's bytes go to it too.
+func (m *Memory) WriteFile(f *os.File, sum io.Writer) error {
 	if err := f.Truncate(0); err != nil {
 		return fmt.Errorf("write guest memory: %w", err)
 	}
 	if err := f.Truncate(int64(m.size)); err != nil {
 		return fmt.Errorf("write guest memory: %w", err)
 	}
-	const page = 4096
+	return m.dataRuns(func(off int64, run []byte) error {
+		if _, err := f.WriteAt(run, off); err != nil {
+			return fmt.Errorf("write guest memory: %w", err)
+		}
+		if sum != nil {
+			return hashRun(sum, off, run)
+		}
+		return nil
+	})
+}
+
+// Hash writes to w, for each page that is not all zero, its offset in
+// the memory file (8 bytes, little-endian) and its bytes: a checksum of
+// the contents that costs only the pages in use.
+func (m *Memory) Hash(w io.Writer) error {
+	return m.dataRuns(func(off int64, run []byte) error { return hashRun(w, off, run) })
+}
+
+func hashRun(w io.Writer, off int64, run []byte) error {
+	for i := 0; i < len(run); i += pageSize {
+		var o [8]byte
+		binary.LittleEndian.PutUint64(o[:], uint64(off)+uint64(i))
+		if _, err := w.Write(o[:]); err != nil {
+			return err
+		}
+		if _, err := w.Write(run[i : i+pageSize]); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+const pageSize = 4096
+
+// dataRuns calls fn with each run of pages that are not all zero (at
+// most 8 MiB each), with its offset in the memory file.
+func (m *Memory) dataRuns(fn func(off int64, run []byte) error) error {
 	var off int64
 	for _, r := range m.regions {
 		b := r.Host
 		for i := 0; i < len(b); {
-			// A run of pages that are not all zero, written at once.
-			if isZero(b[i : i+page]) {
-				i += page
+			if isZero(b[i : i+pageSize]) {
+				i += pageSize
 				continue
 			}
-			j := i + page
-			for j < len(b) && !isZero(b[j:j+page]) && j-i < 8<<20 {
-				j += page
+			j := i + pageSize
+			for j < len(b) && j-i < 8<<20 && !isZero(b[j:j+pageSize]) {
+				j += pageSize
 			}
-			if _, err := f.WriteAt(b[i:j], off+int64(i)); err != nil {
-				return fmt.Errorf("write guest memory: %w", err)
+			if err := fn(off+int64(i), b[i:j]); err != nil {
+				return err
 			}
 			i = j
 		}

@@ -193,7 +193,7 @@ func TestWriteFileAndMap(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer f.Close()
-	if err := m.WriteFile(f); err != nil {
+	if err := m.WriteFile(f, nil); err != nil {
 		t.Fatalf("WriteFile() = %v", err)
 	}
 	var st unix.Stat_t

@@ -4,6 +4,8 @@ import (
 	"context"
 	"fmt"
 	"time"
+
+	"github.com/capsa-sandbox/capsa/agent"
 )
 
 // Pause stops the sandbox where it is until Resume: no vCPU runs, no
@@ -28,7 +30,7 @@ func (s *Sandbox) Resume(ctx context.Context) error {
 	}
 	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
-	if err := s.client.SetTime(ctx, time.Now()); err != nil {
+	if err := s.client.Resumed(ctx, agent.Resumed{TimeNs: time.Now().UnixNano()}); err != nil {
 		return fmt.Errorf("sandbox: resume: set the guest's clock: %w", s.vmErr(err))
 	}
 	return nil

@@ -26,8 +26,10 @@ import (
 	"time"
 
 	"github.com/capsa-sandbox/capsa/agent"
+	"github.com/capsa-sandbox/capsa/guestmem"
 	"github.com/capsa-sandbox/capsa/image"
 	"github.com/capsa-sandbox/capsa/internal/builtin"
+	"github.com/capsa-sandbox/capsa/snapshot"
 	"github.com/capsa-sandbox/capsa/virtio"
 	virtioblk "github.com/capsa-sandbox/capsa/virtio/blk"
 	"github.com/capsa-sandbox/capsa/virtio/ninep"
@@ -228,7 +230,7 @@ func (w *Workload) Start(ctx context.Context) (*Sandbox, error) {
 	} else {
 		opts.Env = append(append([]string(nil), w.c.Env...), opts.Env...)
 	}
-	s, err := boot(ctx, w.c, root)
+	s, err := boot(ctx, w.c, root, nil)
 	if err != nil {
 		root.remove()
 		return nil, err
@@ -273,16 +275,19 @@ func readOr(path string, builtinData func() ([]byte, error)) ([]byte, error) {
 }
 
 // boot starts the VM and the host end of its vsock link; with root, the
-// guest's / is that image.
-func boot(ctx context.Context, c config, root *rootfs) (_ *Sandbox, err error) {
+// guest's / is that image. With snap, the VM is restored from it instead
+// of booted: its devices are made as for a boot, in the same order, and
+// take their state from it.
+func boot(ctx context.Context, c config, root *rootfs, snap *snapshot.Snapshot) (_ *Sandbox, err error) {
 	start := time.Now()
-	kernel, err := readOr(c.Kernel, builtin.Kernel)
-	if err != nil {
-		return nil, fmt.Errorf("sandbox: kernel: %w", err)
-	}
-	initrd, err := readOr(c.Initrd, builtin.Initramfs)
-	if err != nil {
-		return nil, fmt.Errorf("sandbox: initramfs: %w", err)
+	var kernel, initrd []byte
+	if snap == nil {
+		if kernel, err = readOr(c.Kernel, builtin.Kernel); err != nil {
+			return nil, fmt.Errorf("sandbox: kernel: %w", err)
+		}
+		if initrd, err = readOr(c.Initrd, builtin.Initramfs); err != nil {
+			return nil, fmt.Errorf("sandbox: initramfs: %w", err)
+		}
 	}
 	log := c.logger()
 	s := &Sandbox{c: c, vmDone: make(chan struct{}), ready: make(chan struct{}), started: start, rootfs: root}
@@ -347,11 +352,20 @@ func boot(ctx context.Context, c config, root *rootfs) (_ *Sandbox, err error) {
 	for _, d := range userDisks {
 		devices = append(devices, d)
 	}
-	s.vm, err = vmm.New(ctx, vmm.Config{
+	vcfg := vmm.Config{
 		Kernel: kernel, Initrd: initrd, CPUs: c.CPUs, MemoryBytes: uint64(c.MemoryMiB) << 20,
 		Cmdline: strings.Join(cmdline, " "), Console: c.console,
 		Devices: devices, Log: log, Start: start,
-	})
+	}
+	if snap == nil {
+		s.vm, err = vmm.New(ctx, vcfg)
+	} else {
+		var mem *guestmem.Memory
+		if mem, err = snap.MapMemory(); err != nil {
+			return nil, fmt.Errorf("sandbox: restore: %w", err)
+		}
+		s.vm, err = vmm.Restore(ctx, vcfg, snap.State, mem)
+	}
 	if err != nil {
 		return nil, fmt.Errorf("sandbox: %w", err)
 	}
@@ -370,6 +384,13 @@ func boot(ctx context.Context, c config, root *rootfs) (_ *Sandbox, err error) {
 		dev.Reset()
 		readyL.Close()
 	}()
+	if snap != nil {
+		// A restored agent announced itself long ago: it is ready once
+		// it answers.
+		readyL.Close()
+		go s.awaitAgent(c.ReadyTimeout)
+		return s, nil
+	}
 	go func() {
 		if c, err := readyL.Accept(); err == nil {
 			c.Close()

@@ -4,8 +4,11 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"strings"
 
+	"github.com/capsa-sandbox/capsa/devices"
 	"github.com/capsa-sandbox/capsa/kvm"
+	"github.com/capsa-sandbox/capsa/virtio"
 )
 
 // StateVersion numbers State's layout; a restore refuses any other.
@@ -17,13 +20,17 @@ const StateVersion = 1
 // be written to a file and a VM restored from it (Restore). Like every
 // byte the guest or a file gives, it is checked again on restore.
 type State struct {
-	Version     int           `json:"version"`
-	CPUs        int           `json:"cpus"`
-	MemoryBytes uint64        `json:"memory_bytes"`
-	Clock       uint64        `json:"clock_ns"` // kvmclock when paused
-	PIT         kvm.PITState  `json:"pit"`
-	IRQChips    []kvm.IRQChip `json:"irqchips"` // PIC master, PIC slave, IOAPIC
-	VCPUs       []VCPUState   `json:"vcpus"`
+	Version     int                 `json:"version"`
+	CPUs        int                 `json:"cpus"`
+	MemoryBytes uint64              `json:"memory_bytes"`
+	Clock       uint64              `json:"clock_ns"` // kvmclock when paused
+	PIT         kvm.PITState        `json:"pit"`
+	IRQChips    []kvm.IRQChip       `json:"irqchips"` // PIC master, PIC slave, IOAPIC
+	VCPUs       []VCPUState         `json:"vcpus"`
+	Serial      devices.SerialState `json:"serial"`
+	// Virtio holds each virtio device's transport, in Config.Devices'
+	// order.
+	Virtio []virtio.TransportState `json:"virtio"`
 }
 
 // VCPUState is one vCPU's state.
@@ -71,6 +78,14 @@ func (m *Machine) State() (*State, error) {
 	msrs, err := m.msrIndices()
 	if err != nil {
 		return nil, fmt.Errorf("vmm: save state: %w", err)
+	}
+	st.Serial = m.serial.State()
+	for i, s := range m.virtio {
+		ts, err := s.transport.State()
+		if err != nil {
+			return nil, fmt.Errorf("vmm: save state: virtio device %d: %w", i, err)
+		}
+		st.Virtio = append(st.Virtio, ts)
 	}
 	for i, v := range m.vcpus {
 		vs, err := saveVCPU(v, msrs)
@@ -150,9 +165,9 @@ func saveVCPU(v *kvm.VCPU, msrs []uint32) (*VCPUState, error) {
 	return &s, nil
 }
 
-// check refuses a state this configuration cannot take, before anything
+// Check refuses a state this configuration cannot take, before anything
 // is created: a state file is untrusted input.
-func (st *State) check(cfg Config) error {
+func (st *State) Check(cfg Config) error {
 	switch {
 	case st == nil:
 		return errors.New("no state")
@@ -162,6 +177,8 @@ func (st *State) check(cfg Config) error {
 		return fmt.Errorf("state of %d vCPUs (%d saved); the VM has %d: the vCPU count cannot change on restore", st.CPUs, len(st.VCPUs), cfg.CPUs)
 	case st.MemoryBytes != cfg.MemoryBytes:
 		return fmt.Errorf("state of %d bytes of memory; the VM has %d: the memory size cannot change on restore", st.MemoryBytes, cfg.MemoryBytes)
+	case len(st.Virtio) != len(cfg.Devices):
+		return fmt.Errorf("state of %d virtio devices; the VM has %d", len(st.Virtio), len(cfg.Devices))
 	case len(st.IRQChips) != 3:
 		return fmt.Errorf("state holds %d interrupt controllers, want 3", len(st.IRQChips))
 	}
@@ -223,7 +240,7 @@ func checkCPUID(saved, host []kvm.CPUIDEntry, tscDeadline bool) error {
 }
 
 // restoreState sets the VM's and every vCPU's state from st, checked by
-// st.check, in the order KVM needs: the clock, the timer and the
+// st.Check, in the order KVM needs: the clock, the timer and the
 // interrupt controllers, then each vCPU (its CPUID when created).
 func (m *Machine) restoreState(st *State) error {
 	supported, tscDeadline, err := m.hostCPUID()
@@ -252,6 +269,12 @@ func (m *Machine) restoreState(st *State) error {
 	for i, v := range m.vcpus {
 		if err := restoreVCPU(v, &st.VCPUs[i]); err != nil {
 			return fmt.Errorf("vCPU %d: %w", i, err)
+		}
+	}
+	m.serial.Restore(st.Serial)
+	for i, s := range m.virtio {
+		if err := s.transport.Restore(st.Virtio[i]); err != nil {
+			return fmt.Errorf("virtio device %d: %w", i, err)
 		}
 	}
 	return nil
@@ -284,4 +307,23 @@ func restoreVCPU(v *kvm.VCPU, s *VCPUState) error {
 		return err
 	}
 	return v.SetVCPUEvents(&s.Events)
+}
+
+// CPUModel is the processor brand string the vCPUs report (CPUID leaves
+// 0x80000002 to 0x80000004), as a snapshot's manifest records it.
+func (st *State) CPUModel() string {
+	if len(st.VCPUs) == 0 {
+		return ""
+	}
+	var b []byte
+	for fn := uint32(0x8000_0002); fn <= 0x8000_0004; fn++ {
+		for _, e := range st.VCPUs[0].CPUID {
+			if e.Function == fn {
+				for _, r := range []uint32{e.EAX, e.EBX, e.ECX, e.EDX} {
+					b = append(b, byte(r), byte(r>>8), byte(r>>16), byte(r>>24))
+				}
+			}
+		}
+	}
+	return strings.TrimSpace(strings.TrimRight(string(b), "\x00"))
 }

@@ -77,7 +77,7 @@ func TestSaveRestoreContinues(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer f.Close()
-	if err := a.Memory().WriteFile(f); err != nil {
+	if err := a.Memory().WriteFile(f, nil); err != nil {
 		t.Fatal(err)
 	}
 	a.Stop(StopCanceled, "saved")

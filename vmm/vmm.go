@@ -121,7 +121,7 @@ func Restore(ctx context.Context, cfg Config, st *State, mem *guestmem.Memory) (
 		mem.Close()
 		return nil, fmt.Errorf("vmm: restore: %d bytes of guest memory for a VM of %d", mem.Size(), cfg.MemoryBytes)
 	}
-	if err := st.check(cfg); err != nil {
+	if err := st.Check(cfg); err != nil {
 		mem.Close()
 		return nil, fmt.Errorf("vmm: restore: %w", err)
 	}

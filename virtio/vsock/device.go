@@ -528,3 +528,37 @@ func (d *Device) Listen(port uint32) (*Listener, error) {
 	d.listeners[port] = l
 	return l, nil
 }
+
+// eventTransportReset is VIRTIO_VSOCK_EVENT_TRANSPORT_RESET (virtio 1.2
+// §5.10.6.7): the driver resets every connection, its listeners stay.
+const eventTransportReset = 0
+
+var _ virtio.Restorer = (*Device)(nil)
+
+// Restored implements virtio.Restorer: a device restored from a snapshot
+// knows none of the connections the guest had, so it tells the guest its
+// transport was reset, through the event queue, as Firecracker does. The
+// guest's sockets close (their readers see ECONNRESET), its listeners
+// stay, and the host connects afresh.
+func (d *Device) Restored() {
+	d.mu.Lock()
+	act := d.act
+	d.mu.Unlock()
+	if act == nil || len(act.Queues) < 3 || act.Queues[2] == nil {
+		return
+	}
+	q := act.Queues[2]
+	c, err := q.Next()
+	if err != nil || c == nil {
+		// No event buffer posted: the guest will not learn of the reset,
+		// and its stale connections end when it next uses them.
+		d.log.Warn("vsock: no event buffer to report the transport reset", "err", err)
+		act.Report(false, err)
+		return
+	}
+	var ev [4]byte
+	binary.LittleEndian.PutUint32(ev[:], eventTransportReset)
+	c.Write(ev[:])
+	irq, err := q.Push(c)
+	act.Report(irq, err)
+}

@@ -1,0 +1,172 @@
+package sandbox
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"time"
+
+	"github.com/capsa-sandbox/capsa/agent"
+	"github.com/capsa-sandbox/capsa/snapshot"
+)
+
+// Snapshot writes the sandbox to dir (which must not exist; see package
+// snapshot for what it holds). The sandbox is paused only while its state
+// is taken and its memory written, and runs on after (a sandbox paused
+// before stays paused). Restore starts sandboxes from it.
+//
+// Limits, each refused here with its reason: a sandbox with shares (the
+// guest's open 9P files cannot be carried over to a new file server), with
+// disks (a host file the snapshot would have to copy or trust unchanged),
+// or with an image root (its writable layer is not captured yet).
+func (s *Sandbox) Snapshot(ctx context.Context, dir string) error {
+	switch {
+	case len(s.c.Shares) > 0:
+		return errors.New("sandbox: snapshot: a sandbox with shares cannot be snapshotted: the guest's open 9P files would not survive a restore")
+	case len(s.c.Disks) > 0:
+		return errors.New("sandbox: snapshot: a sandbox with disks cannot be snapshotted: the snapshot would depend on the disk files staying unchanged")
+	case s.rootfs != nil:
+		return errors.New("sandbox: snapshot: an image sandbox cannot be snapshotted yet: its writable root disk is not captured")
+	}
+	spec, err := json.Marshal(s.c.Spec)
+	if err != nil {
+		return fmt.Errorf("sandbox: snapshot: %w", err)
+	}
+	wasPaused := s.Paused()
+	if err := s.Pause(ctx); err != nil {
+		return fmt.Errorf("sandbox: snapshot: %w", err)
+	}
+	err = s.writeSnapshot(dir, spec)
+	if !wasPaused {
+		err = errors.Join(err, s.Resume(ctx))
+	}
+	return err
+}
+
+func (s *Sandbox) writeSnapshot(dir string, spec []byte) error {
+	st, err := s.vm.State()
+	if err != nil {
+		return fmt.Errorf("sandbox: snapshot: %w", err)
+	}
+	m := snapshot.Manifest{Spec: spec, CPUModel: st.CPUModel(), CPUs: st.CPUs, MemoryBytes: st.MemoryBytes}
+	s.mu.Lock()
+	if s.main != nil {
+		m.MainProcess = s.main.ID
+	}
+	s.mu.Unlock()
+	return snapshot.Write(dir, m, st, s.vm.Memory(), nil)
+}
+
+// RestoreOptions are what a restored sandbox gets that its snapshot does
+// not hold, and what may safely differ from the snapshotted sandbox.
+type RestoreOptions struct {
+	Logger  *slog.Logger
+	Console io.Writer
+	// Stdout and Stderr receive the main process's output from the
+	// restore on (what it wrote before is not replayed).
+	Stdout, Stderr io.Writer
+	// VsockSocket serves the guest's vsock ports on a Unix socket
+	// (Builder.VsockSocket); the snapshot's own is not reused.
+	VsockSocket string
+	// Network, when not nil, replaces the snapshot's network policy,
+	// published ports and DNS server. The guest's addresses stay; a
+	// sandbox snapshotted without a network cannot gain one.
+	Network *NetworkSpec
+	// Hostname, when not empty, renames the guest (a fork's copies each
+	// get their own).
+	Hostname string
+}
+
+// Restore starts a sandbox from the snapshot in dir: the guest goes on
+// from where it was, its processes running (the main process among them,
+// for Wait), its files as they were, its clocks set to the host's, its
+// random number generator reseeded. The guest's memory is mapped from the
+// snapshot copy-on-write, so the restore does not read it and sandboxes
+// restored from one snapshot share its pages until they write them.
+//
+// Open connections did not survive: vsock connections are reset (the
+// agent is reached afresh), network flows are reset by a new NAT with the
+// same addresses.
+func Restore(ctx context.Context, dir string, o RestoreOptions) (*Sandbox, error) {
+	snap, err := snapshot.Open(dir)
+	if err != nil {
+		return nil, fmt.Errorf("sandbox: restore: %w", err)
+	}
+	var spec Spec
+	if err := json.Unmarshal(snap.Manifest.Spec, &spec); err != nil {
+		return nil, fmt.Errorf("sandbox: restore: snapshot %s: spec: %w", dir, err)
+	}
+	if len(spec.Shares) > 0 || len(spec.Disks) > 0 || spec.Image != nil {
+		return nil, fmt.Errorf("sandbox: restore: snapshot %s: shares, disks or an image, which snapshots do not carry", dir)
+	}
+	spec.VsockSocket = o.VsockSocket
+	if o.Network != nil {
+		if spec.Network == nil {
+			return nil, fmt.Errorf("sandbox: restore: snapshot %s was taken without a network; a restore cannot add one", dir)
+		}
+		spec.Network = o.Network
+	}
+	w := FromSpec(spec)
+	w.c.log, w.c.console = o.Logger, o.Console
+	if err := w.c.err(); err != nil {
+		return nil, fmt.Errorf("sandbox: restore: %w", err)
+	}
+	if w.c.CPUs != snap.Manifest.CPUs || uint64(w.c.MemoryMiB)<<20 != snap.Manifest.MemoryBytes {
+		return nil, fmt.Errorf("sandbox: restore: snapshot %s: its spec says %d vCPUs and %d MiB, its state %d and %d bytes", dir, w.c.CPUs, w.c.MemoryMiB, snap.Manifest.CPUs, snap.Manifest.MemoryBytes)
+	}
+	s, err := boot(ctx, w.c, nil, snap)
+	if err != nil {
+		return nil, err
+	}
+	if err := s.WaitReady(ctx, w.c.ReadyTimeout); err != nil {
+		s.Close()
+		return nil, err
+	}
+	seed := make([]byte, 64)
+	rand.Read(seed)
+	if err := s.client.Resumed(ctx, agent.Resumed{TimeNs: time.Now().UnixNano(), Seed: seed, Hostname: o.Hostname}); err != nil {
+		err = fmt.Errorf("sandbox: restore: %w", s.vmErr(err))
+		s.Close()
+		return nil, err
+	}
+	if id := snap.Manifest.MainProcess; id != 0 {
+		p, err := s.client.Attach(ctx, id, agent.AttachOptions{Stdout: o.Stdout, Stderr: o.Stderr, NoReplay: true})
+		if err != nil {
+			err = fmt.Errorf("sandbox: restore: the main process: %w", s.vmErr(err))
+			s.Close()
+			return nil, err
+		}
+		s.mu.Lock()
+		s.main = p
+		s.mu.Unlock()
+	}
+	if w.c.Watchdog > 0 {
+		go s.watch(w.c.Watchdog)
+	}
+	return s, nil
+}
+
+// awaitAgent marks the sandbox ready once its agent answers, asking every
+// half second until timeout (a restored guest's agent does not announce
+// itself again).
+func (s *Sandbox) awaitAgent(timeout time.Duration) {
+	deadline := time.Now().Add(timeout)
+	for time.Now().Before(deadline) {
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+		_, err := s.client.Info(ctx)
+		cancel()
+		if err == nil {
+			close(s.ready)
+			return
+		}
+		select {
+		case <-s.vmDone:
+			return
+		case <-time.After(100 * time.Millisecond):
+		}
+	}
+}

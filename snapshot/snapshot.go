@@ -1,0 +1,339 @@
+// Package snapshot is a paused sandbox written to a directory, and read
+// back: a versioned manifest (manifest.json), the VM's state (state.json,
+// vmm.State: vCPUs, interrupt controllers, timer, clock, every device's
+// transport), the guest's memory (memory, sparse: the pages the guest
+// never touched are holes) and the files a sandbox adds (its writable
+// root disk). Starting points: Write, Open, Verify.
+//
+// Everything read back is untrusted: the manifest and state are size-
+// bounded, checksummed and decoded strictly, and vmm.Restore checks the
+// state again as it checks a guest. Firecracker's snapshot files (a
+// versioned state beside a memory file mapped on restore) are the model.
+package snapshot
+
+import (
+	"bytes"
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"runtime/debug"
+	"strings"
+	"time"
+
+	"github.com/capsa-sandbox/capsa/guestmem"
+	"github.com/capsa-sandbox/capsa/vmm"
+)
+
+// Format and Version name the layout this package writes and reads.
+const (
+	Format  = "capsa-snapshot"
+	Version = 1
+)
+
+// The files of a snapshot directory.
+const (
+	ManifestFile = "manifest.json"
+	StateFile    = "state.json"
+	MemoryFile   = "memory"
+)
+
+// Bounds on what Open reads into memory.
+const (
+	maxManifest = 1 << 20
+	maxState    = 64 << 20
+)
+
+// Manifest describes a snapshot.
+type Manifest struct {
+	Format       string    `json:"format"`
+	Version      int       `json:"version"`
+	CapsaVersion string    `json:"capsa_version"`
+	Created      time.Time `json:"created"`
+	// Spec is the sandbox's description (sandbox.Spec), as JSON.
+	Spec        json.RawMessage `json:"spec"`
+	CPUModel    string          `json:"cpu_model"` // the host CPU it ran on
+	CPUs        int             `json:"cpus"`
+	MemoryBytes uint64          `json:"memory_bytes"`
+	// MainProcess is the agent's ID of the sandbox's main process.
+	MainProcess int `json:"main_process,omitempty"`
+	// Files are the snapshot's files by name, with their sizes and
+	// SHA-256 (of the memory: of its pages that are not all zero, each
+	// after its 8-byte offset).
+	Files map[string]File `json:"files"`
+}
+
+// File is one file of a snapshot.
+type File struct {
+	Size   int64  `json:"size"`
+	SHA256 string `json:"sha256"`
+}
+
+// Snapshot is a snapshot read back by Open.
+type Snapshot struct {
+	Dir      string
+	Manifest Manifest
+	State    *vmm.State
+}
+
+// Extra writes one more file of the snapshot at path (a root disk's
+// copy, say) and returns its SHA-256, or "" to leave it unhashed.
+type Extra func(path string) (sum string, err error)
+
+// Write writes a snapshot of a paused VM to dir, which must not exist:
+// everything goes to a temporary directory beside it, renamed to dir once
+// complete, so a failed or interrupted Write leaves no half snapshot. m's
+// Format, Version, CapsaVersion, Created and Files are filled here.
+func Write(dir string, m Manifest, st *vmm.State, mem *guestmem.Memory, extra map[string]Extra) error {
+	if _, err := os.Lstat(dir); err == nil {
+		return fmt.Errorf("snapshot: %s already exists", dir)
+	}
+	tmp, err := os.MkdirTemp(filepath.Dir(dir), "."+filepath.Base(dir)+".tmp-")
+	if err != nil {
+		return fmt.Errorf("snapshot: %w", err)
+	}
+	defer os.RemoveAll(tmp)
+	m.Format, m.Version, m.CapsaVersion, m.Created = Format, Version, capsaVersion(), time.Now().UTC()
+	m.Files = map[string]File{}
+	b, err := json.Marshal(st)
+	if err != nil {
+		return fmt.Errorf("snapshot: state: %w", err)
+	}
+	if err := os.WriteFile(filepath.Join(tmp, StateFile), b, 0o600); err != nil {
+		return fmt.Errorf("snapshot: %w", err)
+	}
+	sum := sha256.Sum256(b)
+	m.Files[StateFile] = File{Size: int64(len(b)), SHA256: hex.EncodeToString(sum[:])}
+
+	f, err := os.OpenFile(filepath.Join(tmp, MemoryFile), os.O_CREATE|os.O_EXCL|os.O_RDWR, 0o600)
+	if err != nil {
+		return fmt.Errorf("snapshot: %w", err)
+	}
+	h := sha256.New()
+	err = mem.WriteFile(f, h)
+	if err == nil {
+		err = f.Sync()
+	}
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
+		return fmt.Errorf("snapshot: %w", err)
+	}
+	m.Files[MemoryFile] = File{Size: int64(mem.Size()), SHA256: hex.EncodeToString(h.Sum(nil))}
+
+	for name, write := range extra {
+		if !validName(name) {
+			return fmt.Errorf("snapshot: file name %q", name)
+		}
+		p := filepath.Join(tmp, name)
+		s, err := write(p)
+		if err != nil {
+			return fmt.Errorf("snapshot: %s: %w", name, err)
+		}
+		fi, err := os.Stat(p)
+		if err != nil {
+			return fmt.Errorf("snapshot: %s: %w", name, err)
+		}
+		m.Files[name] = File{Size: fi.Size(), SHA256: s}
+	}
+	mb, err := json.MarshalIndent(m, "", "  ")
+	if err != nil {
+		return fmt.Errorf("snapshot: manifest: %w", err)
+	}
+	if err := os.WriteFile(filepath.Join(tmp, ManifestFile), append(mb, '\n'), 0o600); err != nil {
+		return fmt.Errorf("snapshot: %w", err)
+	}
+	if err := os.Rename(tmp, dir); err != nil {
+		return fmt.Errorf("snapshot: %w", err)
+	}
+	return nil
+}
+
+// validName is a plain file name: no directories, nothing hidden.
+func validName(name string) bool {
+	return name != "" && !strings.ContainsAny(name, "/\\\x00") && !strings.HasPrefix(name, ".") && len(name) <= 64
+}
+
+func capsaVersion() string {
+	if bi, ok := debug.ReadBuildInfo(); ok && bi.Main.Version != "" {
+		return bi.Main.Version
+	}
+	return "unknown"
+}
+
+// Open reads the snapshot in dir: its manifest and state, checked against
+// their sizes and checksums and decoded strictly, and the presence and
+// size of every file the manifest names. The memory's own checksum is
+// left to Verify (it reads every page).
+func Open(dir string) (*Snapshot, error) {
+	mb, err := readBounded(filepath.Join(dir, ManifestFile), maxManifest)
+	if err != nil {
+		return nil, fmt.Errorf("snapshot %s: %w", dir, err)
+	}
+	s := &Snapshot{Dir: dir}
+	if err := ParseManifest(mb, &s.Manifest); err != nil {
+		return nil, fmt.Errorf("snapshot %s: %w", dir, err)
+	}
+	for name, f := range s.Manifest.Files {
+		fi, err := os.Lstat(filepath.Join(dir, name))
+		if err != nil {
+			return nil, fmt.Errorf("snapshot %s: %w", dir, err)
+		}
+		if !fi.Mode().IsRegular() || fi.Size() != f.Size {
+			return nil, fmt.Errorf("snapshot %s: %s is %d bytes (%v), the manifest says %d: truncated or replaced", dir, name, fi.Size(), fi.Mode().Type(), f.Size)
+		}
+	}
+	sb, err := readBounded(filepath.Join(dir, StateFile), maxState)
+	if err != nil {
+		return nil, fmt.Errorf("snapshot %s: %w", dir, err)
+	}
+	if sum := sha256.Sum256(sb); hex.EncodeToString(sum[:]) != s.Manifest.Files[StateFile].SHA256 {
+		return nil, fmt.Errorf("snapshot %s: %s does not match its checksum: corrupted", dir, StateFile)
+	}
+	if s.State, err = ParseState(sb); err != nil {
+		return nil, fmt.Errorf("snapshot %s: %w", dir, err)
+	}
+	if s.State.CPUs != s.Manifest.CPUs || s.State.MemoryBytes != s.Manifest.MemoryBytes {
+		return nil, fmt.Errorf("snapshot %s: the state is of %d vCPUs and %d bytes, the manifest says %d and %d", dir, s.State.CPUs, s.State.MemoryBytes, s.Manifest.CPUs, s.Manifest.MemoryBytes)
+	}
+	return s, nil
+}
+
+// ParseManifest decodes and checks a manifest.
+func ParseManifest(b []byte, m *Manifest) error {
+	if err := decodeStrict(b, m); err != nil {
+		return fmt.Errorf("manifest: %w", err)
+	}
+	switch {
+	case m.Format != Format:
+		return fmt.Errorf("manifest: format %q, not a capsa snapshot", m.Format)
+	case m.Version != Version:
+		return fmt.Errorf("manifest: snapshot version %d (written by capsa %s); this capsa reads version %d", m.Version, m.CapsaVersion, Version)
+	case m.CPUs < 1 || m.CPUs > vmm.MaxCPUs:
+		return fmt.Errorf("manifest: %d vCPUs", m.CPUs)
+	case m.MemoryBytes == 0 || m.MemoryBytes%4096 != 0:
+		return fmt.Errorf("manifest: %d bytes of memory", m.MemoryBytes)
+	case len(m.Spec) == 0:
+		return errors.New("manifest: no sandbox spec")
+	}
+	for _, name := range []string{StateFile, MemoryFile} {
+		if _, ok := m.Files[name]; !ok {
+			return fmt.Errorf("manifest: no %s", name)
+		}
+	}
+	for name, f := range m.Files {
+		if !validName(name) || name == ManifestFile || f.Size < 0 {
+			return fmt.Errorf("manifest: file %q of %d bytes", name, f.Size)
+		}
+	}
+	if m.Files[MemoryFile].Size != int64(m.MemoryBytes) {
+		return fmt.Errorf("manifest: a memory file of %d bytes for %d bytes of memory", m.Files[MemoryFile].Size, m.MemoryBytes)
+	}
+	return nil
+}
+
+// ParseState decodes a VM state; vmm.Restore checks it against the VM.
+func ParseState(b []byte) (*vmm.State, error) {
+	var st vmm.State
+	if err := decodeStrict(b, &st); err != nil {
+		return nil, fmt.Errorf("state: %w", err)
+	}
+	if st.Version != vmm.StateVersion {
+		return nil, fmt.Errorf("state: version %d; this capsa reads version %d", st.Version, vmm.StateVersion)
+	}
+	return &st, nil
+}
+
+// decodeStrict decodes one JSON value with no unknown fields and nothing
+// after it.
+func decodeStrict(b []byte, v any) error {
+	d := json.NewDecoder(bytes.NewReader(b))
+	d.DisallowUnknownFields()
+	if err := d.Decode(v); err != nil {
+		return err
+	}
+	if d.More() {
+		return errors.New("data after the JSON value")
+	}
+	return nil
+}
+
+func readBounded(path string, limit int64) ([]byte, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	b, err := io.ReadAll(io.LimitReader(f, limit+1))
+	if err != nil {
+		return nil, err
+	}
+	if int64(len(b)) > limit {
+		return nil, fmt.Errorf("%s is larger than %d bytes", filepath.Base(path), limit)
+	}
+	return b, nil
+}
+
+// MapMemory maps the snapshot's memory copy-on-write (guestmem.Map): every
+// sandbox restored from it shares the pages it has not written.
+func (s *Snapshot) MapMemory() (*guestmem.Memory, error) {
+	f, err := os.Open(filepath.Join(s.Dir, MemoryFile))
+	if err != nil {
+		return nil, fmt.Errorf("snapshot %s: %w", s.Dir, err)
+	}
+	defer f.Close() // the mapping outlives the descriptor
+	m, err := guestmem.Map(f, s.Manifest.MemoryBytes)
+	if err != nil {
+		return nil, fmt.Errorf("snapshot %s: %w", s.Dir, err)
+	}
+	return m, nil
+}
+
+// Verify reads every file the manifest hashes and checks it: a corrupted
+// memory file is found here, not by Open.
+func Verify(dir string) error {
+	s, err := Open(dir)
+	if err != nil {
+		return err
+	}
+	for name, f := range s.Manifest.Files {
+		if f.SHA256 == "" || name == StateFile {
+			continue
+		}
+		var got string
+		if name == MemoryFile {
+			mem, err := s.MapMemory()
+			if err != nil {
+				return err
+			}
+			h := sha256.New()
+			err = mem.Hash(h)
+			mem.Close()
+			if err != nil {
+				return fmt.Errorf("snapshot %s: %w", dir, err)
+			}
+			got = hex.EncodeToString(h.Sum(nil))
+		} else {
+			fh, err := os.Open(filepath.Join(dir, name))
+			if err != nil {
+				return fmt.Errorf("snapshot %s: %w", dir, err)
+			}
+			h := sha256.New()
+			_, err = io.Copy(h, fh)
+			fh.Close()
+			if err != nil {
+				return fmt.Errorf("snapshot %s: %w", dir, err)
+			}
+			got = hex.EncodeToString(h.Sum(nil))
+		}
+		if got != f.SHA256 {
+			return fmt.Errorf("snapshot %s: %s does not match its checksum: corrupted", dir, name)
+		}
+	}
+	return nil
+}

@@ -1,0 +1,79 @@
+package virtio
+
+import (
+	"strings"
+	"testing"
+)
+
+// TestTransportStateRoundTrip: a transport restored from another's state,
+// on the same memory, runs its device on queues that go on where the first
+// left them, without the driver setting anything up again.
+func TestTransportStateRoundTrip(t *testing.T) {
+	dev := &echoDevice{}
+	d, _ := newMMIO(t, dev)
+	d.m.UseGate(NewGate())
+	d.bringUp(FeatureVersion1 | FeatureEventIdx | 1<<3)
+	d.drv.mem.WriteAt([]byte("ping"), testData)
+	d.drv.add(0, buf{testData, 4, false}, buf{testData + 0x100, 8, true})
+	d.w(regQueueNotify, 0)
+	st, err := d.m.State()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !st.Active || len(st.Live) != 1 || st.Live[0].NextUsed != 1 || st.Live[0].NextAvail != 1 || !st.Live[0].EventIdx {
+		t.Fatalf("State() = %+v; want a running device with one chain used", st)
+	}
+
+	dev2 := &echoDevice{}
+	d2 := &mmioDriver{t: t, m: NewMMIO(dev2, d.drv.mem, func() {}, nil), drv: d.drv}
+	if err := d2.m.Restore(st); err != nil {
+		t.Fatalf("Restore() = %v", err)
+	}
+	if dev2.activated != 1 || d2.r(regStatus) != st.Status || d2.r(regInterruptStatus) != st.Interrupt {
+		t.Fatalf("restored: activated %d, status %#x, interrupt %#x; want 1, %#x, %#x", dev2.activated, d2.r(regStatus), d2.r(regInterruptStatus), st.Status, st.Interrupt)
+	}
+	d.drv.mem.WriteAt([]byte("pong"), testData)
+	d.drv.add(2, buf{testData, 4, false}, buf{testData + 0x200, 8, true})
+	d2.w(regQueueNotify, 0)
+	if got, _ := d.drv.mem.Slice(testData+0x200, 4); string(got) != "pong" {
+		t.Errorf("the restored device wrote %q, want pong", got)
+	}
+	if id, _ := d.drv.usedElem(1); id != 2 {
+		t.Errorf("the second used entry is chain %d, want 2", id)
+	}
+}
+
+// TestTransportRestoreRefuses: a state that does not fit the device or its
+// memory is refused, naming why.
+func TestTransportRestoreRefuses(t *testing.T) {
+	dev := &echoDevice{}
+	d, _ := newMMIO(t, dev)
+	d.bringUp(FeatureVersion1 | 1<<3)
+	good, err := d.m.State()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		name string
+		edit func(*TransportState)
+		want string
+	}{
+		{"type", func(s *TransportState) { s.DeviceType = 7 }, "type 7"},
+		{"queues", func(s *TransportState) { s.Queues = nil; s.Live = nil }, "0 queues"},
+		{"size", func(s *TransportState) { s.Queues[0].Num = 64; s.Live[0].Size = 64 }, "size 64"},
+		{"features", func(s *TransportState) { s.DrvFeatures |= 1 << 20 }, "driver features"},
+		{"rings", func(s *TransportState) { s.Live[0].Desc = 0x40000 }, "other rings"},
+		{"used index", func(s *TransportState) { s.Live[0].NextUsed = 5 }, "used index in memory is 0"},
+		{"outside memory", func(s *TransportState) { s.Queues[0].Used = 1 << 40; s.Live[0].Used = 1 << 40 }, "outside guest memory"},
+	} {
+		st := good
+		st.Queues = append([]QueueRegisters(nil), good.Queues...)
+		l := *good.Live[0]
+		st.Live = []*QueueState{&l}
+		tc.edit(&st)
+		m := NewMMIO(&echoDevice{}, d.drv.mem, func() {}, nil)
+		if err := m.Restore(st); err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%s: Restore() = %v, want an error containing %q", tc.name, err, tc.want)
+		}
+	}
+}
