@@ -726,8 +726,10 @@ func (s *Server) exec(ctx context.Context, c *Conn, req *ExecRequest) error {
 			s.log().Error("agent: wait", "argv", argv, "err", werr)
 			st.Code = 255
 		}
-		p.finish(st)
+		// The table first: a client that saw the exit then finds the
+		// table as it is after it (the oldest exited ones forgotten).
 		s.procs.ended(p)
+		p.finish(st)
 	}()
 	// Registered before the client learns the ID, so a Signal right after
 	// it finds the process.

@@ -1,6 +1,7 @@
 package virtio
 
 import (
+	"encoding/json"
 	"strings"
 	"testing"
 )
@@ -76,4 +77,41 @@ func TestTransportRestoreRefuses(t *testing.T) {
 			t.Errorf("%s: Restore() = %v, want an error containing %q", tc.name, err, tc.want)
 		}
 	}
+}
+
+// FuzzTransportRestore: any transport state, decoded from JSON as a
+// snapshot's is, is either refused or gives a device that runs on guest
+// memory without a panic.
+func FuzzTransportRestore(f *testing.F) {
+	drv, _ := newDriver(f, 16)
+	d := &mmioDriver{m: NewMMIO(&echoDevice{}, drv.mem, func() {}, nil), drv: drv}
+	d.w(regStatus, StatusAcknowledge|StatusDriver)
+	d.w(regDriverFeatSel, 1)
+	d.w(regDriverFeatures, 1)
+	d.w(regStatus, StatusAcknowledge|StatusDriver|StatusFeaturesOK)
+	d.w(regQueueNum, 16)
+	d.w(regQueueDescLow, testDesc)
+	d.w(regQueueDriverLow, testAvail)
+	d.w(regQueueDeviceLow, testUsed)
+	d.w(regQueueReady, 1)
+	d.w(regStatus, StatusAcknowledge|StatusDriver|StatusFeaturesOK|StatusDriverOK)
+	st, err := d.m.State()
+	if err != nil {
+		f.Fatal(err)
+	}
+	b, _ := json.Marshal(st)
+	f.Add(b)
+	f.Add([]byte(`{"device_type":66,"status":15,"driver_features":4294967296,"queues":[{"num":16,"ready":true,"used":1048570}],"active":true,"live":[{"size":16,"used":1048570}]}`))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		var st TransportState
+		if json.Unmarshal(b, &st) != nil {
+			return
+		}
+		dev := &echoDevice{}
+		m := NewMMIO(dev, drv.mem, func() {}, nil)
+		if m.Restore(st) == nil && dev.act.Queues != nil {
+			m.Kick()
+		}
+		m.Close()
+	})
 }

@@ -1,0 +1,163 @@
+package snapshot
+
+import (
+	"encoding/json"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/capsa-sandbox/capsa/guestmem"
+	"github.com/capsa-sandbox/capsa/kvm"
+	"github.com/capsa-sandbox/capsa/vmm"
+)
+
+const memBytes = 16 << 20
+
+func testState() *vmm.State {
+	return &vmm.State{Version: vmm.StateVersion, CPUs: 1, MemoryBytes: memBytes,
+		IRQChips: []kvm.IRQChip{{ChipID: 0}, {ChipID: 1}, {ChipID: 2}},
+		VCPUs:    []vmm.VCPUState{{CPUID: []kvm.CPUIDEntry{{Function: 0x8000_0002, EAX: 0x74736554}}}}}
+}
+
+// writeTest writes a snapshot of 16 MiB with a few pages in use.
+func writeTest(t *testing.T) string {
+	t.Helper()
+	mem, err := guestmem.New(memBytes)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer mem.Close()
+	for _, gpa := range []uint64{0x1000, 0x200000, memBytes - 4096} {
+		mem.WriteAt([]byte("in use"), gpa)
+	}
+	dir := filepath.Join(t.TempDir(), "snap")
+	m := Manifest{Spec: json.RawMessage(`{"cpus":1}`), CPUs: 1, MemoryBytes: memBytes, MainProcess: 1}
+	if err := Write(dir, m, testState(), mem, nil); err != nil {
+		t.Fatalf("Write() = %v", err)
+	}
+	return dir
+}
+
+func TestWriteOpenVerify(t *testing.T) {
+	dir := writeTest(t)
+	s, err := Open(dir)
+	if err != nil {
+		t.Fatalf("Open() = %v", err)
+	}
+	if s.Manifest.Format != Format || s.Manifest.MainProcess != 1 || s.State.CPUs != 1 || len(s.State.IRQChips) != 3 {
+		t.Errorf("Open() = %+v, state %+v", s.Manifest, s.State)
+	}
+	if err := Verify(dir); err != nil {
+		t.Errorf("Verify() = %v", err)
+	}
+	mem, err := s.MapMemory()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer mem.Close()
+	if b, _ := mem.Slice(0x200000, 6); string(b) != "in use" {
+		t.Errorf("mapped memory at 0x200000 = %q", b)
+	}
+	if err := Write(dir, s.Manifest, s.State, mem, nil); err == nil || !strings.Contains(err.Error(), "exists") {
+		t.Errorf("Write() over a snapshot = %v, want an error that it exists", err)
+	}
+	if left, _ := filepath.Glob(filepath.Join(filepath.Dir(dir), ".snap.tmp-*")); len(left) != 0 {
+		t.Errorf("temporary directories left: %v", left)
+	}
+}
+
+// TestBadSnapshots: every kind of damage is refused with an error that
+// names it, by Open or, for the memory's contents, by Verify.
+func TestBadSnapshots(t *testing.T) {
+	editJSON := func(name string, fn func(map[string]any)) func(dir string) {
+		return func(dir string) {
+			p := filepath.Join(dir, name)
+			b, _ := os.ReadFile(p)
+			var v map[string]any
+			json.Unmarshal(b, &v)
+			fn(v)
+			b, _ = json.Marshal(v)
+			os.WriteFile(p, b, 0o600)
+		}
+	}
+	for _, tc := range []struct {
+		name   string
+		damage func(dir string)
+		want   string
+		verify bool // found by Verify, not Open
+	}{
+		{"truncated memory", func(d string) { os.Truncate(filepath.Join(d, MemoryFile), memBytes/2) }, "truncated", false},
+		{"missing memory", func(d string) { os.Remove(filepath.Join(d, MemoryFile)) }, "no such file", false},
+		{"missing manifest", func(d string) { os.Remove(filepath.Join(d, ManifestFile)) }, "no such file", false},
+		{"corrupted state", func(d string) {
+			p := filepath.Join(d, StateFile)
+			b, _ := os.ReadFile(p)
+			b[len(b)/2] ^= 1
+			os.WriteFile(p, b, 0o600)
+		}, "checksum", false},
+		{"other version", editJSON(ManifestFile, func(m map[string]any) { m["version"] = 99 }), "snapshot version 99", false},
+		{"not a snapshot", editJSON(ManifestFile, func(m map[string]any) { m["format"] = "tar" }), "not a capsa snapshot", false},
+		{"unknown field", editJSON(ManifestFile, func(m map[string]any) { m["surprise"] = 1 }), "unknown field", false},
+		{"escaping file name", editJSON(ManifestFile, func(m map[string]any) {
+			m["files"].(map[string]any)["../x"] = map[string]any{"size": 1, "sha256": ""}
+		}), `file "../x"`, false},
+		{"memory size", editJSON(ManifestFile, func(m map[string]any) { m["memory_bytes"] = 2 * memBytes }), "memory file of", false},
+		{"corrupted memory", func(d string) {
+			f, _ := os.OpenFile(filepath.Join(d, MemoryFile), os.O_WRONLY, 0)
+			f.WriteAt([]byte("X"), 0x200001)
+			f.Close()
+		}, "memory does not match its checksum", true},
+	} {
+		dir := writeTest(t)
+		tc.damage(dir)
+		_, err := Open(dir)
+		if tc.verify {
+			if err != nil {
+				t.Errorf("%s: Open() = %v, want it to pass (only Verify reads the memory)", tc.name, err)
+			}
+			err = Verify(dir)
+		}
+		if err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%s: error %v, want one containing %q", tc.name, err, tc.want)
+		}
+	}
+}
+
+// FuzzParse feeds arbitrary manifests and states to the decoders and the
+// restore's checks: errors, never a panic.
+func FuzzParse(f *testing.F) {
+	dir := writeTestF(f)
+	for _, name := range []string{ManifestFile, StateFile} {
+		b, err := os.ReadFile(filepath.Join(dir, name))
+		if err != nil {
+			f.Fatal(err)
+		}
+		f.Add(b)
+	}
+	f.Add([]byte(`{"version":1,"cpus":1,"memory_bytes":4096,"irqchips":[{}],"vcpus":[{"cpuid":[{}],"xcrs":{"NrXCRs":99}}]}`))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		var m Manifest
+		ParseManifest(b, &m)
+		st, err := ParseState(b)
+		if err != nil {
+			return
+		}
+		cfg := vmm.Config{CPUs: st.CPUs, MemoryBytes: st.MemoryBytes}
+		st.Check(cfg)
+		st.CPUModel()
+	})
+}
+
+func writeTestF(f *testing.F) string {
+	mem, err := guestmem.New(memBytes)
+	if err != nil {
+		f.Fatal(err)
+	}
+	defer mem.Close()
+	dir := filepath.Join(f.TempDir(), "snap")
+	if err := Write(dir, Manifest{Spec: json.RawMessage(`{}`), CPUs: 1, MemoryBytes: memBytes}, testState(), mem, nil); err != nil {
+		f.Fatal(err)
+	}
+	return dir
+}
