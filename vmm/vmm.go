@@ -71,9 +71,9 @@ type Machine struct {
 	mem     *guestmem.Memory
 	vcpus   []*kvm.VCPU
 	cpuid   [][]kvm.CPUIDEntry // each vCPU's, as set
-	tids    []atomic.Int32 // OS thread of each running vCPU, 0 before it starts
-	cpuBase []atomic.Int64 // each running vCPU thread's CPU time (ns) when it took the vCPU
-	cpuDone atomic.Int64   // CPU time (ns) the vCPU threads that ended spent on their vCPUs
+	tids    []atomic.Int32     // OS thread of each running vCPU, 0 before it starts
+	cpuBase []atomic.Int64     // each running vCPU thread's CPU time (ns) when it took the vCPU
+	cpuDone atomic.Int64       // CPU time (ns) the vCPU threads that ended spent on their vCPUs
 	ports   *devices.Bus
 	mmio    *devices.Bus
 	serial  *devices.Serial
