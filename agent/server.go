@@ -286,8 +286,26 @@ func resumed(r *Resumed) error {
 		if err := unix.Sethostname([]byte(r.Hostname)); err != nil {
 			return fmt.Errorf("resumed: set the hostname %q: %w", r.Hostname, err)
 		}
+		renameInHosts("/etc/hosts", r.Hostname)
 	}
 	return nil
+}
+
+// renameInHosts points the hosts file's 127.0.1.1 line, the one init
+// wrote for the hostname, at the new name; a file without one is left.
+func renameInHosts(path, name string) {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return
+	}
+	lines := strings.Split(string(b), "\n")
+	for i, l := range lines {
+		if strings.HasPrefix(l, "127.0.1.1") {
+			lines[i] = "127.0.1.1\t" + name
+			os.WriteFile(path, []byte(strings.Join(lines, "\n")), 0o644)
+			return
+		}
+	}
 }
 
 // addEntropy mixes seed into the kernel's input pool (a write to

@@ -4,8 +4,10 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"io/fs"
 	"math"
+	"os"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -137,4 +139,149 @@ func TestSnapshotRollback(t *testing.T) {
 	if a, b := random(r), random(r2); bytes.Equal(a, b) {
 		t.Errorf("two copies restored from one snapshot drew the same random bytes % x", a)
 	}
+}
+
+// TestFork: four copies of a running sandbox each have its files, see
+// none of each other's writes, draw different random numbers, have their
+// own hostnames, and all exec at once; a pool hands out restored
+// sandboxes from a snapshot.
+func TestFork(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 6*time.Minute)
+	defer cancel()
+	sb := startSandbox(t, ctx, sandbox.New())
+	if err := sb.WriteFile(ctx, "/tmp/parent", []byte("from the parent"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	copies, err := sb.Fork(ctx, 4, sandbox.RestoreOptions{})
+	if err != nil {
+		t.Fatalf("Fork(4) = %v", err)
+	}
+	t.Logf("Fork(4) took %v", time.Since(start).Round(time.Millisecond))
+	for _, c := range copies {
+		t.Cleanup(func() { c.Close() })
+	}
+	type result struct {
+		host, random string
+		err          error
+	}
+	results := make([]result, len(copies))
+	done := make(chan int)
+	for i, c := range copies {
+		go func() {
+			defer func() { done <- i }()
+			if err := c.WriteFile(ctx, "/tmp/mine", []byte(strconv.Itoa(i)), 0o644); err != nil {
+				results[i].err = err
+				return
+			}
+			out, err := c.Exec(ctx, sandbox.Shell("cat /tmp/parent; echo; hostname"))
+			if err != nil {
+				results[i].err = err
+				return
+			}
+			lines := strings.Split(strings.TrimSpace(string(out.Stdout)), "\n")
+			if len(lines) != 2 || lines[0] != "from the parent" {
+				results[i].err = fmt.Errorf("cat /tmp/parent; hostname = %q, %q", out.Stdout, out.Stderr)
+				return
+			}
+			rnd, err := c.Exec(ctx, sandbox.Shell("dd if=/dev/urandom bs=16 count=1 2>/dev/null"))
+			if err != nil || len(rnd.Stdout) != 16 {
+				results[i].err = fmt.Errorf("16 random bytes = %q, %v", rnd.Stdout, err)
+				return
+			}
+			results[i].host, results[i].random = lines[1], string(rnd.Stdout)
+		}()
+	}
+	for range copies {
+		<-done
+	}
+	hosts, randoms := map[string]bool{}, map[string]bool{}
+	for i, r := range results {
+		if r.err != nil {
+			t.Errorf("copy %d: %v", i, r.err)
+			continue
+		}
+		hosts[r.host], randoms[r.random] = true, true
+		b, err := copies[i].ReadFile(ctx, "/tmp/mine")
+		if err != nil || string(b) != strconv.Itoa(i) {
+			t.Errorf("copy %d: /tmp/mine = %q, %v; want its own write, not another copy's", i, b, err)
+		}
+	}
+	if !t.Failed() && (len(hosts) != 4 || len(randoms) != 4) {
+		t.Errorf("4 copies had %d hostnames %v and %d different random draws; want 4 of each", len(hosts), hosts, len(randoms))
+	}
+	if _, err := sb.Stat(ctx, "/tmp/mine"); !errors.Is(err, fs.ErrNotExist) {
+		t.Errorf("the parent sees a copy's file: Stat = %v", err)
+	}
+
+	// A pool of two, from a snapshot.
+	dir := filepath.Join(t.TempDir(), "snap")
+	if err := sb.Snapshot(ctx, dir); err != nil {
+		t.Fatal(err)
+	}
+	pool, err := sandbox.NewPool(dir, 2, sandbox.RestoreOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pool.Close()
+	for i := range 3 {
+		c, err := pool.Get(ctx)
+		if err != nil {
+			t.Fatalf("pool.Get() #%d = %v", i, err)
+		}
+		if b, err := c.ReadFile(ctx, "/tmp/parent"); err != nil || string(b) != "from the parent" {
+			t.Errorf("pool sandbox #%d: /tmp/parent = %q, %v", i, b, err)
+		}
+		c.Close()
+	}
+}
+
+// TestRestoresShareMemory: eight sandboxes restored from one snapshot
+// cost the host far less than eight guests' memory: they share the
+// snapshot's pages until they write them.
+func TestRestoresShareMemory(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 6*time.Minute)
+	defer cancel()
+	sb := startSandbox(t, ctx, sandbox.New())
+	// Some memory in use, for the copies to share.
+	if out, err := sb.Exec(ctx, sandbox.Shell("dd if=/dev/urandom of=/tmp/fill bs=1048576 count=64 2>/dev/null")); err != nil || out.Code != 0 {
+		t.Fatalf("fill /tmp: %+v, %v", out, err)
+	}
+	dir := filepath.Join(t.TempDir(), "snap")
+	if err := sb.Snapshot(ctx, dir); err != nil {
+		t.Fatal(err)
+	}
+	sb.Close()
+	const n, guestMiB = 8, 256
+	before := pssMiB(t)
+	for range n {
+		r := restoreSandbox(t, ctx, dir, sandbox.RestoreOptions{})
+		// Each reads the shared 64 MiB, faulting the snapshot's pages in.
+		if out, err := r.Exec(ctx, sandbox.Shell("cat /tmp/fill > /dev/null")); err != nil || out.Code != 0 {
+			t.Fatalf("read /tmp/fill: %+v, %v", out, err)
+		}
+	}
+	grew := pssMiB(t) - before
+	t.Logf("%d restored sandboxes of %d MiB: the host's proportional set size grew by %d MiB", n, guestMiB, grew)
+	if grew > n*guestMiB/4 {
+		t.Errorf("%d restores grew the host's memory by %d MiB, want well below %d MiB (pages shared)", n, grew, n*guestMiB)
+	}
+}
+
+// pssMiB is this process's proportional set size: pages it shares with
+// itself (one file mapped by several VMs) counted once.
+func pssMiB(t *testing.T) int {
+	t.Helper()
+	b, err := os.ReadFile("/proc/self/smaps_rollup")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, l := range strings.Split(string(b), "\n") {
+		if f := strings.Fields(l); len(f) >= 2 && f[0] == "Pss:" {
+			kb, _ := strconv.Atoi(f[1])
+			return kb / 1024
+		}
+	}
+	t.Fatal("no Pss in smaps_rollup")
+	return 0
 }

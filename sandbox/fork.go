@@ -1,0 +1,147 @@
+package sandbox
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"sync"
+	"time"
+)
+
+// Fork makes n running copies of the sandbox: it is snapshotted (paused
+// only meanwhile) and each copy restored from that snapshot, with its own
+// memory (shared with the others until written), network stack, hostname
+// (the sandbox's, suffixed -1, -2...) and reseeded random numbers. The
+// copies' main processes' output goes to o.Stdout and o.Stderr. The
+// snapshot is removed once the copies run: they keep its memory mapped.
+func (s *Sandbox) Fork(ctx context.Context, n int, o RestoreOptions) ([]*Sandbox, error) {
+	if n < 1 {
+		return nil, fmt.Errorf("sandbox: fork: %d copies: want at least 1", n)
+	}
+	info, err := s.Info(ctx)
+	if err != nil {
+		return nil, fmt.Errorf("sandbox: fork: %w", err)
+	}
+	tmp, err := os.MkdirTemp("", "capsa-fork-")
+	if err != nil {
+		return nil, fmt.Errorf("sandbox: fork: %w", err)
+	}
+	defer os.RemoveAll(tmp)
+	dir := filepath.Join(tmp, "snapshot")
+	if err := s.Snapshot(ctx, dir); err != nil {
+		return nil, fmt.Errorf("sandbox: fork: %w", err)
+	}
+	copies := make([]*Sandbox, n)
+	errs := make([]error, n)
+	var wg sync.WaitGroup
+	for i := range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			co := o
+			co.Hostname = fmt.Sprintf("%s-%d", info.Hostname, i+1)
+			if co.VsockSocket != "" {
+				co.VsockSocket = fmt.Sprintf("%s.%d", o.VsockSocket, i+1)
+			}
+			copies[i], errs[i] = Restore(ctx, dir, co)
+		}()
+	}
+	wg.Wait()
+	if err := errors.Join(errs...); err != nil {
+		for _, c := range copies {
+			if c != nil {
+				c.Close()
+			}
+		}
+		return nil, fmt.Errorf("sandbox: fork: %w", err)
+	}
+	return copies, nil
+}
+
+// Pool keeps sandboxes restored from one snapshot ready, so that getting
+// one costs a hand-out, not a boot or even a restore: E2B's and
+// microsandbox's warm pools. A background goroutine refills it.
+type Pool struct {
+	dir   string
+	o     RestoreOptions
+	ready chan *Sandbox
+	errc  chan error
+	stop  chan struct{}
+	done  chan struct{}
+}
+
+// NewPool starts keeping size sandboxes restored from the snapshot in dir
+// (see Restore; o applies to each). The snapshot is checked at once.
+func NewPool(dir string, size int, o RestoreOptions) (*Pool, error) {
+	if size < 1 {
+		return nil, fmt.Errorf("sandbox: pool of %d: want at least 1", size)
+	}
+	if _, err := os.Stat(filepath.Join(dir, "manifest.json")); err != nil {
+		return nil, fmt.Errorf("sandbox: pool: %w", err)
+	}
+	p := &Pool{dir: dir, o: o, ready: make(chan *Sandbox, size), errc: make(chan error, 1),
+		stop: make(chan struct{}), done: make(chan struct{})}
+	go p.fill()
+	return p, nil
+}
+
+// fill restores sandboxes while there is room, until Close.
+func (p *Pool) fill() {
+	defer close(p.done)
+	for {
+		sb, err := Restore(context.Background(), p.dir, p.o)
+		if err != nil {
+			select {
+			case p.errc <- err:
+			default:
+			}
+			select {
+			case <-p.stop:
+				return
+			case <-time.After(time.Second): // back off, then try again
+			}
+			continue
+		}
+		select {
+		case p.ready <- sb:
+		case <-p.stop:
+			sb.Close()
+			return
+		}
+	}
+}
+
+// Get hands out a ready sandbox, waiting for one if the pool is empty; the
+// caller closes it. A restore that failed is reported here.
+func (p *Pool) Get(ctx context.Context) (*Sandbox, error) {
+	select {
+	case sb := <-p.ready:
+		return sb, nil
+	case <-ctx.Done():
+		select {
+		case err := <-p.errc:
+			return nil, fmt.Errorf("sandbox: pool: %w", err)
+		default:
+		}
+		return nil, ctx.Err()
+	case err := <-p.errc:
+		return nil, fmt.Errorf("sandbox: pool: %w", err)
+	}
+}
+
+// Close stops refilling and closes the sandboxes not handed out.
+func (p *Pool) Close() error {
+	close(p.stop)
+	<-p.done
+	var errs []error
+	for {
+		select {
+		case sb := <-p.ready:
+			errs = append(errs, sb.Close())
+		default:
+			return errors.Join(errs...)
+		}
+	}
+}
