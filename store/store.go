@@ -74,6 +74,11 @@ type Record struct {
 	IdleTimeout time.Duration `json:"idle_timeout_ns,omitempty"`
 	// AutoRemove: the record goes when the sandbox ends (--rm).
 	AutoRemove bool `json:"auto_remove,omitempty"`
+	// RestoreFrom, when set, is the snapshot directory the sandbox starts
+	// from instead of booting (capsa snapshot restore, capsa fork), and
+	// Hostname the name its guest then takes ("": the snapshot's).
+	RestoreFrom string `json:"restore_from,omitempty"`
+	Hostname    string `json:"hostname,omitempty"`
 }
 
 // Alive reports whether the sandbox's supervisor may still be running.
@@ -130,6 +135,18 @@ func Open(dir string) (*Store, error) {
 		return nil, fmt.Errorf("store: open %s: %w", dir, err)
 	}
 	return &Store{dir: abs}, nil
+}
+
+// SnapshotDir is where the CLI keeps the snapshot called name.
+func (s *Store) SnapshotDir(name string) string { return filepath.Join(s.dir, "snapshots", name) }
+
+// CheckSnapshotName refuses a snapshot name that is not a plain name (the
+// same rule as a sandbox's).
+func CheckSnapshotName(name string) error {
+	if !nameRE.MatchString(name) {
+		return fmt.Errorf("store: snapshot name %q: want 1 to 63 letters, digits, '_', '.' or '-', starting with a letter or digit", name)
+	}
+	return nil
 }
 
 // Dir is the store's directory.

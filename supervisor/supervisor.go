@@ -120,8 +120,15 @@ func Run(ctx context.Context, o Options) error {
 
 	spec := rec.Spec
 	spec.VsockSocket = filepath.Join(dir, AgentSocket)
-	w := sandbox.FromSpec(spec).Logger(log).Console(consoleLog).Stdout(mainLog).Stderr(mainLog)
-	sb, err := w.Start(ctx)
+	var sb *sandbox.Sandbox
+	if rec.RestoreFrom != "" {
+		sb, err = sandbox.Restore(ctx, rec.RestoreFrom, sandbox.RestoreOptions{
+			Logger: log, Console: consoleLog, Stdout: mainLog, Stderr: mainLog,
+			VsockSocket: spec.VsockSocket, Network: spec.Network, Hostname: rec.Hostname,
+		})
+	} else {
+		sb, err = sandbox.FromSpec(spec).Logger(log).Console(consoleLog).Stdout(mainLog).Stderr(mainLog).Start(ctx)
+	}
 	if err != nil {
 		return fail(err)
 	}
@@ -351,6 +358,22 @@ func (c *control) serve(path string, log *slog.Logger) (*http.Server, error) {
 	mux.HandleFunc("POST /v1/resume", func(w http.ResponseWriter, r *http.Request) {
 		c.setPaused(w, r, false, log)
 	})
+	mux.HandleFunc("POST /v1/snapshot", func(w http.ResponseWriter, r *http.Request) {
+		var req snapshotBody
+		if err := json.NewDecoder(http.MaxBytesReader(w, r.Body, 4096)).Decode(&req); err != nil || !filepath.IsAbs(req.Dir) {
+			http.Error(w, fmt.Sprintf("bad snapshot request: %v (want an absolute directory)", err), http.StatusBadRequest)
+			return
+		}
+		c.pauseMu.Lock()
+		defer c.pauseMu.Unlock()
+		if err := c.sb.Snapshot(r.Context(), req.Dir); err != nil {
+			log.Warn("supervisor: snapshot", "err", err)
+			http.Error(w, err.Error(), http.StatusConflict)
+			return
+		}
+		log.Info("supervisor: snapshot written", "dir", req.Dir)
+		w.WriteHeader(http.StatusNoContent)
+	})
 	mux.HandleFunc("GET /v1/stats", func(w http.ResponseWriter, r *http.Request) {
 		st, err := c.sb.Stats()
 		if err != nil {
@@ -410,6 +433,21 @@ func Pause(ctx context.Context, st *store.Store, name string) error {
 // Resume runs the paused detached sandbox name again (sandbox.Sandbox.Resume).
 func Resume(ctx context.Context, st *store.Store, name string) error {
 	return controlPost(ctx, st, name, "resume", nil, http.StatusNoContent)
+}
+
+// snapshotBody is POST /v1/snapshot's request.
+type snapshotBody struct {
+	Dir string `json:"dir"`
+}
+
+// Snapshot writes the running detached sandbox name to the snapshot
+// directory dir (sandbox.Sandbox.Snapshot), through its supervisor.
+func Snapshot(ctx context.Context, st *store.Store, name, dir string) error {
+	abs, err := filepath.Abs(dir)
+	if err != nil {
+		return err
+	}
+	return controlPost(ctx, st, name, "snapshot", snapshotBody{Dir: abs}, http.StatusNoContent)
 }
 
 // Stop ends the detached sandbox name as `capsa stop` does: SIGTERM to the

@@ -16,27 +16,10 @@ import (
 
 // runImage is `capsa image VERB ...`.
 func runImage(ctx context.Context, args []string, stdout, stderr io.Writer) int {
-	verbs := map[string]func(context.Context, []string, io.Writer, io.Writer) int{
+	return runVerbs(ctx, "image", map[string]func(context.Context, []string, io.Writer, io.Writer) int{
 		"pull": imagePull, "ls": imageList, "rm": imageRemove, "inspect": imageInspect,
 		"prune": imagePrune, "import": imageImport,
-	}
-	if len(args) == 0 || args[0] == "-h" || args[0] == "--help" {
-		w := stdout
-		if len(args) == 0 {
-			w = stderr
-		}
-		fmt.Fprintln(w, "usage: capsa image pull|ls|rm|inspect|prune|import ... (each has --help)")
-		if len(args) == 0 {
-			return 2
-		}
-		return 0
-	}
-	fn, ok := verbs[args[0]]
-	if !ok {
-		fmt.Fprintf(stderr, "capsa image: unknown command %q (pull, ls, rm, inspect, prune, import)\n", args[0])
-		return 2
-	}
-	return fn(ctx, args[1:], stdout, stderr)
+	}, args, stdout, stderr)
 }
 
 func openStore(stderr io.Writer, name string) (*image.Store, bool) {

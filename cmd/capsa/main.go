@@ -48,6 +48,8 @@ func commands() []command {
 		{"logs", "print a detached sandbox's output", runLogs, false},
 		{"pause", "pause detached sandboxes: no vCPU runs, the guest's clocks stand still", runPause, false},
 		{"resume", "resume paused sandboxes (and set their clocks)", runResume, false},
+		{"snapshot", "snapshot detached sandboxes, restore, list and remove snapshots", runSnapshot, false},
+		{"fork", "make running copies of a detached sandbox", runFork, false},
 		{"stop", "stop detached sandboxes (SIGTERM, then SIGKILL)", runStop, false},
 		{"kill", "kill detached sandboxes' main processes and stop them", runKill, false},
 		{"rm", "remove ended detached sandboxes", runRm, false},

@@ -1,0 +1,385 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"sort"
+	"strings"
+	"sync"
+	"syscall"
+	"text/tabwriter"
+	"time"
+
+	"github.com/capsa-sandbox/capsa/sandbox"
+	"github.com/capsa-sandbox/capsa/snapshot"
+	"github.com/capsa-sandbox/capsa/store"
+	"github.com/capsa-sandbox/capsa/supervisor"
+)
+
+// runVerbs runs the verb args[0] of a command with sub-commands (capsa
+// image, capsa snapshot), or says which there are.
+func runVerbs(ctx context.Context, cmd string, verbs map[string]func(context.Context, []string, io.Writer, io.Writer) int, args []string, stdout, stderr io.Writer) int {
+	names := make([]string, 0, len(verbs))
+	for v := range verbs {
+		names = append(names, v)
+	}
+	sort.Strings(names)
+	if len(args) == 0 || args[0] == "-h" || args[0] == "--help" {
+		w := stdout
+		if len(args) == 0 {
+			w = stderr
+		}
+		fmt.Fprintf(w, "usage: capsa %s %s ... (each has --help)\n", cmd, strings.Join(names, "|"))
+		if len(args) == 0 {
+			return 2
+		}
+		return 0
+	}
+	fn, ok := verbs[args[0]]
+	if !ok {
+		fmt.Fprintf(stderr, "capsa %s: unknown command %q (%s)\n", cmd, args[0], strings.Join(names, ", "))
+		return 2
+	}
+	return fn(ctx, args[1:], stdout, stderr)
+}
+
+func runSnapshot(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	return runVerbs(ctx, "snapshot", map[string]func(context.Context, []string, io.Writer, io.Writer) int{
+		"create": snapshotCreate, "restore": snapshotRestore, "ls": snapshotList, "rm": snapshotRemove, "inspect": snapshotInspect,
+	}, args, stdout, stderr)
+}
+
+// snapshotCreate: capsa snapshot create NAME [SNAP].
+func snapshotCreate(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	fs := newFlags("snapshot create", "NAME [SNAP]  (SNAP: NAME-YYYYMMDD-HHMMSS)", stdout)
+	if code := parseFlags(fs, args, stderr); code >= 0 {
+		return code
+	}
+	if fs.NArg() < 1 || fs.NArg() > 2 {
+		fmt.Fprintln(stderr, "capsa snapshot create: want NAME [SNAP]")
+		return 2
+	}
+	name := fs.Arg(0)
+	snap := name + "-" + time.Now().Format("20060102-150405")
+	if fs.NArg() == 2 {
+		snap = fs.Arg(1)
+	}
+	if err := store.CheckSnapshotName(snap); err != nil {
+		fmt.Fprintf(stderr, "capsa snapshot create: %v\n", err)
+		return 2
+	}
+	st, err := openStateStore()
+	if err != nil {
+		fmt.Fprintf(stderr, "capsa snapshot create: %v\n", err)
+		return 1
+	}
+	dir := st.SnapshotDir(snap)
+	if _, err := os.Lstat(dir); err == nil {
+		fmt.Fprintf(stderr, "capsa snapshot create: a snapshot called %s exists (capsa snapshot rm %s first)\n", snap, snap)
+		return 1
+	}
+	if err := os.MkdirAll(filepath.Dir(dir), 0o700); err != nil {
+		fmt.Fprintf(stderr, "capsa snapshot create: %v\n", err)
+		return 1
+	}
+	if err := supervisor.Snapshot(ctx, st, name, dir); err != nil {
+		fmt.Fprintf(stderr, "capsa snapshot create: %v\n", err)
+		return 1
+	}
+	fmt.Fprintln(stdout, snap)
+	return 0
+}
+
+// restoreDetached records a detached sandbox that starts from the
+// snapshot in dir and starts its supervisor; it prints the name.
+func restoreDetached(ctx context.Context, cmdName string, st *store.Store, dir, name, hostname string, rm bool, stdout, stderr io.Writer) int {
+	s, err := snapshot.Open(dir)
+	if err != nil {
+		fmt.Fprintf(stderr, "capsa %s: %v\n", cmdName, err)
+		return 1
+	}
+	var spec sandbox.Spec
+	if err := json.Unmarshal(s.Manifest.Spec, &spec); err != nil {
+		fmt.Fprintf(stderr, "capsa %s: snapshot %s: spec: %v\n", cmdName, dir, err)
+		return 1
+	}
+	if name == "" {
+		if name, err = st.NewName(); err != nil {
+			fmt.Fprintf(stderr, "capsa %s: %v\n", cmdName, err)
+			return 125
+		}
+	}
+	lock, err := st.Create(&store.Record{Name: name, Spec: spec, AutoRemove: rm, RestoreFrom: dir, Hostname: hostname})
+	if err != nil {
+		fmt.Fprintf(stderr, "capsa %s: %v\n", cmdName, err)
+		if errors.Is(err, store.ErrExists) {
+			return 2
+		}
+		return 125
+	}
+	return superviseDetached(ctx, cmdName, st, name, lock, rm, stdout, stderr)
+}
+
+// snapshotRestore: capsa snapshot restore SNAP [--name NEW].
+func snapshotRestore(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	fs := newFlags("snapshot restore", "[flags] SNAP", stdout)
+	name := fs.String("name", "", "the restored sandbox's name (default: a new one)")
+	rm := fs.Bool("rm", false, "remove the sandbox's record when it ends")
+	if code := parseFlags(fs, args, stderr); code >= 0 {
+		return code
+	}
+	if fs.NArg() != 1 {
+		fmt.Fprintln(stderr, "capsa snapshot restore: want SNAP")
+		return 2
+	}
+	if *name != "" {
+		if err := store.CheckName(*name); err != nil {
+			fmt.Fprintf(stderr, "capsa snapshot restore: %v\n", err)
+			return 2
+		}
+	}
+	st, err := openStateStore()
+	if err != nil {
+		fmt.Fprintf(stderr, "capsa snapshot restore: %v\n", err)
+		return 1
+	}
+	dir, err := snapshotPath(st, fs.Arg(0))
+	if err != nil {
+		fmt.Fprintf(stderr, "capsa snapshot restore: %v\n", err)
+		return 2
+	}
+	return restoreDetached(ctx, "snapshot restore", st, dir, *name, "", *rm, stdout, stderr)
+}
+
+// snapshotPath finds a snapshot: a name in the state directory, or a
+// path to a snapshot directory (anything with a slash).
+func snapshotPath(st *store.Store, snap string) (string, error) {
+	if strings.Contains(snap, "/") {
+		return filepath.Abs(snap)
+	}
+	if err := store.CheckSnapshotName(snap); err != nil {
+		return "", err
+	}
+	return st.SnapshotDir(snap), nil
+}
+
+// snapshotRow is a line of capsa snapshot ls.
+type snapshotRow struct {
+	Name        string    `json:"name"`
+	Created     time.Time `json:"created"`
+	CPUs        int       `json:"cpus"`
+	MemoryBytes uint64    `json:"memory_bytes"`
+	DiskBytes   int64     `json:"disk_bytes"` // what its files take on disk
+	Command     string    `json:"command"`
+	Err         string    `json:"error,omitempty"`
+}
+
+func snapshotList(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	fs := newFlags("snapshot ls", "[flags]", stdout)
+	format := fs.String("format", "table", "table or json")
+	if code := parseFlags(fs, args, stderr); code >= 0 {
+		return code
+	}
+	st, err := openStateStore()
+	if err != nil {
+		fmt.Fprintf(stderr, "capsa snapshot ls: %v\n", err)
+		return 1
+	}
+	entries, err := os.ReadDir(filepath.Join(st.Dir(), "snapshots"))
+	if err != nil && !errors.Is(err, os.ErrNotExist) {
+		fmt.Fprintf(stderr, "capsa snapshot ls: %v\n", err)
+		return 1
+	}
+	rows := []snapshotRow{}
+	for _, e := range entries {
+		if !e.IsDir() || strings.HasPrefix(e.Name(), ".") {
+			continue
+		}
+		dir := st.SnapshotDir(e.Name())
+		row := snapshotRow{Name: e.Name(), DiskBytes: diskUsage(dir)}
+		if s, err := snapshot.Open(dir); err != nil {
+			row.Err = err.Error()
+		} else {
+			m := s.Manifest
+			row.Created, row.CPUs, row.MemoryBytes = m.Created, m.CPUs, m.MemoryBytes
+			var spec sandbox.Spec
+			if json.Unmarshal(m.Spec, &spec) == nil {
+				row.Command = describeCommand(spec)
+			}
+		}
+		rows = append(rows, row)
+	}
+	if *format == "json" {
+		writeJSON(stdout, rows)
+		return 0
+	}
+	tw := tabwriter.NewWriter(stdout, 0, 4, 2, ' ', 0)
+	fmt.Fprintln(tw, "NAME\tCREATED\tCPUS\tMEMORY\tON DISK\tCOMMAND")
+	for _, r := range rows {
+		if r.Err != "" {
+			fmt.Fprintf(tw, "%s\t-\t-\t-\t%s\t(unreadable: %s)\n", r.Name, humanBytes(uint64(r.DiskBytes)), r.Err)
+			continue
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%d\t%s\t%s\t%s\n", r.Name, r.Created.Local().Format(time.DateTime), r.CPUs,
+			humanBytes(r.MemoryBytes), humanBytes(uint64(r.DiskBytes)), r.Command)
+	}
+	tw.Flush()
+	return 0
+}
+
+// diskUsage is what the files in dir take on disk (a sparse memory file
+// only its written pages).
+func diskUsage(dir string) int64 {
+	var n int64
+	entries, _ := os.ReadDir(dir)
+	for _, e := range entries {
+		if fi, err := e.Info(); err == nil {
+			if st, ok := fi.Sys().(*syscall.Stat_t); ok {
+				n += st.Blocks * 512
+			}
+		}
+	}
+	return n
+}
+
+func snapshotRemove(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	fs := newFlags("snapshot rm", "SNAP...", stdout)
+	if code := parseFlags(fs, args, stderr); code >= 0 {
+		return code
+	}
+	if fs.NArg() == 0 {
+		fmt.Fprintln(stderr, "capsa snapshot rm: want SNAP...")
+		return 2
+	}
+	st, err := openStateStore()
+	if err != nil {
+		fmt.Fprintf(stderr, "capsa snapshot rm: %v\n", err)
+		return 1
+	}
+	code := 0
+	for _, name := range fs.Args() {
+		err := store.CheckSnapshotName(name)
+		if err == nil {
+			dir := st.SnapshotDir(name)
+			if _, err = os.Stat(filepath.Join(dir, snapshot.ManifestFile)); err == nil {
+				// Running sandboxes restored from it keep its memory
+				// mapped: removing the files does not disturb them.
+				err = os.RemoveAll(dir)
+			} else if errors.Is(err, os.ErrNotExist) {
+				err = fmt.Errorf("no snapshot called %s", name)
+			}
+		}
+		if err != nil {
+			fmt.Fprintf(stderr, "capsa snapshot rm: %v\n", err)
+			code = 1
+			continue
+		}
+		fmt.Fprintln(stdout, name)
+	}
+	return code
+}
+
+func snapshotInspect(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	fs := newFlags("snapshot inspect", "[flags] SNAP...", stdout)
+	verify := fs.Bool("verify", false, "also read every file and check its checksum (the memory's too)")
+	if code := parseFlags(fs, args, stderr); code >= 0 {
+		return code
+	}
+	if fs.NArg() == 0 {
+		fmt.Fprintln(stderr, "capsa snapshot inspect: want SNAP...")
+		return 2
+	}
+	st, err := openStateStore()
+	if err != nil {
+		fmt.Fprintf(stderr, "capsa snapshot inspect: %v\n", err)
+		return 1
+	}
+	code := 0
+	var out []snapshot.Manifest
+	for _, name := range fs.Args() {
+		dir, err := snapshotPath(st, name)
+		var s *snapshot.Snapshot
+		if err == nil {
+			s, err = snapshot.Open(dir)
+		}
+		if err == nil && *verify {
+			err = snapshot.Verify(dir)
+		}
+		if err != nil {
+			fmt.Fprintf(stderr, "capsa snapshot inspect: %v\n", err)
+			code = 1
+			continue
+		}
+		out = append(out, s.Manifest)
+	}
+	if len(out) > 0 {
+		writeJSON(stdout, out)
+	}
+	return code
+}
+
+// runFork: capsa fork NAME [--count N] makes N detached copies of a
+// running detached sandbox, named NAME-1, NAME-2..., each its own
+// hostname; it prints their names.
+func runFork(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	fs := newFlags("fork", "[flags] NAME", stdout)
+	count := fs.IntP("count", "n", 1, "how many copies")
+	if code := parseFlags(fs, args, stderr); code >= 0 {
+		return code
+	}
+	if fs.NArg() != 1 || *count < 1 || *count > 256 {
+		fmt.Fprintln(stderr, "capsa fork: want NAME and a --count from 1 to 256")
+		return 2
+	}
+	name := fs.Arg(0)
+	st, err := openStateStore()
+	if err != nil {
+		fmt.Fprintf(stderr, "capsa fork: %v\n", err)
+		return 1
+	}
+	var names []string
+	for i := 1; len(names) < *count; i++ {
+		n := fmt.Sprintf("%s-%d", name, i)
+		if _, err := st.Get(n); errors.Is(err, store.ErrNotFound) {
+			names = append(names, n)
+		}
+	}
+	if err := os.MkdirAll(filepath.Join(st.Dir(), "snapshots"), 0o700); err != nil {
+		fmt.Fprintf(stderr, "capsa fork: %v\n", err)
+		return 1
+	}
+	tmp, err := os.MkdirTemp(filepath.Join(st.Dir(), "snapshots"), ".fork-")
+	if err != nil {
+		fmt.Fprintf(stderr, "capsa fork: %v\n", err)
+		return 1
+	}
+	// The copies map the snapshot's memory: once they run, its files can go.
+	defer os.RemoveAll(tmp)
+	dir := filepath.Join(tmp, "snapshot")
+	if err := supervisor.Snapshot(ctx, st, name, dir); err != nil {
+		fmt.Fprintf(stderr, "capsa fork: %v\n", err)
+		return 1
+	}
+	codes := make([]int, len(names))
+	outs := make([]strings.Builder, len(names))
+	var wg sync.WaitGroup
+	for i, n := range names {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			codes[i] = restoreDetached(ctx, "fork", st, dir, n, n, false, &outs[i], stderr)
+		}()
+	}
+	wg.Wait()
+	code := 0
+	for i := range names {
+		io.WriteString(stdout, outs[i].String())
+		code = max(code, codes[i])
+	}
+	return code
+}
