@@ -121,6 +121,25 @@ func (q *Queue) Next() (*Chain, error) {
 	return q.next()
 }
 
+// WatchAvail returns the driver's available index without taking any
+// entry, and with VIRTIO_F_EVENT_IDX asks the driver to notify the device
+// when it adds the next entry.
+func (q *Queue) WatchAvail() (uint16, error) {
+	idx, err := q.mem.LoadUint16(q.avail + 2)
+	if err != nil {
+		return 0, queueErr("available index: %v", err)
+	}
+	if q.eventIdx {
+		if err := q.mem.StoreUint16(q.used+4+8*uint64(q.size), idx); err != nil {
+			return 0, queueErr("available event: %v", err)
+		}
+		if idx, err = q.mem.LoadUint16(q.avail + 2); err != nil {
+			return 0, queueErr("available index: %v", err)
+		}
+	}
+	return idx, nil
+}
+
 func (q *Queue) next() (*Chain, error) {
 	// The atomic load orders the reads of the entry it published after it.
 	idx, err := q.mem.LoadUint16(q.avail + 2)

@@ -55,6 +55,12 @@ type Device struct {
 	nextPort  uint32
 	kick      chan struct{}
 	stop      chan struct{}
+	// resetUntil, while set, is when the guest is assumed to have handled
+	// the transport reset a restore told it of: until it posts its event
+	// buffer again (or then), nothing goes to it, since a connection
+	// request it took before the reset would be reset with the others.
+	resetUntil time.Time
+	resetAvail uint16 // the event queue's available index after the reset
 	// fallback, when set, is offered guest connections to ports nobody
 	// listens on (the hybrid-vsock Unix socket uses it). It is called with
 	// mu held and must not block; false refuses the connection.
@@ -134,6 +140,21 @@ func (d *Device) Notify(int) {
 	d.mu.Unlock()
 }
 
+// resetDone reports whether the guest has handled a transport reset, if
+// one is pending: it posted its event buffer again, or the time allowed
+// passed. d.mu is held.
+func (d *Device) resetDone() bool {
+	if d.resetUntil.IsZero() {
+		return true
+	}
+	idx, err := d.act.Queues[2].WatchAvail()
+	if err == nil && idx == d.resetAvail && time.Now().Before(d.resetUntil) {
+		return false
+	}
+	d.resetUntil = time.Time{}
+	return true
+}
+
 // wake makes the worker run; d.mu is held.
 func (d *Device) wake() {
 	if d.kick != nil {
@@ -188,6 +209,9 @@ func (d *Device) process() (bool, error) {
 			return false, err
 		}
 		irq = irq || more
+	}
+	if !d.resetDone() {
+		return irq, nil
 	}
 	more, err := d.transmit()
 	return irq || more, err
@@ -559,6 +583,21 @@ func (d *Device) Restored() {
 	var ev [4]byte
 	binary.LittleEndian.PutUint32(ev[:], eventTransportReset)
 	c.Write(ev[:])
-	irq, err := q.Push(c)
+	// Told when the guest posts an event buffer again, which it does once
+	// it has handled this one.
+	idx, err := q.WatchAvail()
+	d.mu.Lock()
+	d.resetUntil, d.resetAvail = time.Now().Add(resetWait), idx
+	d.mu.Unlock()
+	irq := false
+	if err == nil {
+		irq, err = q.Push(c)
+	}
 	act.Report(irq, err)
+	// Look again once the allowed time has passed, whatever the guest did.
+	time.AfterFunc(resetWait, func() { d.Notify(2) })
 }
+
+// resetWait bounds how long a restored device holds back what it sends
+// for the guest to handle the transport reset.
+const resetWait = time.Second

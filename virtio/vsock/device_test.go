@@ -3,6 +3,7 @@ package vsock
 import (
 	"bytes"
 	"context"
+	"encoding/binary"
 	"errors"
 	"io"
 	"net"
@@ -24,6 +25,7 @@ type guest struct {
 	dev    *Device
 	drv    *virtiotest.Driver
 	rx, tx *virtiotest.Queue
+	ev     *virtiotest.Queue
 	failed atomic.Value
 	irqs   atomic.Int32
 	seen   []pkt // packets received, in order
@@ -42,12 +44,15 @@ func newGuest(t *testing.T) *guest {
 	}
 	g := &guest{t: t, dev: dev, drv: virtiotest.NewDriver(64 << 20)}
 	g.rx, g.tx = g.drv.NewQueue(queueSize), g.drv.NewQueue(queueSize)
-	ev := g.drv.NewQueue(queueSize)
+	g.ev = g.drv.NewQueue(queueSize)
 	for range 64 {
 		g.rx.Add(nil, hdrSize+4096)
 	}
+	for range 8 { // as Linux posts its event buffers
+		g.ev.Add(nil, 4)
+	}
 	err = dev.Activate(virtio.Activation{
-		Mem: g.drv.Mem, Queues: []*virtio.Queue{g.rx.Device(), g.tx.Device(), ev.Device()},
+		Mem: g.drv.Mem, Queues: []*virtio.Queue{g.rx.Device(), g.tx.Device(), g.ev.Device()},
 		Interrupt: func() { g.irqs.Add(1) },
 		Fail:      func(err error) { g.failed.Store(err) },
 	})
@@ -214,6 +219,36 @@ func TestHostDial(t *testing.T) {
 	defer cancel()
 	if _, err := g.dev.Dial(ctx, 54); !errors.Is(err, context.DeadlineExceeded) {
 		t.Errorf("unanswered dial: %v", err)
+	}
+}
+
+// TestRestoredTellsTheGuest: a restored device reports a transport reset on
+// the event queue and sends the guest nothing (a host connection request
+// included) until the guest has posted an event buffer again, its sign
+// that it reset its connections: a request taken before would be reset
+// with them.
+func TestRestoredTellsTheGuest(t *testing.T) {
+	g := newGuest(t)
+	g.dev.Restored()
+	used := g.ev.WaitUsed(1, 5*time.Second)
+	if len(used) != 1 || len(used[0].Written) != 4 || binary.LittleEndian.Uint32(used[0].Written) != eventTransportReset {
+		t.Fatalf("event queue: %+v; want one TRANSPORT_RESET event", used)
+	}
+	done := make(chan error, 1)
+	go func() {
+		_, err := g.dev.Dial(context.Background(), 52)
+		done <- err
+	}()
+	time.Sleep(100 * time.Millisecond)
+	if u := g.rx.TakeUsed(); len(u) != 0 {
+		t.Fatalf("the device sent %d packets before the guest handled the reset", len(u))
+	}
+	g.ev.Add(nil, 4) // the guest handled it and posts the buffer again
+	g.dev.Notify(2)
+	req := g.expect(opRequest)
+	g.send(header{SrcPort: 52, DstPort: req.h.SrcPort, Op: opResponse, BufAlloc: 64 << 10}, nil)
+	if err := <-done; err != nil {
+		t.Fatalf("Dial after the reset = %v", err)
 	}
 }
 
