@@ -131,6 +131,9 @@ func (p *Pool) Get(ctx context.Context) (*Sandbox, error) {
 	}
 }
 
+// Ready is how many sandboxes wait to be handed out.
+func (p *Pool) Ready() int { return len(p.ready) }
+
 // Close stops refilling and closes the sandboxes not handed out.
 func (p *Pool) Close() error {
 	close(p.stop)

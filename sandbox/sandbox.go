@@ -206,6 +206,8 @@ type Sandbox struct {
 	rootfs  *rootfs
 	net     *network
 
+	resumeErr error // a restored guest's agent's answer to being resumed
+
 	mu       sync.Mutex
 	main     *agent.Process
 	mainErr  error
@@ -230,7 +232,7 @@ func (w *Workload) Start(ctx context.Context) (*Sandbox, error) {
 	} else {
 		opts.Env = append(append([]string(nil), w.c.Env...), opts.Env...)
 	}
-	s, err := boot(ctx, w.c, root, nil)
+	s, err := boot(ctx, w.c, root, nil, "")
 	if err != nil {
 		root.remove()
 		return nil, err
@@ -278,7 +280,7 @@ func readOr(path string, builtinData func() ([]byte, error)) ([]byte, error) {
 // guest's / is that image. With snap, the VM is restored from it instead
 // of booted: its devices are made as for a boot, in the same order, and
 // take their state from it.
-func boot(ctx context.Context, c config, root *rootfs, snap *snapshot.Snapshot) (_ *Sandbox, err error) {
+func boot(ctx context.Context, c config, root *rootfs, snap *snapshot.Snapshot, hostname string) (_ *Sandbox, err error) {
 	start := time.Now()
 	var kernel, initrd []byte
 	if snap == nil {
@@ -388,7 +390,7 @@ func boot(ctx context.Context, c config, root *rootfs, snap *snapshot.Snapshot) 
 		// A restored agent announced itself long ago: it is ready once
 		// it answers.
 		readyL.Close()
-		go s.awaitAgent(c.ReadyTimeout)
+		go s.awaitAgent(c.ReadyTimeout, hostname)
 		return s, nil
 	}
 	go func() {

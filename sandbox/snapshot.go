@@ -42,7 +42,9 @@ func (s *Sandbox) Snapshot(ctx context.Context, dir string) error {
 	}
 	err = s.writeSnapshot(dir, spec)
 	if !wasPaused {
-		err = errors.Join(err, s.Resume(ctx))
+		// The clock was never stopped for the guest: it runs on as after
+		// a short descheduling, and needs no setting.
+		err = errors.Join(err, s.vm.Continue())
 	}
 	return err
 }
@@ -118,7 +120,7 @@ func Restore(ctx context.Context, dir string, o RestoreOptions) (*Sandbox, error
 	if w.c.CPUs != snap.Manifest.CPUs || uint64(w.c.MemoryMiB)<<20 != snap.Manifest.MemoryBytes {
 		return nil, fmt.Errorf("sandbox: restore: snapshot %s: its spec says %d vCPUs and %d MiB, its state %d and %d bytes", dir, w.c.CPUs, w.c.MemoryMiB, snap.Manifest.CPUs, snap.Manifest.MemoryBytes)
 	}
-	s, err := boot(ctx, w.c, nil, snap)
+	s, err := boot(ctx, w.c, nil, snap, o.Hostname)
 	if err != nil {
 		return nil, err
 	}
@@ -126,9 +128,7 @@ func Restore(ctx context.Context, dir string, o RestoreOptions) (*Sandbox, error
 		s.Close()
 		return nil, err
 	}
-	seed := make([]byte, 64)
-	rand.Read(seed)
-	if err := s.client.Resumed(ctx, agent.Resumed{TimeNs: time.Now().UnixNano(), Seed: seed, Hostname: o.Hostname}); err != nil {
+	if err := s.resumeErr; err != nil {
 		err = fmt.Errorf("sandbox: restore: %w", s.vmErr(err))
 		s.Close()
 		return nil, err
@@ -150,16 +150,22 @@ func Restore(ctx context.Context, dir string, o RestoreOptions) (*Sandbox, error
 	return s, nil
 }
 
-// awaitAgent marks the sandbox ready once its agent answers, asking every
-// half second until timeout (a restored guest's agent does not announce
-// itself again).
-func (s *Sandbox) awaitAgent(timeout time.Duration) {
+// awaitAgent tells the restored guest it runs again (its clock, a fresh
+// seed for its random numbers, hostname if not empty) and marks the
+// sandbox ready once the agent has taken it, asking every 100 ms until
+// timeout: a restored agent does not announce itself again. An error
+// from the agent itself (not a lost connection) is kept in resumeErr.
+func (s *Sandbox) awaitAgent(timeout time.Duration, hostname string) {
+	seed := make([]byte, 64)
+	rand.Read(seed)
 	deadline := time.Now().Add(timeout)
 	for time.Now().Before(deadline) {
 		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
-		_, err := s.client.Info(ctx)
+		err := s.client.Resumed(ctx, agent.Resumed{TimeNs: time.Now().UnixNano(), Seed: seed, Hostname: hostname})
 		cancel()
-		if err == nil {
+		var re *agent.RemoteError
+		if err == nil || errors.As(err, &re) {
+			s.resumeErr = err
 			close(s.ready)
 			return
 		}

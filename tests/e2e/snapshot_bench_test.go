@@ -1,0 +1,156 @@
+package e2e
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/capsa-sandbox/capsa/sandbox"
+)
+
+// BenchmarkSnapshot measures, in one run: a cold boot to the first exec
+// (the anchor) beside a restore to the first exec, and a snapshot's time
+// and size on disk, for 256 MiB and 1 GiB guests; a fork of 8; a pool's
+// hand-out; and the host memory 8 sandboxes restored from one snapshot
+// take against 8 guests' memory.
+func BenchmarkSnapshot(b *testing.B) {
+	ctx := context.Background()
+	start := func(b *testing.B, mib int) *sandbox.Sandbox {
+		sb, err := sandbox.New().Memory(mib).Kernel(artifactB(b, "vmlinux")).Initrd(artifactB(b, "initramfs.cpio")).
+			Run("sleep", "100000").Start(ctx)
+		if err != nil {
+			b.Fatal(err)
+		}
+		return sb
+	}
+	execTrue := func(b *testing.B, sb *sandbox.Sandbox) {
+		if out, err := sb.Exec(ctx, sandbox.Command("true")); err != nil || out.Code != 0 {
+			b.Fatalf("true: %+v, %v", out, err)
+		}
+	}
+	timed := func(b *testing.B, fn func()) {
+		var samples []time.Duration
+		for b.Loop() {
+			t := time.Now()
+			fn()
+			samples = append(samples, time.Since(t))
+		}
+		reportSpread(b, samples)
+	}
+	snaps := map[int]string{}
+	for _, mib := range []int{256, 1024} {
+		b.Run(fmt.Sprintf("boot-to-exec-%dM", mib), func(b *testing.B) {
+			timed(b, func() { sb := start(b, mib); execTrue(b, sb); sb.Close() })
+		})
+		src := start(b, mib)
+		defer src.Close()
+		b.Run(fmt.Sprintf("snapshot-%dM", mib), func(b *testing.B) {
+			var disk int64
+			i := 0
+			timed(b, func() {
+				dir := filepath.Join(b.TempDir(), fmt.Sprint(i))
+				i++
+				if err := src.Snapshot(ctx, dir); err != nil {
+					b.Fatal(err)
+				}
+				disk = diskBytes(b, dir)
+			})
+			b.ReportMetric(float64(disk)/(1<<20), "MiB-on-disk")
+		})
+		dir := filepath.Join(b.TempDir(), "snap")
+		if err := src.Snapshot(ctx, dir); err != nil {
+			b.Fatal(err)
+		}
+		snaps[mib] = dir
+		b.Run(fmt.Sprintf("restore-to-exec-%dM", mib), func(b *testing.B) {
+			timed(b, func() {
+				r, err := sandbox.Restore(ctx, dir, sandbox.RestoreOptions{})
+				if err != nil {
+					b.Fatal(err)
+				}
+				execTrue(b, r)
+				r.Close()
+			})
+		})
+	}
+	b.Run("fork-8-256M", func(b *testing.B) {
+		src := start(b, 256)
+		defer src.Close()
+		timed(b, func() {
+			copies, err := src.Fork(ctx, 8, sandbox.RestoreOptions{})
+			if err != nil {
+				b.Fatal(err)
+			}
+			for _, c := range copies {
+				c.Close()
+			}
+		})
+	})
+	b.Run("pool-get-256M", func(b *testing.B) {
+		pool, err := sandbox.NewPool(snaps[256], 2, sandbox.RestoreOptions{})
+		if err != nil {
+			b.Fatal(err)
+		}
+		defer pool.Close()
+		var samples []time.Duration
+		for b.Loop() {
+			// The hand-out of a ready sandbox, to its first exec: wait
+			// (untimed) for the pool to refill.
+			b.StopTimer()
+			for pool.Ready() == 0 {
+				time.Sleep(10 * time.Millisecond)
+			}
+			b.StartTimer()
+			t := time.Now()
+			sb, err := pool.Get(ctx)
+			if err != nil {
+				b.Fatal(err)
+			}
+			execTrue(b, sb)
+			samples = append(samples, time.Since(t))
+			sb.Close()
+		}
+		reportSpread(b, samples)
+	})
+	b.Run("memory-8-restores-256M", func(b *testing.B) {
+		for b.Loop() {
+			before := pssMiB(b)
+			var rs []*sandbox.Sandbox
+			for range 8 {
+				r, err := sandbox.Restore(ctx, snaps[256], sandbox.RestoreOptions{})
+				if err != nil {
+					b.Fatal(err)
+				}
+				execTrue(b, r)
+				rs = append(rs, r)
+			}
+			b.ReportMetric(float64(pssMiB(b)-before), "MiB-host")
+			b.ReportMetric(8*256, "MiB-guests")
+			for _, r := range rs {
+				r.Close()
+			}
+		}
+	})
+}
+
+// diskBytes is what the files in dir take on disk.
+func diskBytes(b *testing.B, dir string) int64 {
+	var n int64
+	entries, err := os.ReadDir(dir)
+	if err != nil {
+		b.Fatal(err)
+	}
+	for _, e := range entries {
+		fi, err := e.Info()
+		if err != nil {
+			b.Fatal(err)
+		}
+		n += fi.Sys().(*syscall.Stat_t).Blocks * 512
+	}
+	return n
+}
+
