@@ -153,4 +153,3 @@ func diskBytes(b *testing.B, dir string) int64 {
 	}
 	return n
 }
-
