@@ -5,8 +5,11 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"io/fs"
 	"math"
+	"net"
+	"net/http"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -14,6 +17,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/capsa-sandbox/capsa/netstack"
 	"github.com/capsa-sandbox/capsa/sandbox"
 )
 
@@ -292,4 +296,35 @@ func parsePss(s string) int {
 		}
 	}
 	return -1
+}
+
+// TestSnapshotNetwork: a restored sandbox's network is a new NAT with the
+// guest's old addresses, on which new connections work; a restore may
+// give it another policy, which then applies.
+func TestSnapshotNetwork(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	go http.Serve(l, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, "from the host") }))
+	defer l.Close()
+	url := fmt.Sprintf("http://10.0.2.2:%d/", l.Addr().(*net.TCPAddr).Port)
+	sb := netSandbox(t, ctx, func(b *sandbox.Builder) { b.Network(netstack.AllowAll()) })
+	if page, ok := fetch(t, ctx, sb, url); !ok || page != "from the host" {
+		t.Fatalf("before the snapshot: fetch %s = %q, %v", url, page, ok)
+	}
+	dir := filepath.Join(t.TempDir(), "snap")
+	if err := sb.Snapshot(ctx, dir); err != nil {
+		t.Fatal(err)
+	}
+	r := restoreSandbox(t, ctx, dir, sandbox.RestoreOptions{})
+	if page, ok := fetch(t, ctx, r, url); !ok || page != "from the host" {
+		t.Errorf("restored: fetch %s = %q, %v; want the page through the new NAT", url, page, ok)
+	}
+	strict := restoreSandbox(t, ctx, dir, sandbox.RestoreOptions{Network: &sandbox.NetworkSpec{Policy: netstack.PublicOnly()}})
+	if page, ok := fetch(t, ctx, strict, url); ok {
+		t.Errorf("restored with public-only: fetch of the host's loopback = %q, want it refused", page)
+	}
 }
