@@ -106,16 +106,9 @@ type rootfs struct {
 // makes the writable layer.
 func prepareImage(ctx context.Context, c config) (*rootfs, error) {
 	ic := c.Image
-	dir := ic.Store
-	if dir == "" {
-		var err error
-		if dir, err = image.DefaultDir(); err != nil {
-			return nil, fmt.Errorf("sandbox: %w", err)
-		}
-	}
-	store, err := image.Open(dir, c.logger())
+	store, err := openImageStore(c)
 	if err != nil {
-		return nil, fmt.Errorf("sandbox: %w", err)
+		return nil, err
 	}
 	var img *image.Image
 	if ic.Pull != PullAlways {
@@ -132,6 +125,29 @@ func prepareImage(ctx context.Context, c config) (*rootfs, error) {
 	if img.RootfsSize > ic.RootfsSize {
 		return nil, fmt.Errorf("sandbox: image %s is %d MiB, more than the root filesystem size of %d MiB", ic.Ref, img.RootfsSize>>20, ic.RootfsSize>>20)
 	}
+	return newRootfs(c, store, img, func(path string) error { return image.CreateUpper(path, ic.RootfsSize) })
+}
+
+// openImageStore opens the image store c's image comes from.
+func openImageStore(c config) (*image.Store, error) {
+	dir := c.Image.Store
+	if dir == "" {
+		var err error
+		if dir, err = image.DefaultDir(); err != nil {
+			return nil, fmt.Errorf("sandbox: %w", err)
+		}
+	}
+	store, err := image.Open(dir, c.logger())
+	if err != nil {
+		return nil, fmt.Errorf("sandbox: %w", err)
+	}
+	return store, nil
+}
+
+// newRootfs resolves the main process of img and makes the writable layer
+// with makeUpper (a new file system, or a snapshot's copied).
+func newRootfs(c config, store *image.Store, img *image.Image, makeUpper func(path string) error) (*rootfs, error) {
+	ic := c.Image
 	proc, err := img.Resolve(image.Overrides{Entrypoint: ic.Entrypoint, Args: ic.Args, Env: c.Env, Dir: c.Main.Dir, User: c.Main.User})
 	if err != nil {
 		return nil, fmt.Errorf("sandbox: image %s: %w", ic.Ref, err)
@@ -145,9 +161,9 @@ func prepareImage(ctx context.Context, c config) (*rootfs, error) {
 		return nil, fmt.Errorf("sandbox: writable layer: %w", err)
 	}
 	r.upperPath = filepath.Join(r.upperDir, "upper.ext4")
-	if err := image.CreateUpper(r.upperPath, ic.RootfsSize); err != nil {
+	if err := makeUpper(r.upperPath); err != nil {
 		os.RemoveAll(r.upperDir)
-		return nil, fmt.Errorf("sandbox: %w", err)
+		return nil, fmt.Errorf("sandbox: writable layer: %w", err)
 	}
 	return r, nil
 }

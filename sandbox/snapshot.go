@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"path/filepath"
 	"time"
 
 	"github.com/capsa-sandbox/capsa/agent"
@@ -19,18 +20,21 @@ import (
 // is taken and its memory written, and runs on after (a sandbox paused
 // before stays paused). Restore starts sandboxes from it.
 //
+// An image sandbox's writable root disk is captured too: reflinked where
+// the host's file system can (copy-on-write), copied sparse otherwise; the
+// image itself is named by digest and must still be in the image store
+// at restore.
+//
 // Limits, each refused here with its reason: a sandbox with shares (the
-// guest's open 9P files cannot be carried over to a new file server), with
-// disks (a host file the snapshot would have to copy or trust unchanged),
-// or with an image root (its writable layer is not captured yet).
+// guest's open 9P files cannot be carried over to a new file server), or
+// with disks (a host file the snapshot would have to copy or trust
+// unchanged).
 func (s *Sandbox) Snapshot(ctx context.Context, dir string) error {
 	switch {
 	case len(s.c.Shares) > 0:
 		return errors.New("sandbox: snapshot: a sandbox with shares cannot be snapshotted: the guest's open 9P files would not survive a restore")
 	case len(s.c.Disks) > 0:
 		return errors.New("sandbox: snapshot: a sandbox with disks cannot be snapshotted: the snapshot would depend on the disk files staying unchanged")
-	case s.rootfs != nil:
-		return errors.New("sandbox: snapshot: an image sandbox cannot be snapshotted yet: its writable root disk is not captured")
 	}
 	spec, err := json.Marshal(s.c.Spec)
 	if err != nil {
@@ -60,7 +64,16 @@ func (s *Sandbox) writeSnapshot(dir string, spec []byte) error {
 		m.MainProcess = s.main.ID
 	}
 	s.mu.Unlock()
-	return snapshot.Write(dir, m, st, s.vm.Memory(), nil)
+	var extra map[string]snapshot.Extra
+	if r := s.rootfs; r != nil {
+		m.ImageDigest = r.img.Digest
+		extra = map[string]snapshot.Extra{snapshot.RootDiskFile: func(path string) (string, error) {
+			// Only its size is recorded: a checksum would read the
+			// whole disk, which a reflink spares.
+			return "", snapshot.CloneFile(r.upperPath, path)
+		}}
+	}
+	return snapshot.Write(dir, m, st, s.vm.Memory(), extra)
 }
 
 // RestoreOptions are what a restored sandbox gets that its snapshot does
@@ -102,8 +115,8 @@ func Restore(ctx context.Context, dir string, o RestoreOptions) (*Sandbox, error
 	if err := json.Unmarshal(snap.Manifest.Spec, &spec); err != nil {
 		return nil, fmt.Errorf("sandbox: restore: snapshot %s: spec: %w", dir, err)
 	}
-	if len(spec.Shares) > 0 || len(spec.Disks) > 0 || spec.Image != nil {
-		return nil, fmt.Errorf("sandbox: restore: snapshot %s: shares, disks or an image, which snapshots do not carry", dir)
+	if len(spec.Shares) > 0 || len(spec.Disks) > 0 || (spec.Image != nil) != (snap.Manifest.ImageDigest != "") {
+		return nil, fmt.Errorf("sandbox: restore: snapshot %s: its spec has shares, disks or an image it does not carry", dir)
 	}
 	spec.VsockSocket = o.VsockSocket
 	if o.Network != nil {
@@ -120,8 +133,15 @@ func Restore(ctx context.Context, dir string, o RestoreOptions) (*Sandbox, error
 	if w.c.CPUs != snap.Manifest.CPUs || uint64(w.c.MemoryMiB)<<20 != snap.Manifest.MemoryBytes {
 		return nil, fmt.Errorf("sandbox: restore: snapshot %s: its spec says %d vCPUs and %d MiB, its state %d and %d bytes", dir, w.c.CPUs, w.c.MemoryMiB, snap.Manifest.CPUs, snap.Manifest.MemoryBytes)
 	}
-	s, err := boot(ctx, w.c, nil, snap, o.Hostname)
+	var root *rootfs
+	if spec.Image != nil {
+		if root, err = restoreRootfs(w.c, dir, snap.Manifest.ImageDigest); err != nil {
+			return nil, fmt.Errorf("sandbox: restore: %w", err)
+		}
+	}
+	s, err := boot(ctx, w.c, root, snap, o.Hostname)
 	if err != nil {
+		root.remove()
 		return nil, err
 	}
 	if err := s.WaitReady(ctx, w.c.ReadyTimeout); err != nil {
@@ -148,6 +168,22 @@ func Restore(ctx context.Context, dir string, o RestoreOptions) (*Sandbox, error
 		go s.watch(w.c.Watchdog)
 	}
 	return s, nil
+}
+
+// restoreRootfs gives a restored image sandbox the snapshot's image, from
+// the image store, and a copy of its writable root disk of its own.
+func restoreRootfs(c config, dir, digest string) (*rootfs, error) {
+	store, err := openImageStore(c)
+	if err != nil {
+		return nil, err
+	}
+	img, err := store.Get(digest)
+	if err != nil {
+		return nil, fmt.Errorf("the snapshot's image %s (%s): %w", c.Image.Ref, digest, err)
+	}
+	return newRootfs(c, store, img, func(path string) error {
+		return snapshot.CloneFile(filepath.Join(dir, snapshot.RootDiskFile), path)
+	})
 }
 
 // awaitAgent tells the restored guest it runs again (its clock, a fresh

@@ -42,6 +42,8 @@ const (
 	ManifestFile = "manifest.json"
 	StateFile    = "state.json"
 	MemoryFile   = "memory"
+	// RootDiskFile is an image sandbox's writable root disk.
+	RootDiskFile = "rootfs.ext4"
 )
 
 // Bounds on what Open reads into memory.
@@ -63,6 +65,9 @@ type Manifest struct {
 	MemoryBytes uint64          `json:"memory_bytes"`
 	// MainProcess is the agent's ID of the sandbox's main process.
 	MainProcess int `json:"main_process,omitempty"`
+	// ImageDigest is the image under an image sandbox's root (its
+	// writable layer is RootDiskFile).
+	ImageDigest string `json:"image_digest,omitempty"`
 	// Files are the snapshot's files by name, with their sizes and
 	// checksums.
 	Files map[string]File `json:"files"`
@@ -237,6 +242,9 @@ func ParseManifest(b []byte, m *Manifest) error {
 		if !validName(name) || name == ManifestFile || f.Size < 0 {
 			return fmt.Errorf("manifest: file %q of %d bytes", name, f.Size)
 		}
+	}
+	if _, ok := m.Files[RootDiskFile]; ok != (m.ImageDigest != "") {
+		return fmt.Errorf("manifest: image %q with a root disk %v", m.ImageDigest, ok)
 	}
 	if m.Files[MemoryFile].Size != int64(m.MemoryBytes) {
 		return fmt.Errorf("manifest: a memory file of %d bytes for %d bytes of memory", m.Files[MemoryFile].Size, m.MemoryBytes)

@@ -1,10 +1,12 @@
 package snapshot
 
 import (
+	"bytes"
 	"encoding/json"
 	"os"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
 
 	"github.com/capsa-sandbox/capsa/guestmem"
@@ -160,4 +162,38 @@ func writeTestF(f *testing.F) string {
 		f.Fatal(err)
 	}
 	return dir
+}
+
+// TestCloneFile: a clone has the source's bytes, and where the host cannot
+// reflink, its holes stay holes.
+func TestCloneFile(t *testing.T) {
+	dir := t.TempDir()
+	src := filepath.Join(dir, "src")
+	f, err := os.Create(src)
+	if err != nil {
+		t.Fatal(err)
+	}
+	const size = 64 << 20
+	f.Truncate(size)
+	f.WriteAt([]byte("head"), 0)
+	f.WriteAt([]byte("middle"), 32<<20)
+	f.WriteAt([]byte("tail"), size-4)
+	f.Close()
+	dst := filepath.Join(dir, "dst")
+	if err := CloneFile(src, dst); err != nil {
+		t.Fatalf("CloneFile() = %v", err)
+	}
+	a, _ := os.ReadFile(src)
+	b, err := os.ReadFile(dst)
+	if err != nil || !bytes.Equal(a, b) {
+		t.Fatalf("the clone differs from its source (%v)", err)
+	}
+	var st syscall.Stat_t
+	syscall.Stat(dst, &st)
+	if used := st.Blocks * 512; used > 4<<20 {
+		t.Errorf("the clone of a 64 MiB file with 3 written pages takes %d bytes on disk, want it sparse", used)
+	}
+	if err := CloneFile(src, dst); err == nil {
+		t.Error("CloneFile() over an existing file = nil error")
+	}
 }

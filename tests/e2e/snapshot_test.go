@@ -328,3 +328,61 @@ func TestSnapshotNetwork(t *testing.T) {
 		t.Errorf("restored with public-only: fetch of the host's loopback = %q, want it refused", page)
 	}
 }
+
+// TestSnapshotImage: an image sandbox's snapshot carries its writable
+// root disk: a restored copy has the files as they were at the snapshot,
+// on a disk of its own, and its main process still runs.
+func TestSnapshotImage(t *testing.T) {
+	cache := t.TempDir()
+	t.Setenv("CAPSA_CACHE", cache)
+	tarPath := filepath.Join(t.TempDir(), "probe.tar")
+	probeImage(t, tarPath, "capsa.test/probe:1")
+	if r := capsa(t, 2*time.Minute, "image", "import", tarPath); r.code != 0 {
+		t.Fatalf("capsa image import: exit %d, stderr %q", r.code, r.stderr)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	sb, err := sandbox.New().Memory(256).Kernel(artifact(t, "vmlinux")).Initrd(artifact(t, "initramfs.cpio")).
+		OCI("capsa.test/probe:1", "wait").Start(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sb.Close()
+	if err := sb.WriteFile(ctx, "/data/kept.txt", []byte("at the snapshot"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	dir := filepath.Join(t.TempDir(), "snap")
+	if err := sb.Snapshot(ctx, dir); err != nil {
+		t.Fatalf("Snapshot() of an image sandbox = %v", err)
+	}
+	if err := sb.WriteFile(ctx, "/data/kept.txt", []byte("after"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	r := restoreSandbox(t, ctx, dir, sandbox.RestoreOptions{})
+	r2 := restoreSandbox(t, ctx, dir, sandbox.RestoreOptions{})
+	if err := r2.WriteFile(ctx, "/data/kept.txt", []byte("in the second copy"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	// Through the guest's page cache and, after dropping it, from the
+	// restored disk itself.
+	if out, err := r.Exec(ctx, sandbox.ExecOptions{Argv: []string{"/bin/probe", "cat", "/data/kept.txt"}, User: "0"}); err != nil || string(out.Stdout) != "at the snapshot" {
+		t.Errorf("restored /data/kept.txt = %+v, %v; want the snapshot's", out, err)
+	}
+	if out, err := r.Exec(ctx, sandbox.ExecOptions{Argv: []string{"/bin/probe", "write", "/proc/sys/vm/drop_caches", "3"}, User: "0"}); err != nil || out.Code != 0 {
+		t.Fatalf("drop the guest's caches: %+v, %v", out, err)
+	}
+	if b, err := r.ReadFile(ctx, "/data/kept.txt"); err != nil || string(b) != "at the snapshot" {
+		t.Errorf("restored /data/kept.txt after dropping the cache = %q, %v", b, err)
+	}
+	procs, err := r.Processes(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var main bool
+	for _, p := range procs {
+		main = main || (p.Exit == nil && len(p.Argv) > 1 && p.Argv[len(p.Argv)-1] == "wait")
+	}
+	if !main {
+		t.Errorf("Processes() in the restored image sandbox = %+v; want its main process running", procs)
+	}
+}
