@@ -25,15 +25,16 @@ import (
 // image itself is named by digest and must still be in the image store
 // at restore.
 //
-// Limits, each refused here with its reason: a sandbox with shares (the
-// guest's open 9P files cannot be carried over to a new file server), or
-// with disks (a host file the snapshot would have to copy or trust
-// unchanged).
+// Shares are carried by path: the snapshot names each share's host
+// directory, and a restored guest finds its mount and open files again
+// there (see package ninep: files removed or moved on the host meanwhile
+// are errors for the guest), so the directory should not change between
+// snapshot and restore.
+//
+// Limit, refused here with its reason: a sandbox with disks (a host file
+// the snapshot would have to copy or trust unchanged).
 func (s *Sandbox) Snapshot(ctx context.Context, dir string) error {
-	switch {
-	case len(s.c.Shares) > 0:
-		return errors.New("sandbox: snapshot: a sandbox with shares cannot be snapshotted: the guest's open 9P files would not survive a restore")
-	case len(s.c.Disks) > 0:
+	if len(s.c.Disks) > 0 {
 		return errors.New("sandbox: snapshot: a sandbox with disks cannot be snapshotted: the snapshot would depend on the disk files staying unchanged")
 	}
 	spec, err := json.Marshal(s.c.Spec)
@@ -115,8 +116,8 @@ func Restore(ctx context.Context, dir string, o RestoreOptions) (*Sandbox, error
 	if err := json.Unmarshal(snap.Manifest.Spec, &spec); err != nil {
 		return nil, fmt.Errorf("sandbox: restore: snapshot %s: spec: %w", dir, err)
 	}
-	if len(spec.Shares) > 0 || len(spec.Disks) > 0 || (spec.Image != nil) != (snap.Manifest.ImageDigest != "") {
-		return nil, fmt.Errorf("sandbox: restore: snapshot %s: its spec has shares, disks or an image it does not carry", dir)
+	if len(spec.Disks) > 0 || (spec.Image != nil) != (snap.Manifest.ImageDigest != "") {
+		return nil, fmt.Errorf("sandbox: restore: snapshot %s: its spec has disks or an image it does not carry", dir)
 	}
 	spec.VsockSocket = o.VsockSocket
 	if o.Network != nil {

@@ -1,6 +1,7 @@
 package virtio
 
 import (
+	"encoding/json"
 	"errors"
 	"fmt"
 
@@ -73,6 +74,18 @@ type TransportState struct {
 	// Live holds each queue's position while the device runs (nil for a
 	// queue the driver did not set up).
 	Live []*QueueState `json:"live,omitempty"`
+	// Device is a Stateful device's own state.
+	Device json.RawMessage `json:"device,omitempty"`
+}
+
+// Stateful is a device with state of its own beyond its queues (the 9P
+// device: what the guest's fids stand for).
+type Stateful interface {
+	// SaveState returns the device's state; its queues are still.
+	SaveState() (json.RawMessage, error)
+	// RestoreState takes it back, once the device runs on its restored
+	// queues and before the guest does. It is untrusted input.
+	RestoreState(json.RawMessage) error
 }
 
 // Restorer is a device that has something to tell the guest when it
@@ -97,6 +110,12 @@ func (t *MMIO) State() (TransportState, error) {
 	for _, q := range t.queues {
 		st.Queues = append(st.Queues, QueueRegisters{Num: q.num, Ready: q.ready, Desc: q.desc, Avail: q.avail, Used: q.used})
 	}
+	if sd, ok := t.dev.(Stateful); ok && t.active {
+		var err error
+		if st.Device, err = sd.SaveState(); err != nil {
+			return TransportState{}, err
+		}
+	}
 	if t.active {
 		for _, q := range t.live {
 			if q == nil {
@@ -119,6 +138,11 @@ func (t *MMIO) Restore(st TransportState) error {
 		return err
 	}
 	// Outside t.mu: the device may interrupt the guest, which takes it.
+	if sd, ok := t.dev.(Stateful); ok && st.Active {
+		if err := sd.RestoreState(st.Device); err != nil {
+			return err
+		}
+	}
 	if r, ok := t.dev.(Restorer); ok && st.Active {
 		r.Restored()
 	}

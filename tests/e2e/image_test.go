@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"archive/tar"
+	"bufio"
 	"bytes"
 	"crypto/sha256"
 	"encoding/json"
@@ -28,8 +29,8 @@ import (
 const probeEnv = "CAPSA_E2E_PROBE"
 
 // probe runs one action: report, write PATH TEXT, cat PATH, fill PATH,
-// copy SRC DST (1 MiB read and write calls), wait (forever), eat
-// (memory), forkbomb.
+// copy SRC DST (1 MiB read and write calls), hold PATH OUT (reads on
+// from a file kept open), wait (forever), eat (memory), forkbomb.
 func probe(args []string) int {
 	if len(args) == 0 {
 		fmt.Fprintln(os.Stderr, "probe: no action")
@@ -79,6 +80,32 @@ func probe(args []string) int {
 		if err := copyPlain(args[1], args[2]); err != nil {
 			fmt.Println(err)
 			return 1
+		}
+	case "hold":
+		// Opens PATH, writes its first line to OUT.1, waits for OUT.go
+		// to exist, then writes its next line (from the same open file)
+		// to OUT.2.
+		f, err := os.Open(args[1])
+		if err != nil {
+			fmt.Println(err)
+			return 1
+		}
+		r := bufio.NewReader(f)
+		for i, last := 1, false; !last; i++ {
+			line, err := r.ReadString('\n')
+			if err != nil {
+				fmt.Println(err)
+				return 1
+			}
+			if err := os.WriteFile(fmt.Sprintf("%s.%d", args[2], i), []byte(line), 0o644); err != nil {
+				fmt.Println(err)
+				return 1
+			}
+			for last = i == 2; !last; time.Sleep(50 * time.Millisecond) {
+				if _, err := os.Stat(args[2] + ".go"); err == nil {
+					break
+				}
+			}
 		}
 	case "wait":
 		for {

@@ -370,6 +370,14 @@ type session struct {
 	inflight int64
 	cost     map[uint16]int64
 	starved  bool
+	// What the guest's fids stand for, for a snapshot (state.go): the
+	// attaches, each fid's path, and the requests in flight that change
+	// them; internal holds the device's own requests in flight (a
+	// restore's), answered to a channel instead of a chain.
+	attaches []attachInfo
+	paths    map[uint32]*fidPath
+	pathOps  map[uint16]pathOp
+	internal map[uint16]chan []byte
 }
 
 // fidOp is what a request in flight does to the session's fids once the
@@ -400,6 +408,9 @@ func sessionState(d *Device) *session {
 		fidOps:   map[uint16]fidOp{},
 		cost:     map[uint16]int64{},
 		msize:    MaxMessage,
+		paths:    map[uint32]*fidPath{},
+		pathOps:  map[uint16]pathOp{},
+		internal: map[uint16]chan []byte{},
 	}
 }
 
@@ -429,6 +440,12 @@ func (s *session) admit(c *virtio.Chain) (msg []byte, tag uint16, reply []byte, 
 	if err != nil {
 		return nil, tag, errorReply(tag, errnoEINVAL), err
 	}
+	return s.admitMsg(msg, tag, c, nil)
+}
+
+// admitMsg admits a request's bytes: for the guest's chain c, or, with c
+// nil, the device's own request whose reply goes to internal.
+func (s *session) admitMsg(msg []byte, tag uint16, c *virtio.Chain, internal chan []byte) (_ []byte, _ uint16, reply []byte, err error) {
 	if errno, err := checkBody(msg[4], msg[headerLen:]); err != nil {
 		return nil, tag, errorReply(tag, errno), fmt.Errorf("request tag %d: %w", tag, err)
 	}
@@ -440,7 +457,7 @@ func (s *session) admit(c *virtio.Chain) (msg []byte, tag uint16, reply []byte, 
 	typ, body := msg[4], msg[headerLen:]
 	le := binary.LittleEndian
 	switch {
-	case s.pending[tag] != nil:
+	case s.pending[tag] != nil || s.internal[tag] != nil:
 		return refuse(errnoEINVAL, "the tag is already in flight")
 	case len(s.pending) >= queueSize:
 		// Only a driver that reuses descriptors still in flight gets here.
@@ -524,7 +541,12 @@ func (s *session) admit(c *virtio.Chain) (msg []byte, tag uint16, reply []byte, 
 	if op.kind != 0 {
 		s.fidOps[tag] = op
 	}
-	s.pending[tag] = c
+	s.trackPath(tag, typ, body)
+	if c == nil {
+		s.internal[tag] = internal
+	} else {
+		s.pending[tag] = c
+	}
 	s.cost[tag] = cost
 	s.inflight += cost
 	return msg, tag, nil, nil
@@ -535,6 +557,7 @@ func (s *session) admit(c *virtio.Chain) (msg []byte, tag uint16, reply []byte, 
 func (s *session) answered(tag uint16, msg []byte) {
 	s.inflight -= s.cost[tag]
 	delete(s.cost, tag)
+	s.applyPath(tag, msg)
 	if s.versioning && msg[4] == rversion && len(msg) >= headerLen+6 {
 		s.versioning = false
 		n := int(binary.LittleEndian.Uint16(msg[headerLen+4:]))
@@ -662,6 +685,13 @@ func (s *session) reply(msg []byte) {
 	s.mu.Lock()
 	c := s.pending[tag]
 	if c == nil {
+		if ch := s.internal[tag]; ch != nil {
+			delete(s.internal, tag)
+			s.answered(tag, msg)
+			s.mu.Unlock()
+			ch <- msg
+			return
+		}
 		s.mu.Unlock()
 		s.dev.log.Warn("9P reply for a tag not in flight", "tag", tag)
 		return
