@@ -21,7 +21,6 @@ import (
 // The hostile-guest tests below speak raw 9P2000.L through the device's
 // queue, as a guest driver that does not play by Linux's rules would.
 
-
 func u16b(v uint16) []byte { return binary.LittleEndian.AppendUint16(nil, v) }
 func u32b(v uint32) []byte { return binary.LittleEndian.AppendUint32(nil, v) }
 func u64b(v uint64) []byte { return binary.LittleEndian.AppendUint64(nil, v) }
