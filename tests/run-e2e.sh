@@ -1,7 +1,12 @@
 #!/bin/bash
-# run-e2e.sh NESTED DIR FILES...: runs each end-to-end test of DIR/e2e.test
-# in its own nested host session (one L1 boot, about 5 s), and exits
-# non-zero if any test failed or none ran, naming the failures.
+# run-e2e.sh NESTED DIR FILES...: runs the end-to-end tests of DIR/e2e.test
+# in nested host sessions (one L1 boot each, about 5 s), and exits non-zero
+# if any test failed or none ran, naming the failures.
+#
+# Tests run E2E_BATCH at a time (default 4) in one session, which spares
+# most of the L1 boots; the ones that measure the host process (its
+# descriptors, goroutines, memory) run alone, so no other test's leftovers
+# count against them.
 #
 # A test runs once. A failure of a capsa guest fails the tier, with the
 # diagnostics the test prints. The only re-run is for the layer below
@@ -14,6 +19,8 @@
 set -u
 nested=$1 dir=$2
 shift 2
+batch=${E2E_BATCH:-4}
+solo='^(TestSoak|TestHostileWorkloads|TestRestoresShareMemory|TestStress)$'
 tests=$("$dir/e2e.test" -test.list '^Test' | grep '^Test') || { echo "run-e2e: cannot list the tests"; exit 1; }
 [ -n "$tests" ] || { echo "run-e2e: FAILED: no tests listed"; exit 1; }
 files=(-f "$dir/e2e.test")
@@ -21,15 +28,37 @@ for f in "$@"; do files+=(-f "$f"); done
 failed="" rerun="" n=0
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
+
+# run NAMES...: one session running the named tests.
+run() {
+	local re
+	re=$(IFS='|'; echo "$*")
+	echo "=== run-e2e: $*"
+	"$nested" --timeout 30m "${files[@]}" -- ./e2e.test -test.v -test.run "^($re)\$" -test.timeout 25m 2>&1 | tee "$log"
+	local st=${PIPESTATUS[0]}
+	grep -q '^capsa-nested: running the job again' "$log" && rerun="$rerun $*(L1-crash)"
+	[ "$st" = 0 ] && return
+	# The tests that said they failed; if none did (a panic, a timeout),
+	# every test of the session is named.
+	local named
+	named=$(sed -n 's/^--- FAIL: \(Test[A-Za-z0-9_]*\).*/\1/p' "$log" | tr '\n' ' ')
+	failed="$failed ${named:-$*}"
+}
+
+group=()
 for t in $tests; do
 	n=$((n + 1))
-	echo "=== run-e2e: $t"
-	"$nested" --timeout 10m "${files[@]}" -- ./e2e.test -test.v -test.run "^$t\$" -test.timeout 8m 2>&1 | tee "$log"
-	st=${PIPESTATUS[0]}
-	grep -q '^capsa-nested: running the job again' "$log" && rerun="$rerun $t(L1-crash)"
-	[ "$st" = 0 ] && continue
-	failed="$failed $t"
+	if [[ $t =~ $solo ]]; then
+		run "$t"
+		continue
+	fi
+	group+=("$t")
+	if [ ${#group[@]} -ge "$batch" ]; then
+		run "${group[@]}"
+		group=()
+	fi
 done
+[ ${#group[@]} -gt 0 ] && run "${group[@]}"
 [ -n "$rerun" ] && echo "run-e2e: re-run for the layer below capsa (see the logs above):$rerun"
 if [ -n "$failed" ]; then
 	echo "run-e2e: FAILED:$failed"
