@@ -87,23 +87,39 @@ func (e *IoctlError) Error() string { return e.Op + ": " + e.Err.Error() }
 func (e *IoctlError) Unwrap() error { return e.Err }
 
 // ioctl issues a request whose argument is a plain integer.
+//
+// A request other than KVM_RUN that a signal interrupted is issued again:
+// KVM_CREATE_VM, for one, returns EINTR when a signal is pending (the Go
+// runtime's preemption signal, SIGURG, arrives at any time), and ioctls
+// are not restarted by SA_RESTART. KVM_RUN's EINTR is its caller's to see.
 func ioctl(fd int, req, arg uintptr) (uintptr, error) {
-	r, _, errno := unix.Syscall(unix.SYS_IOCTL, uintptr(fd), req, arg)
-	if errno != 0 {
-		return r, &IoctlError{Op: opName(req), Err: errno}
+	for {
+		r, _, errno := unix.Syscall(unix.SYS_IOCTL, uintptr(fd), req, arg)
+		if errno == unix.EINTR && req != kvmRun {
+			continue
+		}
+		if errno != 0 {
+			return r, &IoctlError{Op: opName(req), Err: errno}
+		}
+		return r, nil
 	}
-	return r, nil
 }
 
-// ioctlPtr issues a request whose argument points at p. The pointer is
-// converted in the call expression, so the garbage collector keeps p alive
-// and in place for the call.
+// ioctlPtr issues a request whose argument points at p, again if a signal
+// interrupted it (as ioctl). The pointer is converted in the call
+// expression, so the garbage collector keeps p alive and in place for the
+// call.
 func ioctlPtr(fd int, req uintptr, p unsafe.Pointer) (uintptr, error) {
-	r, _, errno := unix.Syscall(unix.SYS_IOCTL, uintptr(fd), req, uintptr(p))
-	if errno != 0 {
-		return r, &IoctlError{Op: opName(req), Err: errno}
+	for {
+		r, _, errno := unix.Syscall(unix.SYS_IOCTL, uintptr(fd), req, uintptr(p))
+		if errno == unix.EINTR {
+			continue
+		}
+		if errno != 0 {
+			return r, &IoctlError{Op: opName(req), Err: errno}
+		}
+		return r, nil
 	}
-	return r, nil
 }
 
 func opName(req uintptr) string {

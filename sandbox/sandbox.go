@@ -260,13 +260,19 @@ func (w *Workload) Start(ctx context.Context) (*Sandbox, error) {
 		s.Close()
 		return nil, err
 	}
-	s.mu.Lock()
-	s.main = p
-	s.mu.Unlock()
-	if w.c.Watchdog > 0 {
-		go s.watch(w.c.Watchdog)
-	}
+	s.running(p)
 	return s, nil
+}
+
+// running records the sandbox's main process and starts its watchdog, if
+// it has one: the last step of a start or a restore.
+func (s *Sandbox) running(main *agent.Process) {
+	s.mu.Lock()
+	s.main = main
+	s.mu.Unlock()
+	if s.c.Watchdog > 0 {
+		go s.watch(s.c.Watchdog)
+	}
 }
 
 func readOr(path string, builtinData func() ([]byte, error)) ([]byte, error) {

@@ -9,6 +9,7 @@ import (
 	"io"
 	"log/slog"
 	"path/filepath"
+	"slices"
 	"time"
 
 	"github.com/capsa-sandbox/capsa/agent"
@@ -95,6 +96,10 @@ type RestoreOptions struct {
 	// Hostname, when not empty, renames the guest (a fork's copies each
 	// get their own).
 	Hostname string
+	// ShareHosts moves shares to other host directories, by the guest
+	// path they are mounted on. The guest finds its files there by path,
+	// so the new directory should hold what the old one did.
+	ShareHosts map[string]string
 }
 
 // Restore starts a sandbox from the snapshot in dir: the guest goes on
@@ -120,6 +125,13 @@ func Restore(ctx context.Context, dir string, o RestoreOptions) (*Sandbox, error
 		return nil, fmt.Errorf("sandbox: restore: snapshot %s: its spec has disks or an image it does not carry", dir)
 	}
 	spec.VsockSocket = o.VsockSocket
+	for guest, host := range o.ShareHosts {
+		i := slices.IndexFunc(spec.Shares, func(sh ShareSpec) bool { return sh.Guest == guest })
+		if i < 0 {
+			return nil, fmt.Errorf("sandbox: restore: snapshot %s has no share on %s to move to %s", dir, guest, host)
+		}
+		spec.Shares[i].Host = host
+	}
 	if o.Network != nil {
 		if spec.Network == nil {
 			return nil, fmt.Errorf("sandbox: restore: snapshot %s was taken without a network; a restore cannot add one", dir)
@@ -154,20 +166,15 @@ func Restore(ctx context.Context, dir string, o RestoreOptions) (*Sandbox, error
 		s.Close()
 		return nil, err
 	}
+	var main *agent.Process
 	if id := snap.Manifest.MainProcess; id != 0 {
-		p, err := s.client.Attach(ctx, id, agent.AttachOptions{Stdout: o.Stdout, Stderr: o.Stderr, NoReplay: true})
-		if err != nil {
+		if main, err = s.client.Attach(ctx, id, agent.AttachOptions{Stdout: o.Stdout, Stderr: o.Stderr, NoReplay: true}); err != nil {
 			err = fmt.Errorf("sandbox: restore: the main process: %w", s.vmErr(err))
 			s.Close()
 			return nil, err
 		}
-		s.mu.Lock()
-		s.main = p
-		s.mu.Unlock()
 	}
-	if w.c.Watchdog > 0 {
-		go s.watch(w.c.Watchdog)
-	}
+	s.running(main)
 	return s, nil
 }
 

@@ -371,19 +371,29 @@ func (t *MMIO) activate() {
 			return
 		}
 		q.SetEventIdx(t.drvFeatures&FeatureEventIdx != 0)
-		q.gate = t.gate
 		qs[i] = q
+	}
+	if err := t.start(qs); err != nil {
+		t.failLocked(err)
+	}
+}
+
+// start runs the device on qs, behind the transport's gate; t.mu is held.
+func (t *MMIO) start(qs []*Queue) error {
+	for _, q := range qs {
+		if q != nil {
+			q.gate = t.gate
+		}
 	}
 	err := t.dev.Activate(Activation{
 		Mem: t.mem, Queues: qs, Features: t.drvFeatures,
 		Interrupt: t.usedBuffer, Fail: t.fail,
 	})
 	if err != nil {
-		t.failLocked(err)
-		return
+		return err
 	}
-	t.active = true
-	t.live = qs
+	t.active, t.live = true, qs
+	return nil
 }
 
 // usedBuffer raises the used-buffer interrupt.

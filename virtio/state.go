@@ -200,16 +200,10 @@ func (t *MMIO) restore(st TransportState) error {
 		if err != nil {
 			return fmt.Errorf("virtio: restore: queue %d: %w", i, err)
 		}
-		q.gate = t.gate
 		qs[i] = q
 	}
-	err := t.dev.Activate(Activation{
-		Mem: t.mem, Queues: qs, Features: t.drvFeatures,
-		Interrupt: t.usedBuffer, Fail: t.fail,
-	})
-	if err != nil {
+	if err := t.start(qs); err != nil {
 		return fmt.Errorf("virtio: restore: start the device: %w", err)
 	}
-	t.active, t.live = true, qs
 	return nil
 }

@@ -92,13 +92,19 @@ func (m *Machine) Resume() error {
 	if err := m.vm.SetClock(p.clock); err != nil {
 		return fmt.Errorf("vmm: resume: %w", err)
 	}
+	m.unpause(p, "vm resumed")
+	return nil
+}
+
+// unpause lets the vCPUs and devices of the paused VM p go on; m.runMu is
+// held.
+func (m *Machine) unpause(p *pause, msg string) {
 	m.paused = nil
 	m.gate.Open()
 	close(p.resume)
 	// Devices that found their queues closed look again.
 	m.kickVirtio()
-	m.log.Debug("vm resumed", "paused for", time.Since(p.since))
-	return nil
+	m.log.Debug(msg, "paused for", time.Since(p.since))
 }
 
 // Continue runs a paused VM again with its kvmclock caught up with the
@@ -108,15 +114,9 @@ func (m *Machine) Resume() error {
 func (m *Machine) Continue() error {
 	m.runMu.Lock()
 	defer m.runMu.Unlock()
-	p := m.paused
-	if p == nil {
-		return nil
+	if p := m.paused; p != nil {
+		m.unpause(p, "vm continued")
 	}
-	m.paused = nil
-	m.gate.Open()
-	close(p.resume)
-	m.kickVirtio()
-	m.log.Debug("vm continued", "paused for", time.Since(p.since))
 	return nil
 }
 

@@ -252,36 +252,24 @@ func snapshotRemove(ctx context.Context, args []string, stdout, stderr io.Writer
 	if code := parseFlags(fs, args, stderr); code >= 0 {
 		return code
 	}
-	if fs.NArg() == 0 {
-		fmt.Fprintln(stderr, "capsa snapshot rm: want SNAP...")
-		return 2
-	}
-	st, err := openStateStore()
-	if err != nil {
-		fmt.Fprintf(stderr, "capsa snapshot rm: %v\n", err)
-		return 1
-	}
-	code := 0
-	for _, name := range fs.Args() {
-		err := store.CheckSnapshotName(name)
-		if err == nil {
-			dir := st.SnapshotDir(name)
-			if _, err = os.Stat(filepath.Join(dir, snapshot.ManifestFile)); err == nil {
-				// Running sandboxes restored from it keep its memory
-				// mapped: removing the files does not disturb them.
-				err = os.RemoveAll(dir)
-			} else if errors.Is(err, os.ErrNotExist) {
-				err = fmt.Errorf("no snapshot called %s", name)
-			}
+	return eachName(ctx, "snapshot rm", fs.Args(), stderr, func(st *store.Store, name string) error {
+		if err := store.CheckSnapshotName(name); err != nil {
+			return err
 		}
-		if err != nil {
-			fmt.Fprintf(stderr, "capsa snapshot rm: %v\n", err)
-			code = 1
-			continue
+		dir := st.SnapshotDir(name)
+		if _, err := os.Stat(filepath.Join(dir, snapshot.ManifestFile)); errors.Is(err, os.ErrNotExist) {
+			return fmt.Errorf("no snapshot called %s", name)
+		} else if err != nil {
+			return err
+		}
+		// Running sandboxes restored from it keep its memory mapped:
+		// removing the files does not disturb them.
+		if err := os.RemoveAll(dir); err != nil {
+			return err
 		}
 		fmt.Fprintln(stdout, name)
-	}
-	return code
+		return nil
+	})
 }
 
 func snapshotInspect(ctx context.Context, args []string, stdout, stderr io.Writer) int {

@@ -12,8 +12,9 @@ import (
 	"github.com/capsa-sandbox/capsa/sandbox"
 )
 
-// BenchmarkSnapshot measures, in one run: a cold boot to the first exec
-// (the anchor) beside a restore to the first exec, and a snapshot's time
+// BenchmarkSnapshot measures, in one run: a cold boot (the anchor) beside
+// a restore, each until the sandbox is ready (its agent answers, its main
+// process runs) and until its first exec has run, and a snapshot's time
 // and size on disk, for 256 MiB and 1 GiB guests; a fork of 8; a pool's
 // hand-out; and the host memory 8 sandboxes restored from one snapshot
 // take against 8 guests' memory.
@@ -43,6 +44,9 @@ func BenchmarkSnapshot(b *testing.B) {
 	}
 	snaps := map[int]string{}
 	for _, mib := range []int{256, 1024} {
+		b.Run(fmt.Sprintf("boot-%dM", mib), func(b *testing.B) {
+			timed(b, func() { start(b, mib).Close() })
+		})
 		b.Run(fmt.Sprintf("boot-to-exec-%dM", mib), func(b *testing.B) {
 			timed(b, func() { sb := start(b, mib); execTrue(b, sb); sb.Close() })
 		})
@@ -66,6 +70,15 @@ func BenchmarkSnapshot(b *testing.B) {
 			b.Fatal(err)
 		}
 		snaps[mib] = dir
+		b.Run(fmt.Sprintf("restore-%dM", mib), func(b *testing.B) {
+			timed(b, func() {
+				r, err := sandbox.Restore(ctx, dir, sandbox.RestoreOptions{})
+				if err != nil {
+					b.Fatal(err)
+				}
+				r.Close()
+			})
+		})
 		b.Run(fmt.Sprintf("restore-to-exec-%dM", mib), func(b *testing.B) {
 			timed(b, func() {
 				r, err := sandbox.Restore(ctx, dir, sandbox.RestoreOptions{})

@@ -435,4 +435,23 @@ func TestSnapshotShares(t *testing.T) {
 	if b, err := os.ReadFile(filepath.Join(dir, "new")); err != nil || string(b) != "from-restored\n" {
 		t.Errorf("the host reads %q, %v from the restored guest's write", b, err)
 	}
+	// Restored onto a copy of the directory elsewhere.
+	moved := t.TempDir()
+	if err := os.WriteFile(filepath.Join(moved, "in"), []byte("line one\nline two\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	m := restoreSandbox(t, ctx, snap, sandbox.RestoreOptions{ShareHosts: map[string]string{"/mnt/share": moved}})
+	if err := m.WriteFile(ctx, "/tmp/out.go", nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	waitFile(m, "/tmp/out.2", "line two\n")
+	if out, err := m.Exec(ctx, sandbox.Shell("echo moved > /mnt/share/where")); err != nil || out.Code != 0 {
+		t.Fatalf("write to the moved share: %+v, %v", out, err)
+	}
+	if b, err := os.ReadFile(filepath.Join(moved, "where")); err != nil || string(b) != "moved\n" {
+		t.Errorf("the moved share's host directory reads %q, %v", b, err)
+	}
+	if _, err := sandbox.Restore(ctx, snap, sandbox.RestoreOptions{ShareHosts: map[string]string{"/nowhere": moved}}); err == nil || !strings.Contains(err.Error(), "/nowhere") {
+		t.Errorf("Restore() moving a share it does not have = %v, want an error naming it", err)
+	}
 }
