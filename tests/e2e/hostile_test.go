@@ -80,8 +80,16 @@ func TestHostileWorkloads(t *testing.T) {
 		t.Fatal("a sandbox stopped answering after one filled its /tmp")
 	}
 
-	// Memory exhausted: the guest's OOM killer ends the process.
-	r, err = abused.Exec(ctx, probeCmd("eat", 3*time.Minute))
+	// Memory exhausted: the guest's OOM killer ends the process. The
+	// eater runs from the guest's tmpfs, not the share: a program whose
+	// text is on a share can have it reclaimed and read back over 9P
+	// again and again as memory runs out, and the kernel, seeing that
+	// progress, may hold off the OOM killer for minutes (seen once, at
+	// 192 MiB of 256, past a 3-minute timeout).
+	copySelf(t, ctx, abused, "/tmp/eater")
+	eat := probeCmd("eat", 3*time.Minute)
+	eat.Argv[0] = "/tmp/eater"
+	r, err = abused.Exec(ctx, eat)
 	if err != nil || r.TimedOut || r.Signal != "SIGKILL" {
 		t.Errorf("eating the guest's memory: %+v, %v; want the process killed by SIGKILL (the OOM killer)", r, err)
 	}
