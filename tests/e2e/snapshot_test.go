@@ -455,3 +455,80 @@ func TestSnapshotShares(t *testing.T) {
 		t.Errorf("Restore() moving a share it does not have = %v, want an error naming it", err)
 	}
 }
+
+// TestSnapshotCLI: a detached sandbox's snapshot outlives the sandbox and
+// every capsa process that made it; capsa snapshot restore, ls, inspect,
+// rm and capsa fork work on it by name, and a damaged snapshot is refused
+// with its reason.
+func TestSnapshotCLI(t *testing.T) {
+	dir, cli := detachedState(t)
+	if r := cli(3*time.Minute, "run", "-d", "--name", "src", "--", "sh", "-c", "i=0; while :; do i=$((i+1)); echo $i > /tmp/count; sleep 0.1; done"); r.code != 0 {
+		t.Fatalf("capsa run -d = exit %d, stderr %q", r.code, r.stderr)
+	}
+	if r := cli(time.Minute, "exec", "src", "--", "sh", "-c", "echo prepared > /tmp/data"); r.code != 0 {
+		t.Fatalf("capsa exec = exit %d, stderr %q", r.code, r.stderr)
+	}
+	if r := cli(2*time.Minute, "snapshot", "create", "src", "snap1"); r.code != 0 || r.stdout != "snap1\n" {
+		t.Fatalf("capsa snapshot create src snap1 = exit %d, stdout %q, stderr %q", r.code, r.stdout, r.stderr)
+	}
+	if r := cli(time.Minute, "snapshot", "create", "src", "snap1"); r.code == 0 || !strings.Contains(r.stderr, "exists") {
+		t.Errorf("capsa snapshot create over snap1 = exit %d, stderr %q; want a refusal", r.code, r.stderr)
+	}
+	r := cli(time.Minute, "snapshot", "ls", "--format", "json")
+	if r.code != 0 || !strings.Contains(r.stdout, `"name": "snap1"`) || !strings.Contains(r.stdout, `"memory_bytes": 536870912`) {
+		t.Errorf("capsa snapshot ls = exit %d, stdout %q", r.code, r.stdout)
+	}
+	if r := cli(2*time.Minute, "snapshot", "inspect", "--verify", "snap1"); r.code != 0 || !strings.Contains(r.stdout, `"format": "capsa-snapshot"`) {
+		t.Errorf("capsa snapshot inspect --verify snap1 = exit %d, stdout %q, stderr %q", r.code, r.stdout, r.stderr)
+	}
+	// The source goes; the snapshot stays.
+	if r := cli(2*time.Minute, "kill", "src"); r.code != 0 {
+		t.Fatalf("capsa kill src = exit %d, stderr %q", r.code, r.stderr)
+	}
+	if r := cli(time.Minute, "rm", "src"); r.code != 0 {
+		t.Fatalf("capsa rm src = exit %d, stderr %q", r.code, r.stderr)
+	}
+	if r := cli(3*time.Minute, "snapshot", "restore", "snap1", "--name", "r1"); r.code != 0 || r.stdout != "r1\n" {
+		t.Fatalf("capsa snapshot restore snap1 --name r1 = exit %d, stdout %q, stderr %q", r.code, r.stdout, r.stderr)
+	}
+	if r := cli(time.Minute, "exec", "r1", "--", "cat", "/tmp/data"); r.code != 0 || r.stdout != "prepared\n" {
+		t.Errorf("capsa exec r1 cat /tmp/data = exit %d, stdout %q, stderr %q", r.code, r.stdout, r.stderr)
+	}
+	count := func(name string) int {
+		r := cli(time.Minute, "exec", name, "--", "cat", "/tmp/count")
+		n, _ := strconv.Atoi(strings.TrimSpace(r.stdout))
+		return n
+	}
+	c1 := count("r1")
+	time.Sleep(2 * time.Second)
+	if c2 := count("r1"); c2 <= c1 {
+		t.Errorf("the restored main process's count went %d -> %d, want it counting", c1, c2)
+	}
+	if r := cli(3*time.Minute, "fork", "r1", "--count", "2"); r.code != 0 || r.stdout != "r1-1\nr1-2\n" {
+		t.Fatalf("capsa fork r1 --count 2 = exit %d, stdout %q, stderr %q", r.code, r.stdout, r.stderr)
+	}
+	for _, n := range []string{"r1-1", "r1-2"} {
+		if r := cli(time.Minute, "exec", n, "--", "hostname"); r.code != 0 || r.stdout != n+"\n" {
+			t.Errorf("capsa exec %s hostname = exit %d, stdout %q, stderr %q", n, r.code, r.stdout, r.stderr)
+		}
+	}
+	// A damaged snapshot.
+	if r := cli(2*time.Minute, "snapshot", "create", "r1", "snap2"); r.code != 0 {
+		t.Fatalf("capsa snapshot create r1 snap2 = exit %d, stderr %q", r.code, r.stderr)
+	}
+	if err := os.Truncate(filepath.Join(dir, "snapshots", "snap2", "memory"), 4096); err != nil {
+		t.Fatal(err)
+	}
+	if r := cli(time.Minute, "snapshot", "restore", "snap2"); r.code == 0 || !strings.Contains(r.stderr, "truncated") {
+		t.Errorf("capsa snapshot restore of a truncated snapshot = exit %d, stderr %q; want a refusal naming it", r.code, r.stderr)
+	}
+	if r := cli(time.Minute, "snapshot", "rm", "snap1", "snap2"); r.code != 0 {
+		t.Errorf("capsa snapshot rm = exit %d, stderr %q", r.code, r.stderr)
+	}
+	if r := cli(time.Minute, "snapshot", "ls"); strings.Contains(r.stdout, "snap1") {
+		t.Errorf("capsa snapshot ls after rm = %q", r.stdout)
+	}
+	if r := cli(time.Minute, "exec", "r1", "--", "true"); r.code != 0 {
+		t.Errorf("capsa exec r1 after its snapshot was removed = exit %d, stderr %q", r.code, r.stderr)
+	}
+}
