@@ -8,6 +8,8 @@ import (
 	"path/filepath"
 	"sync"
 	"time"
+
+	"github.com/capsa-sandbox/capsa/snapshot"
 )
 
 // Fork makes n running copies of the sandbox: it is snapshotted (paused
@@ -78,7 +80,7 @@ func NewPool(dir string, size int, o RestoreOptions) (*Pool, error) {
 	if size < 1 {
 		return nil, fmt.Errorf("sandbox: pool of %d: want at least 1", size)
 	}
-	if _, err := os.Stat(filepath.Join(dir, "manifest.json")); err != nil {
+	if _, err := snapshot.Open(dir); err != nil {
 		return nil, fmt.Errorf("sandbox: pool: %w", err)
 	}
 	p := &Pool{dir: dir, o: o, ready: make(chan *Sandbox, size), errc: make(chan error, 1),

@@ -232,13 +232,8 @@ func (w *Workload) Start(ctx context.Context) (*Sandbox, error) {
 	} else {
 		opts.Env = append(append([]string(nil), w.c.Env...), opts.Env...)
 	}
-	s, err := boot(ctx, w.c, root, nil, "")
+	s, err := startVM(ctx, w.c, root, nil, "")
 	if err != nil {
-		root.remove()
-		return nil, err
-	}
-	if err := s.WaitReady(ctx, w.c.ReadyTimeout); err != nil {
-		s.Close()
 		return nil, err
 	}
 	// Errors are explained by the VM's end before Close ends it anyway.
@@ -273,6 +268,21 @@ func (s *Sandbox) running(main *agent.Process) {
 	if s.c.Watchdog > 0 {
 		go s.watch(s.c.Watchdog)
 	}
+}
+
+// startVM boots the VM (or restores it from snap) and waits for its
+// agent; on failure nothing it made is left, root included.
+func startVM(ctx context.Context, c config, root *rootfs, snap *snapshot.Snapshot, hostname string) (*Sandbox, error) {
+	s, err := boot(ctx, c, root, snap, hostname)
+	if err != nil {
+		root.remove()
+		return nil, err
+	}
+	if err := s.WaitReady(ctx, c.ReadyTimeout); err != nil {
+		s.Close()
+		return nil, err
+	}
+	return s, nil
 }
 
 func readOr(path string, builtinData func() ([]byte, error)) ([]byte, error) {

@@ -152,13 +152,8 @@ func Restore(ctx context.Context, dir string, o RestoreOptions) (*Sandbox, error
 			return nil, fmt.Errorf("sandbox: restore: %w", err)
 		}
 	}
-	s, err := boot(ctx, w.c, root, snap, o.Hostname)
+	s, err := startVM(ctx, w.c, root, snap, o.Hostname)
 	if err != nil {
-		root.remove()
-		return nil, err
-	}
-	if err := s.WaitReady(ctx, w.c.ReadyTimeout); err != nil {
-		s.Close()
 		return nil, err
 	}
 	if err := s.resumeErr; err != nil {

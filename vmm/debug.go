@@ -8,8 +8,6 @@ import (
 	"sync/atomic"
 	"time"
 
-	"golang.org/x/sys/unix"
-
 	"github.com/capsa-sandbox/capsa/kvm"
 	"github.com/capsa-sandbox/capsa/virtio"
 )
@@ -261,10 +259,7 @@ func (m *Machine) request(i int, f func()) bool {
 	default:
 		return false
 	}
-	m.vcpus[i].SetImmediateExit(true)
-	if tid := m.tids[i].Load(); tid != 0 {
-		unix.Tgkill(unix.Getpid(), int(tid), unix.SIGURG)
-	}
+	m.kick(i)
 	return true
 }
 

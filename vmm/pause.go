@@ -36,11 +36,7 @@ func (m *Machine) Pause(ctx context.Context) error {
 	}
 	p := &pause{resume: make(chan struct{}), since: time.Now()}
 	parked := make(chan int, len(m.vcpus))
-	undo := func() {
-		m.gate.Open()
-		close(p.resume)
-		m.kickVirtio()
-	}
+	undo := func() { m.unpause(p, "vm pause given up") }
 	for i := range m.vcpus {
 		park := func() {
 			parked <- i

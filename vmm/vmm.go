@@ -358,11 +358,16 @@ func (m *Machine) stop(reason StopReason, detail string, err error) {
 // used because the Go runtime always handles it (it is its preemption
 // signal), so an extra one is harmless.
 func (m *Machine) kickAll() {
-	for i, v := range m.vcpus {
-		v.SetImmediateExit(true)
-		if tid := m.tids[i].Load(); tid != 0 {
-			unix.Tgkill(unix.Getpid(), int(tid), unix.SIGURG)
-		}
+	for i := range m.vcpus {
+		m.kick(i)
+	}
+}
+
+// kick makes vCPU i leave KVM_RUN, as kickAll does for all.
+func (m *Machine) kick(i int) {
+	m.vcpus[i].SetImmediateExit(true)
+	if tid := m.tids[i].Load(); tid != 0 {
+		unix.Tgkill(unix.Getpid(), int(tid), unix.SIGURG)
 	}
 }
 

@@ -54,19 +54,12 @@ func startDetached(ctx context.Context, w *sandbox.Workload, name string, rm boo
 	if err != nil {
 		return fail("%v", err)
 	}
-	if name == "" {
-		if name, err = st.NewName(); err != nil {
-			return fail("%v", err)
-		}
+	rec := &store.Record{Name: name, Spec: spec, TTL: ttl, IdleTimeout: idle, AutoRemove: rm}
+	lock, code := createRecord(cmdName, st, rec, stderr)
+	if lock == nil {
+		return code
 	}
-	lock, err := st.Create(&store.Record{Name: name, Spec: spec, TTL: ttl, IdleTimeout: idle, AutoRemove: rm})
-	if err != nil {
-		if errors.Is(err, store.ErrExists) {
-			fmt.Fprintf(stderr, "capsa %s: the name %q is taken: %v\n", cmdName, name, err)
-			return 2
-		}
-		return fail("%v", err)
-	}
+	name = rec.Name
 	if create {
 		err := st.Update(name, func(r *store.Record) error { r.State = store.Created; return nil })
 		lock.Close()
@@ -77,6 +70,28 @@ func startDetached(ctx context.Context, w *sandbox.Workload, name string, rm boo
 		return 0
 	}
 	return superviseDetached(ctx, cmdName, st, name, lock, rm, stdout, stderr)
+}
+
+// createRecord records rec in st, under a new name if it has none, and
+// returns its lock; or nil and the exit code, having said why (2 for a
+// name that is taken).
+func createRecord(cmdName string, st *store.Store, rec *store.Record, stderr io.Writer) (*store.Lock, int) {
+	if rec.Name == "" {
+		var err error
+		if rec.Name, err = st.NewName(); err != nil {
+			fmt.Fprintf(stderr, "capsa %s: %v\n", cmdName, err)
+			return nil, 125
+		}
+	}
+	lock, err := st.Create(rec)
+	if errors.Is(err, store.ErrExists) {
+		fmt.Fprintf(stderr, "capsa %s: the name %q is taken: %v\n", cmdName, rec.Name, err)
+		return nil, 2
+	} else if err != nil {
+		fmt.Fprintf(stderr, "capsa %s: %v\n", cmdName, err)
+		return nil, 125
+	}
+	return lock, 0
 }
 
 // runStart starts sandboxes that capsa create recorded.

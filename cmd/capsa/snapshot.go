@@ -108,21 +108,12 @@ func restoreDetached(ctx context.Context, cmdName string, st *store.Store, dir, 
 		fmt.Fprintf(stderr, "capsa %s: snapshot %s: spec: %v\n", cmdName, dir, err)
 		return 1
 	}
-	if name == "" {
-		if name, err = st.NewName(); err != nil {
-			fmt.Fprintf(stderr, "capsa %s: %v\n", cmdName, err)
-			return 125
-		}
+	rec := &store.Record{Name: name, Spec: spec, AutoRemove: rm, RestoreFrom: dir, Hostname: hostname}
+	lock, code := createRecord(cmdName, st, rec, stderr)
+	if lock == nil {
+		return code
 	}
-	lock, err := st.Create(&store.Record{Name: name, Spec: spec, AutoRemove: rm, RestoreFrom: dir, Hostname: hostname})
-	if err != nil {
-		fmt.Fprintf(stderr, "capsa %s: %v\n", cmdName, err)
-		if errors.Is(err, store.ErrExists) {
-			return 2
-		}
-		return 125
-	}
-	return superviseDetached(ctx, cmdName, st, name, lock, rm, stdout, stderr)
+	return superviseDetached(ctx, cmdName, st, rec.Name, lock, rm, stdout, stderr)
 }
 
 // snapshotRestore: capsa snapshot restore SNAP [--name NEW].
