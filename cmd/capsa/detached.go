@@ -11,9 +11,7 @@ import (
 	"io"
 	"log/slog"
 	"os"
-	"os/exec"
 	"os/signal"
-	"path/filepath"
 	"strings"
 	"syscall"
 	"text/tabwriter"
@@ -41,10 +39,6 @@ func startDetached(ctx context.Context, w *sandbox.Workload, name string, rm boo
 	if create {
 		cmdName = "create"
 	}
-	fail := func(format string, a ...any) int {
-		fmt.Fprintf(stderr, "capsa "+cmdName+": "+format+"\n", a...)
-		return 125
-	}
 	spec, err := w.Spec()
 	if err != nil {
 		fmt.Fprintf(stderr, "capsa %s: %v\n", cmdName, err)
@@ -52,46 +46,36 @@ func startDetached(ctx context.Context, w *sandbox.Workload, name string, rm boo
 	}
 	st, err := openStateStore()
 	if err != nil {
-		return fail("%v", err)
+		fmt.Fprintf(stderr, "capsa %s: %v\n", cmdName, err)
+		return 125
 	}
 	rec := &store.Record{Name: name, Spec: spec, TTL: ttl, IdleTimeout: idle, AutoRemove: rm}
-	lock, code := createRecord(cmdName, st, rec, stderr)
-	if lock == nil {
-		return code
+	if !create {
+		name, err := supervisor.Launch(ctx, st, rec)
+		return launched(cmdName, name, err, stdout, stderr)
 	}
-	name = rec.Name
-	if create {
-		err := st.Update(name, func(r *store.Record) error { r.State = store.Created; return nil })
+	lock, err := supervisor.Create(st, rec)
+	if err == nil {
+		err = st.Update(rec.Name, func(r *store.Record) error { r.State = store.Created; return nil })
 		lock.Close()
-		if err != nil {
-			return fail("%v", err)
-		}
-		fmt.Fprintln(stdout, name)
-		return 0
 	}
-	return superviseDetached(ctx, cmdName, st, name, lock, rm, stdout, stderr)
+	return launched(cmdName, rec.Name, err, stdout, stderr)
 }
 
-// createRecord records rec in st, under a new name if it has none, and
-// returns its lock; or nil and the exit code, having said why (2 for a
-// name that is taken).
-func createRecord(cmdName string, st *store.Store, rec *store.Record, stderr io.Writer) (*store.Lock, int) {
-	if rec.Name == "" {
-		var err error
-		if rec.Name, err = st.NewName(); err != nil {
-			fmt.Fprintf(stderr, "capsa %s: %v\n", cmdName, err)
-			return nil, 125
-		}
-	}
-	lock, err := st.Create(rec)
-	if errors.Is(err, store.ErrExists) {
-		fmt.Fprintf(stderr, "capsa %s: the name %q is taken: %v\n", cmdName, rec.Name, err)
-		return nil, 2
-	} else if err != nil {
+// launched ends a command that started (or recorded) the detached
+// sandbox name with err: it prints the name, or why it failed; the exit
+// code is 2 for a name that is taken, 125 for any other failure.
+func launched(cmdName, name string, err error, stdout, stderr io.Writer) int {
+	switch {
+	case errors.Is(err, store.ErrExists):
 		fmt.Fprintf(stderr, "capsa %s: %v\n", cmdName, err)
-		return nil, 125
+		return 2
+	case err != nil:
+		fmt.Fprintf(stderr, "capsa %s: %v\n", cmdName, err)
+		return 125
 	}
-	return lock, 0
+	fmt.Fprintln(stdout, name)
+	return 0
 }
 
 // runStart starts sandboxes that capsa create recorded.
@@ -124,68 +108,11 @@ func runStart(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 			code = 125
 			continue
 		}
-		if c := superviseDetached(ctx, "start", st, name, lock, rec.AutoRemove, stdout, stderr); c != 0 {
+		if c := launched("start", name, supervisor.Spawn(ctx, st, name, lock, rec.AutoRemove), stdout, stderr); c != 0 {
 			code = c
 		}
 	}
 	return code
-}
-
-// superviseDetached starts the supervisor of the recorded sandbox name,
-// handing it lock, and waits until the sandbox runs (or says why it
-// cannot); cmdName names the command in errors.
-func superviseDetached(ctx context.Context, cmdName string, st *store.Store, name string, lock *store.Lock, rm bool, stdout, stderr io.Writer) int {
-	fail := func(format string, a ...any) int {
-		fmt.Fprintf(stderr, "capsa "+cmdName+": "+format+"\n", a...)
-		return 125
-	}
-	defer lock.Close()
-	exe, err := os.Executable()
-	if err != nil {
-		return fail("find capsa's own binary: %v", err)
-	}
-	dir := st.SandboxDir(name)
-	logPath := filepath.Join(dir, supervisor.SupervisorLog)
-	logf, err := os.OpenFile(logPath, os.O_WRONLY|os.O_CREATE|os.O_APPEND, 0o600)
-	if err != nil {
-		return fail("%v", err)
-	}
-	defer logf.Close()
-	readyR, readyW, err := os.Pipe()
-	if err != nil {
-		return fail("%v", err)
-	}
-	defer readyR.Close()
-	args := []string{"supervise", "--state", st.Dir()}
-	if rm {
-		args = append(args, "--rm")
-	}
-	cmd := exec.Command(exe, append(args, name)...)
-	cmd.Stdout, cmd.Stderr = logf, logf
-	cmd.ExtraFiles = []*os.File{lock.File(), readyW} // fds 3 and 4
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
-	if err := cmd.Start(); err != nil {
-		readyW.Close()
-		st.Update(name, func(r *store.Record) error { r.State, r.Reason = store.Exited, err.Error(); return nil })
-		return fail("start the supervisor: %v", err)
-	}
-	readyW.Close()
-	cmd.Process.Release()
-	// The supervisor writes "ok" once the sandbox runs, or why it failed;
-	// if it dies first, the pipe just closes.
-	msg, _ := io.ReadAll(io.LimitReader(readyR, 64<<10))
-	if strings.TrimSpace(string(msg)) == "ok" {
-		fmt.Fprintln(stdout, name)
-		return 0
-	}
-	if len(msg) == 0 {
-		var last strings.Builder
-		if err := supervisor.Logs(ctx, st, name, supervisor.SupervisorLog, 20, false, &last); err != nil {
-			last.WriteString(err.Error())
-		}
-		msg = []byte("the supervisor ended before the sandbox ran; its log:\n" + last.String())
-	}
-	return fail("%s: %s", name, strings.TrimSpace(string(msg)))
 }
 
 // runSupervise is the supervisor process (`run -d` starts it): fd 3 is the
@@ -334,15 +261,6 @@ type psRow struct {
 	IdleTimeout time.Duration `json:"idle_timeout_ns,omitempty"`
 }
 
-// describeCommand is what a sandbox runs: its image and arguments, or its
-// command.
-func describeCommand(s sandbox.Spec) string {
-	if s.Image != nil {
-		return strings.TrimSpace(s.Image.Ref + " " + strings.Join(s.Image.Args, " "))
-	}
-	return strings.Join(s.Main.Argv, " ")
-}
-
 func runPs(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	fs := newFlags("ps", "[flags]", stdout)
 	all := fs.BoolP("all", "a", false, "show sandboxes that ended too")
@@ -369,7 +287,7 @@ func runPs(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		if !*all && !r.Alive() {
 			continue
 		}
-		row := psRow{Name: r.Name, State: r.State, Command: describeCommand(r.Spec), CPUs: r.Spec.CPUs,
+		row := psRow{Name: r.Name, State: r.State, Command: supervisor.CommandLine(r.Spec), CPUs: r.Spec.CPUs,
 			Memory: r.Spec.MemoryMiB, Ports: r.Ports, ExitCode: r.ExitCode, Reason: r.Reason,
 			TTL: r.TTL, IdleTimeout: r.IdleTimeout}
 		if (r.State == store.Running || r.State == store.Paused) && !r.Started.IsZero() {

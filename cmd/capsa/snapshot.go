@@ -10,7 +10,6 @@ import (
 	"path/filepath"
 	"sort"
 	"strings"
-	"sync"
 	"syscall"
 	"text/tabwriter"
 	"time"
@@ -65,7 +64,7 @@ func snapshotCreate(ctx context.Context, args []string, stdout, stderr io.Writer
 		return 2
 	}
 	name := fs.Arg(0)
-	snap := name + "-" + time.Now().Format("20060102-150405")
+	snap := supervisor.DefaultSnapshotName(name, time.Now())
 	if fs.NArg() == 2 {
 		snap = fs.Arg(1)
 	}
@@ -78,16 +77,10 @@ func snapshotCreate(ctx context.Context, args []string, stdout, stderr io.Writer
 		fmt.Fprintf(stderr, "capsa snapshot create: %v\n", err)
 		return 1
 	}
-	dir := st.SnapshotDir(snap)
-	if _, err := os.Lstat(dir); err == nil {
+	if err := supervisor.SaveSnapshot(ctx, st, name, snap); errors.Is(err, supervisor.ErrSnapshotExists) {
 		fmt.Fprintf(stderr, "capsa snapshot create: a snapshot called %s exists (capsa snapshot rm %s first)\n", snap, snap)
 		return 1
-	}
-	if err := os.MkdirAll(filepath.Dir(dir), 0o700); err != nil {
-		fmt.Fprintf(stderr, "capsa snapshot create: %v\n", err)
-		return 1
-	}
-	if err := supervisor.Snapshot(ctx, st, name, dir); err != nil {
+	} else if err != nil {
 		fmt.Fprintf(stderr, "capsa snapshot create: %v\n", err)
 		return 1
 	}
@@ -98,22 +91,13 @@ func snapshotCreate(ctx context.Context, args []string, stdout, stderr io.Writer
 // restoreDetached records a detached sandbox that starts from the
 // snapshot in dir and starts its supervisor; it prints the name.
 func restoreDetached(ctx context.Context, cmdName string, st *store.Store, dir, name, hostname string, rm bool, stdout, stderr io.Writer) int {
-	s, err := snapshot.Open(dir)
+	rec, err := supervisor.RestoreRecord(dir, name, hostname, rm)
 	if err != nil {
 		fmt.Fprintf(stderr, "capsa %s: %v\n", cmdName, err)
 		return 1
 	}
-	var spec sandbox.Spec
-	if err := json.Unmarshal(s.Manifest.Spec, &spec); err != nil {
-		fmt.Fprintf(stderr, "capsa %s: snapshot %s: spec: %v\n", cmdName, dir, err)
-		return 1
-	}
-	rec := &store.Record{Name: name, Spec: spec, AutoRemove: rm, RestoreFrom: dir, Hostname: hostname}
-	lock, code := createRecord(cmdName, st, rec, stderr)
-	if lock == nil {
-		return code
-	}
-	return superviseDetached(ctx, cmdName, st, rec.Name, lock, rm, stdout, stderr)
+	name, err = supervisor.Launch(ctx, st, rec)
+	return launched(cmdName, name, err, stdout, stderr)
 }
 
 // snapshotRestore: capsa snapshot restore SNAP [--name NEW].
@@ -200,7 +184,7 @@ func snapshotList(ctx context.Context, args []string, stdout, stderr io.Writer) 
 			row.Created, row.CPUs, row.MemoryBytes = m.Created, m.CPUs, m.MemoryBytes
 			var spec sandbox.Spec
 			if json.Unmarshal(m.Spec, &spec) == nil {
-				row.Command = describeCommand(spec)
+				row.Command = supervisor.CommandLine(spec)
 			}
 		}
 		rows = append(rows, row)
@@ -311,54 +295,23 @@ func runFork(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	if code := parseFlags(fs, args, stderr); code >= 0 {
 		return code
 	}
-	if fs.NArg() != 1 || *count < 1 || *count > 256 {
-		fmt.Fprintln(stderr, "capsa fork: want NAME and a --count from 1 to 256")
+	if fs.NArg() != 1 || *count < 1 || *count > supervisor.MaxFork {
+		fmt.Fprintf(stderr, "capsa fork: want NAME and a --count from 1 to %d\n", supervisor.MaxFork)
 		return 2
 	}
-	name := fs.Arg(0)
 	st, err := openStateStore()
 	if err != nil {
 		fmt.Fprintf(stderr, "capsa fork: %v\n", err)
 		return 1
 	}
-	var names []string
-	for i := 1; len(names) < *count; i++ {
-		n := fmt.Sprintf("%s-%d", name, i)
-		if _, err := st.Get(n); errors.Is(err, store.ErrNotFound) {
-			names = append(names, n)
-		}
-	}
-	if err := os.MkdirAll(filepath.Join(st.Dir(), "snapshots"), 0o700); err != nil {
-		fmt.Fprintf(stderr, "capsa fork: %v\n", err)
-		return 1
-	}
-	tmp, err := os.MkdirTemp(filepath.Join(st.Dir(), "snapshots"), ".fork-")
+	names, errs, err := supervisor.Fork(ctx, st, fs.Arg(0), *count)
 	if err != nil {
 		fmt.Fprintf(stderr, "capsa fork: %v\n", err)
 		return 1
 	}
-	// The copies map the snapshot's memory: once they run, its files can go.
-	defer os.RemoveAll(tmp)
-	dir := filepath.Join(tmp, "snapshot")
-	if err := supervisor.Snapshot(ctx, st, name, dir); err != nil {
-		fmt.Fprintf(stderr, "capsa fork: %v\n", err)
-		return 1
-	}
-	codes := make([]int, len(names))
-	outs := make([]strings.Builder, len(names))
-	var wg sync.WaitGroup
-	for i, n := range names {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			codes[i] = restoreDetached(ctx, "fork", st, dir, n, n, false, &outs[i], stderr)
-		}()
-	}
-	wg.Wait()
 	code := 0
-	for i := range names {
-		io.WriteString(stdout, outs[i].String())
-		code = max(code, codes[i])
+	for i, n := range names {
+		code = max(code, launched("fork", n, errs[i], stdout, stderr))
 	}
 	return code
 }

@@ -1,0 +1,213 @@
+package supervisor
+
+// Starting detached sandboxes: what `capsa run -d`, create/start,
+// snapshot restore, fork and the MCP server share. A sandbox is recorded
+// in the store (Create), then its supervisor process, this binary's
+// `capsa supervise`, is started in a session of its own holding the
+// sandbox's lock (Spawn); Launch does both.
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/capsa-sandbox/capsa/sandbox"
+	"github.com/capsa-sandbox/capsa/snapshot"
+	"github.com/capsa-sandbox/capsa/store"
+)
+
+// MaxFork bounds the copies one Fork makes.
+const MaxFork = 256
+
+// Create records rec in st, under a new name if it has none (rec.Name is
+// set to it), in state Creating, and returns the sandbox's lock for Spawn.
+// A name that is taken is an error wrapping store.ErrExists.
+func Create(st *store.Store, rec *store.Record) (*store.Lock, error) {
+	if rec.Name == "" {
+		var err error
+		if rec.Name, err = st.NewName(); err != nil {
+			return nil, err
+		}
+	}
+	lock, err := st.Create(rec)
+	if errors.Is(err, store.ErrExists) {
+		return nil, fmt.Errorf("the name %q is taken: %w", rec.Name, err)
+	}
+	return lock, err
+}
+
+// Spawn starts the supervisor of the recorded sandbox name (`capsa
+// supervise`, from this process's own executable), handing it lock, and
+// waits until the sandbox runs or says why it cannot (the error then
+// starts with the name). rm removes the record when the sandbox ends. The
+// supervisor outlives ctx and this process; lock is closed here.
+func Spawn(ctx context.Context, st *store.Store, name string, lock *store.Lock, rm bool) error {
+	defer lock.Close()
+	exe, err := os.Executable()
+	if err != nil {
+		return fmt.Errorf("find capsa's own binary: %w", err)
+	}
+	logf, err := os.OpenFile(filepath.Join(st.SandboxDir(name), SupervisorLog), os.O_WRONLY|os.O_CREATE|os.O_APPEND, 0o600)
+	if err != nil {
+		return err
+	}
+	defer logf.Close()
+	readyR, readyW, err := os.Pipe()
+	if err != nil {
+		return err
+	}
+	defer readyR.Close()
+	args := []string{"supervise", "--state", st.Dir()}
+	if rm {
+		args = append(args, "--rm")
+	}
+	cmd := exec.Command(exe, append(args, name)...)
+	cmd.Stdout, cmd.Stderr = logf, logf
+	cmd.ExtraFiles = []*os.File{lock.File(), readyW} // fds 3 and 4
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
+	if err := cmd.Start(); err != nil {
+		readyW.Close()
+		st.Update(name, func(r *store.Record) error { r.State, r.Reason = store.Exited, err.Error(); return nil })
+		return fmt.Errorf("start the supervisor: %w", err)
+	}
+	readyW.Close()
+	cmd.Process.Release()
+	// The supervisor writes "ok" once the sandbox runs, or why it failed;
+	// if it dies first, the pipe just closes.
+	msg, _ := io.ReadAll(io.LimitReader(readyR, 64<<10))
+	if strings.TrimSpace(string(msg)) == "ok" {
+		return nil
+	}
+	if len(msg) == 0 {
+		var last strings.Builder
+		if err := Logs(ctx, st, name, SupervisorLog, 20, false, &last); err != nil {
+			last.WriteString(err.Error())
+		}
+		msg = []byte("the supervisor ended before the sandbox ran; its log:\n" + last.String())
+	}
+	return fmt.Errorf("%s: %s", name, strings.TrimSpace(string(msg)))
+}
+
+// Launch records rec (Create) and starts it (Spawn), returning its name:
+// rec.Name, or the new one it got.
+func Launch(ctx context.Context, st *store.Store, rec *store.Record) (string, error) {
+	lock, err := Create(st, rec)
+	if err != nil {
+		return "", err
+	}
+	return rec.Name, Spawn(ctx, st, rec.Name, lock, rec.AutoRemove)
+}
+
+// RestoreRecord is the record of a detached sandbox named name ("": a new
+// name) that starts from the snapshot in dir instead of booting, its guest
+// taking hostname ("": the snapshot's); rm removes it when it ends. Give
+// it to Launch.
+func RestoreRecord(dir, name, hostname string, rm bool) (*store.Record, error) {
+	s, err := snapshot.Open(dir)
+	if err != nil {
+		return nil, err
+	}
+	var spec sandbox.Spec
+	if err := json.Unmarshal(s.Manifest.Spec, &spec); err != nil {
+		return nil, fmt.Errorf("snapshot %s: spec: %w", dir, err)
+	}
+	return &store.Record{Name: name, Spec: spec, AutoRemove: rm, RestoreFrom: dir, Hostname: hostname}, nil
+}
+
+// ErrSnapshotExists is wrapped by SaveSnapshot's error when the snapshot's
+// name is taken.
+var ErrSnapshotExists = errors.New("a snapshot with that name exists")
+
+// DefaultSnapshotName is a snapshot's name when none is given: the
+// sandbox's, then the time (NAME-YYYYMMDD-HHMMSS).
+func DefaultSnapshotName(name string, t time.Time) string {
+	return name + "-" + t.Format("20060102-150405")
+}
+
+// SaveSnapshot writes the running detached sandbox name to the state
+// directory's snapshot snap (Store.SnapshotDir) through its supervisor. A
+// snapshot of that name must not exist.
+func SaveSnapshot(ctx context.Context, st *store.Store, name, snap string) error {
+	if err := store.CheckSnapshotName(snap); err != nil {
+		return err
+	}
+	dir := st.SnapshotDir(snap)
+	if _, err := os.Lstat(dir); err == nil {
+		return fmt.Errorf("supervisor: snapshot %s: %w", snap, ErrSnapshotExists)
+	}
+	if err := os.MkdirAll(filepath.Dir(dir), 0o700); err != nil {
+		return err
+	}
+	return Snapshot(ctx, st, name, dir)
+}
+
+// Fork makes count running detached copies of the running detached
+// sandbox name: it is snapshotted into a hidden directory of the state
+// directory, and each copy restored from that at once, named and
+// hostnamed NAME-1, NAME-2... (the first free names). It returns the
+// copies' names and, beside each, why that copy did not start (nil: it
+// runs); err is for what failed before any copy. The snapshot is removed
+// once the copies run: they keep its memory mapped.
+func Fork(ctx context.Context, st *store.Store, name string, count int) (names []string, errs []error, err error) {
+	if count < 1 || count > MaxFork {
+		return nil, nil, fmt.Errorf("supervisor: fork %s: %d copies: want 1 to %d", name, count, MaxFork)
+	}
+	if _, err := st.Get(name); err != nil {
+		return nil, nil, err
+	}
+	for i := 1; len(names) < count; i++ {
+		n := fmt.Sprintf("%s-%d", name, i)
+		_, err := st.Get(n)
+		switch {
+		case errors.Is(err, store.ErrNotFound):
+			names = append(names, n)
+		case err != nil:
+			return nil, nil, fmt.Errorf("supervisor: fork %s: %w", name, err) // a name too long
+		}
+	}
+	if err := os.MkdirAll(filepath.Join(st.Dir(), "snapshots"), 0o700); err != nil {
+		return nil, nil, err
+	}
+	tmp, err := os.MkdirTemp(filepath.Join(st.Dir(), "snapshots"), ".fork-")
+	if err != nil {
+		return nil, nil, err
+	}
+	defer os.RemoveAll(tmp)
+	dir := filepath.Join(tmp, "snapshot")
+	if err := Snapshot(ctx, st, name, dir); err != nil {
+		return nil, nil, err
+	}
+	errs = make([]error, len(names))
+	var wg sync.WaitGroup
+	for i, n := range names {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			rec, err := RestoreRecord(dir, n, n, false)
+			if err == nil {
+				_, err = Launch(ctx, st, rec)
+			}
+			errs[i] = err
+		}()
+	}
+	wg.Wait()
+	return names, errs, nil
+}
+
+// CommandLine is what a sandbox runs, in one line: its image and
+// arguments, or its command.
+func CommandLine(s sandbox.Spec) string {
+	if s.Image != nil {
+		return strings.TrimSpace(s.Image.Ref + " " + strings.Join(s.Image.Args, " "))
+	}
+	return strings.Join(s.Main.Argv, " ")
+}
