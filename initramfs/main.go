@@ -53,6 +53,9 @@ func main() {
 		uimage.WithFiles(*agent+":bin/capsa-agent"),
 		// The agent is PID 1: it sets the machine up and reaps orphans.
 		uimage.WithSymlink("init", "/bin/capsa-agent"),
+		// Run as capsa, the agent is the guest's command for the
+		// host's key-value store and mailbox.
+		uimage.WithSymlink("usr/local/bin/capsa", "/bin/capsa-agent"),
 	)
 	if err != nil {
 		os.RemoveAll(tmp)

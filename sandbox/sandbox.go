@@ -201,6 +201,7 @@ type Sandbox struct {
 	ready   chan struct{}
 	started time.Time
 	hybrid  *vsock.HybridSocket
+	hub     *hubServer // the guest's mailbox and key-value store
 	shares  []*ninep.Device
 	disks   []*virtioblk.Device
 	rootfs  *rootfs
@@ -327,6 +328,9 @@ func boot(ctx context.Context, c config, root *rootfs, snap *snapshot.Snapshot, 
 	if err != nil {
 		return nil, err
 	}
+	if s.hub, err = serveHub(s.dev, c.Hub, log); err != nil {
+		return nil, err
+	}
 	if c.VsockSocket != "" {
 		if s.hybrid, err = s.dev.ServeUnix(c.VsockSocket); err != nil {
 			return nil, fmt.Errorf("sandbox: %w", err)
@@ -429,6 +433,7 @@ func (s *Sandbox) release() error {
 	if s.hybrid != nil {
 		err = errors.Join(err, s.hybrid.Close())
 	}
+	err = errors.Join(err, s.hub.close())
 	for _, d := range s.shares {
 		err = errors.Join(err, d.Close())
 	}

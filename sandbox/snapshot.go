@@ -100,6 +100,10 @@ type RestoreOptions struct {
 	// path they are mounted on. The guest finds its files there by path,
 	// so the new directory should hold what the old one did.
 	ShareHosts map[string]string
+	// Identity, when not empty, is the restored sandbox's name in the
+	// hub (HubSpec.Identity): a restore or a fork is not the sandbox it
+	// was taken from, and must not publish as it.
+	Identity string
 }
 
 // Restore starts a sandbox from the snapshot in dir: the guest goes on
@@ -131,6 +135,12 @@ func Restore(ctx context.Context, dir string, o RestoreOptions) (*Sandbox, error
 			return nil, fmt.Errorf("sandbox: restore: snapshot %s has no share on %s to move to %s", dir, guest, host)
 		}
 		spec.Shares[i].Host = host
+	}
+	if o.Identity != "" {
+		if spec.Hub == nil {
+			spec.Hub = &HubSpec{}
+		}
+		spec.Hub.Identity = o.Identity
 	}
 	if o.Network != nil {
 		if spec.Network == nil {

@@ -36,6 +36,7 @@ type Spec struct {
 	Network *NetworkSpec `json:"network,omitempty"` // nil: no NIC
 	Patches []Patch      `json:"patches,omitempty"`
 	Image   *ImageSpec   `json:"image,omitempty"` // nil: the initramfs is the root
+	Hub     *HubSpec     `json:"hub,omitempty"`   // nil: no mailbox or key-value access
 
 	Main ProcessSpec `json:"main"`
 }
@@ -175,6 +176,15 @@ func FromSpec(s Spec) *Workload {
 		}
 	}
 	b.Patch(s.Patches...)
+	if h := s.Hub; h != nil {
+		b.Mailbox(h.Topics...).KV(h.Prefixes...)
+		if h.Dir != "" {
+			b.HubDir(h.Dir)
+		}
+		if h.Identity != "" {
+			b.Identity(h.Identity)
+		}
+	}
 	var w *Workload
 	if im := s.Image; im != nil {
 		if im.Pull != "" {

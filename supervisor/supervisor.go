@@ -120,11 +120,21 @@ func Run(ctx context.Context, o Options) error {
 
 	spec := rec.Spec
 	spec.VsockSocket = filepath.Join(dir, AgentSocket)
+	// In the hub, the sandbox is known by its name, and its state
+	// directory's hub is the one capsa kv and capsa mailbox use.
+	if spec.Hub == nil {
+		spec.Hub = &sandbox.HubSpec{}
+	}
+	spec.Hub.Identity = o.Name
+	if spec.Hub.Dir == "" {
+		spec.Hub.Dir = o.Store.Dir()
+	}
 	var sb *sandbox.Sandbox
 	if rec.RestoreFrom != "" {
 		sb, err = sandbox.Restore(ctx, rec.RestoreFrom, sandbox.RestoreOptions{
 			Logger: log, Console: consoleLog, Stdout: mainLog, Stderr: mainLog,
 			VsockSocket: spec.VsockSocket, Network: spec.Network, Hostname: rec.Hostname,
+			Identity: o.Name,
 		})
 	} else {
 		sb, err = sandbox.FromSpec(spec).Logger(log).Console(consoleLog).Stdout(mainLog).Stderr(mainLog).Start(ctx)

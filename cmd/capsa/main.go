@@ -56,6 +56,8 @@ func commands() []command {
 		{"inspect", "describe detached sandboxes (JSON)", runInspect, false},
 		{"stats", "show detached sandboxes' CPU, memory, network and disk use", runStats, false},
 		{"metrics", "serve detached sandboxes' use as Prometheus metrics", runMetrics, false},
+		{"kv", "the key-value store sandboxes share: get, set, cas, rm, ls, watch", runKV, false},
+		{"mailbox", "the mailbox sandboxes share: publish, read, subscribe", runMailbox, false},
 		{"supervise", "", runSupervise, true},
 		{"vm", "boot a kernel in a raw microVM and show its console", runVM, false},
 		{"image", "pull, import, list, inspect and remove OCI images", runImage, false},

@@ -62,6 +62,8 @@ func runOrCreate(ctx context.Context, cmdName string, args []string, stdout, std
 	deny := fs.StringArray("deny", nil, "deny destinations, same syntax as --allow; deny beats allow (repeatable)")
 	publish := fs.StringArrayP("publish", "p", nil, "publish a guest port: [HOSTIP:]HOSTPORT:GUESTPORT[/udp], on 127.0.0.1 by default (repeatable)")
 	dnsServer := fs.String("dns-server", "", "resolve the guest's DNS queries through this IP:PORT instead of the host's resolver")
+	mailbox := fs.StringArray("mailbox", nil, "let the guest publish and subscribe to this mailbox topic, or to every topic starting with PREFIX given as PREFIX* (repeatable; inside: capsa mailbox)")
+	kv := fs.StringArray("kv", nil, "let the guest read and change the keys starting with this prefix in the key-value store (repeatable; inside: capsa kv)")
 	verbose := fs.Bool("verbose", false, "log VMM events and the guest console to stderr")
 	detach := fs.BoolP("detach", "d", false, "run detached: print the sandbox's name and leave it running (manage it with exec, ps, logs, stop, rm)")
 	create := cmdName == "create"
@@ -167,6 +169,7 @@ func runOrCreate(ctx context.Context, cmdName string, args []string, stdout, std
 		}
 		b.Share(host, guest, mode)
 	}
+	b.Mailbox(*mailbox...).KV(*kv...)
 	for _, c := range *copies {
 		host, guest, ok := strings.Cut(c, ":")
 		if !ok || host == "" || guest == "" {

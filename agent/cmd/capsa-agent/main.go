@@ -7,6 +7,11 @@
 //
 // When the agent stops (or is asked to shut down), init syncs and reboots:
 // without ACPI a reboot is how a capsa guest ends.
+//
+// Run as capsa (/usr/local/bin/capsa in every guest: a link in the
+// initramfs, this binary bound there in an image), it is the guest's
+// command for the host's key-value store and mailbox: `capsa kv ...` and
+// `capsa mailbox ...` (package hub/proto).
 package main
 
 import (
@@ -17,6 +22,7 @@ import (
 	"net/url"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"strings"
 	"time"
 
@@ -28,6 +34,9 @@ import (
 )
 
 func main() {
+	if filepath.Base(os.Args[0]) == "capsa" {
+		os.Exit(runGuestCommand(os.Args[1:], os.Stdin, os.Stdout, os.Stderr))
+	}
 	log := slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
 	if len(os.Args) > 1 && os.Args[1] == "serve" {
 		// Started through /proc/self/exe, the server would be named
@@ -107,6 +116,9 @@ func initMachine(log *slog.Logger) {
 		mountAll(log, mounts)
 		if err := writeHosts(hostname); err != nil {
 			log.Warn("/etc/hosts", "err", err)
+		}
+		if err := bindGuestCommand(); err != nil {
+			log.Warn("the guest's capsa command", "err", err)
 		}
 	} else {
 		mountAll(log, append(mounts, tmpMount))
