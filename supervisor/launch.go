@@ -211,3 +211,37 @@ func CommandLine(s sandbox.Spec) string {
 	}
 	return strings.Join(s.Main.Argv, " ")
 }
+
+// Destroy kills the detached sandbox name if it runs (Stop with kill) and
+// removes its record and files (Store.Remove).
+func Destroy(ctx context.Context, st *store.Store, name string) error {
+	rec, err := st.Get(name)
+	if err != nil {
+		return err
+	}
+	if rec.Alive() {
+		sctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+		err := Stop(sctx, st, name, 0, true)
+		cancel()
+		if err != nil && !errors.Is(err, ErrNotRunning) {
+			return err
+		}
+	}
+	// A supervisor holds the sandbox's lock for a moment after recording
+	// its end, and Remove refuses it meanwhile: try again for a while.
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		err := st.Remove(name)
+		if err == nil || errors.Is(err, store.ErrNotFound) {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return err
+		}
+		select {
+		case <-ctx.Done():
+			return err
+		case <-time.After(100 * time.Millisecond):
+		}
+	}
+}

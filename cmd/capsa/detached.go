@@ -425,15 +425,10 @@ func runRm(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		if err != nil {
 			return err
 		}
-		if r.Alive() {
-			if !*force {
-				return fmt.Errorf("%s is %s: stop it first, or rm -f", name, r.State)
-			}
-			if err := stopByName(ctx, st, name, 0, true); err != nil {
-				return err
-			}
+		if r.Alive() && !*force {
+			return fmt.Errorf("%s is %s: stop it first, or rm -f", name, r.State)
 		}
-		if err := st.Remove(name); err != nil {
+		if err := supervisor.Destroy(ctx, st, name); err != nil {
 			return err
 		}
 		fmt.Fprintln(stdout, name)

@@ -1,0 +1,355 @@
+package mcp
+
+import (
+	"context"
+	"encoding/json"
+	"log/slog"
+	"net/http"
+	"net/http/httptest"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	sdk "github.com/modelcontextprotocol/go-sdk/mcp"
+
+	"github.com/capsa-sandbox/capsa/sandbox"
+	"github.com/capsa-sandbox/capsa/store"
+)
+
+// connect starts a server on a fresh state directory and returns the SDK's
+// own client connected to it in memory, with the store.
+func connect(t *testing.T) (*sdk.ClientSession, *store.Store) {
+	t.Helper()
+	st, err := store.Open(t.TempDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	return connectTo(t, NewServer(Options{Store: st, Version: "test"})), st
+}
+
+func connectTo(t *testing.T, s *sdk.Server) *sdk.ClientSession {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	t.Cleanup(cancel)
+	st, ct := sdk.NewInMemoryTransports()
+	ss, err := s.Connect(ctx, st, nil)
+	if err != nil {
+		t.Fatalf("server Connect = %v", err)
+	}
+	t.Cleanup(func() { ss.Close() })
+	cs, err := sdk.NewClient(&sdk.Implementation{Name: "test-client", Version: "1"}, nil).Connect(ctx, ct, nil)
+	if err != nil {
+		t.Fatalf("client Connect = %v", err)
+	}
+	t.Cleanup(func() { cs.Close() })
+	return cs
+}
+
+// call calls a tool and returns its result, failing the test on a
+// protocol error (a tool's own error is a result with IsError).
+func call(t *testing.T, cs *sdk.ClientSession, name string, args map[string]any) *sdk.CallToolResult {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	res, err := cs.CallTool(ctx, &sdk.CallToolParams{Name: name, Arguments: args})
+	if err != nil {
+		t.Fatalf("CallTool(%s, %v) = protocol error %v; want a result", name, args, err)
+	}
+	return res
+}
+
+func text(res *sdk.CallToolResult) string {
+	var b strings.Builder
+	for _, c := range res.Content {
+		if tc, ok := c.(*sdk.TextContent); ok {
+			b.WriteString(tc.Text)
+		}
+	}
+	return b.String()
+}
+
+func TestToolList(t *testing.T) {
+	cs, _ := connect(t)
+	res, err := cs.ListTools(context.Background(), nil)
+	if err != nil {
+		t.Fatalf("ListTools = %v", err)
+	}
+	var names []string
+	for _, tool := range res.Tools {
+		names = append(names, tool.Name)
+		if tool.Description == "" {
+			t.Errorf("tool %s has no description", tool.Name)
+		}
+		schema, _ := json.Marshal(tool.InputSchema)
+		if !strings.Contains(string(schema), `"type":"object"`) {
+			t.Errorf("tool %s's input schema = %s; want an object", tool.Name, schema)
+		}
+	}
+	slices.Sort(names)
+	want := []string{"file_list", "file_read", "file_write", "sandbox_create", "sandbox_destroy", "sandbox_exec",
+		"sandbox_fork", "sandbox_list", "snapshot_create", "snapshot_restore"}
+	if !slices.Equal(names, want) {
+		t.Errorf("ListTools names = %v, want %v", names, want)
+	}
+	// The schema carries the arguments' descriptions, and says which are
+	// required.
+	for _, tool := range res.Tools {
+		if tool.Name != "sandbox_exec" {
+			continue
+		}
+		schema, _ := json.Marshal(tool.InputSchema)
+		var s struct {
+			Required   []string                   `json:"required"`
+			Properties map[string]json.RawMessage `json:"properties"`
+		}
+		json.Unmarshal(schema, &s)
+		if !slices.Equal(s.Required, []string{"name"}) {
+			t.Errorf("sandbox_exec's required arguments = %v, want [name]", s.Required)
+		}
+		if p := string(s.Properties["timeout_seconds"]); !strings.Contains(p, "kill the process") {
+			t.Errorf("sandbox_exec's timeout_seconds schema = %s; want its description", p)
+		}
+	}
+}
+
+// TestArgumentErrors: bad arguments are tool errors (IsError, with why),
+// whether the SDK's schema check or the tool's own finds them, and the
+// server answers on.
+func TestArgumentErrors(t *testing.T) {
+	cs, _ := connect(t)
+	for _, c := range []struct {
+		tool string
+		args map[string]any
+		want string
+	}{
+		{"sandbox_exec", map[string]any{"command": []string{"true"}}, "name"},
+		{"sandbox_exec", map[string]any{"name": "a"}, "give command"},
+		{"sandbox_exec", map[string]any{"name": "a", "command": []string{"true"}, "shell": "true"}, "give command"},
+		{"sandbox_exec", map[string]any{"name": "a", "shell": "true", "timeout_seconds": -1}, "timeout_seconds -1"},
+		{"sandbox_exec", map[string]any{"name": "a", "shell": "true", "timeout_seconds": 99999}, "timeout_seconds 99999"},
+		{"sandbox_exec", map[string]any{"name": "a", "shell": "true", "max_output_bytes": 1 << 30}, "max_output_bytes"},
+		{"sandbox_exec", map[string]any{"name": "a", "shell": "true", "env": []string{"NOEQUALS"}}, "KEY=VALUE"},
+		{"sandbox_exec", map[string]any{"name": "a", "shell": "true", "bogus": 1}, "bogus"},
+		{"sandbox_create", map[string]any{"cpus": "two"}, "cpus"},
+		{"sandbox_create", map[string]any{"cpus": 9999}, "CPUs: must be between"},
+		{"sandbox_create", map[string]any{"memory_mib": 10}, "must be between 64"},
+		{"sandbox_create", map[string]any{"name": "no/slash"}, "sandbox name"},
+		{"sandbox_create", map[string]any{"network": "sideways"}, "network"},
+		{"sandbox_create", map[string]any{"allow": []string{"example.com"}}, "need a network"},
+		{"sandbox_create", map[string]any{"shares": []map[string]any{{"host": "relative/dir", "guest": "/mnt"}}}, "absolute host path"},
+		{"sandbox_create", map[string]any{"shares": []map[string]any{{"host": "/nonexistent/dir", "guest": "/mnt"}}}, "/nonexistent/dir"},
+		{"sandbox_create", map[string]any{"env": []string{"=x"}}, "KEY=VALUE"},
+		{"sandbox_create", map[string]any{"ttl_seconds": -5}, "ttl_seconds"},
+		{"file_read", map[string]any{"name": "a", "path": "relative"}, "absolute"},
+		{"file_read", map[string]any{"name": "a", "path": "/x", "max_bytes": 1 << 30}, "max_bytes"},
+		{"file_write", map[string]any{"name": "a", "path": "/x", "content": "hi", "encoding": "rot13"}, "encoding"},
+		{"file_write", map[string]any{"name": "a", "path": "/x", "content": "!!!", "encoding": "base64"}, "content"},
+		{"file_write", map[string]any{"name": "a", "path": "/x", "content": "hi", "mode": "rwx"}, "mode"},
+		{"file_write", map[string]any{"name": "a", "path": "/x"}, "content"},
+		{"file_list", map[string]any{"name": "a", "path": "."}, "absolute"},
+		{"sandbox_fork", map[string]any{"name": "a", "count": 17}, "count 17"},
+		{"snapshot_restore", map[string]any{"snapshot": "../x"}, "snapshot name"},
+		{"snapshot_create", map[string]any{"name": "a", "snapshot": "a b"}, "snapshot name"},
+	} {
+		res := call(t, cs, c.tool, c.args)
+		if !res.IsError || !strings.Contains(text(res), c.want) {
+			t.Errorf("%s(%v) = IsError %v, %q; want a tool error saying %q", c.tool, c.args, res.IsError, text(res), c.want)
+		}
+	}
+	if _, err := cs.ListTools(context.Background(), nil); err != nil {
+		t.Errorf("ListTools after the errors = %v; the server should answer on", err)
+	}
+}
+
+// TestMissingSandbox: a sandbox that does not exist, or does not run, is a
+// tool error naming it.
+func TestMissingSandbox(t *testing.T) {
+	cs, st := connect(t)
+	for _, c := range []struct {
+		tool string
+		args map[string]any
+	}{
+		{"sandbox_exec", map[string]any{"name": "nosuch", "command": []string{"true"}}},
+		{"file_read", map[string]any{"name": "nosuch", "path": "/etc/hostname"}},
+		{"file_write", map[string]any{"name": "nosuch", "path": "/tmp/x", "content": "x"}},
+		{"file_list", map[string]any{"name": "nosuch", "path": "/"}},
+		{"sandbox_destroy", map[string]any{"name": "nosuch"}},
+		{"snapshot_create", map[string]any{"name": "nosuch"}},
+		{"sandbox_fork", map[string]any{"name": "nosuch"}},
+		{"snapshot_restore", map[string]any{"snapshot": "nosuch"}},
+	} {
+		res := call(t, cs, c.tool, c.args)
+		if !res.IsError || !strings.Contains(text(res), "nosuch") {
+			t.Errorf("%s(%v) = IsError %v, %q; want a tool error naming nosuch", c.tool, c.args, res.IsError, text(res))
+		}
+	}
+
+	// A sandbox that ended: listed with all, refused by exec, destroyed.
+	lock, err := st.Create(&store.Record{Name: "ended", Spec: sandbox.Spec{CPUs: 1, MemoryMiB: 256, Main: sandbox.ProcessSpec{Argv: []string{"sleep", "1"}}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	code := 3
+	st.Update("ended", func(r *store.Record) error {
+		r.State, r.ExitCode, r.Reason = store.Exited, &code, "its main process ended"
+		return nil
+	})
+	lock.Close()
+	res := call(t, cs, "sandbox_exec", map[string]any{"name": "ended", "shell": "true"})
+	if !res.IsError || !strings.Contains(text(res), "not running") {
+		t.Errorf("sandbox_exec(ended) = IsError %v, %q; want a tool error saying it is not running", res.IsError, text(res))
+	}
+	for _, all := range []bool{false, true} {
+		res := call(t, cs, "sandbox_list", map[string]any{"all": all})
+		var l listResult
+		if b, _ := json.Marshal(res.StructuredContent); res.IsError || json.Unmarshal(b, &l) != nil {
+			t.Fatalf("sandbox_list(all %v) = IsError %v, %q", all, res.IsError, text(res))
+		}
+		want := 0
+		if all {
+			want = 1
+		}
+		if len(l.Sandboxes) != want {
+			t.Errorf("sandbox_list(all %v) = %+v; want %d sandboxes", all, l.Sandboxes, want)
+		} else if all {
+			if s := l.Sandboxes[0]; s.Name != "ended" || s.State != "exited" || s.ExitCode == nil || *s.ExitCode != 3 || s.Command != "sleep 1" {
+				t.Errorf("sandbox_list(all) = %+v; want ended, exited with code 3, sleep 1", s)
+			}
+		}
+	}
+	if res := call(t, cs, "sandbox_destroy", map[string]any{"name": "ended"}); res.IsError {
+		t.Errorf("sandbox_destroy(ended) = %q; want it removed", text(res))
+	}
+	if _, err := st.Get("ended"); err == nil {
+		t.Errorf("st.Get(ended) after sandbox_destroy = nil error; want it gone")
+	}
+}
+
+// TestPanicIsAToolError: a tool that panics answers with an error; the
+// server lives on.
+func TestPanicIsAToolError(t *testing.T) {
+	s := sdk.NewServer(&sdk.Implementation{Name: "t", Version: "1"}, nil)
+	addTool(s, &tools{log: slog.New(slog.DiscardHandler)}, &sdk.Tool{Name: "boom"}, func(context.Context, nameArgs) (destroyResult, error) {
+		var m map[string]int
+		m["x"]++ // a nil map: panics
+		return destroyResult{}, nil
+	})
+	cs := connectTo(t, s)
+	for range 2 {
+		res := call(t, cs, "boom", map[string]any{"name": "x"})
+		if !res.IsError || !strings.Contains(text(res), "boom: internal error") {
+			t.Errorf("boom = IsError %v, %q; want a tool error", res.IsError, text(res))
+		}
+	}
+}
+
+func TestListenLoopback(t *testing.T) {
+	for _, addr := range []string{":0", "0.0.0.0:0", "[::]:0", "192.0.2.1:0", "example.com:0", "127.0.0.1"} {
+		if l, err := ListenLoopback(addr); err == nil {
+			l.Close()
+			t.Errorf("ListenLoopback(%q) = nil error; want it refused", addr)
+		}
+	}
+	for _, addr := range []string{"127.0.0.1:0", "localhost:0", "127.0.0.2:0"} {
+		l, err := ListenLoopback(addr)
+		if err != nil {
+			t.Errorf("ListenLoopback(%q) = %v; want it to listen", addr, err)
+			continue
+		}
+		l.Close()
+	}
+}
+
+// bearer adds a token to every request.
+type bearer struct{ token string }
+
+func (b bearer) RoundTrip(r *http.Request) (*http.Response, error) {
+	r = r.Clone(r.Context())
+	r.Header.Set("Authorization", "Bearer "+b.token)
+	return http.DefaultTransport.RoundTrip(r)
+}
+
+// TestHTTP: streamable HTTP on loopback serves a client with the token,
+// and nobody without it.
+func TestHTTP(t *testing.T) {
+	st, err := store.Open(t.TempDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	l, err := ListenLoopback("127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewUnstartedServer(HTTPHandler(NewServer(Options{Store: st}), "sesame", nil))
+	srv.Listener.Close()
+	srv.Listener = l
+	srv.Start()
+	defer srv.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	client := sdk.NewClient(&sdk.Implementation{Name: "test-client", Version: "1"}, nil)
+
+	for _, token := range []string{"", "wrong"} {
+		tr := &sdk.StreamableClientTransport{Endpoint: srv.URL + HTTPPath, HTTPClient: &http.Client{Transport: bearer{token}}, MaxRetries: -1}
+		if cs, err := client.Connect(ctx, tr, nil); err == nil {
+			cs.Close()
+			t.Errorf("Connect with token %q = nil error; want it refused", token)
+		}
+	}
+	req, _ := http.NewRequest("POST", srv.URL+HTTPPath, strings.NewReader("{}"))
+	if resp, err := http.DefaultClient.Do(req); err != nil || resp.StatusCode != http.StatusUnauthorized {
+		t.Errorf("POST %s without a token = %v, %v; want 401", HTTPPath, resp, err)
+	}
+
+	tr := &sdk.StreamableClientTransport{Endpoint: srv.URL + HTTPPath, HTTPClient: &http.Client{Transport: bearer{"sesame"}}}
+	cs, err := client.Connect(ctx, tr, nil)
+	if err != nil {
+		t.Fatalf("Connect with the token = %v", err)
+	}
+	defer cs.Close()
+	res, err := cs.CallTool(ctx, &sdk.CallToolParams{Name: "sandbox_list", Arguments: map[string]any{}})
+	if err != nil || res.IsError {
+		t.Fatalf("sandbox_list over HTTP = %v, %+v", err, res)
+	}
+	if got := text(res); got != `{"sandboxes":[]}` {
+		t.Errorf("sandbox_list over HTTP = %s, want no sandboxes", got)
+	}
+}
+
+func TestCapped(t *testing.T) {
+	c := &capped{max: 5}
+	for _, s := range []string{"abc", "defg", "hij"} {
+		if n, err := c.Write([]byte(s)); n != len(s) || err != nil {
+			t.Errorf("capped.Write(%q) = %d, %v; want %d, nil", s, n, err, len(s))
+		}
+	}
+	if string(c.buf) != "abcde" || !c.truncated {
+		t.Errorf("capped = %q, truncated %v; want abcde, true", c.buf, c.truncated)
+	}
+	c = &capped{max: 5}
+	c.Write([]byte("abcde"))
+	if c.truncated {
+		t.Errorf("capped of exactly max = truncated; want not")
+	}
+}
+
+func TestEncode(t *testing.T) {
+	for _, c := range []struct {
+		data      string
+		truncated bool
+		content   string
+		enc       string
+	}{
+		{"hello\n", false, "hello\n", encText},
+		{"h\xc3\xa9", false, "h\xc3\xa9", encText},
+		{"h\xc3", true, "h", encText},       // a rune cut by the limit
+		{"h\xc3", false, "aMM=", encBase64}, // a file that ends so is not text
+		{"\x00\xff\xfe", false, "AP/+", encBase64},
+	} {
+		content, enc := encode([]byte(c.data), c.truncated)
+		if content != c.content || enc != c.enc {
+			t.Errorf("encode(%q, %v) = %q, %s; want %q, %s", c.data, c.truncated, content, enc, c.content, c.enc)
+		}
+	}
+}

@@ -1,0 +1,194 @@
+package mcp
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"path/filepath"
+	"time"
+
+	sdk "github.com/modelcontextprotocol/go-sdk/mcp"
+
+	"github.com/capsa-sandbox/capsa/netstack"
+	"github.com/capsa-sandbox/capsa/sandbox"
+	"github.com/capsa-sandbox/capsa/store"
+	"github.com/capsa-sandbox/capsa/supervisor"
+)
+
+// keepAlive is a sandbox's main process when the agent gives none: the
+// sandbox stays up until destroyed or its TTL passes (2^31-1 seconds, a
+// number every sleep takes).
+var keepAlive = []string{"sleep", "2147483647"}
+
+// watchdog is capsa run's default: a guest counts as hung when its agent
+// is silent and its vCPUs stand still for this long.
+const watchdog = 5 * time.Minute
+
+// maxLifetime bounds ttl_seconds and idle_timeout_seconds (a year).
+const maxLifetime = 365 * 24 * 3600
+
+type shareArg struct {
+	Host     string `json:"host" jsonschema:"an absolute host directory"`
+	Guest    string `json:"guest" jsonschema:"the absolute guest path where it appears"`
+	ReadOnly bool   `json:"read_only,omitempty" jsonschema:"the guest may only read it"`
+}
+
+type createArgs struct {
+	Name               string     `json:"name,omitempty" jsonschema:"the sandbox's name: 1 to 63 letters, digits, '_', '.' or '-'; default: a new one (sb-XXXXXX)"`
+	Image              string     `json:"image,omitempty" jsonschema:"an OCI image for the root filesystem (e.g. python:3.12-slim), pulled if not cached; its environment and working directory apply to sandbox_exec; default: capsa's small built-in Linux with busybox-style tools"`
+	Command            []string   `json:"command,omitempty" jsonschema:"the main process (argv); the sandbox ends when it does. Default: a sleep that keeps the sandbox up until sandbox_destroy or its TTL (with an image, in place of the image's entrypoint and command, so the image needs sleep)"`
+	CPUs               int        `json:"cpus,omitempty" jsonschema:"vCPUs (default 1)"`
+	MemoryMiB          int        `json:"memory_mib,omitempty" jsonschema:"guest memory in MiB (default 512)"`
+	Env                []string   `json:"env,omitempty" jsonschema:"environment entries (KEY=VALUE) for every process"`
+	Network            string     `json:"network,omitempty" jsonschema:"none (the default: no network interface), public-only (the internet, not the host's or private networks), allow-all or deny-all"`
+	Allow              []string   `json:"allow,omitempty" jsonschema:"with a network: destinations to allow (CIDR, IP, [udp/]HOST[:PORT[-PORT]], DOMAIN or *.DOMAIN)"`
+	Deny               []string   `json:"deny,omitempty" jsonschema:"with a network: destinations to deny, as allow; deny beats allow"`
+	Shares             []shareArg `json:"shares,omitempty" jsonschema:"host directories shared into the guest"`
+	TTLSeconds         int        `json:"ttl_seconds,omitempty" jsonschema:"stop the sandbox this many seconds after it started (default 0: never)"`
+	IdleTimeoutSeconds int        `json:"idle_timeout_seconds,omitempty" jsonschema:"stop the sandbox once no exec or file operation has reached it for this many seconds (default 0: never)"`
+}
+
+type createResult struct {
+	Name  string `json:"name" jsonschema:"the sandbox's name, for the other tools"`
+	State string `json:"state"`
+}
+
+type listArgs struct {
+	All bool `json:"all,omitempty" jsonschema:"list the sandboxes that ended too"`
+}
+
+type sandboxRow struct {
+	Name          string `json:"name"`
+	State         string `json:"state" jsonschema:"created, creating, running, paused, exited or crashed"`
+	Command       string `json:"command" jsonschema:"the image and arguments, or the main process"`
+	CPUs          int    `json:"cpus"`
+	MemoryMiB     int    `json:"memory_mib"`
+	UptimeSeconds int64  `json:"uptime_seconds,omitempty"`
+	ExitCode      *int   `json:"exit_code,omitempty" jsonschema:"the main process's, once it ended"`
+	Reason        string `json:"reason,omitempty" jsonschema:"why it ended"`
+}
+
+type listResult struct {
+	Sandboxes []sandboxRow `json:"sandboxes"`
+}
+
+type nameArgs struct {
+	Name string `json:"name" jsonschema:"the sandbox's name"`
+}
+
+type destroyResult struct {
+	Name      string `json:"name"`
+	Destroyed bool   `json:"destroyed"`
+}
+
+// registerSandboxTools adds sandbox_create, sandbox_list and
+// sandbox_destroy.
+func registerSandboxTools(s *sdk.Server, t *tools) {
+	addTool(s, t, &sdk.Tool{Name: "sandbox_create", Title: "Create a sandbox",
+		Description: "Start a sandbox: a microVM with its own kernel, running until sandbox_destroy or its TTL. Returns its name. Booting takes about a second; pulling an image the first time takes longer.",
+		Annotations: &sdk.ToolAnnotations{DestructiveHint: boolPtr(false), OpenWorldHint: boolPtr(true)},
+	}, t.create)
+	addTool(s, t, &sdk.Tool{Name: "sandbox_list", Title: "List sandboxes",
+		Description: "List the detached sandboxes (running ones; with all, the ended ones too): the agent's and any other started with capsa run -d.",
+		Annotations: &sdk.ToolAnnotations{ReadOnlyHint: true},
+	}, t.list)
+	addTool(s, t, &sdk.Tool{Name: "sandbox_destroy", Title: "Destroy a sandbox",
+		Description: "Kill a sandbox if it runs and remove it with everything in it (files written inside are gone).",
+		Annotations: &sdk.ToolAnnotations{DestructiveHint: boolPtr(true), IdempotentHint: true},
+	}, t.destroy)
+}
+
+// create builds the sandbox's Spec with the sandbox builder, as capsa run
+// does (so bad arguments get the builder's errors), and starts it through
+// supervisor.Launch, as capsa run -d does.
+func (t *tools) create(ctx context.Context, a createArgs) (createResult, error) {
+	if a.Name != "" {
+		if err := store.CheckName(a.Name); err != nil {
+			return createResult{}, err
+		}
+	}
+	if a.TTLSeconds < 0 || a.TTLSeconds > maxLifetime {
+		return createResult{}, fmt.Errorf("ttl_seconds %d: want 0 to %d", a.TTLSeconds, maxLifetime)
+	}
+	if a.IdleTimeoutSeconds < 0 || a.IdleTimeoutSeconds > maxLifetime {
+		return createResult{}, fmt.Errorf("idle_timeout_seconds %d: want 0 to %d", a.IdleTimeoutSeconds, maxLifetime)
+	}
+	b := sandbox.New().Env(a.Env...).Watchdog(watchdog)
+	if a.CPUs != 0 {
+		b.CPUs(a.CPUs)
+	}
+	if a.MemoryMiB != 0 {
+		b.Memory(a.MemoryMiB)
+	}
+	switch {
+	case a.Network != "" && a.Network != "none":
+		policy, err := netstack.ParsePolicy(a.Network, a.Allow, a.Deny)
+		if err != nil {
+			return createResult{}, fmt.Errorf("network: %w", err)
+		}
+		b.Network(policy)
+	case len(a.Allow) > 0 || len(a.Deny) > 0:
+		return createResult{}, errors.New("allow and deny need a network (network: public-only, allow-all or deny-all)")
+	}
+	for _, sh := range a.Shares {
+		// Relative to what? The server's working directory is the
+		// client's choice, not the agent's.
+		if !filepath.IsAbs(sh.Host) {
+			return createResult{}, fmt.Errorf("shares: host %q: want an absolute host path", sh.Host)
+		}
+		mode := sandbox.ReadWrite
+		if sh.ReadOnly {
+			mode = sandbox.ReadOnly
+		}
+		b.Share(sh.Host, sh.Guest, mode)
+	}
+	var w *sandbox.Workload
+	switch {
+	case a.Image != "" && len(a.Command) == 0:
+		w = b.Entrypoint(keepAlive...).OCI(a.Image)
+	case a.Image != "":
+		w = b.Entrypoint(a.Command...).OCI(a.Image)
+	case len(a.Command) == 0:
+		w = b.Run(keepAlive[0], keepAlive[1:]...)
+	default:
+		w = b.Run(a.Command[0], a.Command[1:]...)
+	}
+	spec, err := w.Spec()
+	if err != nil {
+		return createResult{}, err
+	}
+	rec := &store.Record{Name: a.Name, Spec: spec,
+		TTL: time.Duration(a.TTLSeconds) * time.Second, IdleTimeout: time.Duration(a.IdleTimeoutSeconds) * time.Second}
+	name, err := supervisor.Launch(ctx, t.st, rec)
+	if err != nil {
+		return createResult{}, err
+	}
+	return createResult{Name: name, State: string(store.Running)}, nil
+}
+
+func (t *tools) list(ctx context.Context, a listArgs) (listResult, error) {
+	recs, err := t.st.List()
+	if err != nil {
+		return listResult{}, err
+	}
+	res := listResult{Sandboxes: []sandboxRow{}}
+	for _, r := range recs {
+		if !a.All && !r.Alive() {
+			continue
+		}
+		row := sandboxRow{Name: r.Name, State: string(r.State), Command: supervisor.CommandLine(r.Spec),
+			CPUs: r.Spec.CPUs, MemoryMiB: r.Spec.MemoryMiB, ExitCode: r.ExitCode, Reason: r.Reason}
+		if (r.State == store.Running || r.State == store.Paused) && !r.Started.IsZero() {
+			row.UptimeSeconds = int64(time.Since(r.Started).Seconds())
+		}
+		res.Sandboxes = append(res.Sandboxes, row)
+	}
+	return res, nil
+}
+
+func (t *tools) destroy(ctx context.Context, a nameArgs) (destroyResult, error) {
+	if err := supervisor.Destroy(ctx, t.st, a.Name); err != nil {
+		return destroyResult{}, err
+	}
+	return destroyResult{Name: a.Name, Destroyed: true}, nil
+}

@@ -1,0 +1,152 @@
+// Package mcp serves capsa's sandboxes to LLM agents as tools of the Model
+// Context Protocol, on the official Go SDK (github.com/modelcontextprotocol/go-sdk).
+// Its starting point is NewServer, an MCP server with every tool; `capsa
+// mcp` runs it over stdio, or over streamable HTTP on a loopback address
+// (ListenLoopback, HTTPHandler).
+//
+// The sandboxes an agent creates are ordinary detached sandboxes in the
+// state directory (package supervisor starts them as `capsa run -d` does),
+// so `capsa ps`, `logs` and `rm` show and manage what the agent did. Every
+// tool's failure, a bad argument or a panic included, comes back as the
+// tool's error result, never as the server's end.
+//
+// The tools come in groups, each added by one function (registerSandboxTools,
+// registerExecTools, registerFileTools, registerSnapshotTools): a new
+// capability is one more such function called from NewServer.
+package mcp
+
+import (
+	"context"
+	"crypto/subtle"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"runtime/debug"
+	"strings"
+	"time"
+
+	sdk "github.com/modelcontextprotocol/go-sdk/mcp"
+
+	"github.com/capsa-sandbox/capsa/store"
+)
+
+// Options configure a server.
+type Options struct {
+	// Store is the state directory whose detached sandboxes the tools
+	// create and reach.
+	Store *store.Store
+	// Log receives a line per tool call (nil: none).
+	Log *slog.Logger
+	// Version is capsa's, told to clients.
+	Version string
+}
+
+// tools is what every tool handler works with.
+type tools struct {
+	st  *store.Store
+	log *slog.Logger
+}
+
+// instructions tell the agent how the tools go together.
+const instructions = `capsa runs untrusted code in hardware-isolated microVMs (sandboxes).
+Create a sandbox with sandbox_create (it runs until sandbox_destroy or its TTL), run commands in it with sandbox_exec, move files with file_write, file_read and file_list, and destroy it when done. sandbox_list shows the sandboxes; snapshot_create, snapshot_restore and sandbox_fork save and copy a running one. The sandboxes are ordinary detached capsa sandboxes: the person running capsa sees them with capsa ps.`
+
+// NewServer returns an MCP server with capsa's tools.
+func NewServer(o Options) *sdk.Server {
+	log := o.Log
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	version := o.Version
+	if version == "" {
+		version = "dev"
+	}
+	s := sdk.NewServer(&sdk.Implementation{Name: "capsa", Title: "capsa sandboxes", Version: version},
+		&sdk.ServerOptions{Instructions: instructions, Logger: log})
+	t := &tools{st: o.Store, log: log}
+	registerSandboxTools(s, t)
+	registerExecTools(s, t)
+	registerFileTools(s, t)
+	registerSnapshotTools(s, t)
+	return s
+}
+
+// addTool adds tool with handler h. The SDK checks the arguments against
+// the schema it infers from In (its fields' json and jsonschema tags) and
+// puts Out in the result; an error from h, or a panic, becomes the tool's
+// error result, prefixed with the tool's name.
+func addTool[In, Out any](s *sdk.Server, t *tools, tool *sdk.Tool, h func(context.Context, In) (Out, error)) {
+	sdk.AddTool(s, tool, func(ctx context.Context, _ *sdk.CallToolRequest, in In) (_ *sdk.CallToolResult, out Out, err error) {
+		start := time.Now()
+		defer func() {
+			if p := recover(); p != nil {
+				t.log.Error("mcp: tool panicked", "tool", tool.Name, "panic", p, "stack", string(debug.Stack()))
+				var zero Out
+				out, err = zero, fmt.Errorf("%s: internal error: %v", tool.Name, p)
+			}
+			if err != nil {
+				t.log.Info("mcp: tool call", "tool", tool.Name, "took", time.Since(start), "err", err)
+			} else {
+				t.log.Info("mcp: tool call", "tool", tool.Name, "took", time.Since(start))
+			}
+		}()
+		out, err = h(ctx, in)
+		if err != nil {
+			err = fmt.Errorf("%s: %w", tool.Name, err)
+		}
+		return nil, out, err
+	})
+}
+
+// boolPtr is for the tool annotations' optional hints.
+func boolPtr(b bool) *bool { return &b }
+
+// HTTPPath is where HTTPHandler serves MCP.
+const HTTPPath = "/mcp"
+
+// HTTPHandler serves s over streamable HTTP at HTTPPath, to requests
+// bearing token (Authorization: Bearer TOKEN): a loopback port is open to
+// every local user, the state directory only to this one. The SDK refuses
+// requests whose Host is not a loopback name (DNS rebinding), and
+// cross-origin browser requests are refused too.
+func HTTPHandler(s *sdk.Server, token string, log *slog.Logger) http.Handler {
+	h := sdk.NewStreamableHTTPHandler(func(*http.Request) *sdk.Server { return s }, &sdk.StreamableHTTPOptions{Logger: log})
+	mux := http.NewServeMux()
+	mux.Handle(HTTPPath, http.NewCrossOriginProtection().Handler(h))
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		got, ok := strings.CutPrefix(r.Header.Get("Authorization"), "Bearer ")
+		if !ok || subtle.ConstantTimeCompare([]byte(got), []byte(token)) != 1 {
+			w.Header().Set("WWW-Authenticate", `Bearer realm="capsa mcp"`)
+			http.Error(w, "capsa mcp: want the bearer token capsa mcp printed (or was given in CAPSA_MCP_TOKEN)", http.StatusUnauthorized)
+			return
+		}
+		mux.ServeHTTP(w, r)
+	})
+}
+
+// ListenLoopback listens for TCP on addr (HOST:PORT), refusing any host
+// that is not a loopback address or "localhost": the MCP server starts
+// sandboxes as this user, and is for this machine only.
+func ListenLoopback(addr string) (net.Listener, error) {
+	host, _, err := net.SplitHostPort(addr)
+	if err != nil {
+		return nil, fmt.Errorf("mcp: listen %q: %w (want HOST:PORT, e.g. 127.0.0.1:8765)", addr, err)
+	}
+	if host != "localhost" {
+		ip := net.ParseIP(host)
+		if ip == nil || !ip.IsLoopback() {
+			return nil, fmt.Errorf("mcp: listen %q: %q is not a loopback address (want 127.0.0.1, ::1 or localhost)", addr, host)
+		}
+	}
+	l, err := net.Listen("tcp", addr)
+	if err != nil {
+		return nil, fmt.Errorf("mcp: listen %s: %w", addr, err)
+	}
+	// "localhost" is resolved by Listen: check what it bound.
+	if ta, ok := l.Addr().(*net.TCPAddr); !ok || !ta.IP.IsLoopback() {
+		l.Close()
+		return nil, fmt.Errorf("mcp: listen %s: bound %v, not a loopback address", addr, l.Addr())
+	}
+	return l, nil
+}
