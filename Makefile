@@ -8,7 +8,7 @@ NESTED := $(BUILD)/capsa-nested
 KVM_PKGS := ./kvm ./vmm
 BENCHTIME ?= 5x
 
-.PHONY: soak fuzz all deps kernel initramfs nested-deps qemu-bundle capsa testinitrd testimages vm run test test-unit test-kvm test-e2e bench stress clean
+.PHONY: soak fuzz all deps kernel initramfs nested-deps qemu-bundle mcp-client capsa testinitrd testimages vm run test test-unit test-kvm test-e2e bench stress clean
 
 all: capsa
 
@@ -90,17 +90,23 @@ test-kvm: deps nested-deps $(NESTED)
 qemu-bundle: nested-deps
 	scripts/qemu-bundle.sh $(BUILD)/qemu
 
+# Node.js 22 and the official MCP TypeScript SDK with their libraries, for
+# the nested host's L1: the MCP end-to-end test's client (cached by version).
+mcp-client:
+	scripts/mcp-client-bundle.sh $(BUILD)/mcp-client
+
 # What the end-to-end tests, `make stress` and `make bench` need in the
 # nested host, beside the test binary.
 E2E_FILES := $(BUILD)/capsa $(BUILD)/testinitrd.cpio $(BUILD)/testinit $(BUILD)/kernel/vmlinux \
 	$(BUILD)/initramfs.cpio $(BUILD)/qemu:qemu
 
 # Tier 3: end-to-end tests: the real binary boots the real kernel.
-test-e2e: capsa testinitrd testimages nested-deps qemu-bundle $(NESTED)
+test-e2e: capsa testinitrd testimages nested-deps qemu-bundle mcp-client $(NESTED)
 	@rm -rf $(BUILD)/e2e && mkdir -p $(BUILD)/e2e
 	CGO_ENABLED=0 $(GO) test -c -o $(BUILD)/e2e/e2e.test ./tests/e2e
 	CGO_ENABLED=0 $(GO) build -tags capsa_builtin -o $(BUILD)/e2e/example-sandbox ./examples/sandbox
-	tests/run-e2e.sh $(NESTED) $(BUILD)/e2e $(E2E_FILES) $(BUILD)/e2e/example-sandbox $(BUILD)/testimages:testimages
+	tests/run-e2e.sh $(NESTED) $(BUILD)/e2e $(E2E_FILES) $(BUILD)/e2e/example-sandbox $(BUILD)/testimages:testimages \
+		$(BUILD)/mcp-client:mcp-client
 
 # The guest stress test at full size: boots and heavy 9p and network work
 # under capsa and, as the control, QEMU's microvm, with every failure

@@ -7,12 +7,15 @@ import (
 	"fmt"
 	"os"
 	"path"
+	"slices"
 	"strconv"
+	"strings"
 	"time"
 	"unicode/utf8"
 
 	sdk "github.com/modelcontextprotocol/go-sdk/mcp"
 
+	"github.com/capsa-sandbox/capsa/agent"
 	"github.com/capsa-sandbox/capsa/supervisor"
 )
 
@@ -89,7 +92,7 @@ func registerFileTools(s *sdk.Server, t *tools) {
 		Annotations: &sdk.ToolAnnotations{DestructiveHint: boolPtr(true), IdempotentHint: true},
 	}, t.writeFile)
 	addTool(s, t, &sdk.Tool{Name: "file_list", Title: "List a directory in a sandbox",
-		Description: fmt.Sprintf("List a directory in a sandbox (at most %d entries).", maxListEntries),
+		Description: fmt.Sprintf("List a directory in a sandbox, by name (at most %d entries).", maxListEntries),
 		Annotations: &sdk.ToolAnnotations{ReadOnlyHint: true},
 	}, t.listDir)
 }
@@ -226,6 +229,7 @@ func (t *tools) listDir(ctx context.Context, a listDirArgs) (listDirResult, erro
 		return listDirResult{}, err
 	}
 	res := listDirResult{Path: a.Path, Entries: []dirEntry{}}
+	slices.SortFunc(list, func(a, b agent.FileInfo) int { return strings.Compare(a.Name, b.Name) })
 	if len(list) > maxListEntries {
 		list, res.Truncated = list[:maxListEntries], true
 	}

@@ -161,9 +161,18 @@ func (t *tools) create(ctx context.Context, a createArgs) (createResult, error) 
 		TTL: time.Duration(a.TTLSeconds) * time.Second, IdleTimeout: time.Duration(a.IdleTimeoutSeconds) * time.Second}
 	name, err := supervisor.Launch(ctx, t.st, rec)
 	if err != nil {
-		return createResult{}, err
+		return createResult{}, failedLaunch(name, err)
 	}
 	return createResult{Name: name, State: string(store.Running)}, nil
+}
+
+// failedLaunch says, of a sandbox that was recorded but did not start,
+// that its record stays (as capsa run -d's does) until sandbox_destroy.
+func failedLaunch(name string, err error) error {
+	if name == "" {
+		return err
+	}
+	return fmt.Errorf("%w (its record %s stays, for capsa ps -a; sandbox_destroy removes it)", err, name)
 }
 
 func (t *tools) list(ctx context.Context, a listArgs) (listResult, error) {

@@ -63,7 +63,7 @@ func NewServer(o Options) *sdk.Server {
 		version = "dev"
 	}
 	s := sdk.NewServer(&sdk.Implementation{Name: "capsa", Title: "capsa sandboxes", Version: version},
-		&sdk.ServerOptions{Instructions: instructions, Logger: log})
+		&sdk.ServerOptions{Instructions: instructions, Logger: slog.New(atLeast{log.Handler(), slog.LevelWarn})})
 	t := &tools{st: o.Store, log: log}
 	registerSandboxTools(s, t)
 	registerExecTools(s, t)
@@ -97,6 +97,25 @@ func addTool[In, Out any](s *sdk.Server, t *tools, tool *sdk.Tool, h func(contex
 		}
 		return nil, out, err
 	})
+}
+
+// atLeast passes on records of level min and up: the SDK's own log says
+// at level info what every session does.
+type atLeast struct {
+	slog.Handler
+	min slog.Level
+}
+
+func (h atLeast) Enabled(ctx context.Context, l slog.Level) bool {
+	return l >= h.min && h.Handler.Enabled(ctx, l)
+}
+
+func (h atLeast) WithAttrs(as []slog.Attr) slog.Handler {
+	return atLeast{h.Handler.WithAttrs(as), h.min}
+}
+
+func (h atLeast) WithGroup(name string) slog.Handler {
+	return atLeast{h.Handler.WithGroup(name), h.min}
 }
 
 // boolPtr is for the tool annotations' optional hints.

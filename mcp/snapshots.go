@@ -83,7 +83,7 @@ func (t *tools) restore(ctx context.Context, a restoreArgs) (createResult, error
 	}
 	name, err := supervisor.Launch(ctx, t.st, rec)
 	if err != nil {
-		return createResult{}, err
+		return createResult{}, failedLaunch(name, err)
 	}
 	return createResult{Name: name, State: string(store.Running)}, nil
 }
