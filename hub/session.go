@@ -118,7 +118,7 @@ func (s *Session) admitKey(op, key string, prefix bool) error {
 		return fmt.Errorf("kv %s %s: %w", op, key, err)
 	}
 	if !s.g.Host && !prefixGranted(s.g.Prefixes, key) {
-		return fmt.Errorf("kv %s %q: %w: %s was granted the key prefixes %q (capsa run --kv PREFIX)", op, key, proto.ErrPermission, s.g.Identity, s.g.Prefixes)
+		return fmt.Errorf("kv %s %q: %w: %s was granted %s (capsa run --kv PREFIX)", op, key, proto.ErrPermission, s.g.Identity, granted("the key prefixes", s.g.Prefixes))
 	}
 	return nil
 }
@@ -131,9 +131,17 @@ func (s *Session) admitTopic(op, topic string) error {
 		return fmt.Errorf("mailbox %s %s: %w", op, topic, err)
 	}
 	if !s.g.Host && !topicGranted(s.g.Topics, topic) {
-		return fmt.Errorf("mailbox %s %q: %w: %s was granted the topics %q (capsa run --mailbox TOPIC)", op, topic, proto.ErrPermission, s.g.Identity, s.g.Topics)
+		return fmt.Errorf("mailbox %s %q: %w: %s was granted %s (capsa run --mailbox TOPIC)", op, topic, proto.ErrPermission, s.g.Identity, granted("the topics", s.g.Topics))
 	}
 	return nil
+}
+
+// granted describes a list of grants in an error.
+func granted(what string, gs []string) string {
+	if len(gs) == 0 {
+		return "none of them"
+	}
+	return fmt.Sprintf("%s %q", what, gs)
 }
 
 func (s *Session) admit() error {

@@ -30,7 +30,8 @@ const probeEnv = "CAPSA_E2E_PROBE"
 
 // probe runs one action: report, write PATH TEXT, cat PATH, fill PATH,
 // copy SRC DST (1 MiB read and write calls), hold PATH OUT (reads on
-// from a file kept open), wait (forever), eat (memory), forkbomb.
+// from a file kept open), wait (forever), eat (memory), forkbomb, and the
+// hub's cas, ping and pong (hubProbe).
 func probe(args []string) int {
 	if len(args) == 0 {
 		fmt.Fprintln(os.Stderr, "probe: no action")
@@ -135,6 +136,8 @@ func probe(args []string) int {
 		for {
 			exec.Command(self, "forkbomb").Start()
 		}
+	case "cas", "ping", "pong":
+		return hubProbe(args)
 	default:
 		fmt.Fprintln(os.Stderr, "probe: unknown action", args[0])
 		return 2
