@@ -171,6 +171,24 @@ open("/mnt/share/out.txt", "w").write("from python")
 	if b, err := os.ReadFile(filepath.Join(share, "out.txt")); err != nil || string(b) != "from python" {
 		t.Errorf("the file python wrote to the share: %q, %v; want %q", b, err, "from python")
 	}
+
+	// The hub's wire protocol, spoken by python's own sockets as the
+	// README shows (no capsa command involved), and seen by the host.
+	t.Setenv("CAPSA_STATE", t.TempDir())
+	wire := `import json, socket, base64
+s = socket.socket(socket.AF_VSOCK, socket.SOCK_STREAM); s.connect((2, 1030))
+s.sendall(b'{"id":1,"op":"kv.set","key":"jobs/py","value":"%s"}\n' % base64.b64encode(b"hi from python"))
+print(json.loads(s.makefile().readline()))
+s.sendall(b'{"id":2,"op":"kv.get","key":"secret"}\n')
+print(json.loads(s.makefile().readline())["code"])
+`
+	r = capsa(t, 4*time.Minute, "run", "--image", ref, "--kv", "jobs/", "--", "python3", "-c", wire)
+	if want := "{'id': 1, 'version': 1}\npermission\n"; r.code != 0 || r.stdout != want {
+		t.Errorf("python speaking the hub's protocol = exit %d, %q; want 0, %q", r.code, r.stdout, want)
+	}
+	if r := capsa(t, time.Minute, "kv", "get", "jobs/py"); r.code != 0 || r.stdout != "hi from python\n" {
+		t.Errorf("capsa kv get jobs/py (set by python in a sandbox) = exit %d, %q", r.code, r.stdout)
+	}
 }
 
 // TestImageAsKVMGroupUser: pulling and running an image needs no root on
