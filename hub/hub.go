@@ -36,7 +36,7 @@ import (
 // MaxChanges key changes for watches.
 const (
 	MaxMessages   = 1000
-	MaxTopicBytes = 4 << 20
+	MaxTopicBytes = 1 << 20
 	MaxChanges    = 10000
 )
 
@@ -47,6 +47,11 @@ type Hub struct {
 	lock *os.File
 
 	mu sync.Mutex // one operation at a time in this process (the flock is per open file)
+
+	wmu       sync.Mutex
+	waiters   map[chan struct{}]struct{} // changed's callers; nil until the first
+	closed    chan struct{}
+	closeOnce sync.Once
 }
 
 // Open returns the hub in dir, making the directory (0700) and its files
@@ -59,7 +64,7 @@ func Open(dir string) (*Hub, error) {
 	if err != nil {
 		return nil, fmt.Errorf("hub: open %s: %w", dir, err)
 	}
-	h := &Hub{dir: dir, db: filepath.Join(dir, "hub.db"), lock: lock}
+	h := &Hub{dir: dir, db: filepath.Join(dir, "hub.db"), lock: lock, closed: make(chan struct{})}
 	// Make the file and its buckets, so readers can open it read-only.
 	if err := h.update(func(*bolt.Tx) error { return nil }); err != nil {
 		lock.Close()
@@ -68,8 +73,11 @@ func Open(dir string) (*Hub, error) {
 	return h, nil
 }
 
-// Close releases the hub's lock file.
-func (h *Hub) Close() error { return h.lock.Close() }
+// Close releases the hub's lock file and ends its watches' notifier.
+func (h *Hub) Close() error {
+	h.closeOnce.Do(func() { close(h.closed) })
+	return h.lock.Close()
+}
 
 var (
 	bMeta    = []byte("meta")    // "rev" -> uint64
@@ -464,51 +472,74 @@ func (h *Hub) read(topic string, from uint64, max int) ([]proto.Message, error) 
 }
 
 // changed returns a channel that receives after the hub's file may have
-// changed (an inotify event, or every pollInterval in case one was
-// missed), until ctx ends.
+// changed, until ctx ends. One inotify watch per Hub serves every caller
+// (a process may have few inotify instances), and a poll every
+// pollInterval backs it up in case an event is missed or inotify is
+// unavailable.
 func (h *Hub) changed(ctx context.Context) <-chan struct{} {
 	ch := make(chan struct{}, 1)
-	poke := func() {
-		select {
-		case ch <- struct{}{}:
-		default:
-		}
+	h.wmu.Lock()
+	if h.waiters == nil {
+		h.waiters = map[chan struct{}]struct{}{}
+		go h.notify()
 	}
-	fd, err := unix.InotifyInit1(unix.IN_CLOEXEC | unix.IN_NONBLOCK)
-	if err == nil {
-		_, err = unix.InotifyAddWatch(fd, h.db, unix.IN_MODIFY|unix.IN_CLOSE_WRITE)
-		if err != nil {
-			unix.Close(fd)
-		}
-	}
-	if err == nil {
-		// A non-blocking descriptor in an os.File waits in Go's poller,
-		// so closing it ends the read.
-		f := os.NewFile(uintptr(fd), "inotify")
-		context.AfterFunc(ctx, func() { f.Close() })
-		go func() {
-			buf := make([]byte, 4096)
-			for {
-				if _, err := f.Read(buf); err != nil {
-					return
-				}
-				poke()
-			}
-		}()
-	}
-	go func() {
-		t := time.NewTicker(pollInterval)
-		defer t.Stop()
-		for {
-			select {
-			case <-ctx.Done():
-				return
-			case <-t.C:
-				poke()
-			}
-		}
-	}()
+	h.waiters[ch] = struct{}{}
+	h.wmu.Unlock()
+	context.AfterFunc(ctx, func() {
+		h.wmu.Lock()
+		delete(h.waiters, ch)
+		h.wmu.Unlock()
+	})
 	return ch
+}
+
+// notify pokes every waiter on each inotify event and poll tick, until
+// the Hub is closed.
+func (h *Hub) notify() {
+	events := make(chan struct{}, 1)
+	if fd, err := unix.InotifyInit1(unix.IN_CLOEXEC | unix.IN_NONBLOCK); err == nil {
+		if _, err := unix.InotifyAddWatch(fd, h.db, unix.IN_MODIFY|unix.IN_CLOSE_WRITE); err != nil {
+			unix.Close(fd)
+		} else {
+			// A non-blocking descriptor in an os.File waits in Go's
+			// poller, so closing it ends the read.
+			f := os.NewFile(uintptr(fd), "inotify")
+			go func() {
+				<-h.closed
+				f.Close()
+			}()
+			go func() {
+				buf := make([]byte, 4096)
+				for {
+					if _, err := f.Read(buf); err != nil {
+						return
+					}
+					select {
+					case events <- struct{}{}:
+					default:
+					}
+				}
+			}()
+		}
+	}
+	t := time.NewTicker(pollInterval)
+	defer t.Stop()
+	for {
+		select {
+		case <-h.closed:
+			return
+		case <-t.C:
+		case <-events:
+		}
+		h.wmu.Lock()
+		for ch := range h.waiters {
+			select {
+			case ch <- struct{}{}:
+			default:
+			}
+		}
+		h.wmu.Unlock()
+	}
 }
 
 // pollInterval backs inotify up.

@@ -159,6 +159,22 @@ func encode(data []byte, truncated bool) (content, encoding string) {
 	return base64.StdEncoding.EncodeToString(data), encBase64
 }
 
+// decode reads content given in encoding (utf-8 when empty, or base64);
+// what names the argument in errors.
+func decode(what, content, encoding string) ([]byte, error) {
+	switch encoding {
+	case "", encText:
+		return []byte(content), nil
+	case encBase64:
+		data, err := base64.StdEncoding.DecodeString(content)
+		if err != nil {
+			return nil, fmt.Errorf("%s: %w", what, err)
+		}
+		return data, nil
+	}
+	return nil, fmt.Errorf("encoding %q: want utf-8 or base64", encoding)
+}
+
 // limited keeps what is written to it up to max bytes, then fails.
 type limited struct {
 	buf []byte
@@ -178,17 +194,9 @@ func (t *tools) writeFile(ctx context.Context, a writeArgs) (writeResult, error)
 	if err := checkPath(a.Path); err != nil {
 		return writeResult{}, err
 	}
-	var data []byte
-	switch a.Encoding {
-	case "", encText:
-		data = []byte(a.Content)
-	case encBase64:
-		var err error
-		if data, err = base64.StdEncoding.DecodeString(a.Content); err != nil {
-			return writeResult{}, fmt.Errorf("content: %w", err)
-		}
-	default:
-		return writeResult{}, fmt.Errorf("encoding %q: want utf-8 or base64", a.Encoding)
+	data, err := decode("content", a.Content, a.Encoding)
+	if err != nil {
+		return writeResult{}, err
 	}
 	if len(data) > maxWriteBytes {
 		return writeResult{}, fmt.Errorf("content: %d bytes: at most %d", len(data), maxWriteBytes)

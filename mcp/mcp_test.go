@@ -13,6 +13,7 @@ import (
 
 	sdk "github.com/modelcontextprotocol/go-sdk/mcp"
 
+	"github.com/capsa-sandbox/capsa/hub"
 	"github.com/capsa-sandbox/capsa/sandbox"
 	"github.com/capsa-sandbox/capsa/store"
 )
@@ -87,7 +88,8 @@ func TestToolList(t *testing.T) {
 		}
 	}
 	slices.Sort(names)
-	want := []string{"file_list", "file_read", "file_write", "sandbox_create", "sandbox_destroy", "sandbox_exec",
+	want := []string{"file_list", "file_read", "file_write", "kv_cas", "kv_get", "kv_list", "kv_set",
+		"mailbox_publish", "mailbox_receive", "sandbox_create", "sandbox_destroy", "sandbox_exec",
 		"sandbox_fork", "sandbox_list", "snapshot_create", "snapshot_restore"}
 	if !slices.Equal(names, want) {
 		t.Errorf("ListTools names = %v, want %v", names, want)
@@ -151,6 +153,14 @@ func TestArgumentErrors(t *testing.T) {
 		{"sandbox_fork", map[string]any{"name": "a", "count": 17}, "count 17"},
 		{"snapshot_restore", map[string]any{"snapshot": "../x"}, "snapshot name"},
 		{"snapshot_create", map[string]any{"name": "a", "snapshot": "a b"}, "snapshot name"},
+		{"sandbox_create", map[string]any{"mailbox": []string{"a*b"}}, "may only end it"},
+		{"sandbox_create", map[string]any{"kv": []string{"a\u0001"}}, "control character"},
+		{"kv_cas", map[string]any{"key": "k", "value": "v"}, "version"},
+		{"kv_get", map[string]any{"key": ""}, "empty key"},
+		{"kv_set", map[string]any{"key": "k", "value": "!!", "encoding": "base64"}, "value"},
+		{"mailbox_receive", map[string]any{"topic": "t", "wait_seconds": 3600}, "wait_seconds 3600"},
+		{"mailbox_receive", map[string]any{"topic": "t", "from": -2}, "from -2"},
+		{"mailbox_publish", map[string]any{"topic": "", "payload": "x"}, "empty topic"},
 	} {
 		res := call(t, cs, c.tool, c.args)
 		if !res.IsError || !strings.Contains(text(res), c.want) {
@@ -351,5 +361,72 @@ func TestEncode(t *testing.T) {
 		if content != c.content || enc != c.enc {
 			t.Errorf("encode(%q, %v) = %q, %s; want %q, %s", c.data, c.truncated, content, enc, c.content, c.enc)
 		}
+	}
+}
+
+// TestHubTools: the mailbox and key-value tools reach the state
+// directory's hub, the one sandboxes and capsa kv and capsa mailbox use.
+func TestHubTools(t *testing.T) {
+	cs, st := connect(t)
+	structured := func(res *sdk.CallToolResult, v any) {
+		t.Helper()
+		b, _ := json.Marshal(res.StructuredContent)
+		if err := json.Unmarshal(b, v); err != nil {
+			t.Fatalf("the result %s: %v", b, err)
+		}
+	}
+	res := call(t, cs, "kv_cas", map[string]any{"key": "jobs/1", "version": 0, "value": "todo"})
+	var v kvVersion
+	structured(res, &v)
+	if res.IsError || v.Version == 0 {
+		t.Fatalf("kv_cas(jobs/1, 0) = %q; want a version", text(res))
+	}
+	if res := call(t, cs, "kv_cas", map[string]any{"key": "jobs/1", "version": 0, "value": "again"}); !res.IsError || !strings.Contains(text(res), "version mismatch") {
+		t.Errorf("kv_cas(jobs/1, 0) on an existing key = %q; want a version mismatch", text(res))
+	}
+	var e kvEntry
+	structured(call(t, cs, "kv_get", map[string]any{"key": "jobs/1"}), &e)
+	if e.Value != "todo" || e.Version != v.Version || e.Encoding != "utf-8" {
+		t.Errorf("kv_get(jobs/1) = %+v; want todo at %d", e, v.Version)
+	}
+	call(t, cs, "kv_set", map[string]any{"key": "jobs/2", "value": "/w==", "encoding": "base64"})
+	var l kvListResult
+	structured(call(t, cs, "kv_list", map[string]any{"prefix": "jobs/"}), &l)
+	if len(l.Entries) != 2 || l.Entries[1].Value != "/w==" || l.Entries[1].Encoding != "base64" {
+		t.Errorf("kv_list(jobs/) = %+v; want two, the second in base64", l)
+	}
+	// What the CLI's hub holds is what the tools see.
+	h, err := hub.Open(st.Dir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer h.Close()
+	if got, err := h.As(hub.Grants{Host: true}).Get(context.Background(), "jobs/1"); err != nil || string(got.Value) != "todo" {
+		t.Errorf("the state directory's hub has jobs/1 = %q, %v", got.Value, err)
+	}
+
+	var m message
+	structured(call(t, cs, "mailbox_publish", map[string]any{"topic": "results", "payload": "first"}), &m)
+	if m.Offset != 0 || m.Sender != "mcp" {
+		t.Errorf("mailbox_publish = %+v; want offset 0 from mcp", m)
+	}
+	var r receiveResult
+	structured(call(t, cs, "mailbox_receive", map[string]any{"topic": "results", "from": 0}), &r)
+	if len(r.Messages) != 1 || r.Messages[0].Payload != "first" || r.NextOffset == nil || *r.NextOffset != 1 {
+		t.Errorf("mailbox_receive(from 0) = %+v; want the first message and next offset 1", r)
+	}
+	// Waiting: a message published meanwhile by a sandbox (here, a
+	// session with its identity) arrives with its sender.
+	go func() {
+		time.Sleep(300 * time.Millisecond)
+		h.As(hub.Grants{Identity: "worker-1", Topics: []string{"results"}}).Publish(context.Background(), "results", []byte("second"))
+	}()
+	structured(call(t, cs, "mailbox_receive", map[string]any{"topic": "results", "wait_seconds": 20}), &r)
+	if len(r.Messages) != 1 || r.Messages[0].Sender != "worker-1" || r.Messages[0].Payload != "second" {
+		t.Errorf("mailbox_receive(new, wait) = %+v; want second from worker-1", r)
+	}
+	structured(call(t, cs, "mailbox_receive", map[string]any{"topic": "results", "wait_seconds": 1}), &r)
+	if len(r.Messages) != 0 {
+		t.Errorf("mailbox_receive(new, 1 s) with nothing new = %+v; want none", r)
 	}
 }

@@ -44,6 +44,8 @@ type createArgs struct {
 	Allow              []string   `json:"allow,omitempty" jsonschema:"with a network: destinations to allow (CIDR, IP, [udp/]HOST[:PORT[-PORT]], DOMAIN or *.DOMAIN)"`
 	Deny               []string   `json:"deny,omitempty" jsonschema:"with a network: destinations to deny, as allow; deny beats allow"`
 	Shares             []shareArg `json:"shares,omitempty" jsonschema:"host directories shared into the guest"`
+	Mailbox            []string   `json:"mailbox,omitempty" jsonschema:"mailbox topics the sandbox may publish to and subscribe to from inside (capsa mailbox ...): a topic, or PREFIX* for every topic starting with PREFIX"`
+	KV                 []string   `json:"kv,omitempty" jsonschema:"key prefixes of the shared key-value store the sandbox may read and change from inside (capsa kv ...)"`
 	TTLSeconds         int        `json:"ttl_seconds,omitempty" jsonschema:"stop the sandbox this many seconds after it started (default 0: never)"`
 	IdleTimeoutSeconds int        `json:"idle_timeout_seconds,omitempty" jsonschema:"stop the sandbox once no exec or file operation has reached it for this many seconds (default 0: never)"`
 }
@@ -142,6 +144,7 @@ func (t *tools) create(ctx context.Context, a createArgs) (createResult, error) 
 		}
 		b.Share(sh.Host, sh.Guest, mode)
 	}
+	b.Mailbox(a.Mailbox...).KV(a.KV...)
 	var w *sandbox.Workload
 	switch {
 	case a.Image != "" && len(a.Command) == 0:

@@ -11,7 +11,8 @@
 // tool's error result, never as the server's end.
 //
 // The tools come in groups, each added by one function (registerSandboxTools,
-// registerExecTools, registerFileTools, registerSnapshotTools): a new
+// registerExecTools, registerFileTools, registerSnapshotTools,
+// registerHubTools): a new
 // capability is one more such function called from NewServer.
 package mcp
 
@@ -50,7 +51,7 @@ type tools struct {
 
 // instructions tell the agent how the tools go together.
 const instructions = `capsa runs untrusted code in hardware-isolated microVMs (sandboxes).
-Create a sandbox with sandbox_create (it runs until sandbox_destroy or its TTL), run commands in it with sandbox_exec, move files with file_write, file_read and file_list, and destroy it when done. sandbox_list shows the sandboxes; snapshot_create, snapshot_restore and sandbox_fork save and copy a running one. The sandboxes are ordinary detached capsa sandboxes: the person running capsa sees them with capsa ps.`
+Create a sandbox with sandbox_create (it runs until sandbox_destroy or its TTL), run commands in it with sandbox_exec, move files with file_write, file_read and file_list, and destroy it when done. sandbox_list shows the sandboxes; snapshot_create, snapshot_restore and sandbox_fork save and copy a running one. Sandboxes working in parallel coordinate through a mailbox and a key-value store the host keeps: grant them topics and key prefixes at sandbox_create (mailbox, kv), they use "capsa mailbox" and "capsa kv" inside, and you reach the same with mailbox_publish, mailbox_receive, kv_get, kv_set, kv_cas and kv_list. The sandboxes are ordinary detached capsa sandboxes: the person running capsa sees them with capsa ps.`
 
 // NewServer returns an MCP server with capsa's tools.
 func NewServer(o Options) *sdk.Server {
@@ -69,6 +70,7 @@ func NewServer(o Options) *sdk.Server {
 	registerExecTools(s, t)
 	registerFileTools(s, t)
 	registerSnapshotTools(s, t)
+	registerHubTools(s, t)
 	return s
 }
 
