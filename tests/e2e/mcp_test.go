@@ -133,7 +133,7 @@ func TestMCP(t *testing.T) {
 	note := "héllo from an agent\n"
 	lines, err := client(5*time.Minute, []mcpCall{
 		{List: true},
-		{Tool: "sandbox_create", Args: map[string]any{"name": "agent", "memory_mib": 256, "ttl_seconds": 900}},
+		{Tool: "sandbox_create", Args: map[string]any{"name": "agent", "memory_mib": 256, "ttl_seconds": 900, "kv": []string{"tasks/"}, "mailbox": []string{"results"}}},
 		{Tool: "sandbox_exec", Args: map[string]any{"name": "agent", "command": []string{"echo", "hi"}}},
 		{Tool: "sandbox_exec", Args: map[string]any{"name": "agent", "command": []string{"dd", "if=/dev/zero", "bs=1000", "count=300"}, "max_output_bytes": 1000}},
 		{Tool: "sandbox_exec", Args: map[string]any{"name": "agent", "command": []string{"sleep", "60"}, "timeout_seconds": 1}},
@@ -143,11 +143,17 @@ func TestMCP(t *testing.T) {
 		{Tool: "file_read", Args: map[string]any{"name": "agent", "path": "/tmp/mcp/bin"}},
 		{Tool: "file_list", Args: map[string]any{"name": "agent", "path": "/tmp/mcp"}},
 		{Tool: "sandbox_exec", Args: map[string]any{"name": "nosuch", "shell": "echo hi"}},
+		// The agent hands the sandbox a task through the key-value
+		// store and gets its answer through the mailbox.
+		{Tool: "kv_set", Args: map[string]any{"key": "tasks/1", "value": "say done"}},
+		{Tool: "sandbox_exec", Args: map[string]any{"name": "agent", "shell": "capsa mailbox publish results \"done: $(capsa kv get tasks/1)\""}},
+		{Tool: "mailbox_receive", Args: map[string]any{"topic": "results", "from": 0}},
 	}, stdio...)
 	if err != nil {
 		t.Fatalf("mcp-client over stdio: %v", err)
 	}
-	want := []string{"file_list", "file_read", "file_write", "sandbox_create", "sandbox_destroy", "sandbox_exec",
+	want := []string{"file_list", "file_read", "file_write", "kv_cas", "kv_get", "kv_list", "kv_set",
+		"mailbox_publish", "mailbox_receive", "sandbox_create", "sandbox_destroy", "sandbox_exec",
 		"sandbox_fork", "sandbox_list", "snapshot_create", "snapshot_restore"}
 	if got := slices.Sorted(slices.Values(lines[0].Tools)); !slices.Equal(got, want) {
 		t.Errorf("tools/list = %v, want %v", got, want)
@@ -200,6 +206,16 @@ func TestMCP(t *testing.T) {
 	}
 	if l := lines[10]; !l.IsError || !strings.Contains(l.text(), "nosuch") {
 		t.Errorf("sandbox_exec in nosuch = IsError %v, %q; want a tool error naming it", l.IsError, l.text())
+	}
+	var answer execResult
+	if structured(t, lines[12], &answer); answer.ExitCode != 0 {
+		t.Errorf("the sandbox reading its task and publishing = %+v, want exit 0", answer)
+	}
+	var received struct {
+		Messages []struct{ Sender, Payload string }
+	}
+	if structured(t, lines[13], &received); len(received.Messages) != 1 || received.Messages[0].Sender != "agent" || received.Messages[0].Payload != "done: say done" {
+		t.Errorf("mailbox_receive results from 0 = %+v, want \"done: say done\" from agent", received.Messages)
 	}
 
 	// An ordinary detached sandbox: the person sees it and reaches it.
