@@ -21,15 +21,17 @@ type file struct {
 	s   *share
 	seq uint64
 	typ uint32 // S_IFMT bits; an inode's type never changes
+	ino uint64 // with a quota: the inode held (share.hold)
 
 	// mu guards the descriptors' lifetime: operations that use them hold
 	// it for reading, so Close (and Open) cannot close or replace a
 	// descriptor that a concurrent syscall is about to use, which could
 	// meanwhile be reused for another file.
-	mu     sync.RWMutex
-	fd     int  // O_PATH descriptor; -1 once closed
-	ofd    int  // descriptor opened for I/O by Open or Create; -1 if none
-	owrite bool // ofd is open for writing
+	mu      sync.RWMutex
+	fd      int  // O_PATH descriptor; -1 once closed
+	ofd     int  // descriptor opened for I/O by Open or Create; -1 if none
+	owrite  bool // ofd is open for writing
+	oappend bool // ofd is open with O_APPEND: writes go to the end
 	// xattrRefs counts the p9 server's extra references to this File: its
 	// Txattrwalk handler gives the new fid the same File (not a clone)
 	// and closes it when that fid is clunked, which would close the
@@ -43,14 +45,22 @@ type file struct {
 
 var _ p9.File = (*file)(nil)
 
-// newFile makes a File owning fd, charging fd to the descriptor budget;
-// over budget, fd is closed and the error is ENFILE.
-func newFile(s *share, fd int, typ uint32) (*file, error) {
+// newFile makes a File owning fd, inode ino of type typ, charging fd to
+// the descriptor budget and, with a quota, holding the inode; over budget,
+// fd is closed and the error is ENFILE.
+func newFile(s *share, fd int, typ uint32, ino uint64) (*file, error) {
 	if err := s.charge(1); err != nil {
 		unix.Close(fd)
 		return nil, s.deny(linux.ENFILE, "new fid", "held", s.fds.Load())
 	}
-	return &file{s: s, seq: fileSeq.Add(1), typ: typ & unix.S_IFMT, fd: fd, ofd: -1}, nil
+	if s.quota != nil {
+		if err := s.hold(fd, ino); err != nil {
+			unix.Close(fd)
+			s.release(1)
+			return nil, err
+		}
+	}
+	return &file{s: s, seq: fileSeq.Add(1), typ: typ & unix.S_IFMT, ino: ino, fd: fd, ofd: -1}, nil
 }
 
 // rlock locks f for using its descriptors and reports EBADF once closed.
@@ -132,7 +142,7 @@ func (f *file) walk(names []string) ([]p9.QID, *file, unix.Stat_t, error) {
 			unix.Close(fd)
 			return nil, nil, st, errno(err)
 		}
-		nf, err := newFile(f.s, fd, st.Mode)
+		nf, err := newFile(f.s, fd, st.Mode, st.Ino)
 		return nil, nf, st, err
 	}
 
@@ -157,7 +167,7 @@ func (f *file) walk(names []string) ([]p9.QID, *file, unix.Stat_t, error) {
 		}
 		qids = append(qids, f.s.qid(&st))
 	}
-	nf, err := newFile(f.s, owned, st.Mode)
+	nf, err := newFile(f.s, owned, st.Mode, st.Ino)
 	if err != nil {
 		return nil, nil, st, err
 	}
@@ -174,6 +184,7 @@ func (f *file) StatFS() (p9.FSStat, error) {
 	if err := unix.Fstatfs(f.fd, &sfs); err != nil {
 		return p9.FSStat{}, errno(err)
 	}
+	f.s.quotaStatFS(&sfs.Blocks, &sfs.Bfree, &sfs.Bavail, &sfs.Ffree, uint64(sfs.Bsize))
 	return p9.FSStat{
 		Type:            v9fsMagic,
 		BlockSize:       uint32(sfs.Bsize),
@@ -261,22 +272,28 @@ func (f *file) SetAttr(valid p9.SetAttrMask, a p9.SetAttr) error {
 		}
 	}
 
+	if valid.Size && valid.Permissions && f.s.quota != nil {
+		// Refuse a truncation past the budget before the chmod (the
+		// truncation checks again, in its own Update).
+		err := f.s.charged("truncate", func(tx QuotaTx) error {
+			var st unix.Stat_t
+			if err := unix.Fstat(f.fd, &st); err != nil {
+				return errno(err)
+			}
+			return room(tx, roundUp(int64(a.Size))-roundUp(st.Size))
+		})
+		if err != nil {
+			return err
+		}
+	}
 	if valid.Permissions {
 		if err := unix.Chmod(procPath(f.fd), safeMode(a.Permissions)); err != nil {
 			return errno(err)
 		}
 	}
 	if valid.Size {
-		// An fid open for writing may truncate even a file whose mode
-		// no longer allows writing, as ftruncate(2) would.
-		var err error
-		if f.ofd >= 0 && f.owrite {
-			err = unix.Ftruncate(f.ofd, int64(a.Size))
-		} else {
-			err = unix.Truncate(procPath(f.fd), int64(a.Size))
-		}
-		if err != nil {
-			return errno(err)
+		if err := f.truncate(int64(a.Size)); err != nil {
+			return err
 		}
 	}
 	if valid.ATime || valid.MTime {
@@ -292,6 +309,45 @@ func (f *file) SetAttr(valid p9.SetAttrMask, a p9.SetAttr) error {
 		}
 	}
 	return nil
+}
+
+// truncate sets the size of f (a regular file, locked), charging the
+// change.
+func (f *file) truncate(size int64) error {
+	return f.s.charged("truncate", func(tx QuotaTx) error {
+		var st unix.Stat_t
+		if tx != nil {
+			if err := unix.Fstat(f.fd, &st); err != nil {
+				return errno(err)
+			}
+			if err := room(tx, roundUp(size)-roundUp(st.Size)); err != nil {
+				return err
+			}
+		}
+		// An fid open for writing may truncate even a file whose mode
+		// no longer allows writing, as ftruncate(2) would.
+		var err error
+		if f.ofd >= 0 && f.owrite {
+			err = unix.Ftruncate(f.ofd, size)
+		} else {
+			err = unix.Truncate(procPath(f.fd), size)
+		}
+		chargeSize(tx, f.fd, st.Size)
+		return errno(err)
+	})
+}
+
+// chargeSize charges how the size of the regular file fd changed since it
+// was old.
+func chargeSize(tx QuotaTx, fd int, old int64) {
+	if tx == nil {
+		return
+	}
+	var st unix.Stat_t
+	if unix.Fstat(fd, &st) != nil {
+		return // it did not change, or we cannot tell
+	}
+	tx.Charge(roundUp(st.Size) - roundUp(old))
 }
 
 // utime is one utimensat timestamp for a SetAttr time field.
@@ -321,6 +377,9 @@ func (f *file) Close() error {
 		f.s.release(1)
 	}
 	if f.fd >= 0 {
+		if f.s.quota != nil {
+			f.s.unhold(f.fd, f.ino)
+		}
 		unix.Close(f.fd)
 		f.fd = -1
 		f.s.release(1)
@@ -362,10 +421,28 @@ func (f *file) Open(mode p9.OpenFlags) (p9.QID, uint32, error) {
 	if err := f.s.charge(1); err != nil {
 		return p9.QID{}, 0, f.s.deny(linux.ENFILE, "open", "held", f.s.fds.Load())
 	}
-	ofd, err := reopen(f.fd, fl)
+	var ofd int
+	if fl&unix.O_TRUNC != 0 {
+		// The truncation frees what the file took.
+		err = f.s.charged("open", func(tx QuotaTx) error {
+			var st unix.Stat_t
+			if tx != nil {
+				if err := unix.Fstat(f.fd, &st); err != nil {
+					return errno(err)
+				}
+			}
+			var err error
+			ofd, err = reopen(f.fd, fl)
+			chargeSize(tx, f.fd, st.Size)
+			return errno(err)
+		})
+	} else {
+		ofd, err = reopen(f.fd, fl)
+		err = errno(err)
+	}
 	if err != nil {
 		f.s.release(1)
-		return p9.QID{}, 0, errno(err)
+		return p9.QID{}, 0, err
 	}
 	var st unix.Stat_t
 	if err := unix.Fstat(ofd, &st); err != nil {
@@ -375,6 +452,7 @@ func (f *file) Open(mode p9.OpenFlags) (p9.QID, uint32, error) {
 	}
 	f.ofd = ofd
 	f.owrite = fl&unix.O_ACCMODE != unix.O_RDONLY
+	f.oappend = fl&unix.O_APPEND != 0
 	return f.s.qid(&st), 0, nil
 }
 
@@ -399,7 +477,8 @@ func (f *file) ReadAt(p []byte, off int64) (int, error) {
 	return f.io(unix.Pread, p, off)
 }
 
-// WriteAt implements p9.File.WriteAt with pwrite(2).
+// WriteAt implements p9.File.WriteAt with pwrite(2). With a quota, a
+// write whose end would pass it fails whole with ENOSPC.
 func (f *file) WriteAt(p []byte, off int64) (int, error) {
 	if f.s.ro {
 		return 0, linux.EROFS
@@ -407,7 +486,48 @@ func (f *file) WriteAt(p []byte, off int64) (int, error) {
 	if off < 0 {
 		return 0, linux.EINVAL
 	}
-	return f.io(unix.Pwrite, p, off)
+	if f.s.quota == nil {
+		return f.io(unix.Pwrite, p, off)
+	}
+	fd, err := f.openFD()
+	if err != nil {
+		return 0, err
+	}
+	defer f.mu.RUnlock()
+	var n int
+	// Held across the look at the size and the write: a truncation
+	// elsewhere in between could otherwise make this write extend the
+	// file unaccounted.
+	err = f.s.charged("write", func(tx QuotaTx) error {
+		var st unix.Stat_t
+		if err := unix.Fstat(fd, &st); err != nil {
+			return errno(err)
+		}
+		end := off
+		if f.oappend {
+			end = st.Size
+		}
+		if end > math.MaxInt64-int64(len(p)) {
+			return linux.EFBIG
+		}
+		end += int64(len(p))
+		if err := room(tx, roundUp(end)-roundUp(st.Size)); err != nil {
+			return err
+		}
+		var err error
+		for {
+			n, err = unix.Pwrite(fd, p, off)
+			if err != unix.EINTR {
+				break
+			}
+		}
+		chargeSize(tx, fd, st.Size)
+		if err != nil {
+			n = 0
+		}
+		return errno(err)
+	})
+	return n, err
 }
 
 // io runs pread or pwrite on the open file, retrying on EINTR.
@@ -477,10 +597,25 @@ func (f *file) Create(name string, flags p9.OpenFlags, perm p9.FileMode, _ p9.UI
 	if err := f.s.charge(1); err != nil {
 		return nil, p9.QID{}, 0, f.s.deny(linux.ENFILE, "create", "held", f.s.fds.Load())
 	}
-	ofd, err := f.s.openat(f.fd, name, fl, mode)
+	var ofd int
+	err = f.s.charged("create", func(tx QuotaTx) error {
+		if err := room(tx, quotaBlock+entryRoom); err != nil {
+			return err
+		}
+		m := markDir(tx, f.fd)
+		var err error
+		if ofd, err = f.s.openat(f.fd, name, fl, mode); err != nil {
+			return errno(err)
+		}
+		m.charge(tx)
+		if tx != nil {
+			tx.Charge(quotaBlock) // an empty file: the inode
+		}
+		return nil
+	})
 	if err != nil {
 		f.s.release(1)
-		return nil, p9.QID{}, 0, errno(err)
+		return nil, p9.QID{}, 0, err
 	}
 	// Apply the mode exactly, whatever the VMM's umask.
 	if err := unix.Fchmod(ofd, mode); err != nil {
@@ -500,12 +635,13 @@ func (f *file) Create(name string, flags p9.OpenFlags, perm p9.FileMode, _ p9.UI
 		unix.Close(pfd)
 		return fail(errno(err))
 	}
-	nf, err := newFile(f.s, pfd, st.Mode)
+	nf, err := newFile(f.s, pfd, st.Mode, st.Ino)
 	if err != nil {
 		return fail(err)
 	}
 	nf.ofd = ofd
 	nf.owrite = fl&unix.O_ACCMODE != unix.O_RDONLY
+	nf.oappend = fl&unix.O_APPEND != 0
 	return nf, f.s.qid(&st), 0, nil
 }
 
@@ -542,8 +678,8 @@ func (f *file) Mkdir(name string, perm p9.FileMode, _ p9.UID, _ p9.GID) (p9.QID,
 	}
 	defer f.mu.RUnlock()
 	mode := safeMode(perm)
-	if err := unix.Mkdirat(f.fd, name, mode); err != nil {
-		return p9.QID{}, errno(err)
+	if err := f.makeNode("mkdir", name, 2*quotaBlock, func() error { return unix.Mkdirat(f.fd, name, mode) }); err != nil {
+		return p9.QID{}, err
 	}
 	return f.finishNode(name, unix.S_IFDIR, mode)
 }
@@ -561,8 +697,8 @@ func (f *file) Symlink(target, newName string, _ p9.UID, _ p9.GID) (p9.QID, erro
 	case len(target) > symlinkMax:
 		return p9.QID{}, linux.ENAMETOOLONG
 	}
-	if err := unix.Symlinkat(target, f.fd, newName); err != nil {
-		return p9.QID{}, errno(err)
+	if err := f.makeNode("symlink", newName, quotaBlock, func() error { return unix.Symlinkat(target, f.fd, newName) }); err != nil {
+		return p9.QID{}, err
 	}
 	var st unix.Stat_t
 	if err := unix.Fstatat(f.fd, newName, &st, unix.AT_SYMLINK_NOFOLLOW); err != nil {
@@ -589,7 +725,37 @@ func (f *file) Link(target p9.File, newName string) error {
 	}
 	// linkat with AT_SYMLINK_FOLLOW on the magic link links the inode
 	// itself and, unlike AT_EMPTY_PATH, needs no CAP_DAC_READ_SEARCH.
-	return errno(unix.Linkat(unix.AT_FDCWD, procPath(t.fd), f.fd, newName, unix.AT_SYMLINK_FOLLOW))
+	// With a quota it runs under its lock even though the inode costs
+	// nothing more: an unlink elsewhere must see the link count it leaves.
+	return f.s.charged("link", func(tx QuotaTx) error {
+		if err := room(tx, entryRoom); err != nil {
+			return err
+		}
+		m := markDir(tx, f.fd)
+		if err := unix.Linkat(unix.AT_FDCWD, procPath(t.fd), f.fd, newName, unix.AT_SYMLINK_FOLLOW); err != nil {
+			return errno(err)
+		}
+		m.charge(tx)
+		return nil
+	})
+}
+
+// makeNode runs mk, which makes the entry name in directory f, charging
+// the new inode (size bytes of room needed for it) and the directory's
+// growth. f must be read-locked.
+func (f *file) makeNode(op, name string, size int64, mk func() error) error {
+	return f.s.charged(op, func(tx QuotaTx) error {
+		if err := room(tx, size+entryRoom); err != nil {
+			return err
+		}
+		m := markDir(tx, f.fd)
+		if err := mk(); err != nil {
+			return errno(err)
+		}
+		m.charge(tx)
+		chargeNew(tx, f.fd, name)
+		return nil
+	})
 }
 
 // Mknod implements p9.File.Mknod for regular files, fifos and sockets;
@@ -616,8 +782,8 @@ func (f *file) Mknod(name string, mode p9.FileMode, _, _ uint32, _ p9.UID, _ p9.
 	}
 	defer f.mu.RUnlock()
 	perm := safeMode(mode)
-	if err := unix.Mknodat(f.fd, name, typ|perm, 0); err != nil {
-		return p9.QID{}, errno(err)
+	if err := f.makeNode("mknod", name, quotaBlock, func() error { return unix.Mknodat(f.fd, name, typ|perm, 0) }); err != nil {
+		return p9.QID{}, err
 	}
 	return f.finishNode(name, typ, perm)
 }
@@ -647,7 +813,35 @@ func (f *file) RenameAt(oldName string, newDir p9.File, newName string) error {
 	if nd.typ != unix.S_IFDIR {
 		return linux.ENOTDIR
 	}
-	return errno(unix.Renameat(f.fd, oldName, nd.fd, newName))
+	return f.s.charged("rename", func(tx QuotaTx) error {
+		var src, dst unix.Stat_t
+		replaces := false
+		if tx != nil {
+			if err := unix.Fstatat(f.fd, oldName, &src, unix.AT_SYMLINK_NOFOLLOW); err != nil {
+				return errno(err)
+			}
+			// Replacing an entry reuses it; a new name may need room.
+			replaces = unix.Fstatat(nd.fd, newName, &dst, unix.AT_SYMLINK_NOFOLLOW) == nil
+			if !replaces {
+				if err := room(tx, entryRoom); err != nil {
+					return err
+				}
+			}
+		}
+		from, to := markDir(tx, f.fd), markDir(tx, nd.fd)
+		if err := unix.Renameat(f.fd, oldName, nd.fd, newName); err != nil {
+			return errno(err)
+		}
+		from.charge(tx)
+		if to.ino != from.ino {
+			to.charge(tx)
+		}
+		// Renaming onto another link of the same inode changes nothing.
+		if replaces && (dst.Ino != src.Ino || dst.Dev != src.Dev) {
+			f.s.dropLink(tx, &dst)
+		}
+		return nil
+	})
 }
 
 // UnlinkAt implements p9.File.UnlinkAt; flags may hold AT_REMOVEDIR.
@@ -656,7 +850,21 @@ func (f *file) UnlinkAt(name string, flags uint32) error {
 		return err
 	}
 	defer f.mu.RUnlock()
-	return errno(unix.Unlinkat(f.fd, name, int(flags&unix.AT_REMOVEDIR)))
+	return f.s.charged("unlink", func(tx QuotaTx) error {
+		var st unix.Stat_t
+		if tx != nil {
+			if err := unix.Fstatat(f.fd, name, &st, unix.AT_SYMLINK_NOFOLLOW); err != nil {
+				return errno(err)
+			}
+		}
+		m := markDir(tx, f.fd)
+		if err := unix.Unlinkat(f.fd, name, int(flags&unix.AT_REMOVEDIR)); err != nil {
+			return errno(err)
+		}
+		m.charge(tx)
+		f.s.dropLink(tx, &st)
+		return nil
+	})
 }
 
 // Readdir implements p9.File.Readdir. offset is a cookie from a previous

@@ -76,6 +76,15 @@
 // and writable. With Options.ReadOnly every mutation fails with EROFS
 // here, whatever the guest's mount options say.
 //
+// # Quotas
+//
+// With Options.Quota every operation that changes how much space the tree
+// takes is charged to it and refused with ENOSPC past it, also when other
+// shares (in other processes) charge the same budget at once; see Quota
+// for the rule. Package volume provides the budget for named volumes. The
+// budget never sees a path from the guest: it is told sizes and inode
+// numbers that the share got from its descriptors.
+//
 // # Ownership
 //
 // Files owned by the VMM's effective uid (gid) are shown to the guest as
@@ -138,6 +147,9 @@ type Options struct {
 	// Logger receives debug records of refused guest requests and
 	// warnings about the host. Nil discards them.
 	Logger *slog.Logger
+	// Quota, when not nil, is the space budget the share's files are
+	// charged to (see Quota); past it the guest gets ENOSPC.
+	Quota Quota
 }
 
 // share is the Attacher: one pinned root directory and what every File of
@@ -159,6 +171,10 @@ type share struct {
 	qmu     sync.Mutex
 	qidPfx  map[qidKey]uint64 // (dev, ino>>48) -> QID path prefix
 	pfxFull bool              // logged once when prefixes run out
+
+	quota Quota           // nil: no accounting
+	pinMu sync.Mutex      // guards pins; taken inside an Update, never around one
+	pins  map[uint64]*pin // with a quota: the inodes this share's Files hold
 }
 
 // New returns an Attacher serving the directory root, which must exist and
@@ -209,6 +225,8 @@ func New(root string, o Options) (p9.Attacher, error) {
 		rootIno: st.Ino,
 		qidPfx:  make(map[qidKey]uint64),
 		maxFDs:  DefaultMaxFDs,
+		quota:   o.Quota,
+		pins:    make(map[uint64]*pin),
 	}
 	if o.MaxFDs > 0 {
 		s.maxFDs = int64(o.MaxFDs)
@@ -232,7 +250,7 @@ func (s *share) Attach() (p9.File, error) {
 	if err != nil {
 		return nil, errno(err)
 	}
-	return newFile(s, fd, unix.S_IFDIR)
+	return newFile(s, fd, unix.S_IFDIR, s.rootIno)
 }
 
 // Close releases the root descriptor; later Attach calls fail with EBADF.

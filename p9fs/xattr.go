@@ -57,7 +57,17 @@ func (f *file) SetXattr(name string, data []byte, flags p9.XattrFlags) error {
 	if err != nil {
 		return err
 	}
-	return errno(unix.Setxattr(p, name, data, int(flags)&(unix.XATTR_CREATE|unix.XATTR_REPLACE)))
+	// With a quota, the inode's user attributes must fit in what its
+	// inode is charged; the check and the change are one step for every
+	// share of the budget.
+	return f.s.charged("setxattr", func(tx QuotaTx) error {
+		if tx != nil {
+			if err := xattrRoom(p, name, len(data)); err != nil {
+				return err
+			}
+		}
+		return errno(unix.Setxattr(p, name, data, int(flags)&(unix.XATTR_CREATE|unix.XATTR_REPLACE)))
+	})
 }
 
 // xattrRef records the p9 server's extra reference to f after a

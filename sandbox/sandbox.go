@@ -366,6 +366,17 @@ func boot(ctx context.Context, c config, root *rootfs, snap *snapshot.Snapshot, 
 		cmdline = append(cmdline, shareArg(i, c.Shares[i]))
 		devices = append(devices, d)
 	}
+	// Volumes are shares too, numbered after them (in this order at a
+	// restore as at a boot), and closed with them.
+	vols, err := volumeDevices(c.Volumes, len(c.Shares), log)
+	s.shares = append(s.shares, vols...)
+	if err != nil {
+		return nil, err
+	}
+	for i, d := range vols {
+		cmdline = append(cmdline, volumeArg(len(c.Shares)+i, c.Volumes[i]))
+		devices = append(devices, d)
+	}
 	userDisks, err := diskDevices(c.Disks, c)
 	if err != nil {
 		return nil, err

@@ -40,22 +40,35 @@ const MaxShares = 16
 // renames or hard links. Several directories may be shared.
 func (b *Builder) Share(hostPath, guestPath string, mode ShareMode) *Builder {
 	sh, err := checkShare(hostPath, guestPath, mode)
+	if err == nil {
+		err = b.checkMountPoint("share "+hostPath, sh.Guest)
+	}
 	if err != nil {
 		b.c.errs = append(b.c.errs, err)
 		return b
 	}
-	for _, o := range b.c.Shares {
-		if o.Guest == sh.Guest {
-			b.c.errs = append(b.c.errs, fmt.Errorf("sandbox: share %s: guest path %s is already shared from %s", hostPath, sh.Guest, o.Host))
-			return b
-		}
-	}
-	if len(b.c.Shares) == MaxShares {
-		b.c.errs = append(b.c.errs, fmt.Errorf("sandbox: share %s: at most %d shares", hostPath, MaxShares))
-		return b
-	}
 	b.c.Shares = append(b.c.Shares, sh)
 	return b
+}
+
+// checkMountPoint refuses the guest path g for a new share or volume
+// (what, in errors) when a share or a volume is mounted there already, or
+// when there are MaxShares of them.
+func (b *Builder) checkMountPoint(what, g string) error {
+	for _, o := range b.c.Shares {
+		if o.Guest == g {
+			return fmt.Errorf("sandbox: %s: guest path %s is already shared from %s", what, g, o.Host)
+		}
+	}
+	for _, v := range b.c.Volumes {
+		if v.Guest == g {
+			return fmt.Errorf("sandbox: %s: guest path %s is already volume %s's", what, g, v.Name)
+		}
+	}
+	if len(b.c.Shares)+len(b.c.Volumes) >= MaxShares {
+		return fmt.Errorf("sandbox: %s: at most %d shares and volumes", what, MaxShares)
+	}
+	return nil
 }
 
 // reservedGuestPaths are mounted by the guest's init; a share there would
@@ -63,8 +76,9 @@ func (b *Builder) Share(hostPath, guestPath string, mode ShareMode) *Builder {
 var reservedGuestPaths = []string{"/proc", "/sys", "/dev", "/run", "/bin", "/bbin", "/init"}
 
 func checkShare(hostPath, guestPath string, mode ShareMode) (ShareSpec, error) {
-	if mode != ReadOnly && mode != ReadWrite {
-		return ShareSpec{}, fmt.Errorf("sandbox: share %s: unknown mode %d", hostPath, mode)
+	what := "share " + hostPath
+	if err := checkMode(what, mode); err != nil {
+		return ShareSpec{}, err
 	}
 	if hostPath == "" {
 		return ShareSpec{}, fmt.Errorf("sandbox: share: empty host path")
@@ -80,22 +94,40 @@ func checkShare(hostPath, guestPath string, mode ShareMode) (ShareSpec, error) {
 	case !fi.IsDir():
 		return ShareSpec{}, fmt.Errorf("sandbox: share %s: not a directory", hostPath)
 	}
+	g, err := checkGuestPath(what, guestPath)
+	if err != nil {
+		return ShareSpec{}, err
+	}
+	return ShareSpec{Host: abs, Guest: g, Mode: mode}, nil
+}
+
+// checkMode refuses a mode that is neither ReadOnly nor ReadWrite.
+func checkMode(what string, mode ShareMode) error {
+	if mode != ReadOnly && mode != ReadWrite {
+		return fmt.Errorf("sandbox: %s: unknown mode %d", what, mode)
+	}
+	return nil
+}
+
+// checkGuestPath checks where in the guest a share or a volume (what, in
+// errors) is mounted and returns the path cleaned.
+func checkGuestPath(what, guestPath string) (string, error) {
 	if !path.IsAbs(guestPath) {
-		return ShareSpec{}, fmt.Errorf("sandbox: share %s: guest path %q must be absolute", hostPath, guestPath)
+		return "", fmt.Errorf("sandbox: %s: guest path %q must be absolute", what, guestPath)
 	}
 	if strings.ContainsRune(guestPath, 0) {
-		return ShareSpec{}, fmt.Errorf("sandbox: share %s: guest path %q holds a NUL byte", hostPath, guestPath)
+		return "", fmt.Errorf("sandbox: %s: guest path %q holds a NUL byte", what, guestPath)
 	}
 	g := path.Clean(guestPath)
 	if g == "/" {
-		return ShareSpec{}, fmt.Errorf("sandbox: share %s: cannot share over the guest's root", hostPath)
+		return "", fmt.Errorf("sandbox: %s: cannot mount over the guest's root", what)
 	}
 	for _, r := range reservedGuestPaths {
 		if g == r || strings.HasPrefix(g, r+"/") {
-			return ShareSpec{}, fmt.Errorf("sandbox: share %s: guest path %s is inside %s, which the guest's init owns", hostPath, g, r)
+			return "", fmt.Errorf("sandbox: %s: guest path %s is inside %s, which the guest's init owns", what, g, r)
 		}
 	}
-	return ShareSpec{Host: abs, Guest: g, Mode: mode}, nil
+	return g, nil
 }
 
 // ParseShare parses the CLI's volume syntax HOST:GUEST[:ro|:rw].

@@ -32,6 +32,7 @@ type Spec struct {
 	VsockSocket  string        `json:"vsock_socket,omitempty"`
 
 	Shares  []ShareSpec  `json:"shares,omitempty"`
+	Volumes []VolumeSpec `json:"volumes,omitempty"` // mounted after the shares
 	Disks   []DiskSpec   `json:"disks,omitempty"`
 	Network *NetworkSpec `json:"network,omitempty"` // nil: no NIC
 	Patches []Patch      `json:"patches,omitempty"`
@@ -162,6 +163,9 @@ func FromSpec(s Spec) *Workload {
 	b.Watchdog(s.Watchdog).OutputLimit(s.OutputLimit).VsockSocket(s.VsockSocket)
 	for _, sh := range s.Shares {
 		b.Share(sh.Host, sh.Guest, sh.Mode)
+	}
+	for _, v := range s.Volumes {
+		b.VolumeIn(v.Dir, v.Name, v.Guest, v.Mode)
 	}
 	for _, d := range s.Disks {
 		b.Disk(d.Path, d.Mode)

@@ -27,11 +27,11 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"regexp"
 	"sort"
 	"syscall"
 	"time"
 
+	"github.com/capsa-sandbox/capsa/internal/statedir"
 	"github.com/capsa-sandbox/capsa/sandbox"
 	bolt "go.etcd.io/bbolt"
 )
@@ -97,32 +97,23 @@ type Store struct {
 	dir string
 }
 
-// nameRE is what a sandbox name may be: it names a directory and appears
-// in socket paths.
-var nameRE = regexp.MustCompile(`^[a-zA-Z0-9][a-zA-Z0-9_.-]{0,62}$`)
-
-// CheckName refuses a name that cannot be a sandbox's.
+// CheckName refuses a name that cannot be a sandbox's (it names a
+// directory and appears in socket paths): statedir.ValidName's rule.
 func CheckName(name string) error {
-	if !nameRE.MatchString(name) {
-		return fmt.Errorf("store: sandbox name %q: want 1 to 63 letters, digits, '_', '.' or '-', starting with a letter or digit", name)
+	if !statedir.ValidName(name) {
+		return fmt.Errorf("store: sandbox name %q: want %s", name, statedir.NameRule)
 	}
 	return nil
 }
 
 // DefaultDir is the CLI's state directory: $CAPSA_STATE, else
-// $XDG_STATE_HOME/capsa, else ~/.local/state/capsa.
+// $XDG_STATE_HOME/capsa, else ~/.local/state/capsa (statedir.Default).
 func DefaultDir() (string, error) {
-	if d := os.Getenv("CAPSA_STATE"); d != "" {
-		return d, nil
-	}
-	if d := os.Getenv("XDG_STATE_HOME"); d != "" {
-		return filepath.Join(d, "capsa"), nil
-	}
-	home, err := os.UserHomeDir()
+	d, err := statedir.Default()
 	if err != nil {
-		return "", fmt.Errorf("store: no state directory: %w", err)
+		return "", fmt.Errorf("store: %w", err)
 	}
-	return filepath.Join(home, ".local", "state", "capsa"), nil
+	return d, nil
 }
 
 // Open returns the store in dir, making it (0700) if needed.
@@ -143,8 +134,8 @@ func (s *Store) SnapshotDir(name string) string { return filepath.Join(s.dir, "s
 // CheckSnapshotName refuses a snapshot name that is not a plain name (the
 // same rule as a sandbox's).
 func CheckSnapshotName(name string) error {
-	if !nameRE.MatchString(name) {
-		return fmt.Errorf("store: snapshot name %q: want 1 to 63 letters, digits, '_', '.' or '-', starting with a letter or digit", name)
+	if !statedir.ValidName(name) {
+		return fmt.Errorf("store: snapshot name %q: want %s", name, statedir.NameRule)
 	}
 	return nil
 }

@@ -62,6 +62,7 @@ func commands() []command {
 		{"supervise", "", runSupervise, true},
 		{"vm", "boot a kernel in a raw microVM and show its console", runVM, false},
 		{"image", "pull, import, list, inspect and remove OCI images", runImage, false},
+		{"volume", "named volumes that sandboxes share, with a size quota: create, ls, inspect, rm", runVolume, false},
 		{"version", "print capsa's version", runVersion, false},
 	}
 }

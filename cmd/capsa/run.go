@@ -47,7 +47,7 @@ func runOrCreate(ctx context.Context, cmdName string, args []string, stdout, std
 	timeout := fs.Duration("timeout", 0, "kill the command after this long (e.g. 30s); exit 124")
 	kernel := fs.String("kernel", "", "use this kernel instead of the built-in one")
 	initrd := fs.String("initrd", "", "use this initramfs instead of the built-in one")
-	volumes := fs.StringArrayP("volume", "v", nil, "share a host directory: HOST:GUEST[:ro] (repeatable)")
+	volumes := fs.StringArrayP("volume", "v", nil, "share a host directory, HOST:GUEST[:ro], or mount a named volume (capsa volume create), NAME:GUEST[:ro]; a NAME has no slash (repeatable)")
 	copies := fs.StringArray("copy", nil, "copy a host file or directory into the guest before the command starts: HOST:GUEST (repeatable; in an image, into the sandbox's own layer)")
 	imageRef := fs.String("image", "", "run in this OCI image: its root filesystem, ENTRYPOINT, CMD (replaced by ARGS), ENV, WORKDIR and USER")
 	pull := fs.String("pull", "missing", "with --image: pull always, missing (when not cached) or never")
@@ -167,7 +167,11 @@ func runOrCreate(ctx context.Context, cmdName string, args []string, stdout, std
 		if err != nil {
 			return fail("-v: %v", err)
 		}
-		b.Share(host, guest, mode)
+		if strings.Contains(host, "/") {
+			b.Share(host, guest, mode)
+		} else {
+			b.Volume(host, guest, mode)
+		}
 	}
 	b.Mailbox(*mailbox...).KV(*kv...)
 	for _, c := range *copies {

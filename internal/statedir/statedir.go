@@ -1,13 +1,16 @@
 // Package statedir says where capsa keeps its state when nobody says
 // otherwise: the detached sandboxes' records (package store), named
 // volumes (package volume) and the hub's mailbox and key-value store
-// (package hub). Its one function is Default.
+// (package hub). Default is the directory; ValidName is the rule for the
+// names of what lives in it (sandboxes, snapshots, volumes), which name
+// directories and appear in socket paths.
 package statedir
 
 import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"regexp"
 )
 
 // Default is $CAPSA_STATE, else $XDG_STATE_HOME/capsa, else
@@ -25,3 +28,12 @@ func Default() (string, error) {
 	}
 	return filepath.Join(home, ".local", "state", "capsa"), nil
 }
+
+// NameRule says in words what ValidName accepts, for error messages.
+const NameRule = "1 to 63 letters, digits, '_', '.' or '-', starting with a letter or digit"
+
+var nameRE = regexp.MustCompile(`^[a-zA-Z0-9][a-zA-Z0-9_.-]{0,62}$`)
+
+// ValidName reports whether name may name a sandbox, a snapshot or a
+// volume.
+func ValidName(name string) bool { return nameRE.MatchString(name) }
