@@ -28,7 +28,8 @@ import (
 // program that reports what a process in an image sees.
 const probeEnv = "CAPSA_E2E_PROBE"
 
-// probe runs one action: report, write PATH TEXT, cat PATH, fill PATH,
+// probe runs one action: report, write PATH TEXT, cat PATH, fill PATH
+// (os.File writes), fillraw PATH (write(2) calls),
 // copy SRC DST (1 MiB read and write calls), hold PATH OUT (reads on
 // from a file kept open), wait (forever), eat (memory), forkbomb, and the
 // hub's cas, ping and pong (hubProbe).
@@ -77,6 +78,28 @@ func probe(args []string) int {
 			err = f.Sync()
 		}
 		fmt.Printf("wrote %d MiB: %v enospc=%v\n", n, err, errors.Is(err, syscall.ENOSPC))
+	case "fillraw":
+		// Like fill, with write(2) itself: a short write goes on
+		// with the rest, and the first error (or a write of 0
+		// bytes) ends it.
+		fd, err := syscall.Open(args[1], syscall.O_CREAT|syscall.O_WRONLY|syscall.O_TRUNC, 0o644)
+		if err != nil {
+			fmt.Println(err)
+			return 1
+		}
+		buf := make([]byte, 1<<20)
+		var total int64
+		for {
+			n, err := syscall.Write(fd, buf)
+			if n > 0 {
+				total += int64(n)
+			}
+			if err != nil || n == 0 {
+				fmt.Printf("wrote %d bytes: %v enospc=%v\n", total, err, errors.Is(err, syscall.ENOSPC))
+				break
+			}
+		}
+		syscall.Close(fd)
 	case "copy":
 		if err := copyPlain(args[1], args[2]); err != nil {
 			fmt.Println(err)
