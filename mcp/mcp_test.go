@@ -154,6 +154,7 @@ func TestArgumentErrors(t *testing.T) {
 		{"snapshot_restore", map[string]any{"snapshot": "../x"}, "snapshot name"},
 		{"snapshot_create", map[string]any{"name": "a", "snapshot": "a b"}, "snapshot name"},
 		{"sandbox_create", map[string]any{"mailbox": []string{"a*b"}}, "may only end it"},
+		{"sandbox_create", map[string]any{"volumes": []map[string]any{{"name": "nosuchvol", "guest": "/data"}}}, "nosuchvol"},
 		{"sandbox_create", map[string]any{"kv": []string{"a\u0001"}}, "control character"},
 		{"kv_cas", map[string]any{"key": "k", "value": "v"}, "version"},
 		{"kv_get", map[string]any{"key": ""}, "empty key"},

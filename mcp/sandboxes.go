@@ -33,21 +33,28 @@ type shareArg struct {
 	ReadOnly bool   `json:"read_only,omitempty" jsonschema:"the guest may only read it"`
 }
 
+type volumeArg struct {
+	Name     string `json:"name" jsonschema:"a named volume (capsa volume create NAME)"`
+	Guest    string `json:"guest" jsonschema:"the absolute guest path where it appears"`
+	ReadOnly bool   `json:"read_only,omitempty" jsonschema:"the guest may only read it"`
+}
+
 type createArgs struct {
-	Name               string     `json:"name,omitempty" jsonschema:"the sandbox's name: 1 to 63 letters, digits, '_', '.' or '-'; default: a new one (sb-XXXXXX)"`
-	Image              string     `json:"image,omitempty" jsonschema:"an OCI image for the root filesystem (e.g. python:3.12-slim), pulled if not cached; its environment and working directory apply to sandbox_exec; default: capsa's small built-in Linux with busybox-style tools"`
-	Command            []string   `json:"command,omitempty" jsonschema:"the main process (argv); the sandbox ends when it does. Default: a sleep that keeps the sandbox up until sandbox_destroy or its TTL (with an image, in place of the image's entrypoint and command, so the image needs sleep)"`
-	CPUs               int        `json:"cpus,omitempty" jsonschema:"vCPUs (default 1)"`
-	MemoryMiB          int        `json:"memory_mib,omitempty" jsonschema:"guest memory in MiB (default 512)"`
-	Env                []string   `json:"env,omitempty" jsonschema:"environment entries (KEY=VALUE) for every process"`
-	Network            string     `json:"network,omitempty" jsonschema:"none (the default: no network interface), public-only (the internet, not the host's or private networks), allow-all or deny-all"`
-	Allow              []string   `json:"allow,omitempty" jsonschema:"with a network: destinations to allow (CIDR, IP, [udp/]HOST[:PORT[-PORT]], DOMAIN or *.DOMAIN)"`
-	Deny               []string   `json:"deny,omitempty" jsonschema:"with a network: destinations to deny, as allow; deny beats allow"`
-	Shares             []shareArg `json:"shares,omitempty" jsonschema:"host directories shared into the guest"`
-	Mailbox            []string   `json:"mailbox,omitempty" jsonschema:"mailbox topics the sandbox may publish to and subscribe to from inside (capsa mailbox ...): a topic, or PREFIX* for every topic starting with PREFIX"`
-	KV                 []string   `json:"kv,omitempty" jsonschema:"key prefixes of the shared key-value store the sandbox may read and change from inside (capsa kv ...)"`
-	TTLSeconds         int        `json:"ttl_seconds,omitempty" jsonschema:"stop the sandbox this many seconds after it started (default 0: never)"`
-	IdleTimeoutSeconds int        `json:"idle_timeout_seconds,omitempty" jsonschema:"stop the sandbox once no exec or file operation has reached it for this many seconds (default 0: never)"`
+	Name               string      `json:"name,omitempty" jsonschema:"the sandbox's name: 1 to 63 letters, digits, '_', '.' or '-'; default: a new one (sb-XXXXXX)"`
+	Image              string      `json:"image,omitempty" jsonschema:"an OCI image for the root filesystem (e.g. python:3.12-slim), pulled if not cached; its environment and working directory apply to sandbox_exec; default: capsa's small built-in Linux with busybox-style tools"`
+	Command            []string    `json:"command,omitempty" jsonschema:"the main process (argv); the sandbox ends when it does. Default: a sleep that keeps the sandbox up until sandbox_destroy or its TTL (with an image, in place of the image's entrypoint and command, so the image needs sleep)"`
+	CPUs               int         `json:"cpus,omitempty" jsonschema:"vCPUs (default 1)"`
+	MemoryMiB          int         `json:"memory_mib,omitempty" jsonschema:"guest memory in MiB (default 512)"`
+	Env                []string    `json:"env,omitempty" jsonschema:"environment entries (KEY=VALUE) for every process"`
+	Network            string      `json:"network,omitempty" jsonschema:"none (the default: no network interface), public-only (the internet, not the host's or private networks), allow-all or deny-all"`
+	Allow              []string    `json:"allow,omitempty" jsonschema:"with a network: destinations to allow (CIDR, IP, [udp/]HOST[:PORT[-PORT]], DOMAIN or *.DOMAIN)"`
+	Deny               []string    `json:"deny,omitempty" jsonschema:"with a network: destinations to deny, as allow; deny beats allow"`
+	Shares             []shareArg  `json:"shares,omitempty" jsonschema:"host directories shared into the guest"`
+	Volumes            []volumeArg `json:"volumes,omitempty" jsonschema:"named volumes mounted into the guest: shared with the other sandboxes that mount them, kept after this one ends, bounded by their quota"`
+	Mailbox            []string    `json:"mailbox,omitempty" jsonschema:"mailbox topics the sandbox may publish to and subscribe to from inside (capsa mailbox ...): a topic, or PREFIX* for every topic starting with PREFIX"`
+	KV                 []string    `json:"kv,omitempty" jsonschema:"key prefixes of the shared key-value store the sandbox may read and change from inside (capsa kv ...)"`
+	TTLSeconds         int         `json:"ttl_seconds,omitempty" jsonschema:"stop the sandbox this many seconds after it started (default 0: never)"`
+	IdleTimeoutSeconds int         `json:"idle_timeout_seconds,omitempty" jsonschema:"stop the sandbox once no exec or file operation has reached it for this many seconds (default 0: never)"`
 }
 
 type createResult struct {
@@ -143,6 +150,13 @@ func (t *tools) create(ctx context.Context, a createArgs) (createResult, error) 
 			mode = sandbox.ReadOnly
 		}
 		b.Share(sh.Host, sh.Guest, mode)
+	}
+	for _, v := range a.Volumes {
+		mode := sandbox.ReadWrite
+		if v.ReadOnly {
+			mode = sandbox.ReadOnly
+		}
+		b.Volume(v.Name, v.Guest, mode)
 	}
 	b.Mailbox(a.Mailbox...).KV(a.KV...)
 	var w *sandbox.Workload
