@@ -76,9 +76,24 @@ type Config struct {
 	// QueueLen is the number of frames buffered toward the guest; when the
 	// queue is full frames are dropped like a NIC would. Default 1024.
 	QueueLen int
+	// Intercept, when not nil, is offered every guest TCP connection the
+	// policy allowed once its host side is connected (package tlsproxy's
+	// Proxy intercepts TLS with it). The Stack does not close it.
+	Intercept Interceptor
 
 	// Logger receives diagnostics. nil = discard.
 	Logger *slog.Logger
+}
+
+// Interceptor takes over guest TCP connections (Config.Intercept).
+type Interceptor interface {
+	// Intercept gets the guest's side of a connection to dst and its host
+	// side, connected to dst. It either serves the connection itself and
+	// returns nil once done (both sides closed), or returns the guest's
+	// side to relay to host as usual (wrapping what it read of it), host
+	// untouched. redial opens another host connection to dst, counted
+	// against Config.MaxConns until closed.
+	Intercept(guest, host net.Conn, dst netip.AddrPort, redial func(context.Context) (net.Conn, error)) net.Conn
 }
 
 // Addrs is what the guest must configure on its NIC.

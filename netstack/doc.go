@@ -56,7 +56,10 @@
 // Config.Dial within Config.DialTimeout, and only then completes the
 // handshake with the guest; refusal or dial failure answers RST, so the
 // guest's connect fails at once. Data is then spliced both ways with
-// half-close (FIN) propagation; an error on either side resets both.
+// half-close (FIN) propagation; an error on either side resets both. With
+// Config.Intercept, the connection is first offered to the Interceptor
+// (package tlsproxy intercepts TLS to named hosts with it), which may serve
+// it itself instead.
 //
 // UDP: the first datagram of a flow (guest address and port, destination)
 // creates a connected endpoint and a host socket; the flow ends after

@@ -353,6 +353,10 @@ func looksLikeIP(s string) bool {
 	return true
 }
 
+// CheckDomain checks a host name as domain rules take it: lower case,
+// without a trailing dot or wildcard.
+func CheckDomain(name string) error { return validateDomain(name) }
+
 // validateDomain checks a lower-case name without trailing dot or wildcard.
 func validateDomain(name string) error {
 	if name == "" {

@@ -3,9 +3,11 @@ package netstack
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"net/netip"
+	"sync"
 
 	"gvisor.dev/gvisor/pkg/tcpip/adapters/gonet"
 	"gvisor.dev/gvisor/pkg/tcpip/transport/tcp"
@@ -79,7 +81,60 @@ func (s *Stack) handleTCP(r *tcp.ForwarderRequest) {
 	}
 	s.stats.tcpForwarded.Add(1)
 	s.log.Debug("TCP forwarded", "dst", netip.AddrPortFrom(dst, port), "host", hostAddr, "names", names)
-	s.splice(gonet.NewTCPConn(&wq, ep), hc, ep.Abort)
+	var guest net.Conn = gonet.NewTCPConn(&wq, ep)
+	if ic := s.cfg.Intercept; ic != nil {
+		if guest = s.intercept(ic, guest, hc, netip.AddrPortFrom(dst, port), hostAddr); guest == nil {
+			return
+		}
+	}
+	s.splice(guest, hc, ep.Abort)
+}
+
+// intercept offers a connection to the Interceptor, with both sides
+// tracked (Close ends them) meanwhile. It returns the guest side to
+// relay, or nil if the Interceptor served it.
+func (s *Stack) intercept(ic Interceptor, guest, host net.Conn, dst netip.AddrPort, hostAddr string) net.Conn {
+	if !s.track(guest) {
+		host.Close()
+		return nil
+	}
+	defer s.untrack(guest)
+	if !s.track(host) {
+		guest.Close()
+		return nil
+	}
+	defer s.untrack(host)
+	redial := func(ctx context.Context) (net.Conn, error) {
+		if s.tcpConns.Add(1) > int64(s.cfg.MaxConns) {
+			s.tcpConns.Add(-1)
+			return nil, fmt.Errorf("netstack: dial %s: connection limit reached", hostAddr)
+		}
+		ctx, cancel := context.WithTimeout(ctx, s.cfg.DialTimeout)
+		defer cancel()
+		c, err := s.cfg.Dial(ctx, "tcp", hostAddr)
+		if err != nil || !s.track(c) {
+			s.tcpConns.Add(-1)
+			if err == nil {
+				err = ErrClosed
+			}
+			return nil, err
+		}
+		return &countedConn{Conn: c, release: func() { s.untrack(c); s.tcpConns.Add(-1) }}, nil
+	}
+	return ic.Intercept(guest, host, dst, redial)
+}
+
+// countedConn runs release once, at its first Close.
+type countedConn struct {
+	net.Conn
+	once    sync.Once
+	release func()
+}
+
+func (c *countedConn) Close() error {
+	err := c.Conn.Close()
+	c.once.Do(c.release)
+	return err
 }
 
 // splice copies both ways between a guest-side and a host-side connection,

@@ -44,6 +44,9 @@ func (s *Sandbox) Fork(ctx context.Context, n int, o RestoreOptions) ([]*Sandbox
 			defer wg.Done()
 			co := o
 			co.Hostname = fmt.Sprintf("%s-%d", info.Hostname, i+1)
+			if co.Secrets == nil {
+				co.Secrets = s.c.secrets
+			}
 			if co.VsockSocket != "" {
 				co.VsockSocket = fmt.Sprintf("%s.%d", o.VsockSocket, i+1)
 			}

@@ -65,19 +65,42 @@ func (b *Builder) netConfig() *NetworkSpec {
 // checkNetwork reports options that need Network without it.
 func (c *config) checkNetwork() error {
 	if c.Network != nil && c.Network.Policy == nil {
-		return errors.New("sandbox: published ports and a DNS server need Network (the sandbox has no network)")
+		return errors.New("sandbox: published ports, a DNS server, secrets and TLS interception need Network (the sandbox has no network)")
 	}
 	return nil
 }
 
-// network is a running sandbox network: the NAT and the NIC.
+// network is a running sandbox network: the NAT, the NIC and the TLS
+// proxy, if it intercepts.
 type network struct {
-	stack *netstack.Stack
-	nic   *virtionet.Device
+	stack     *netstack.Stack
+	nic       *virtionet.Device
+	intercept *interception
 }
 
-func startNetwork(ctx context.Context, nc *NetworkSpec, log *slog.Logger) (*network, string, error) {
+// interception is the network's TLS proxy; nil without one.
+func (n *network) interception() *interception {
+	if n == nil {
+		return nil
+	}
+	return n.intercept
+}
+
+func startNetwork(ctx context.Context, c config, log *slog.Logger) (_ *network, _ string, err error) {
+	nc := c.Network
+	in, err := startInterception(c, log)
+	if err != nil {
+		return nil, "", err
+	}
+	defer func() {
+		if err != nil {
+			in.close()
+		}
+	}()
 	cfg := netstack.Config{GuestMAC: guestMAC, Policy: nc.Policy, Logger: log}
+	if in != nil {
+		cfg.Intercept = in.proxy
+	}
 	for _, p := range nc.Publish {
 		m, err := netstack.ParsePublish(p)
 		if err != nil {
@@ -106,14 +129,14 @@ func startNetwork(ctx context.Context, nc *NetworkSpec, log *slog.Logger) (*netw
 	// ip=CLIENT::GATEWAY:NETMASK:HOSTNAME:DEVICE:AUTOCONF:DNS.
 	mask := net.IP(net.CIDRMask(a.GuestIP.Bits(), 32)).String()
 	arg := fmt.Sprintf("ip=%s::%s:%s::eth0:off:%s", a.GuestIP.Addr(), a.Gateway, mask, a.DNS)
-	return &network{stack: st, nic: nic}, arg, nil
+	return &network{stack: st, nic: nic, intercept: in}, arg, nil
 }
 
 func (n *network) close() error {
 	if n == nil {
 		return nil
 	}
-	return errors.Join(n.nic.Close(), n.stack.Close())
+	return errors.Join(n.nic.Close(), n.stack.Close(), n.intercept.close())
 }
 
 // Published lists the sandbox's published ports with the host addresses

@@ -30,6 +30,7 @@ import (
 	"github.com/capsa-sandbox/capsa/image"
 	"github.com/capsa-sandbox/capsa/internal/builtin"
 	"github.com/capsa-sandbox/capsa/snapshot"
+	"github.com/capsa-sandbox/capsa/tlsproxy"
 	"github.com/capsa-sandbox/capsa/virtio"
 	virtioblk "github.com/capsa-sandbox/capsa/virtio/blk"
 	"github.com/capsa-sandbox/capsa/virtio/ninep"
@@ -51,6 +52,9 @@ type config struct {
 	console  io.Writer
 	progress func(image.Progress)
 	errs     []error
+	secrets  map[string]string // the values of Network.Secrets, by name
+	netAudit io.Writer         // the audit log of intercepted requests
+	ca       *tlsproxy.CA      // a restored sandbox's CA
 }
 
 // Builder configures a sandbox. Choose its workload with Run to get a
@@ -238,7 +242,13 @@ func (w *Workload) Start(ctx context.Context) (*Sandbox, error) {
 		return nil, err
 	}
 	// Errors are explained by the VM's end before Close ends it anyway.
-	if err := applyPatches(ctx, s.client, w.c.Patches); err != nil {
+	if in := s.net.interception(); in != nil {
+		err = installCA(ctx, s.client, in.ca)
+	}
+	if err == nil {
+		err = applyPatches(ctx, s.client, w.c.Patches)
+	}
+	if err != nil {
 		err = s.vmErr(err)
 		s.Close()
 		return nil, err
@@ -353,7 +363,7 @@ func boot(ctx context.Context, c config, root *rootfs, snap *snapshot.Snapshot, 
 	}
 	if c.Network != nil {
 		var ipArg string
-		if s.net, ipArg, err = startNetwork(context.WithoutCancel(ctx), c.Network, log); err != nil {
+		if s.net, ipArg, err = startNetwork(context.WithoutCancel(ctx), c, log); err != nil {
 			return nil, err
 		}
 		cmdline = append(cmdline, ipArg)

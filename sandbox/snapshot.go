@@ -8,12 +8,14 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"os"
 	"path/filepath"
 	"slices"
 	"time"
 
 	"github.com/capsa-sandbox/capsa/agent"
 	"github.com/capsa-sandbox/capsa/snapshot"
+	"github.com/capsa-sandbox/capsa/tlsproxy"
 )
 
 // Snapshot writes the sandbox to dir (which must not exist; see package
@@ -66,14 +68,24 @@ func (s *Sandbox) writeSnapshot(dir string, spec []byte) error {
 		m.MainProcess = s.main.ID
 	}
 	s.mu.Unlock()
-	var extra map[string]snapshot.Extra
+	extra := map[string]snapshot.Extra{}
 	if r := s.rootfs; r != nil {
 		m.ImageDigest = r.img.Digest
-		extra = map[string]snapshot.Extra{snapshot.RootDiskFile: func(path string) (string, error) {
+		extra[snapshot.RootDiskFile] = func(path string) (string, error) {
 			// Only its size is recorded: a checksum would read the
 			// whole disk, which a reflink spares.
 			return "", snapshot.CloneFile(r.upperPath, path)
-		}}
+		}
+	}
+	if in := s.net.interception(); in != nil {
+		// The guest trusts this CA: a restore needs it, key and all.
+		extra[snapshotCAFile] = func(path string) (string, error) {
+			b, err := in.ca.MarshalPEM()
+			if err != nil {
+				return "", err
+			}
+			return "", os.WriteFile(path, b, 0o600)
+		}
 	}
 	return snapshot.Write(dir, m, st, s.vm.Memory(), extra)
 }
@@ -104,6 +116,12 @@ type RestoreOptions struct {
 	// hub (HubSpec.Identity): a restore or a fork is not the sandbox it
 	// was taken from, and must not publish as it.
 	Identity string
+	// Secrets are the values of the snapshot's secrets, by name: a
+	// snapshot holds none (Fork passes the sandbox's own).
+	Secrets map[string]string
+	// NetAudit receives the audit log of intercepted requests
+	// (Workload.NetAudit).
+	NetAudit io.Writer
 }
 
 // Restore starts a sandbox from the snapshot in dir: the guest goes on
@@ -146,10 +164,26 @@ func Restore(ctx context.Context, dir string, o RestoreOptions) (*Sandbox, error
 		if spec.Network == nil {
 			return nil, fmt.Errorf("sandbox: restore: snapshot %s was taken without a network; a restore cannot add one", dir)
 		}
-		spec.Network = o.Network
+		// The guest holds the placeholders and trusts the CA: what is
+		// intercepted stays the snapshot's.
+		n := *o.Network
+		n.Intercept, n.Secrets = spec.Network.Intercept, spec.Network.Secrets
+		if n.UpstreamCAs == nil {
+			n.UpstreamCAs = spec.Network.UpstreamCAs
+		}
+		spec.Network = &n
 	}
-	w := FromSpec(spec)
+	w := FromSpec(spec).Secrets(o.Secrets).NetAudit(o.NetAudit)
 	w.c.log, w.c.console = o.Logger, o.Console
+	if n := spec.Network; n != nil && (len(n.Intercept) > 0 || len(n.Secrets) > 0) {
+		b, err := os.ReadFile(filepath.Join(dir, snapshotCAFile))
+		if err == nil {
+			w.c.ca, err = tlsproxy.ParseCA(b)
+		}
+		if err != nil {
+			return nil, fmt.Errorf("sandbox: restore: snapshot %s: the interception's CA: %w", dir, err)
+		}
+	}
 	if err := w.c.err(); err != nil {
 		return nil, fmt.Errorf("sandbox: restore: %w", err)
 	}

@@ -56,11 +56,17 @@ type DiskSpec struct {
 }
 
 // NetworkSpec is the sandbox's NIC and NAT (Builder.Network, Publish,
-// DNSServer).
+// DNSServer, TLSIntercept, Secret, UpstreamCA).
 type NetworkSpec struct {
 	Policy    *netstack.Policy `json:"policy"`            // nil: netstack.PublicOnly()
 	Publish   []string         `json:"publish,omitempty"` // as Publish takes them
 	DNSServer string           `json:"dns_server,omitempty"`
+	// Intercept and Secrets' hosts are the hosts whose HTTPS the NAT
+	// intercepts; Secrets never hold values. UpstreamCAs are PEM files on
+	// the host it trusts beside the host's store.
+	Intercept   []string     `json:"tls_intercept,omitempty"`
+	Secrets     []SecretSpec `json:"secrets,omitempty"`
+	UpstreamCAs []string     `json:"upstream_cas,omitempty"`
 }
 
 // ImageSpec is an OCI image as the root filesystem (Builder.OCI and the
@@ -178,6 +184,11 @@ func FromSpec(s Spec) *Workload {
 		if n.DNSServer != "" {
 			b.DNSServer(n.DNSServer)
 		}
+		// The environment has the placeholders and the CA's variables.
+		for _, sp := range n.Secrets {
+			b.addSecret(sp)
+		}
+		b.TLSIntercept(n.Intercept...).UpstreamCA(n.UpstreamCAs...)
 	}
 	b.Patch(s.Patches...)
 	if h := s.Hub; h != nil {
