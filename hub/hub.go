@@ -73,6 +73,10 @@ func Open(dir string) (*Hub, error) {
 	return h, nil
 }
 
+// Files are the files the hub opens for each operation: its database and
+// its lock.
+func (h *Hub) Files() []string { return []string{h.db, h.lock.Name()} }
+
 // Close releases the hub's lock file and ends its watches' notifier.
 func (h *Hub) Close() error {
 	h.closeOnce.Do(func() { close(h.closed) })

@@ -59,6 +59,32 @@ var (
 	kvmGetVCPUEvents       = ior(0x9f, unsafe.Sizeof(VCPUEvents{}))
 )
 
+// RunningIoctls are the ioctl requests a VM needs once it is built and
+// booted or restored: running its vCPUs, its devices' interrupts and
+// doorbells (a guest may activate or reset a device at any time), the
+// clock, pausing and snapshots. Making VMs or vCPUs, mapping memory and
+// the other setup calls are not among them: package confine lets no other
+// KVM request through once a sandbox runs.
+func RunningIoctls() []uint64 {
+	reqs := []uintptr{
+		kvmCheckExtension, kvmGetSupportedCPUID, kvmGetMSRIndexList, kvmGetTSCKHz,
+		kvmRun, kvmIRQLine, kvmIRQFD, kvmIOEventFD, kvmGetClock, kvmSetClock,
+		kvmGetRegs, kvmSetRegs, kvmGetSregs, kvmSetSregs, kvmGetMSRs, kvmSetMSRs,
+		kvmGetFPU, kvmSetFPU, kvmGetLAPIC, kvmSetLAPIC, kvmGetMPState, kvmSetMPState,
+		kvmGetVCPUEvents, kvmSetVCPUEvents, kvmGetDebugRegs, kvmSetDebugRegs,
+		kvmGetXSAVE, kvmSetXSAVE, kvmGetXCRs, kvmSetXCRs,
+		kvmGetIRQChip, kvmSetIRQChip, kvmGetPIT2, kvmSetPIT2,
+	}
+	out := make([]uint64, len(reqs))
+	for i, r := range reqs {
+		out[i] = uint64(r)
+	}
+	return out
+}
+
+// RunIoctl is KVM_RUN's request number: the call a running VM makes most.
+func RunIoctl() uint64 { return uint64(kvmRun) }
+
 // ioctlNames names each request in errors.
 var ioctlNames = map[uintptr]string{
 	kvmGetAPIVersion: "KVM_GET_API_VERSION", kvmCreateVM: "KVM_CREATE_VM",

@@ -32,6 +32,7 @@ import (
 	"time"
 
 	"github.com/capsa-sandbox/capsa/internal/statedir"
+	"github.com/capsa-sandbox/capsa/confine"
 	"github.com/capsa-sandbox/capsa/sandbox"
 	bolt "go.etcd.io/bbolt"
 )
@@ -78,6 +79,10 @@ type Record struct {
 	// from instead of booting (capsa snapshot restore, capsa fork), and
 	// Hostname the name its guest then takes ("": the snapshot's).
 	RestoreFrom string `json:"restore_from,omitempty"`
+	// NoConfine: the supervisor does not confine itself (run
+	// --no-confine). Confinement is what it got (package confine).
+	NoConfine   bool            `json:"no_confine,omitempty"`
+	Confinement *confine.Layers `json:"confinement,omitempty"`
 	Hostname    string `json:"hostname,omitempty"`
 }
 

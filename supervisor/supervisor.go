@@ -32,6 +32,7 @@ import (
 	"time"
 
 	"github.com/capsa-sandbox/capsa/agent"
+	"github.com/capsa-sandbox/capsa/confine"
 	"github.com/capsa-sandbox/capsa/sandbox"
 	"github.com/capsa-sandbox/capsa/store"
 	"github.com/capsa-sandbox/capsa/virtio/vsock"
@@ -64,6 +65,27 @@ type Options struct {
 	// LogLimit bounds each log; 0 is DefaultLogLimit.
 	LogLimit int64
 }
+
+// confineSelf confines the supervisor (package confine) to the sandbox's
+// host paths, its directory, the store's records and snapshots, and a
+// cgroup bounded to the guest's memory and VMMOverhead.
+func confineSelf(st *store.Store, name string, sb *sandbox.Sandbox, spec sandbox.Spec, log *slog.Logger) (confine.Layers, error) {
+	snaps := filepath.Join(st.Dir(), "snapshots")
+	if err := os.MkdirAll(snaps, 0o700); err != nil {
+		return confine.Layers{}, fmt.Errorf("supervisor: confine: %w", err)
+	}
+	read, write := sb.HostPaths()
+	write = append(write, st.SandboxDir(name), filepath.Join(st.Dir(), "state.db"), snaps)
+	return confine.Apply(confine.Config{
+		Read: read, Write: write, Name: name,
+		MemoryBytes: int64(spec.MemoryMiB)<<20 + VMMOverhead,
+	}, log)
+}
+
+// VMMOverhead is what a sandbox's VMM may hold beside its guest's memory
+// in its cgroup: its own heap, the NAT's buffers and the host page cache
+// its file I/O brings in (which the kernel reclaims at the limit).
+const VMMOverhead = 512 << 20
 
 // Run boots the sandbox recorded under o.Name and supervises it until it
 // ends: its main process exits, a stop arrives, its TTL passes or ctx ends
@@ -117,6 +139,17 @@ func Run(ctx context.Context, o Options) error {
 		return fail(err)
 	}
 	defer consoleLog.Close()
+	secrets, err := ReadSecrets(st, o.Name)
+	if err != nil {
+		return fail(err)
+	}
+	var netAudit io.Writer
+	if nl, err := openNetLog(dir, rec.Spec, limit); err != nil {
+		return fail(err)
+	} else if nl != nil {
+		defer nl.Close()
+		netAudit = nl
+	}
 
 	spec := rec.Spec
 	spec.VsockSocket = filepath.Join(dir, AgentSocket)
@@ -134,10 +167,11 @@ func Run(ctx context.Context, o Options) error {
 		sb, err = sandbox.Restore(ctx, rec.RestoreFrom, sandbox.RestoreOptions{
 			Logger: log, Console: consoleLog, Stdout: mainLog, Stderr: mainLog,
 			VsockSocket: spec.VsockSocket, Network: spec.Network, Hostname: rec.Hostname,
-			Identity: o.Name,
+			Identity: o.Name, Secrets: secrets, NetAudit: netAudit,
 		})
 	} else {
-		sb, err = sandbox.FromSpec(spec).Logger(log).Console(consoleLog).Stdout(mainLog).Stderr(mainLog).Start(ctx)
+		sb, err = sandbox.FromSpec(spec).Secrets(secrets).NetAudit(netAudit).
+			Logger(log).Console(consoleLog).Stdout(mainLog).Stderr(mainLog).Start(ctx)
 	}
 	if err != nil {
 		return fail(err)
@@ -156,8 +190,21 @@ func Run(ctx context.Context, o Options) error {
 	for _, p := range sb.Published() {
 		ports = append(ports, fmt.Sprintf("%s->%d/%s", p.Addr, p.Mapping.GuestPort, p.Addr.Network()))
 	}
+	// The sandbox is built: from here on the supervisor needs only its
+	// own files, the sandbox's, and the calls a running VMM makes.
+	var layers *confine.Layers
+	if !rec.NoConfine {
+		l, err := confineSelf(st, o.Name, sb, spec, log)
+		if err != nil {
+			return fail(err)
+		}
+		log.Info("supervisor: confined", "layers", l.String())
+		confine.Probe(log)
+		layers = &l
+	}
 	err = st.Update(o.Name, func(r *store.Record) error {
 		r.State, r.PID, r.Started, r.Env, r.Dir, r.Ports = store.Running, os.Getpid(), c.started, env, wd, ports
+		r.Confinement = layers
 		return nil
 	})
 	if err != nil {

@@ -10,9 +10,11 @@ import (
 	"time"
 
 	"github.com/capsa-sandbox/capsa/agent"
+	"github.com/capsa-sandbox/capsa/confine"
 	"github.com/capsa-sandbox/capsa/netstack"
 	"github.com/capsa-sandbox/capsa/sandbox"
 	"github.com/capsa-sandbox/capsa/store"
+	"github.com/capsa-sandbox/capsa/supervisor"
 	"github.com/capsa-sandbox/capsa/vmm"
 )
 
@@ -62,8 +64,10 @@ func runOrCreate(ctx context.Context, cmdName string, args []string, stdout, std
 	deny := fs.StringArray("deny", nil, "deny destinations, same syntax as --allow; deny beats allow (repeatable)")
 	publish := fs.StringArrayP("publish", "p", nil, "publish a guest port: [HOSTIP:]HOSTPORT:GUESTPORT[/udp], on 127.0.0.1 by default (repeatable)")
 	dnsServer := fs.String("dns-server", "", "resolve the guest's DNS queries through this IP:PORT instead of the host's resolver")
+	secrets := addSecretFlags(fs)
 	mailbox := fs.StringArray("mailbox", nil, "let the guest publish and subscribe to this mailbox topic, or to every topic starting with PREFIX given as PREFIX* (repeatable; inside: capsa mailbox)")
 	kv := fs.StringArray("kv", nil, "let the guest read and change the keys starting with this prefix in the key-value store (repeatable; inside: capsa kv)")
+	noConfine := fs.Bool("no-confine", false, "do not confine the VMM process once the sandbox runs (seccomp, Landlock, cgroup, rlimits: see README)")
 	verbose := fs.Bool("verbose", false, "log VMM events and the guest console to stderr")
 	detach := fs.BoolP("detach", "d", false, "run detached: print the sandbox's name and leave it running (manage it with exec, ps, logs, stop, rm)")
 	create := cmdName == "create"
@@ -162,6 +166,17 @@ func runOrCreate(ctx context.Context, cmdName string, args []string, stdout, std
 	if *dnsServer != "" {
 		b.DNSServer(*dnsServer)
 	}
+	if secrets.used() {
+		switch {
+		case *netMode == "none":
+			return fail("--secret, --tls-intercept and the other secret flags need a network: add --net")
+		case *detach && *secrets.netLog != "":
+			return fail("--net-log and -d do not go together: see capsa logs --net")
+		}
+		if err := secrets.apply(b); err != nil {
+			return fail("%v", err)
+		}
+	}
 	for _, v := range *volumes {
 		host, guest, mode, err := sandbox.ParseShare(v)
 		if err != nil {
@@ -194,8 +209,12 @@ func runOrCreate(ctx context.Context, cmdName string, args []string, stdout, std
 	if *initrd != "" {
 		b.Initrd(*initrd)
 	}
+	logger := slog.New(slog.DiscardHandler)
 	if *verbose {
-		b.Logger(slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: slog.LevelDebug}))).Console(stderr)
+		logger = slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: slog.LevelDebug}))
+		b.Logger(logger).Console(stderr)
+	} else if os.Getenv(confine.ProbeEnv) != "" {
+		logger = slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
 	}
 	if err := b.Err(); err != nil {
 		return fail("%v", err)
@@ -223,12 +242,21 @@ func runOrCreate(ctx context.Context, cmdName string, args []string, stdout, std
 	}
 	w.Dir(*dir).User(*userFlag).Timeout(*timeout)
 	if *detach {
-		return startDetached(ctx, w, *name, *rm, *ttl, *idle, create, stdout, stderr)
+		rec := &store.Record{Name: *name, TTL: *ttl, IdleTimeout: *idle, AutoRemove: *rm, NoConfine: *noConfine}
+		return startDetached(ctx, w, rec, create, stdout, stderr)
 	}
 	if term != nil {
 		w.TTY(window)
 	}
 	w.Stdout(stdout).Stderr(stderr)
+	if *secrets.netLog != "" {
+		f, err := os.OpenFile(*secrets.netLog, os.O_WRONLY|os.O_CREATE|os.O_APPEND, 0o600)
+		if err != nil {
+			return fail("--net-log: %v", err)
+		}
+		defer f.Close()
+		w.NetAudit(f)
+	}
 	if *interactive {
 		w.Stdin(os.Stdin)
 	}
@@ -236,6 +264,19 @@ func runOrCreate(ctx context.Context, cmdName string, args []string, stdout, std
 	if err != nil {
 		fmt.Fprintf(stderr, "capsa run: %v\n", err)
 		return 125
+	}
+	if !*noConfine {
+		read, write := sb.HostPaths()
+		start := time.Now()
+		layers, err := confine.Apply(confine.Config{Read: read, Write: write, Terminal: term != nil, Name: "run",
+			MemoryBytes: int64(mem) + supervisor.VMMOverhead}, logger)
+		if err != nil {
+			sb.Close()
+			fmt.Fprintf(stderr, "capsa run: %v\n", err)
+			return 125
+		}
+		logger.Debug("capsa run: confined", "layers", layers.String(), "took", time.Since(start))
+		confine.Probe(logger)
 	}
 	if term != nil && *interactive {
 		if err := term.raw(sb.Resize); err != nil {

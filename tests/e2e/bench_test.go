@@ -187,12 +187,16 @@ func guestShell(b *testing.B, ctx context.Context, sb *sandbox.Sandbox, script s
 	}
 }
 
-func reportSpread(b *testing.B, samples []time.Duration) {
+func reportSpread(b *testing.B, samples []time.Duration) { reportSpreadAs(b, samples, "") }
+
+// reportSpreadAs reports samples' min, median and max in milliseconds,
+// their units prefixed with prefix.
+func reportSpreadAs(b *testing.B, samples []time.Duration, prefix string) {
 	slices.Sort(samples)
 	ms := func(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
-	b.ReportMetric(ms(samples[0]), "ms-min")
-	b.ReportMetric(ms(samples[len(samples)/2]), "ms-median")
-	b.ReportMetric(ms(samples[len(samples)-1]), "ms-max")
+	b.ReportMetric(ms(samples[0]), prefix+"ms-min")
+	b.ReportMetric(ms(samples[len(samples)/2]), prefix+"ms-median")
+	b.ReportMetric(ms(samples[len(samples)-1]), prefix+"ms-max")
 }
 
 // BenchmarkShareThroughput copies a 16 MiB file between the host and the

@@ -1,0 +1,144 @@
+// Package confine is capsa's second wall: once a sandbox's VMM is built
+// (guest memory mapped, devices opened, KVM descriptors made), the process
+// that runs it gives up what it no longer needs, so that a guest that
+// breaks a device model gets almost nothing of the host. Its starting
+// point is Apply, which puts on every layer the host has and reports which
+// it got (Layers):
+//
+//   - seccomp: an allowlist of system calls (Policy, in seccomp.go, each
+//     group with who needs it), on every thread (TSYNC) and with
+//     no_new_privs; anything else fails with EPERM. No execve, fork,
+//     ptrace, mount, bpf, perf_event_open, process_vm_*, namespaces,
+//     executable memory or new KVM VMs; ioctls by request number.
+//   - Landlock (unprivileged, Linux 5.13+): file access only beneath the
+//     paths the sandbox uses (its shares, volumes, disks, state files) and
+//     read-only to the few system files the NAT's resolver reads.
+//   - a cgroup of its own with memory and pids limits, where cgroup v2 is
+//     delegated to the user; rlimits always (no core dumps, descriptor and
+//     process limits fixed where they are).
+//
+// A layer the host cannot give is reported with the reason, and the others
+// still apply. Confinement is for the whole process and cannot be undone:
+// the CLI and each detached sandbox's supervisor apply it; a program that
+// embeds package sandbox decides for its own process (see the README).
+package confine
+
+import (
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"strings"
+
+	"golang.org/x/sys/unix"
+)
+
+// Config says what the confined process may still reach.
+type Config struct {
+	// Read and Write are the files and directories (and everything
+	// beneath) the process may read, and read and change. Missing ones
+	// are skipped.
+	Read, Write []string
+	// Terminal allows the ioctls of a controlling terminal (capsa run
+	// -t).
+	Terminal bool
+	// Name names the cgroup (capsa-NAME-PID).
+	Name string
+	// MemoryBytes is the cgroup's memory.max: the guest's memory plus
+	// the VMM's own bound. 0: no memory limit.
+	MemoryBytes int64
+	// Pids is the cgroup's pids.max (threads count); 0: DefaultPids.
+	Pids int
+}
+
+// DefaultPids bounds a VMM's threads: the Go runtime's, one per vCPU and
+// the devices' workers.
+const DefaultPids = 512
+
+// SystemRead are the system files a VMM reads while it runs: the NAT's
+// resolver configuration, TLS roots, time zones, and its own /proc entry
+// (its descriptors, which p9fs reopens, and its statistics), and the
+// cgroup files the Go runtime reads to size itself.
+var SystemRead = []string{
+	"/etc/resolv.conf", "/etc/hosts", "/etc/nsswitch.conf", "/etc/host.conf", "/etc/gai.conf", "/etc/services",
+	"/etc/ssl", "/etc/pki", "/etc/ca-certificates", "/usr/share/ca-certificates", "/etc/localtime", "/usr/share/zoneinfo",
+	"/proc/self", "/sys/fs/cgroup",
+}
+
+// Layers says which layers a process got: "on" with details, or why
+// not.
+type Layers struct {
+	Seccomp  string `json:"seccomp"`
+	Landlock string `json:"landlock"`
+	Cgroup   string `json:"cgroup"`
+	Rlimits  string `json:"rlimits"`
+}
+
+func (l Layers) String() string {
+	return fmt.Sprintf("seccomp: %s; landlock: %s; cgroup: %s; rlimits: %s", l.Seccomp, l.Landlock, l.Cgroup, l.Rlimits)
+}
+
+// Apply confines the calling process as c says, every thread of it, for
+// good. Layers the host lacks are reported as off with the reason; an
+// error means a layer the host has could not be put on (the process is
+// then partly confined and should not go on).
+func Apply(c Config, log *slog.Logger) (Layers, error) {
+	var l Layers
+	status := func(what string, detail string, err error) (string, error) {
+		switch {
+		case err == nil:
+			return "on (" + detail + ")", nil
+		case errors.Is(err, errUnavailable):
+			log.Info("confine: a layer is not available on this host", "layer", what, "why", err)
+			return "off: " + strings.TrimPrefix(err.Error(), errUnavailable.Error()+": "), nil
+		}
+		return "failed: " + err.Error(), err
+	}
+	pids := c.Pids
+	if pids == 0 {
+		pids = DefaultPids
+	}
+	var err error
+	d, e := joinCgroup(c.Name, c.MemoryBytes, pids)
+	if l.Cgroup, err = status("cgroup", d, e); err != nil {
+		return l, err
+	}
+	d, e = setRlimits()
+	if l.Rlimits, err = status("rlimits", d, e); err != nil {
+		return l, err
+	}
+	d, e = restrictPaths(append(append([]string{}, SystemRead...), c.Read...), c.Write)
+	if l.Landlock, err = status("landlock", d, e); err != nil {
+		return l, err
+	}
+	e = installSeccomp(os.Getpid(), c.Terminal)
+	if l.Seccomp, err = status("seccomp", "allowlist, EPERM otherwise, all threads", e); err != nil {
+		return l, err
+	}
+	return l, nil
+}
+
+// ProbeEnv, set to a path outside what the process may reach, makes a
+// confined capsa process try, right after Apply, what confinement must
+// refuse: running a program, opening that path, and tracing its parent.
+// It is a test hook: the guest cannot set the VMM's environment.
+const ProbeEnv = "CAPSA_TEST_CONFINE_PROBE"
+
+// Probe tries what ProbeEnv asks and logs what happened to each.
+func Probe(log *slog.Logger) {
+	path := os.Getenv(ProbeEnv)
+	if path == "" {
+		return
+	}
+	execErr := unix.Exec("/proc/self/exe", []string{"capsa", "version"}, nil)
+	_, openErr := os.ReadFile(path)
+	ptraceErr := unix.PtraceAttach(os.Getppid())
+	log.Warn("confine probe", "execve", errString(execErr), "open", errString(openErr), "ptrace", errString(ptraceErr))
+}
+
+func errString(err error) string {
+	if err == nil {
+		return "allowed"
+	}
+	return err.Error()
+}

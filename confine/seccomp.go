@@ -1,0 +1,149 @@
+package confine
+
+import (
+	"fmt"
+	"slices"
+
+	seccomp "github.com/elastic/go-seccomp-bpf"
+	"golang.org/x/sys/unix"
+
+	"github.com/capsa-sandbox/capsa/kvm"
+)
+
+// The seccomp allowlist of a running VMM process: everything it calls
+// once its sandbox is built, and nothing else. Unlisted calls fail with
+// EPERM (the process goes on and the operation that needed it fails with
+// a clear error, rather than the whole VMM dying on a path nobody tested);
+// execve and friends, ptrace, mount, bpf, perf_event_open, process_vm_*,
+// new namespaces and new KVM VMs are among the unlisted. Each group says
+// who needs it.
+
+// hotSyscalls are checked first (see Policy); each is also in its group.
+var hotSyscalls = []string{"futex", "epoll_pwait", "read", "write", "nanosleep", "pread64", "pwrite64", "preadv", "pwritev", "sched_yield"}
+
+// syscallGroups are the unconditional groups.
+var syscallGroups = []struct {
+	who   string
+	names []string
+}{
+	{"the Go runtime: threads, memory, signals, scheduling, timers", []string{
+		"futex", "sched_yield", "nanosleep", "clock_nanosleep", "clock_gettime", "clock_getres", "gettimeofday",
+		"munmap", "madvise", "mremap", "rt_sigaction", "rt_sigprocmask", "rt_sigreturn", "sigaltstack",
+		"gettid", "getpid", "getppid", "exit", "exit_group", "restart_syscall", "arch_prctl",
+		"sched_getaffinity", "getrlimit", "setitimer", "timer_create", "timer_settime", "timer_delete",
+		"getrandom", "uname", "getuid", "geteuid", "getgid", "getegid", "getrusage", "sysinfo", "getcwd",
+	}},
+	{"the C library's threads, in a cgo build", []string{"rseq", "set_robust_list"}},
+	{"the Go runtime's poller and every descriptor: reads, writes, epoll, pipes, eventfds (also KVM's irqfds and ioeventfds)", []string{
+		"read", "write", "readv", "writev", "pread64", "pwrite64", "preadv", "pwritev", "preadv2", "pwritev2",
+		"close", "close_range", "dup", "dup3", "fcntl", "lseek", "pipe2", "eventfd2",
+		"epoll_create1", "epoll_ctl", "epoll_wait", "epoll_pwait", "epoll_pwait2", "poll", "ppoll",
+		"splice", "sendfile", "copy_file_range", "tee",
+	}},
+	{"p9fs (shares and volumes), virtio-blk, snapshots, logs, the store and the hub: files under what Landlock allows", []string{
+		"openat", "openat2", "newfstatat", "fstat", "statx", "statfs", "fstatfs", "getdents64",
+		"mkdirat", "unlinkat", "renameat", "renameat2", "linkat", "symlinkat", "readlinkat",
+		"fchmod", "fchmodat", "fchown", "fchownat", "utimensat", "mknodat", "faccessat", "faccessat2",
+		"ftruncate", "fallocate", "fsync", "fdatasync", "sync_file_range", "flock",
+		"getxattr", "lgetxattr", "fgetxattr", "setxattr", "lsetxattr", "fsetxattr",
+		"listxattr", "llistxattr", "flistxattr", "removexattr", "lremovexattr", "fremovexattr",
+		"inotify_init1", "inotify_add_watch", "inotify_rm_watch", "mincore", "msync",
+	}},
+	{"the NAT, published ports, the hybrid vsock and control sockets, DNS", []string{
+		"connect", "bind", "listen", "accept", "accept4", "getsockname", "getpeername",
+		"setsockopt", "getsockopt", "sendto", "recvfrom", "sendmsg", "recvmsg", "sendmmsg", "recvmmsg", "shutdown",
+	}},
+}
+
+// conditional returns the groups that depend on arguments: threads but
+// no processes, memory but never executable, signals to this process
+// alone, sockets of the families the VMM uses, and the ioctls it issues.
+func conditional(pid int, terminal bool) []seccomp.NameWithConditions {
+	eq := func(arg uint32, v uint64) seccomp.Condition {
+		return seccomp.Condition{Argument: arg, Operation: seccomp.Equal, Value: v}
+	}
+	var out []seccomp.NameWithConditions
+	add := func(name string, conds ...seccomp.Condition) {
+		out = append(out, seccomp.NameWithConditions{Name: name, Conditions: conds})
+	}
+	// The Go runtime makes threads with clone(CLONE_THREAD|...); a new
+	// process (fork, vfork, clone3) is refused.
+	add("clone", seccomp.Condition{Argument: 0, Operation: seccomp.BitsSet, Value: unix.CLONE_THREAD})
+	// Memory: never executable (no code can be made and run).
+	add("mmap", seccomp.Condition{Argument: 2, Operation: seccomp.BitsNotSet, Value: unix.PROT_EXEC})
+	add("mprotect", seccomp.Condition{Argument: 2, Operation: seccomp.BitsNotSet, Value: unix.PROT_EXEC})
+	// Signals: the runtime's preemption and the vCPUs' kicks go to this
+	// process's own threads; kill(getpid()) is how it raises a signal.
+	add("tgkill", eq(0, uint64(pid)))
+	add("kill", eq(0, uint64(pid)))
+	// Sockets: Unix (hybrid vsock, control, the terminal's peers), IPv4
+	// and IPv6 (the NAT and published ports), netlink (the host's
+	// addresses, which the NAT refuses to reach).
+	for _, fam := range []uint64{unix.AF_UNIX, unix.AF_INET, unix.AF_INET6, unix.AF_NETLINK} {
+		add("socket", eq(0, fam))
+	}
+	add("socketpair", eq(0, unix.AF_UNIX))
+	// ioctl: the running VM's KVM requests, FICLONE (a snapshot's
+	// reflinked disk), and with a terminal the calls that read and set
+	// its mode and size.
+	reqs := append(kvm.RunningIoctls(), unix.FICLONE)
+	if terminal {
+		reqs = append(reqs, unix.TCGETS, unix.TCSETS, unix.TCSETSW, unix.TCSETSF, unix.TIOCGWINSZ, unix.TIOCSWINSZ, unix.TIOCGPGRP)
+	}
+	for _, r := range reqs {
+		add("ioctl", eq(1, r))
+	}
+	// prlimit64 reads limits (the runtime and os) and sets none.
+	add("prlimit64", eq(2, 0))
+	return out
+}
+
+// Policy is the seccomp policy of a VMM process whose pid is pid;
+// terminal allows the ioctls of a controlling terminal.
+func Policy(pid int, terminal bool) seccomp.Policy {
+	var names []string
+	for _, g := range syscallGroups {
+		names = append(names, g.names...)
+	}
+	// The filter runs on every system call and checks in order: the
+	// calls a running VM makes most come first (KVM_RUN after every
+	// VM exit, and the runtime's futex, poller and I/O), so the common
+	// path is a few instructions.
+	hot := seccomp.SyscallGroup{
+		NamesWithCondtions: []seccomp.NameWithConditions{{Name: "ioctl", Conditions: []seccomp.Condition{
+			{Argument: 1, Operation: seccomp.Equal, Value: kvm.RunIoctl()}}}},
+		Action: seccomp.ActionAllow,
+	}
+	hotNames := seccomp.SyscallGroup{Names: hotSyscalls, Action: seccomp.ActionAllow}
+	var rest []string
+	for _, n := range names {
+		if !slices.Contains(hotSyscalls, n) {
+			rest = append(rest, n)
+		}
+	}
+	return seccomp.Policy{
+		DefaultAction: seccomp.ActionErrno, // EPERM
+		Syscalls: []seccomp.SyscallGroup{
+			hot, hotNames,
+			{Names: rest, Action: seccomp.ActionAllow},
+			{NamesWithCondtions: conditional(pid, terminal), Action: seccomp.ActionAllow},
+			// clone3 passes its flags in memory, out of a filter's
+			// reach: ENOSYS makes C libraries (a cgo build) fall back
+			// to clone, whose flags are checked above.
+			{Names: []string{"clone3"}, Action: seccomp.ActionErrno | seccomp.Action(unix.ENOSYS)},
+		},
+	}
+}
+
+// installSeccomp sets no_new_privs and installs Policy on every thread
+// of the process (TSYNC).
+func installSeccomp(pid int, terminal bool) error {
+	if !seccomp.Supported() {
+		return errUnavailable
+	}
+	f := seccomp.Filter{NoNewPrivs: true, Flag: seccomp.FilterFlagTSync, Policy: Policy(pid, terminal)}
+	if err := seccomp.LoadFilter(f); err != nil {
+		return fmt.Errorf("confine: seccomp: %w", err)
+	}
+	return nil
+}

@@ -1,0 +1,44 @@
+package sandbox
+
+import (
+	"path/filepath"
+
+	"github.com/capsa-sandbox/capsa/volume"
+)
+
+// HostPaths are the host files and directories the running sandbox's VMM
+// still opens: its shares and disks (read-only when the guest may only
+// read them), its volumes' directories, an image's writable layer, and
+// the hub's files when it was granted any. A process that confines
+// itself (package confine) after Start gives these to Landlock; the VMM's
+// other descriptors are open already.
+func (s *Sandbox) HostPaths() (read, write []string) {
+	add := func(p string, mode ShareMode) {
+		if mode == ReadOnly {
+			read = append(read, p)
+		} else {
+			write = append(write, p)
+		}
+	}
+	for _, sh := range s.c.Shares {
+		add(sh.Host, sh.Mode)
+	}
+	for _, d := range s.c.Disks {
+		add(d.Path, d.Mode)
+	}
+	for _, v := range s.c.Volumes {
+		// A read-only mount still records what it holds, in the
+		// volume's directory.
+		if r, err := volume.Open(v.Dir); err == nil {
+			write = append(write, filepath.Join(r.Dir(), v.Name))
+		}
+	}
+	if s.rootfs != nil {
+		write = append(write, s.rootfs.upperDir)
+		read = append(read, s.rootfs.erofs)
+	}
+	if s.hub != nil && s.hub.h != nil {
+		write = append(write, s.hub.h.Files()...)
+	}
+	return read, write
+}

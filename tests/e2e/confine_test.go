@@ -1,0 +1,128 @@
+package e2e
+
+import (
+	"encoding/json"
+	"io"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/capsa-sandbox/capsa/confine"
+	"github.com/capsa-sandbox/capsa/supervisor"
+)
+
+// TestConfinement: a detached sandbox's supervisor confines itself once
+// the sandbox runs (every other end-to-end test runs confined too, which
+// is what shows the allowlist is complete). A test hook makes the
+// confined VMM try to run a program, read a file outside its paths and
+// trace its parent: each is refused. A share, a volume, the NAT, a
+// published port and a snapshot keep working; capsa run confines itself
+// the same way.
+func TestConfinement(t *testing.T) {
+	dir, cli := detachedState(t)
+	w := setupNetWorld(t)
+	secret := filepath.Join(t.TempDir(), "secret")
+	if err := os.WriteFile(secret, []byte("not for the VMM"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	t.Setenv(confine.ProbeEnv, secret) // the CLI's environment is the supervisor's
+	share := t.TempDir()
+	if err := os.WriteFile(filepath.Join(share, "in.txt"), []byte("from the host"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	self, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r := cli(time.Minute, "volume", "create", "cv", "--size", "64M"); r.code != 0 {
+		t.Fatalf("capsa volume create cv = exit %d, stderr %q", r.code, r.stderr)
+	}
+	r := cli(3*time.Minute, "run", "-d", "--name", "c", "--net", "--dns-server", w.dns, "-p", "0:8080",
+		"-v", share+":/mnt/share", "-v", "cv:/vol", "-v", filepath.Dir(self)+":/probe:ro",
+		"-e", serveEnv+"=:8080", "-e", "CAPSA_E2E_SERVE_BODY=served confined\n", "--", "/probe/"+filepath.Base(self))
+	if r.code != 0 {
+		t.Fatalf("capsa run -d --name c = exit %d, stderr %q", r.code, r.stderr)
+	}
+
+	// What it got, and what the probe found.
+	r = cli(time.Minute, "inspect", "c")
+	var recs []struct {
+		Ports       []string        `json:"ports"`
+		Confinement *confine.Layers `json:"confinement"`
+	}
+	if err := json.Unmarshal([]byte(r.stdout), &recs); err != nil || len(recs) != 1 || recs[0].Confinement == nil {
+		t.Fatalf("capsa inspect c = %q (%v); want its confinement", r.stdout, err)
+	}
+	l := recs[0].Confinement
+	t.Logf("confinement: %s", l)
+	if !strings.HasPrefix(l.Seccomp, "on") || !strings.HasPrefix(l.Rlimits, "on") {
+		t.Errorf("confinement = %s; want seccomp and rlimits on", l)
+	}
+	landlock := strings.HasPrefix(l.Landlock, "on")
+	if !landlock {
+		t.Logf("this host has no Landlock (%s): the file check is skipped", l.Landlock)
+	}
+	logb, err := os.ReadFile(filepath.Join(dir, "sandboxes", "c", supervisor.SupervisorLog))
+	if err != nil {
+		t.Fatal(err)
+	}
+	probe := ""
+	for _, line := range strings.Split(string(logb), "\n") {
+		if strings.Contains(line, "confine probe") {
+			probe = line
+		}
+	}
+	for _, want := range []string{`execve="operation not permitted"`, `ptrace="operation not permitted"`} {
+		if !strings.Contains(probe, want) {
+			t.Errorf("the confined supervisor's probe: %q; want %s", probe, want)
+		}
+	}
+	if landlock && !strings.Contains(probe, "permission denied") {
+		t.Errorf("the confined supervisor's probe: %q; want the read of %s refused", probe, secret)
+	}
+
+	// Everything the sandbox uses still works.
+	if r := cli(time.Minute, "exec", "c", "--", "sh", "-c", "cat /mnt/share/in.txt && echo out > /mnt/share/out.txt && echo kept > /vol/f && cat /vol/f"); r.code != 0 || r.stdout != "from the hostkept\n" {
+		t.Errorf("the share and the volume, confined: exit %d, %q (stderr %q)", r.code, r.stdout, r.stderr)
+	}
+	if b, err := os.ReadFile(filepath.Join(share, "out.txt")); err != nil || string(b) != "out\n" {
+		t.Errorf("the file the guest wrote to the share: %q, %v", b, err)
+	}
+	if r := cli(2*time.Minute, "exec", "c", "--", "sh", "-c", "wget -O /tmp/page http://public.example.test/ && cat /tmp/page"); r.code != 0 || r.stdout != "public page\n" {
+		t.Errorf("the NAT, confined: exit %d, %q (stderr %q)", r.code, r.stdout, r.stderr)
+	}
+	if len(recs[0].Ports) != 1 {
+		t.Fatalf("the record's ports = %q, want one", recs[0].Ports)
+	}
+	addr, _, _ := strings.Cut(recs[0].Ports[0], "->")
+	var page string
+	for deadline := time.Now().Add(time.Minute); time.Now().Before(deadline); time.Sleep(200 * time.Millisecond) {
+		resp, err := http.Get("http://" + addr + "/")
+		if err == nil {
+			b, _ := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			if page = string(b); page == "served confined\n" {
+				break
+			}
+		}
+	}
+	if page != "served confined\n" {
+		t.Errorf("the published port %s, confined: %q", addr, page)
+	}
+	if r := cli(3*time.Minute, "snapshot", "create", "c", "csnap"); r.code != 0 {
+		t.Errorf("capsa snapshot create of a confined sandbox = exit %d, stderr %q", r.code, r.stderr)
+	} else if r := cli(3*time.Minute, "snapshot", "restore", "csnap", "--name", "c2"); r.code != 0 {
+		t.Errorf("capsa snapshot restore = exit %d, stderr %q", r.code, r.stderr)
+	} else if r := cli(time.Minute, "exec", "c2", "--", "cat", "/mnt/share/in.txt"); r.code != 0 || r.stdout != "from the host" {
+		t.Errorf("the restored sandbox's share, confined: exit %d, %q (stderr %q)", r.code, r.stdout, r.stderr)
+	}
+
+	// capsa run confines itself too.
+	r = cli(3*time.Minute, "run", "-v", share+":/mnt/share", "--", "cat", "/mnt/share/in.txt")
+	if r.code != 0 || r.stdout != "from the host" || !strings.Contains(r.stderr, `execve="operation not permitted"`) {
+		t.Errorf("capsa run, confined, with the probe = exit %d, %q, stderr %q; want the share read and execve refused", r.code, r.stdout, r.stderr)
+	}
+}
