@@ -4,12 +4,12 @@ go 1.26.3
 
 require (
 	github.com/creack/pty v1.1.24
-	github.com/elastic/go-seccomp-bpf v1.6.0
-	github.com/landlock-lsm/go-landlock v0.11.0
 	github.com/diskfs/go-diskfs v1.9.4
+	github.com/elastic/go-seccomp-bpf v1.6.0
 	github.com/erofs/go-erofs v0.3.1
 	github.com/google/go-containerregistry v0.22.1
 	github.com/hugelgupf/p9 v0.4.1
+	github.com/landlock-lsm/go-landlock v0.11.0
 	github.com/mdlayher/vsock v1.4.0
 	github.com/modelcontextprotocol/go-sdk v1.8.0
 	github.com/prometheus/client_golang v1.25.0
