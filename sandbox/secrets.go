@@ -233,27 +233,25 @@ func startInterception(c config, log *slog.Logger) (*interception, error) {
 		cfg.Secrets = append(cfg.Secrets, tlsproxy.Secret{Name: s.Name, Placeholder: s.Placeholder, Value: v, Hosts: s.Hosts, Body: s.Body})
 		patterns = append(patterns, s.Hosts...)
 	}
-	if len(nc.UpstreamCAs) > 0 {
-		pool, err := x509.SystemCertPool()
-		if err != nil {
-			pool = x509.NewCertPool()
-		}
-		for _, p := range nc.UpstreamCAs {
-			if pool, err = readPool(pool, p); err != nil {
-				return nil, err
-			}
-		}
-		cfg.RootCAs = pool
+	// The host's roots are read now, not at the first handshake: by
+	// then the VMM process may be confined away from them.
+	pool, err := x509.SystemCertPool()
+	if err != nil {
+		pool = x509.NewCertPool()
 	}
+	for _, p := range nc.UpstreamCAs {
+		if pool, err = readPool(pool, p); err != nil {
+			return nil, err
+		}
+	}
+	cfg.RootCAs = pool
 	if cfg.CA == nil {
-		var err error
 		if cfg.CA, err = tlsproxy.NewCA(patterns); err != nil {
 			return nil, fmt.Errorf("sandbox: %w", err)
 		}
 	}
 	in := &interception{audit: tlsproxy.NewAuditLog(auditKeep, c.netAudit), ca: cfg.CA}
 	cfg.Audit = in.audit.Add
-	var err error
 	if in.proxy, err = tlsproxy.New(cfg); err != nil {
 		return nil, fmt.Errorf("sandbox: %w", err)
 	}

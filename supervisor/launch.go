@@ -186,6 +186,10 @@ func Fork(ctx context.Context, st *store.Store, name string, count int) (names [
 	if err := Snapshot(ctx, st, name, dir); err != nil {
 		return nil, nil, err
 	}
+	secrets, err := ReadSecrets(st, name) // the copies use the same
+	if err != nil {
+		return nil, nil, err
+	}
 	errs = make([]error, len(names))
 	var wg sync.WaitGroup
 	for i, n := range names {
@@ -194,7 +198,7 @@ func Fork(ctx context.Context, st *store.Store, name string, count int) (names [
 			defer wg.Done()
 			rec, err := RestoreRecord(dir, n, n, false)
 			if err == nil {
-				_, err = Launch(ctx, st, rec)
+				_, err = LaunchSecrets(ctx, st, rec, secrets)
 			}
 			errs[i] = err
 		}()

@@ -1,0 +1,125 @@
+package main
+
+// capsa run's flags for secrets and TLS interception (package tlsproxy).
+
+import (
+	"fmt"
+	"io"
+	"os"
+	"strings"
+
+	"github.com/spf13/pflag"
+
+	"github.com/capsa-sandbox/capsa/sandbox"
+	"github.com/capsa-sandbox/capsa/tlsproxy"
+)
+
+type secretFlags struct {
+	literal, fromEnv, fromFile, body, intercept, upstreamCAs *[]string
+	netLog                                                   *string
+}
+
+func addSecretFlags(fs *pflag.FlagSet) *secretFlags {
+	return &secretFlags{
+		literal:     fs.StringArray("secret", nil, "give the guest NAME=<placeholder> and have the NAT put VALUE in its place on HTTPS to HOSTs (intercepted; HOST or *.DOMAIN): NAME=VALUE@HOST[,HOST...] (repeatable; see --secret-env and --secret-file to keep VALUE off the command line)"),
+		fromEnv:     fs.StringArray("secret-env", nil, "a secret whose value is this host's environment variable VAR (default NAME): NAME[=VAR]@HOST[,HOST...] (repeatable)"),
+		fromFile:    fs.StringArray("secret-file", nil, "a secret whose value is in a host file (one trailing newline dropped): NAME=PATH@HOST[,HOST...] (repeatable)"),
+		body:        fs.StringArray("secret-body", nil, "substitute secret NAME in request bodies too, not only in URLs and headers (repeatable)"),
+		intercept:   fs.StringArray("tls-intercept", nil, "intercept HTTPS to DOMAIN or *.DOMAIN (beside every secret's hosts): the guest trusts a CA of the sandbox's own, requests are audited (repeatable)"),
+		upstreamCAs: fs.StringArray("tls-upstream-ca", nil, "with interception, trust this PEM file's CAs for the real servers too, beside the host's (repeatable)"),
+		netLog:      fs.String("net-log", "", "write the audit log of intercepted requests to this file, a JSON line each (detached sandboxes: capsa logs --net)"),
+	}
+}
+
+// used reports whether any of the flags was given.
+func (f *secretFlags) used() bool {
+	return len(*f.literal)+len(*f.fromEnv)+len(*f.fromFile)+len(*f.body)+len(*f.intercept)+len(*f.upstreamCAs) > 0 || *f.netLog != ""
+}
+
+// apply gives b the secrets and interception; the errors name the flag.
+func (f *secretFlags) apply(b *sandbox.Builder) error {
+	for _, s := range *f.literal {
+		nameValue, hosts, err := splitHosts("--secret", s)
+		if err != nil {
+			return err
+		}
+		name, value, ok := strings.Cut(nameValue, "=")
+		if !ok || name == "" {
+			return fmt.Errorf("--secret %s: want NAME=VALUE@HOST[,HOST...]", redact(s))
+		}
+		b.Secret(name, value, hosts...)
+	}
+	for _, s := range *f.fromEnv {
+		nameVar, hosts, err := splitHosts("--secret-env", s)
+		if err != nil {
+			return err
+		}
+		name, v, ok := strings.Cut(nameVar, "=")
+		if !ok {
+			v = name
+		}
+		value, set := os.LookupEnv(v)
+		if name == "" || v == "" || !set || value == "" {
+			return fmt.Errorf("--secret-env %s: the environment variable %q is not set or empty", s, v)
+		}
+		b.Secret(name, value, hosts...)
+	}
+	for _, s := range *f.fromFile {
+		namePath, hosts, err := splitHosts("--secret-file", s)
+		if err != nil {
+			return err
+		}
+		name, path, ok := strings.Cut(namePath, "=")
+		if !ok || name == "" || path == "" {
+			return fmt.Errorf("--secret-file %s: want NAME=PATH@HOST[,HOST...]", s)
+		}
+		value, err := readSecretFile(path)
+		if err != nil {
+			return fmt.Errorf("--secret-file %s: %v", s, err)
+		}
+		b.Secret(name, value, hosts...)
+	}
+	b.SecretInBody(*f.body...).TLSIntercept(*f.intercept...).UpstreamCA(*f.upstreamCAs...)
+	return nil
+}
+
+// splitHosts splits SPEC@HOST[,HOST...] at the last @ (a value may hold
+// one; a host does not).
+func splitHosts(flag, s string) (string, []string, error) {
+	i := strings.LastIndexByte(s, '@')
+	if i < 0 || i == len(s)-1 {
+		return "", nil, fmt.Errorf("%s %s: no @HOST[,HOST...]: say where the secret may go", flag, redact(s))
+	}
+	return s[:i], strings.Split(s[i+1:], ","), nil
+}
+
+// redact shows a --secret without its value.
+func redact(s string) string {
+	name, rest, ok := strings.Cut(s, "=")
+	if !ok {
+		return s
+	}
+	if i := strings.LastIndexByte(rest, '@'); i >= 0 {
+		return name + "=***" + rest[i:]
+	}
+	return name + "=***"
+}
+
+// readSecretFile reads a secret's value, bounded, without its trailing
+// newline.
+func readSecretFile(path string) (string, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return "", err
+	}
+	defer f.Close()
+	b, err := io.ReadAll(io.LimitReader(f, tlsproxy.MaxSecretLen+3))
+	if err != nil {
+		return "", err
+	}
+	v := strings.TrimSuffix(strings.TrimSuffix(string(b), "\n"), "\r")
+	if v == "" {
+		return "", fmt.Errorf("%s is empty", path)
+	}
+	return v, nil
+}

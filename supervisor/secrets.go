@@ -1,0 +1,131 @@
+package supervisor
+
+// A detached sandbox's secrets and the audit log of its intercepted
+// requests. A secret's value is in no record, Spec or snapshot: the
+// command that starts the sandbox writes the values to SecretsFile in the
+// sandbox's directory (0600, in a state directory that is 0700), where
+// its supervisor reads them (and `capsa start` and fork find them again);
+// it goes with the sandbox's directory at rm.
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"io/fs"
+	"os"
+	"path/filepath"
+
+	"github.com/capsa-sandbox/capsa/sandbox"
+	"github.com/capsa-sandbox/capsa/store"
+)
+
+// Files in a sandbox's directory.
+const (
+	// SecretsFile holds the values of the sandbox's secrets by name (JSON).
+	SecretsFile = "secrets.json"
+	// NetLog is the audit log of the sandbox's intercepted requests, JSON
+	// lines (tlsproxy.Record), bounded like the other logs.
+	NetLog = "net.log"
+)
+
+// maxSecretsFile bounds what ReadSecrets reads.
+const maxSecretsFile = 1 << 20
+
+// WriteSecrets keeps the values of the recorded sandbox name's secrets
+// for its supervisor, in SecretsFile (0600). Nothing is written for none.
+func WriteSecrets(st *store.Store, name string, values map[string]string) error {
+	if len(values) == 0 {
+		return nil
+	}
+	b, err := json.Marshal(values)
+	if err != nil {
+		return fmt.Errorf("supervisor: secrets of %s: %w", name, err)
+	}
+	path := filepath.Join(st.SandboxDir(name), SecretsFile)
+	f, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, 0o600)
+	if err == nil {
+		err = f.Chmod(0o600) // a file that was there keeps no wider mode
+		if _, werr := f.Write(b); err == nil {
+			err = werr
+		}
+		if cerr := f.Close(); err == nil {
+			err = cerr
+		}
+	}
+	if err != nil {
+		return fmt.Errorf("supervisor: secrets of %s: %w", name, err)
+	}
+	return nil
+}
+
+// ReadSecrets reads what WriteSecrets kept for name (nil if nothing).
+func ReadSecrets(st *store.Store, name string) (map[string]string, error) {
+	f, err := os.Open(filepath.Join(st.SandboxDir(name), SecretsFile))
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("supervisor: secrets of %s: %w", name, err)
+	}
+	defer f.Close()
+	var values map[string]string
+	if err := json.NewDecoder(io.LimitReader(f, maxSecretsFile)).Decode(&values); err != nil {
+		return nil, fmt.Errorf("supervisor: secrets of %s: %w", name, err)
+	}
+	return values, nil
+}
+
+// LaunchSecrets is Launch for a sandbox given the values of its secrets:
+// they are kept (WriteSecrets) between recording it and starting it.
+func LaunchSecrets(ctx context.Context, st *store.Store, rec *store.Record, values map[string]string) (string, error) {
+	lock, err := CreateSecrets(st, rec, values)
+	if err != nil {
+		return rec.Name, err
+	}
+	return rec.Name, Spawn(ctx, st, rec.Name, lock, rec.AutoRemove)
+}
+
+// CreateSecrets is Create, keeping the values of the sandbox's secrets; if
+// they cannot be kept, the record says so and has ended.
+func CreateSecrets(st *store.Store, rec *store.Record, values map[string]string) (*store.Lock, error) {
+	lock, err := Create(st, rec)
+	if err != nil {
+		return nil, err
+	}
+	if err := WriteSecrets(st, rec.Name, values); err != nil {
+		st.Update(rec.Name, func(r *store.Record) error { r.State, r.Reason = store.Exited, err.Error(); return nil })
+		lock.Close()
+		return nil, err
+	}
+	return lock, nil
+}
+
+// intercepts reports whether a sandbox of spec has an audit log.
+func intercepts(spec sandbox.Spec) bool {
+	n := spec.Network
+	return n != nil && (len(n.Intercept) > 0 || len(n.Secrets) > 0)
+}
+
+// openNetLog opens the audit log of a sandbox of spec in dir, if it
+// intercepts anything (nil otherwise).
+func openNetLog(dir string, spec sandbox.Spec, limit int64) (*rotatingLog, error) {
+	if !intercepts(spec) {
+		return nil, nil
+	}
+	return newRotatingLog(filepath.Join(dir, NetLog), limit)
+}
+
+// NetLogs writes the audit log of the detached sandbox name's
+// intercepted requests to w, as Logs does for its other logs.
+func NetLogs(ctx context.Context, st *store.Store, name string, lines int, follow bool, w io.Writer) error {
+	rec, err := st.Get(name)
+	if err != nil {
+		return err
+	}
+	if !intercepts(rec.Spec) {
+		return fmt.Errorf("supervisor: %s intercepts no TLS (it has no --secret or --tls-intercept): no network audit log", name)
+	}
+	return Logs(ctx, st, name, NetLog, lines, follow, w)
+}
