@@ -106,7 +106,7 @@ test-e2e: capsa testinitrd testimages nested-deps qemu-bundle mcp-client $(NESTE
 	CGO_ENABLED=0 $(GO) test -c -o $(BUILD)/e2e/e2e.test ./tests/e2e
 	CGO_ENABLED=0 $(GO) build -tags capsa_builtin -o $(BUILD)/e2e/example-sandbox ./examples/sandbox
 	tests/run-e2e.sh $(NESTED) $(BUILD)/e2e $(E2E_FILES) $(BUILD)/e2e/example-sandbox $(BUILD)/testimages:testimages \
-		$(BUILD)/mcp-client:mcp-client
+		$(BUILD)/mcp-client:mcp-client@^TestMCP$$
 
 # The guest stress test at full size: boots and heavy 9p and network work
 # under capsa and, as the control, QEMU's microvm, with every failure

@@ -23,8 +23,19 @@ batch=${E2E_BATCH:-4}
 solo='^(TestSoak|TestHostileWorkloads|TestRestoresShareMemory|TestStress)$'
 tests=$("$dir/e2e.test" -test.list '^Test' | grep '^Test') || { echo "run-e2e: cannot list the tests"; exit 1; }
 [ -n "$tests" ] || { echo "run-e2e: FAILED: no tests listed"; exit 1; }
+# A file given as SRC[:NAME]@REGEX goes only to the sessions running a
+# test that REGEX matches (the MCP client's Node bundle, 135 MB, is for
+# TestMCP alone and would slow every other session's L1 boot).
 files=(-f "$dir/e2e.test")
-for f in "$@"; do files+=(-f "$f"); done
+only_files=() only_res=()
+for f in "$@"; do
+	if [[ $f == *@* ]]; then
+		only_files+=("${f%@*}")
+		only_res+=("${f##*@}")
+	else
+		files+=(-f "$f")
+	fi
+done
 failed="" rerun="" n=0
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
@@ -33,8 +44,17 @@ trap 'rm -f "$log"' EXIT
 run() {
 	local re
 	re=$(IFS='|'; echo "$*")
+	local session=("${files[@]}") i t
+	for i in "${!only_files[@]}"; do
+		for t in "$@"; do
+			if [[ $t =~ ${only_res[$i]} ]]; then
+				session+=(-f "${only_files[$i]}")
+				break
+			fi
+		done
+	done
 	echo "=== run-e2e: $*"
-	"$nested" --timeout 30m "${files[@]}" -- ./e2e.test -test.v -test.run "^($re)\$" -test.timeout 25m 2>&1 | tee "$log"
+	"$nested" --timeout 30m "${session[@]}" -- ./e2e.test -test.v -test.run "^($re)\$" -test.timeout 25m 2>&1 | tee "$log"
 	local st=${PIPESTATUS[0]}
 	grep -q '^capsa-nested: running the job again' "$log" && rerun="$rerun $*(L1-crash)"
 	[ "$st" = 0 ] && return
