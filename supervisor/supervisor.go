@@ -139,17 +139,6 @@ func Run(ctx context.Context, o Options) error {
 		return fail(err)
 	}
 	defer consoleLog.Close()
-	secrets, err := ReadSecrets(st, o.Name)
-	if err != nil {
-		return fail(err)
-	}
-	var netAudit io.Writer
-	if nl, err := openNetLog(dir, rec.Spec, limit); err != nil {
-		return fail(err)
-	} else if nl != nil {
-		defer nl.Close()
-		netAudit = nl
-	}
 
 	spec := rec.Spec
 	spec.VsockSocket = filepath.Join(dir, AgentSocket)
@@ -167,11 +156,10 @@ func Run(ctx context.Context, o Options) error {
 		sb, err = sandbox.Restore(ctx, rec.RestoreFrom, sandbox.RestoreOptions{
 			Logger: log, Console: consoleLog, Stdout: mainLog, Stderr: mainLog,
 			VsockSocket: spec.VsockSocket, Network: spec.Network, Hostname: rec.Hostname,
-			Identity: o.Name, Secrets: secrets, NetAudit: netAudit,
+			Identity: o.Name,
 		})
 	} else {
-		sb, err = sandbox.FromSpec(spec).Secrets(secrets).NetAudit(netAudit).
-			Logger(log).Console(consoleLog).Stdout(mainLog).Stderr(mainLog).Start(ctx)
+		sb, err = sandbox.FromSpec(spec).Logger(log).Console(consoleLog).Stdout(mainLog).Stderr(mainLog).Start(ctx)
 	}
 	if err != nil {
 		return fail(err)
