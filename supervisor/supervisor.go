@@ -139,6 +139,17 @@ func Run(ctx context.Context, o Options) error {
 		return fail(err)
 	}
 	defer consoleLog.Close()
+	secrets, err := ReadSecrets(st, o.Name)
+	if err != nil {
+		return fail(err)
+	}
+	var netAudit io.Writer
+	if nl, err := openNetLog(dir, rec.Spec, limit); err != nil {
+		return fail(err)
+	} else if nl != nil {
+		defer nl.Close()
+		netAudit = nl
+	}
 
 	spec := rec.Spec
 	spec.VsockSocket = filepath.Join(dir, AgentSocket)
@@ -156,10 +167,11 @@ func Run(ctx context.Context, o Options) error {
 		sb, err = sandbox.Restore(ctx, rec.RestoreFrom, sandbox.RestoreOptions{
 			Logger: log, Console: consoleLog, Stdout: mainLog, Stderr: mainLog,
 			VsockSocket: spec.VsockSocket, Network: spec.Network, Hostname: rec.Hostname,
-			Identity: o.Name,
+			Identity: o.Name, Secrets: secrets, NetAudit: netAudit,
 		})
 	} else {
-		sb, err = sandbox.FromSpec(spec).Logger(log).Console(consoleLog).Stdout(mainLog).Stderr(mainLog).Start(ctx)
+		sb, err = sandbox.FromSpec(spec).Secrets(secrets).NetAudit(netAudit).
+			Logger(log).Console(consoleLog).Stdout(mainLog).Stderr(mainLog).Start(ctx)
 	}
 	if err != nil {
 		return fail(err)

@@ -51,10 +51,10 @@ func startDetached(ctx context.Context, w *sandbox.Workload, rec *store.Record, 
 	}
 	rec.Spec = spec
 	if !create {
-		name, err := supervisor.Launch(ctx, st, rec)
+		name, err := supervisor.LaunchSecrets(ctx, st, rec, w.SecretValues())
 		return launched(cmdName, name, err, stdout, stderr)
 	}
-	lock, err := supervisor.Create(st, rec)
+	lock, err := supervisor.CreateSecrets(st, rec, w.SecretValues())
 	if err == nil {
 		err = st.Update(rec.Name, func(r *store.Record) error { r.State = store.Created; return nil })
 		lock.Close()
@@ -460,8 +460,13 @@ func runLogs(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	follow := fs.BoolP("follow", "f", false, "keep printing output as it comes, until the sandbox ends")
 	lines := fs.Int("tail", -1, "print only the last N lines first (-1: all that is kept)")
 	console := fs.Bool("console", false, "the guest's serial console instead of the main process's output")
+	netLog := fs.Bool("net", false, "the audit log of intercepted HTTPS requests (--secret, --tls-intercept), a JSON line each")
 	if code := parseFlags(fs, args, stderr); code >= 0 {
 		return code
+	}
+	if *console && *netLog {
+		fmt.Fprintln(stderr, "capsa logs: --console and --net: choose one")
+		return 2
 	}
 	if fs.NArg() != 1 {
 		fmt.Fprintln(stderr, "capsa logs: want one NAME")
@@ -481,7 +486,12 @@ func runLogs(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	if *console {
 		file = supervisor.ConsoleLog
 	}
-	if err := supervisor.Logs(ctx, st, name, file, *lines, *follow, stdout); err != nil {
+	if *netLog {
+		err = supervisor.NetLogs(ctx, st, name, *lines, *follow, stdout)
+	} else {
+		err = supervisor.Logs(ctx, st, name, file, *lines, *follow, stdout)
+	}
+	if err != nil {
 		fmt.Fprintf(stderr, "capsa logs: %v\n", err)
 		return 1
 	}

@@ -64,6 +64,7 @@ func runOrCreate(ctx context.Context, cmdName string, args []string, stdout, std
 	deny := fs.StringArray("deny", nil, "deny destinations, same syntax as --allow; deny beats allow (repeatable)")
 	publish := fs.StringArrayP("publish", "p", nil, "publish a guest port: [HOSTIP:]HOSTPORT:GUESTPORT[/udp], on 127.0.0.1 by default (repeatable)")
 	dnsServer := fs.String("dns-server", "", "resolve the guest's DNS queries through this IP:PORT instead of the host's resolver")
+	secrets := addSecretFlags(fs)
 	mailbox := fs.StringArray("mailbox", nil, "let the guest publish and subscribe to this mailbox topic, or to every topic starting with PREFIX given as PREFIX* (repeatable; inside: capsa mailbox)")
 	kv := fs.StringArray("kv", nil, "let the guest read and change the keys starting with this prefix in the key-value store (repeatable; inside: capsa kv)")
 	noConfine := fs.Bool("no-confine", false, "do not confine the VMM process once the sandbox runs (seccomp, Landlock, cgroup, rlimits: see README)")
@@ -165,6 +166,17 @@ func runOrCreate(ctx context.Context, cmdName string, args []string, stdout, std
 	if *dnsServer != "" {
 		b.DNSServer(*dnsServer)
 	}
+	if secrets.used() {
+		switch {
+		case *netMode == "none":
+			return fail("--secret, --tls-intercept and the other secret flags need a network: add --net")
+		case *detach && *secrets.netLog != "":
+			return fail("--net-log and -d do not go together: see capsa logs --net")
+		}
+		if err := secrets.apply(b); err != nil {
+			return fail("%v", err)
+		}
+	}
 	for _, v := range *volumes {
 		host, guest, mode, err := sandbox.ParseShare(v)
 		if err != nil {
@@ -237,6 +249,14 @@ func runOrCreate(ctx context.Context, cmdName string, args []string, stdout, std
 		w.TTY(window)
 	}
 	w.Stdout(stdout).Stderr(stderr)
+	if *secrets.netLog != "" {
+		f, err := os.OpenFile(*secrets.netLog, os.O_WRONLY|os.O_CREATE|os.O_APPEND, 0o600)
+		if err != nil {
+			return fail("--net-log: %v", err)
+		}
+		defer f.Close()
+		w.NetAudit(f)
+	}
 	if *interactive {
 		w.Stdin(os.Stdin)
 	}
