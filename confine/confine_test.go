@@ -16,6 +16,8 @@ import (
 
 	seccomp "github.com/elastic/go-seccomp-bpf"
 	"golang.org/x/sys/unix"
+
+	"github.com/capsa-sandbox/capsa/kvm"
 )
 
 // childEnv makes the test binary the confined child: it applies the layer
@@ -64,6 +66,12 @@ func calls(dir string) []attempt {
 			unix.Close(fd)
 			return err
 		}},
+		{"unix socket", func() error {
+			fd, err := unix.Socket(unix.AF_UNIX, unix.SOCK_STREAM, 0)
+			unix.Close(fd)
+			return err
+		}},
+		{"signal to itself", func() error { return unix.Tgkill(os.Getpid(), unix.Gettid(), 0) }},
 		{"mmap rw", func() error {
 			b, err := unix.Mmap(-1, 0, 4096, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANON)
 			if err == nil {
@@ -89,6 +97,18 @@ func calls(dir string) []attempt {
 			_, _, e := unix.Syscall(unix.SYS_IOCTL, f.Fd(), 0xAE80, 0)
 			if e == unix.ENOTTY || e == unix.EINVAL {
 				return nil // reached the kernel, which refused it for what it is
+			}
+			return e
+		}},
+		{"KVM_GET_CLOCK on a file", func() error {
+			f, err := os.Create(filepath.Join(dir, "h"))
+			if err != nil {
+				return err
+			}
+			defer f.Close()
+			_, _, e := unix.Syscall(unix.SYS_IOCTL, f.Fd(), uintptr(kvm.RunningIoctls()[len(kvm.RunningIoctls())-1]), 0)
+			if e == unix.ENOTTY || e == unix.EINVAL || e == unix.EFAULT {
+				return nil
 			}
 			return e
 		}},
@@ -176,7 +196,7 @@ func TestSeccompAllowlist(t *testing.T) {
 		t.Skip("no seccomp on this host")
 	}
 	got := runChild(t, "seccomp")
-	allowed := []string{"getpid", "file write and read", "tcp socket", "mmap rw", "new threads", "KVM_RUN on a file"}
+	allowed := []string{"getpid", "file write and read", "tcp socket", "mmap rw", "new threads", "KVM_RUN on a file", "KVM_GET_CLOCK on a file", "unix socket", "signal to itself"}
 	for _, name := range allowed {
 		if got[name] != "ok" {
 			t.Errorf("confined %s = %q, want ok", name, got[name])

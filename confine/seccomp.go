@@ -18,7 +18,8 @@ import (
 // new namespaces and new KVM VMs are among the unlisted. Each group says
 // who needs it.
 
-// hotSyscalls are checked first (see Policy); each is also in its group.
+// hotSyscalls are checked early (see Policy); each is also listed in its
+// group below, for the reader, and taken out of the rest.
 var hotSyscalls = []string{"futex", "epoll_pwait", "read", "write", "nanosleep", "pread64", "pwrite64", "preadv", "pwritev", "sched_yield"}
 
 // syscallGroups are the unconditional groups.
@@ -66,6 +67,25 @@ func conditional(pid int, terminal bool) []seccomp.NameWithConditions {
 	add := func(name string, conds ...seccomp.Condition) {
 		out = append(out, seccomp.NameWithConditions{Name: name, Conditions: conds})
 	}
+	// ioctl first, KVM_RUN first among its requests: a running VM
+	// makes it after every VM exit. Then the running VM's other KVM
+	// requests, FICLONE (a snapshot's reflinked disk), and with a
+	// terminal the calls that read and set its mode and size. (A
+	// system call's conditions must all be in one place: the filter
+	// does not look further once the number matched.)
+	reqs := []uint64{kvm.RunIoctl()}
+	for _, r := range kvm.RunningIoctls() {
+		if r != kvm.RunIoctl() {
+			reqs = append(reqs, r)
+		}
+	}
+	reqs = append(reqs, unix.FICLONE)
+	if terminal {
+		reqs = append(reqs, unix.TCGETS, unix.TCSETS, unix.TCSETSW, unix.TCSETSF, unix.TIOCGWINSZ, unix.TIOCSWINSZ, unix.TIOCGPGRP)
+	}
+	for _, r := range reqs {
+		add("ioctl", eq(1, r))
+	}
 	// The Go runtime makes threads with clone(CLONE_THREAD|...); a new
 	// process (fork, vfork, clone3) is refused.
 	add("clone", seccomp.Condition{Argument: 0, Operation: seccomp.BitsSet, Value: unix.CLONE_THREAD})
@@ -83,16 +103,6 @@ func conditional(pid int, terminal bool) []seccomp.NameWithConditions {
 		add("socket", eq(0, fam))
 	}
 	add("socketpair", eq(0, unix.AF_UNIX))
-	// ioctl: the running VM's KVM requests, FICLONE (a snapshot's
-	// reflinked disk), and with a terminal the calls that read and set
-	// its mode and size.
-	reqs := append(kvm.RunningIoctls(), unix.FICLONE)
-	if terminal {
-		reqs = append(reqs, unix.TCGETS, unix.TCSETS, unix.TCSETSW, unix.TCSETSF, unix.TIOCGWINSZ, unix.TIOCSWINSZ, unix.TIOCGPGRP)
-	}
-	for _, r := range reqs {
-		add("ioctl", eq(1, r))
-	}
 	// prlimit64 reads limits (the runtime and os) and sets none.
 	add("prlimit64", eq(2, 0))
 	return out
@@ -106,14 +116,12 @@ func Policy(pid int, terminal bool) seccomp.Policy {
 		names = append(names, g.names...)
 	}
 	// The filter runs on every system call and checks in order: the
-	// calls a running VM makes most come first (KVM_RUN after every
-	// VM exit, and the runtime's futex, poller and I/O), so the common
-	// path is a few instructions.
-	hot := seccomp.SyscallGroup{
-		NamesWithCondtions: []seccomp.NameWithConditions{{Name: "ioctl", Conditions: []seccomp.Condition{
-			{Argument: 1, Operation: seccomp.Equal, Value: kvm.RunIoctl()}}}},
-		Action: seccomp.ActionAllow,
-	}
+	// runtime's futex, poller and I/O come first, so the common path is
+	// a few instructions; KVM_RUN heads the conditional group. That
+	// group must come after every allowing group: go-seccomp-bpf sends
+	// a call whose number matched but whose arguments did not on to
+	// what follows, and an allowing group there would let it through
+	// (TestSeccompAllowlist catches that).
 	hotNames := seccomp.SyscallGroup{Names: hotSyscalls, Action: seccomp.ActionAllow}
 	var rest []string
 	for _, n := range names {
@@ -124,7 +132,7 @@ func Policy(pid int, terminal bool) seccomp.Policy {
 	return seccomp.Policy{
 		DefaultAction: seccomp.ActionErrno, // EPERM
 		Syscalls: []seccomp.SyscallGroup{
-			hot, hotNames,
+			hotNames,
 			{Names: rest, Action: seccomp.ActionAllow},
 			{NamesWithCondtions: conditional(pid, terminal), Action: seccomp.ActionAllow},
 			// clone3 passes its flags in memory, out of a filter's
