@@ -53,7 +53,9 @@
 // Every intercepted request, and every intercepted connection refused, is
 // a Record (Config.Audit; AuditLog keeps them): time, host, method, path,
 // status, bytes, the secrets substituted, whether and why it was refused;
-// never a value. The proxy holds at most Config.MaxConns intercepted
+// never a value. A certificate is minted only once the real server has
+// proved the name, and kept: a guest cannot make the host mint for names
+// nobody serves. The proxy holds at most Config.MaxConns intercepted
 // connections (more are refused), Config.MaxCerts certificates, headers of
 // Config.MaxHeaderBytes, 16 HTTP/2 streams a connection, 4 upstream
 // connections per guest connection, and Config.BodyBudget of buffered

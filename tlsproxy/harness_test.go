@@ -77,7 +77,7 @@ type harness struct {
 
 var upstreamNames = []string{"api.test", "other.test", "plain.test", "*.wild.test"}
 
-func newHarness(t *testing.T, cfg Config, handler http.HandlerFunc) *harness {
+func newHarness(t testing.TB, cfg Config, handler http.HandlerFunc) *harness {
 	t.Helper()
 	roots, cert := upstreamCA(t, upstreamNames...)
 	h := &harness{roots: roots}

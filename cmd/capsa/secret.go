@@ -38,49 +38,81 @@ func (f *secretFlags) used() bool {
 
 // apply gives b the secrets and interception; the errors name the flag.
 func (f *secretFlags) apply(b *sandbox.Builder) error {
-	for _, s := range *f.literal {
-		nameValue, hosts, err := splitHosts("--secret", s)
-		if err != nil {
-			return err
+	for _, src := range []struct {
+		flag string
+		list []string
+	}{{"--secret", *f.literal}, {"--secret-env", *f.fromEnv}, {"--secret-file", *f.fromFile}} {
+		for _, s := range src.list {
+			spec, hosts, err := splitHosts(src.flag, s)
+			if err != nil {
+				return err
+			}
+			name, value, err := readValue(src.flag, spec)
+			if err != nil {
+				return err
+			}
+			b.Secret(name, value, hosts...)
 		}
-		name, value, ok := strings.Cut(nameValue, "=")
-		if !ok || name == "" {
-			return fmt.Errorf("--secret %s: want NAME=VALUE@HOST[,HOST...]", redact(s))
-		}
-		b.Secret(name, value, hosts...)
-	}
-	for _, s := range *f.fromEnv {
-		nameVar, hosts, err := splitHosts("--secret-env", s)
-		if err != nil {
-			return err
-		}
-		name, v, ok := strings.Cut(nameVar, "=")
-		if !ok {
-			v = name
-		}
-		value, set := os.LookupEnv(v)
-		if name == "" || v == "" || !set || value == "" {
-			return fmt.Errorf("--secret-env %s: the environment variable %q is not set or empty", s, v)
-		}
-		b.Secret(name, value, hosts...)
-	}
-	for _, s := range *f.fromFile {
-		namePath, hosts, err := splitHosts("--secret-file", s)
-		if err != nil {
-			return err
-		}
-		name, path, ok := strings.Cut(namePath, "=")
-		if !ok || name == "" || path == "" {
-			return fmt.Errorf("--secret-file %s: want NAME=PATH@HOST[,HOST...]", s)
-		}
-		value, err := readSecretFile(path)
-		if err != nil {
-			return fmt.Errorf("--secret-file %s: %v", s, err)
-		}
-		b.Secret(name, value, hosts...)
 	}
 	b.SecretInBody(*f.body...).TLSIntercept(*f.intercept...).UpstreamCA(*f.upstreamCAs...)
 	return nil
+}
+
+// readValue reads a secret's name and value as flag gives them:
+// --secret NAME=VALUE, --secret-env NAME[=VAR] (VAR defaults to NAME),
+// --secret-file NAME=PATH.
+func readValue(flag, spec string) (name, value string, err error) {
+	name, arg, ok := strings.Cut(spec, "=")
+	switch {
+	case flag == "--secret-env":
+		if !ok {
+			arg = name
+		}
+		v, set := os.LookupEnv(arg)
+		if name == "" || arg == "" || !set || v == "" {
+			return "", "", fmt.Errorf("--secret-env %s: the environment variable %q is not set or empty", spec, arg)
+		}
+		return name, v, nil
+	case !ok || name == "" || arg == "":
+		return "", "", fmt.Errorf("%s %s: want NAME=%s", flag, redact(spec), map[bool]string{true: "PATH", false: "VALUE"}[flag == "--secret-file"])
+	case flag == "--secret-file":
+		v, err := readSecretFile(arg)
+		if err != nil {
+			return "", "", fmt.Errorf("--secret-file %s: %v", spec, err)
+		}
+		return name, v, nil
+	}
+	return name, arg, nil
+}
+
+// restoreSecretFlags give a restore the values of its snapshot's secrets
+// (a snapshot holds none): where they may go is the snapshot's.
+type restoreSecretFlags struct{ literal, fromEnv, fromFile *[]string }
+
+func addRestoreSecretFlags(fs *pflag.FlagSet) *restoreSecretFlags {
+	return &restoreSecretFlags{
+		literal:  fs.StringArray("secret", nil, "the value of the snapshot's secret NAME: NAME=VALUE (repeatable; a snapshot holds no values)"),
+		fromEnv:  fs.StringArray("secret-env", nil, "a secret's value from this host's environment variable VAR (default NAME): NAME[=VAR] (repeatable)"),
+		fromFile: fs.StringArray("secret-file", nil, "a secret's value from a host file: NAME=PATH (repeatable)"),
+	}
+}
+
+// values reads the values given, by name.
+func (f *restoreSecretFlags) values() (map[string]string, error) {
+	out := map[string]string{}
+	for _, src := range []struct {
+		flag string
+		list []string
+	}{{"--secret", *f.literal}, {"--secret-env", *f.fromEnv}, {"--secret-file", *f.fromFile}} {
+		for _, s := range src.list {
+			name, value, err := readValue(src.flag, s)
+			if err != nil {
+				return nil, err
+			}
+			out[name] = value
+		}
+	}
+	return out, nil
 }
 
 // splitHosts splits SPEC@HOST[,HOST...] at the last @ (a value may hold

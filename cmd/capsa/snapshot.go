@@ -90,13 +90,13 @@ func snapshotCreate(ctx context.Context, args []string, stdout, stderr io.Writer
 
 // restoreDetached records a detached sandbox that starts from the
 // snapshot in dir and starts its supervisor; it prints the name.
-func restoreDetached(ctx context.Context, cmdName string, st *store.Store, dir, name, hostname string, rm bool, stdout, stderr io.Writer) int {
+func restoreDetached(ctx context.Context, cmdName string, st *store.Store, dir, name, hostname string, rm bool, secrets map[string]string, stdout, stderr io.Writer) int {
 	rec, err := supervisor.RestoreRecord(dir, name, hostname, rm)
 	if err != nil {
 		fmt.Fprintf(stderr, "capsa %s: %v\n", cmdName, err)
 		return 1
 	}
-	name, err = supervisor.Launch(ctx, st, rec)
+	name, err = supervisor.LaunchSecrets(ctx, st, rec, secrets)
 	return launched(cmdName, name, err, stdout, stderr)
 }
 
@@ -105,11 +105,17 @@ func snapshotRestore(ctx context.Context, args []string, stdout, stderr io.Write
 	fs := newFlags("snapshot restore", "[flags] SNAP", stdout)
 	name := fs.String("name", "", "the restored sandbox's name (default: a new one)")
 	rm := fs.Bool("rm", false, "remove the sandbox's record when it ends")
+	secretFlags := addRestoreSecretFlags(fs)
 	if code := parseFlags(fs, args, stderr); code >= 0 {
 		return code
 	}
 	if fs.NArg() != 1 {
 		fmt.Fprintln(stderr, "capsa snapshot restore: want SNAP")
+		return 2
+	}
+	secrets, err := secretFlags.values()
+	if err != nil {
+		fmt.Fprintf(stderr, "capsa snapshot restore: %v\n", err)
 		return 2
 	}
 	if *name != "" {
@@ -128,7 +134,7 @@ func snapshotRestore(ctx context.Context, args []string, stdout, stderr io.Write
 		fmt.Fprintf(stderr, "capsa snapshot restore: %v\n", err)
 		return 2
 	}
-	return restoreDetached(ctx, "snapshot restore", st, dir, *name, "", *rm, stdout, stderr)
+	return restoreDetached(ctx, "snapshot restore", st, dir, *name, "", *rm, secrets, stdout, stderr)
 }
 
 // snapshotPath finds a snapshot: a name in the state directory, or a

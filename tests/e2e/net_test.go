@@ -120,8 +120,9 @@ const (
 // namespace, a server on this machine's loopback, and a DNS server that
 // names them.
 type netWorld struct {
-	dns      string // IP:PORT of the DNS server
-	loopPort int    // the loopback HTTP server's port
+	dns       string // IP:PORT of the DNS server
+	loopPort  int    // the loopback HTTP server's port
+	serverPID int    // the public server's, in the public host's network namespace
 }
 
 func setupNetWorld(t *testing.T) *netWorld {
@@ -174,7 +175,7 @@ func setupNetWorld(t *testing.T) *netWorld {
 		"blocked.example.test.": publicIP,
 		"rebind.example.test.":  "127.0.0.1",
 	})
-	return &netWorld{dns: dns, loopPort: l.Addr().(*net.TCPAddr).Port}
+	return &netWorld{dns: dns, loopPort: l.Addr().(*net.TCPAddr).Port, serverPID: srv.Process.Pid}
 }
 
 // vethPeer finds the other end of veth dev (busybox's ip cannot name it).
