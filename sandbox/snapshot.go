@@ -102,7 +102,9 @@ type RestoreOptions struct {
 	// (Builder.VsockSocket); the snapshot's own is not reused.
 	VsockSocket string
 	// Network, when not nil, replaces the snapshot's network policy,
-	// published ports and DNS server. The guest's addresses stay; a
+	// published ports, DNS server and upstream CAs (when it names any).
+	// The guest's addresses stay, and so do the interception and the
+	// secrets (the guest holds their placeholders and trusts the CA); a
 	// sandbox snapshotted without a network cannot gain one.
 	Network *NetworkSpec
 	// Hostname, when not empty, renames the guest (a fork's copies each
