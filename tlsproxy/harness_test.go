@@ -190,3 +190,14 @@ func (h *harness) count() int {
 func testSecret(body bool) Secret {
 	return Secret{Name: testName, Placeholder: testPlaceholder, Value: testValue, Hosts: []string{"api.test"}, Body: body}
 }
+
+// records waits (a while) for n audit records: a request's is written as
+// its handler returns, which may be after the guest has its answer.
+func (h *harness) records(n int) []Record {
+	for deadline := time.Now().Add(5 * time.Second); time.Now().Before(deadline); time.Sleep(5 * time.Millisecond) {
+		if recs := h.audit.Records(); len(recs) >= n {
+			return recs
+		}
+	}
+	return h.audit.Records()
+}

@@ -63,7 +63,7 @@ func TestHeaderSubstitutionAndScrub(t *testing.T) {
 	if cl := resp.ContentLength; cl != int64(len(body)) {
 		t.Errorf("Content-Length = %d, want %d (fixed up after scrubbing)", cl, len(body))
 	}
-	recs := h.audit.Records()
+	recs := h.records(1)
 	if len(recs) != 1 || recs[0].Status != 200 || recs[0].Path != "/v1/x" || recs[0].Method != "GET" ||
 		len(recs[0].Substituted) != 1 || recs[0].Substituted[0] != testName || recs[0].Blocked {
 		t.Errorf("audit = %+v, want one GET /v1/x 200 with %s substituted", recs, testName)
@@ -108,7 +108,7 @@ func TestBodySubstitution(t *testing.T) {
 			if got.Body != want || got.ContentLength != int64(len(want)) {
 				t.Errorf("upstream body %q (Content-Length %d), want %q (%d)", got.Body, got.ContentLength, want, len(want))
 			}
-			if recs := h.audit.Records(); len(recs) != 1 || recs[0].RequestBytes != int64(len(body)) {
+			if recs := h.records(1); len(recs) != 1 || recs[0].RequestBytes != int64(len(body)) {
 				t.Errorf("audit = %+v, want one record of %d request bytes", recs, len(body))
 			}
 		})
@@ -155,7 +155,7 @@ func TestPlaceholderToOtherHostBlocked(t *testing.T) {
 	if n := h.count(); n != 0 {
 		t.Errorf("upstream saw %d requests, want none", n)
 	}
-	for _, r := range h.audit.Records() {
+	for _, r := range h.records(3) {
 		if !r.Blocked || r.Host != "other.test" || r.Status != 403 {
 			t.Errorf("audit record %+v, want blocked to other.test with 403", r)
 		}
@@ -213,7 +213,7 @@ func TestUpstreamCertificateRefused(t *testing.T) {
 			if h.count() != 0 {
 				t.Errorf("upstream saw %d requests, want none", h.count())
 			}
-			recs := h.audit.Records()
+			recs := h.records(1)
 			if len(recs) != 1 || !recs[0].Blocked || !strings.Contains(recs[0].Reason, "certificate") {
 				t.Errorf("audit = %+v, want one refused connection naming the certificate", recs)
 			}
