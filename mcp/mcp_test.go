@@ -154,6 +154,7 @@ func TestArgumentErrors(t *testing.T) {
 		{"snapshot_restore", map[string]any{"snapshot": "../x"}, "snapshot name"},
 		{"snapshot_create", map[string]any{"name": "a", "snapshot": "a b"}, "snapshot name"},
 		{"sandbox_create", map[string]any{"mailbox": []string{"a*b"}}, "may only end it"},
+		{"sandbox_create", map[string]any{"network": "public-only", "secrets": []map[string]any{{"name": "API_KEY", "env": "CAPSA_MCP_TEST_UNSET", "hosts": []string{"api.example.com"}}}}, "has no CAPSA_MCP_TEST_UNSET"},
 		{"sandbox_create", map[string]any{"volumes": []map[string]any{{"name": "nosuchvol", "guest": "/data"}}}, "nosuchvol"},
 		{"sandbox_create", map[string]any{"kv": []string{"a\u0001"}}, "control character"},
 		{"kv_cas", map[string]any{"key": "k", "value": "v"}, "version"},
@@ -429,5 +430,16 @@ func TestHubTools(t *testing.T) {
 	structured(call(t, cs, "mailbox_receive", map[string]any{"topic": "results", "wait_seconds": 1}), &r)
 	if len(r.Messages) != 0 {
 		t.Errorf("mailbox_receive(new, 1 s) with nothing new = %+v; want none", r)
+	}
+}
+
+// TestCreateSecretFromEnv: a secret's value comes from the server's
+// environment, and the builder's checks apply to it.
+func TestCreateSecretFromEnv(t *testing.T) {
+	t.Setenv("CAPSA_MCP_TEST_KEY", "s3cr3t")
+	cs, _ := connect(t)
+	res := call(t, cs, "sandbox_create", map[string]any{"secrets": []map[string]any{{"name": "API_KEY", "env": "CAPSA_MCP_TEST_KEY", "hosts": []string{"api.example.com"}}}})
+	if !res.IsError || !strings.Contains(text(res), "network") || strings.Contains(text(res), "s3cr3t") {
+		t.Errorf("sandbox_create with a secret and no network = IsError %v, %q; want a tool error about the network, without the value", res.IsError, text(res))
 	}
 }

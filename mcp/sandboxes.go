@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
 	"path/filepath"
 	"time"
 
@@ -39,6 +40,12 @@ type volumeArg struct {
 	ReadOnly bool   `json:"read_only,omitempty" jsonschema:"the guest may only read it"`
 }
 
+type secretArg struct {
+	Name  string   `json:"name" jsonschema:"the environment variable the guest gets, holding a placeholder in place of the value"`
+	Env   string   `json:"env,omitempty" jsonschema:"the environment variable of the capsa mcp server that holds the value (default: name); the value never passes through this conversation"`
+	Hosts []string `json:"hosts" jsonschema:"the hosts (HOST or *.DOMAIN) whose HTTPS requests get the real value in place of the placeholder"`
+}
+
 type createArgs struct {
 	Name               string      `json:"name,omitempty" jsonschema:"the sandbox's name: 1 to 63 letters, digits, '_', '.' or '-'; default: a new one (sb-XXXXXX)"`
 	Image              string      `json:"image,omitempty" jsonschema:"an OCI image for the root filesystem (e.g. python:3.12-slim), pulled if not cached; its environment and working directory apply to sandbox_exec; default: capsa's small built-in Linux with busybox-style tools"`
@@ -51,6 +58,7 @@ type createArgs struct {
 	Deny               []string    `json:"deny,omitempty" jsonschema:"with a network: destinations to deny, as allow; deny beats allow"`
 	Shares             []shareArg  `json:"shares,omitempty" jsonschema:"host directories shared into the guest"`
 	Volumes            []volumeArg `json:"volumes,omitempty" jsonschema:"named volumes mounted into the guest: shared with the other sandboxes that mount them, kept after this one ends, bounded by their quota"`
+	Secrets            []secretArg `json:"secrets,omitempty" jsonschema:"API keys the sandbox's code may use but never read: the guest sees a placeholder, and the network swaps the value in on HTTPS requests to the given hosts only (needs a network); the values come from the server's environment"`
 	Mailbox            []string    `json:"mailbox,omitempty" jsonschema:"mailbox topics the sandbox may publish to and subscribe to from inside (capsa mailbox ...): a topic, or PREFIX* for every topic starting with PREFIX"`
 	KV                 []string    `json:"kv,omitempty" jsonschema:"key prefixes of the shared key-value store the sandbox may read and change from inside (capsa kv ...)"`
 	TTLSeconds         int         `json:"ttl_seconds,omitempty" jsonschema:"stop the sandbox this many seconds after it started (default 0: never)"`
@@ -158,6 +166,17 @@ func (t *tools) create(ctx context.Context, a createArgs) (createResult, error) 
 		}
 		b.Volume(v.Name, v.Guest, mode)
 	}
+	for _, sec := range a.Secrets {
+		env := sec.Env
+		if env == "" {
+			env = sec.Name
+		}
+		value, ok := os.LookupEnv(env)
+		if !ok || value == "" {
+			return createResult{}, fmt.Errorf("secrets: %s: the capsa mcp server's environment has no %s (set it where the server starts, e.g. in the MCP client's server config)", sec.Name, env)
+		}
+		b.Secret(sec.Name, value, sec.Hosts...)
+	}
 	b.Mailbox(a.Mailbox...).KV(a.KV...)
 	var w *sandbox.Workload
 	switch {
@@ -176,7 +195,7 @@ func (t *tools) create(ctx context.Context, a createArgs) (createResult, error) 
 	}
 	rec := &store.Record{Name: a.Name, Spec: spec,
 		TTL: time.Duration(a.TTLSeconds) * time.Second, IdleTimeout: time.Duration(a.IdleTimeoutSeconds) * time.Second}
-	name, err := supervisor.Launch(ctx, t.st, rec)
+	name, err := supervisor.LaunchSecrets(ctx, t.st, rec, w.SecretValues())
 	if err != nil {
 		return createResult{}, failedLaunch(name, err)
 	}
