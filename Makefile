@@ -7,8 +7,16 @@ NESTED := $(BUILD)/capsa-nested
 # Test binaries for the KVM tier: packages whose tests need /dev/kvm.
 KVM_PKGS := ./kvm ./vmm
 BENCHTIME ?= 5x
+VERSION := $(shell git describe --always --dirty 2>/dev/null || echo dev)
+# Where `make install` puts capsa (PREFIX/bin) and the guest assets
+# (PREFIX/share/capsa), and where the library looks for them last.
+PREFIX ?= /usr/local
+ASSETS_PKG := github.com/capsa-sandbox/capsa/internal/assets
+# -s -w: no symbol table and no DWARF (8 MB of capsa; panics still print
+# function names and lines, from the pclntab).
+GO_LDFLAGS := -s -w -X main.version=$(VERSION) -X $(ASSETS_PKG).Prefix=$(PREFIX)
 
-.PHONY: soak fuzz all deps kernel initramfs nested-deps qemu-bundle mcp-client capsa testinitrd testimages vm run test test-unit test-kvm test-e2e bench stress clean
+.PHONY: soak fuzz all deps kernel initramfs assets install nested-deps qemu-bundle mcp-client capsa testinitrd testimages vm run test test-unit test-kvm test-e2e bench stress clean
 
 all: capsa
 
@@ -25,17 +33,34 @@ nested-deps:
 $(NESTED): deps
 	$(GO) build -o $@ ./tests/nested/cmd/capsa-nested
 
-# The guest initramfs: u-root's core commands and gosh, the agent as /init.
+# The guest initramfs: u-root's core commands and gosh, the agent as /init
+# (stripped: its DWARF would be 1.4 MB of the compressed initramfs).
 initramfs: deps
-	CGO_ENABLED=0 $(GO) build -o $(BUILD)/capsa-agent ./agent/cmd/capsa-agent
+	CGO_ENABLED=0 $(GO) build -trimpath -ldflags "-s -w" -o $(BUILD)/capsa-agent ./agent/cmd/capsa-agent
 	scripts/build-initramfs.sh $(BUILD)/capsa-agent $(BUILD)/initramfs.cpio
 
-# The capsa binary with the guest kernel and initramfs built in: one static file.
-capsa: deps kernel initramfs
-	cp $(BUILD)/kernel/vmlinux internal/builtin/vmlinux
-	cp $(BUILD)/initramfs.cpio internal/builtin/initramfs.cpio
-	CGO_ENABLED=0 $(GO) build -tags capsa_builtin -ldflags "-X main.version=$$(git describe --always --dirty 2>/dev/null || echo dev)" -o $(BUILD)/capsa ./cmd/capsa
+# The guest asset set (package internal/assets): the kernel and initramfs
+# compressed, with a manifest, in build/assets and in the build cache
+# ($CAPSA_CACHE/assets), where the library finds it.
+assets: deps kernel initramfs
+	@command -v zstd >/dev/null || scripts/apt-install.sh zstd
+	$(GO) run ./internal/assets/cmd/packassets -version $(VERSION) -o $(BUILD)/assets -o $(CAPSA_CACHE)/assets \
+		$(BUILD)/kernel/vmlinux $(BUILD)/initramfs.cpio
+
+# The capsa binary with the guest assets built in: one static file.
+capsa: assets
+	rm -rf internal/builtin/assets && cp -r $(BUILD)/assets internal/builtin/assets
+	CGO_ENABLED=0 $(GO) build -trimpath -tags capsa_builtin -ldflags "$(GO_LDFLAGS)" -o $(BUILD)/capsa ./cmd/capsa
 	@ls -l $(BUILD)/capsa
+
+# capsa in PREFIX/bin and the asset set in PREFIX/share/capsa, for programs
+# that use capsa as a library (the manifest last: a reader never sees a
+# manifest naming files not yet there).
+install: capsa
+	install -d $(DESTDIR)$(PREFIX)/bin $(DESTDIR)$(PREFIX)/share/capsa
+	install -m 0755 $(BUILD)/capsa $(DESTDIR)$(PREFIX)/bin/capsa
+	install -m 0644 $(BUILD)/assets/*.zst $(DESTDIR)$(PREFIX)/share/capsa/
+	install -m 0644 $(BUILD)/assets/manifest.json $(DESTDIR)$(PREFIX)/share/capsa/
 
 # The end-to-end tests' initramfs: tests/testinit as /init.
 testinitrd: deps
@@ -105,8 +130,10 @@ test-e2e: capsa testinitrd testimages nested-deps qemu-bundle mcp-client $(NESTE
 	@rm -rf $(BUILD)/e2e && mkdir -p $(BUILD)/e2e
 	CGO_ENABLED=0 $(GO) test -c -o $(BUILD)/e2e/e2e.test ./tests/e2e
 	CGO_ENABLED=0 $(GO) build -tags capsa_builtin -o $(BUILD)/e2e/example-sandbox ./examples/sandbox
+	CGO_ENABLED=0 $(GO) build -ldflags "-X $(ASSETS_PKG).Prefix=/tmp/capsa-e2e-prefix" -o $(BUILD)/e2e/example-assets ./examples/sandbox
 	tests/run-e2e.sh $(NESTED) $(BUILD)/e2e $(E2E_FILES) $(BUILD)/e2e/example-sandbox $(BUILD)/testimages:testimages \
-		$(BUILD)/mcp-client:mcp-client@^TestMCP$$
+		$(BUILD)/mcp-client:mcp-client@^TestMCP$$ \
+		$(BUILD)/e2e/example-assets@^TestLibraryAssets$$ $(BUILD)/assets:assets@^TestLibraryAssets$$
 
 # The guest stress test at full size: boots and heavy 9p and network work
 # under capsa and, as the control, QEMU's microvm, with every failure
@@ -155,4 +182,4 @@ test:
 	@echo "make test: all tiers passed"
 
 clean:
-	rm -rf $(BUILD) internal/builtin/vmlinux internal/builtin/initramfs.cpio
+	rm -rf $(BUILD) internal/builtin/assets

@@ -28,7 +28,7 @@ import (
 	"github.com/capsa-sandbox/capsa/agent"
 	"github.com/capsa-sandbox/capsa/guestmem"
 	"github.com/capsa-sandbox/capsa/image"
-	"github.com/capsa-sandbox/capsa/internal/builtin"
+	"github.com/capsa-sandbox/capsa/internal/assets"
 	"github.com/capsa-sandbox/capsa/snapshot"
 	"github.com/capsa-sandbox/capsa/tlsproxy"
 	"github.com/capsa-sandbox/capsa/virtio"
@@ -311,10 +311,10 @@ func boot(ctx context.Context, c config, root *rootfs, snap *snapshot.Snapshot, 
 	start := time.Now()
 	var kernel, initrd []byte
 	if snap == nil {
-		if kernel, err = readOr(c.Kernel, builtin.Kernel); err != nil {
+		if kernel, err = readOr(c.Kernel, assets.Kernel); err != nil {
 			return nil, fmt.Errorf("sandbox: kernel: %w", err)
 		}
-		if initrd, err = readOr(c.Initrd, builtin.Initramfs); err != nil {
+		if initrd, err = readOr(c.Initrd, assets.Initramfs); err != nil {
 			return nil, fmt.Errorf("sandbox: initramfs: %w", err)
 		}
 	}

@@ -9,7 +9,7 @@ import (
 	"os/signal"
 	"syscall"
 
-	"github.com/capsa-sandbox/capsa/internal/builtin"
+	"github.com/capsa-sandbox/capsa/internal/assets"
 	"github.com/capsa-sandbox/capsa/sandbox"
 	virtioblk "github.com/capsa-sandbox/capsa/virtio/blk"
 	"github.com/capsa-sandbox/capsa/vmm"
@@ -56,7 +56,7 @@ func runVM(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		if cfg.Kernel, err = os.ReadFile(*kernel); err != nil {
 			return fail("--kernel: %v", err)
 		}
-	} else if cfg.Kernel, err = builtin.Kernel(); err != nil {
+	} else if cfg.Kernel, err = assets.Kernel(); err != nil {
 		return fail("%v", err)
 	}
 	if *initrd != "" {

@@ -2,7 +2,16 @@
 // command, moves a file in and out, asks the guest about itself, and shuts
 // the sandbox down.
 //
-//	go build -tags capsa_builtin ./examples/sandbox   (after `make capsa`)
+// Built as any Go program is, it boots the guest kernel and initramfs
+// found where `make capsa` leaves them (the build cache) or `make install`
+// puts them (/usr/local/share/capsa), or in $CAPSA_ASSETS:
+//
+//	go build ./examples/sandbox
+//
+// Built with the capsa_builtin tag after `make capsa`, it carries them
+// inside, as the capsa binary does:
+//
+//	go build -tags capsa_builtin ./examples/sandbox
 package main
 
 import (

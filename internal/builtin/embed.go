@@ -2,10 +2,19 @@
 
 package builtin
 
-import _ "embed"
+import (
+	"embed"
+	"io/fs"
+)
 
-//go:embed vmlinux
-var kernel []byte
+//go:embed assets
+var files embed.FS
 
-//go:embed initramfs.cpio
-var initramfs []byte
+// FS returns the built-in asset set.
+func FS() fs.FS {
+	sub, err := fs.Sub(files, "assets")
+	if err != nil {
+		panic(err) // "assets" is a valid path: fs.Sub cannot fail
+	}
+	return sub
+}

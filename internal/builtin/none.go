@@ -2,4 +2,7 @@
 
 package builtin
 
-var kernel, initramfs []byte
+import "io/fs"
+
+// FS returns nil: this binary was built without the capsa_builtin tag.
+func FS() fs.FS { return nil }
