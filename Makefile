@@ -131,9 +131,10 @@ test-e2e: capsa testinitrd testimages nested-deps qemu-bundle mcp-client $(NESTE
 	CGO_ENABLED=0 $(GO) test -c -o $(BUILD)/e2e/e2e.test ./tests/e2e
 	CGO_ENABLED=0 $(GO) build -tags capsa_builtin -o $(BUILD)/e2e/example-sandbox ./examples/sandbox
 	CGO_ENABLED=0 $(GO) build -ldflags "-X $(ASSETS_PKG).Prefix=/tmp/capsa-e2e-prefix" -o $(BUILD)/e2e/example-assets ./examples/sandbox
-	tests/run-e2e.sh $(NESTED) $(BUILD)/e2e $(E2E_FILES) $(BUILD)/e2e/example-sandbox $(BUILD)/testimages:testimages \
+	l1=$$(scripts/nested-deps.sh) && tests/run-e2e.sh $(NESTED) $(BUILD)/e2e $(E2E_FILES) $(BUILD)/e2e/example-sandbox $(BUILD)/testimages:testimages \
 		$(BUILD)/mcp-client:mcp-client@^TestMCP$$ \
-		$(BUILD)/e2e/example-assets@^TestLibraryAssets$$ $(BUILD)/assets:assets@^TestLibraryAssets$$
+		$(BUILD)/e2e/example-assets@^TestLibraryAssets$$ $(BUILD)/assets:assets@^TestLibraryAssets$$ \
+		$$(ls $$l1/boot/vmlinuz-* | head -1):vmlinuz-debian@^TestDistroKernel$$
 
 # The guest stress test at full size: boots and heavy 9p and network work
 # under capsa and, as the control, QEMU's microvm, with every failure
@@ -170,7 +171,8 @@ soak: capsa testinitrd nested-deps qemu-bundle $(NESTED)
 bench: capsa testinitrd testimages nested-deps qemu-bundle $(NESTED)
 	@rm -rf $(BUILD)/bench && mkdir -p $(BUILD)/bench
 	CGO_ENABLED=0 $(GO) test -c -o $(BUILD)/bench/e2e.test ./tests/e2e
-	set -o pipefail; $(NESTED) -f $(BUILD)/bench/e2e.test $(patsubst %,-f %,$(E2E_FILES)) -f $(BUILD)/testimages:testimages -- \
+	set -o pipefail; l1=$$(scripts/nested-deps.sh); $(NESTED) -f $(BUILD)/bench/e2e.test $(patsubst %,-f %,$(E2E_FILES)) -f $(BUILD)/testimages:testimages \
+		-f $$(ls $$l1/boot/vmlinuz-* | head -1):vmlinuz-debian -- \
 		./e2e.test -test.run '^$$' -test.bench . -test.benchtime $(BENCHTIME) | tee $(BUILD)/bench/results.txt
 
 # Everything, tier by tier; stops at the first failing tier and names it.

@@ -307,7 +307,7 @@ func TestSetupBootParams(t *testing.T) {
 		{
 			name: "vmlinux", image: validELF(),
 			mem:  func(t *testing.T) *guestmem.Memory { return newMem(t, 128<<20) },
-			e820: []E820Entry{{0, 0x9fc00, E820RAM}, {0xf0000, 0x10000, E820Reserved}, {0x10_0000, 128<<20 - 0x10_0000, E820RAM}},
+			e820: []E820Entry{{0, 0x9fc00, E820RAM}, {0xe0000, 0x20000, E820Reserved}, {0x10_0000, 128<<20 - 0x10_0000, E820RAM}},
 			hdr:  map[int]uint64{0x1f1: 0, 0x206: 0x020c, 0x230: 0x100_0000, 0x238: 2047},
 		},
 		{
@@ -320,7 +320,7 @@ func TestSetupBootParams(t *testing.T) {
 				}
 				return m
 			},
-			e820: []E820Entry{{0, 0x9fc00, E820RAM}, {0xf0000, 0x10000, E820Reserved}, {0x10_0000, 63 << 20, E820RAM}, {1 << 32, 8192, E820RAM}},
+			e820: []E820Entry{{0, 0x9fc00, E820RAM}, {0xe0000, 0x20000, E820Reserved}, {0x10_0000, 63 << 20, E820RAM}, {1 << 32, 8192, E820RAM}},
 			hdr:  map[int]uint64{0x1f1: 4, 0x201: 0x62, 0x206: 0x020f, 0x230: 0x20_0000, 0x234: 1, 0x236: 3, 0x238: 255, 0x22c: 0x7fff_ffff},
 		},
 	} {
@@ -361,6 +361,7 @@ func TestSetupBootParams(t *testing.T) {
 				{"ext_ramdisk_size", 0x0c4, 4, 0},
 				{"ext_cmd_line_ptr", 0x0c8, 4, 0},
 				{"e820_entries", 0x1e8, 1, uint64(len(tc.e820))},
+				{"acpi_rsdp_addr", 0x070, 8, 0xe0000},
 			}
 			for off, v := range tc.hdr {
 				n := map[int]int{0x1f1: 1, 0x201: 1, 0x234: 1, 0x206: 2, 0x236: 2}[off]
@@ -383,6 +384,16 @@ func TestSetupBootParams(t *testing.T) {
 			cl, _ := mem.Slice(CmdlineAddr, 20)
 			if string(cl) != "console=ttyS0 quiet\x00" {
 				t.Errorf("command line %q", cl)
+			}
+			// The vCPUs in both tables, where the kernel looks.
+			mp, _ := mem.Slice(MPTableAddr, BIOSEnd-MPTableAddr)
+			mp = mp[:16+int(tle.Uint16(mp[16+4:]))] // the floating pointer, then the table and its length
+			if s, err := parseMP(mp); err != nil || len(s.cpus) != 2 {
+				t.Errorf("MP table in memory: %+v, %v; want 2 CPUs", s, err)
+			}
+			acpi, _ := mem.Slice(ACPIAddr, MPTableAddr-ACPIAddr)
+			if tables, err := parseACPI(acpi); err != nil || len(tables["APIC"]) != 36+8+2*8+12+6 {
+				t.Errorf("ACPI tables in memory: %v; want a MADT for 2 CPUs", err)
 			}
 			for name, v := range map[string][2]uint64{
 				"rip": {st.RIP, k.Entry}, "rsi": {st.RSI, BootParamsAddr}, "rsp": {st.RSP, BootStackAddr},
@@ -464,7 +475,7 @@ func TestCmdlineLimits(t *testing.T) {
 
 func TestE820(t *testing.T) {
 	low := func(end uint64) E820Entry { return E820Entry{HighMemBase, end - HighMemBase, E820RAM} }
-	base := []E820Entry{{0, EBDAStart, E820RAM}, {MPTableAddr, 0x10000, E820Reserved}}
+	base := []E820Entry{{0, EBDAStart, E820RAM}, {ACPIAddr, 0x20000, E820Reserved}}
 	for _, tc := range []struct {
 		size uint64
 		want []E820Entry
@@ -508,6 +519,10 @@ func TestLayout(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	acpi, err := ACPITables(MaxMPCPUs)
+	if err != nil {
+		t.Fatal(err)
+	}
 	type area struct {
 		name       string
 		start, end uint64
@@ -520,6 +535,7 @@ func TestLayout(t *testing.T) {
 		{"page tables", PML4Addr, PML4Addr + uint64(len(pageTables()))},
 		{"command line", CmdlineAddr, EBDAStart},
 		{"MP table", MPTableAddr, MPTableAddr + uint64(len(mp))},
+		{"ACPI tables", ACPIAddr, ACPIAddr + uint64(len(acpi))},
 	}
 	for i, a := range areas {
 		if a.end > HighMemBase || a.start >= a.end {

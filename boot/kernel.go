@@ -1,8 +1,9 @@
 // Package boot loads a Linux kernel and initramfs into guest memory and lays
 // out what the x86 64-bit boot protocol expects (Documentation/arch/x86/
 // boot.rst): boot_params (the "zero page") with an e820 map, the command
-// line, identity-mapped page tables, a GDT, and an MP table describing the
-// vCPUs.
+// line, identity-mapped page tables, a GDT, and the vCPUs described twice:
+// in an MP table (for kernels without ACPI, capsa's own) and in ACPI tables
+// (for kernels that read only those, distributions'; see ACPITables).
 //
 // It knows nothing about KVM: it writes guest memory and returns the boot
 // CPU's initial state as plain data, which the vmm package turns into KVM
@@ -15,9 +16,9 @@
 //	0x00500  GDT (6 entries)          0x0b000  4 page directories (to 0xf000)
 //	0x00540  IDT (empty)              0x20000  command line
 //	0x07000  boot_params              0x9fc00  end of the RAM given to the guest
-//	0x08ff0  boot stack (grows down)  0xf0000  MP table (e820 reserved)
-//	0x09000  PML4                     0x100000 kernel (HighMemBase) and up
-//	0x0a000  PDPT
+//	0x08ff0  boot stack (grows down)  0xe0000  ACPI tables (e820 reserved)
+//	0x09000  PML4                     0xf0000  MP table (e820 reserved)
+//	0x0a000  PDPT                     0x100000 kernel (HighMemBase) and up
 package boot
 
 import (
@@ -112,6 +113,7 @@ const (
 	hdrMinEnd         = 0x264 // the header fields capsa reads end here
 	setupHeaderLimit  = 0x290 // boot_params has room for the header up to here
 	bootParamsSize    = 0x1000
+	bpACPIRSDPAddr    = 0x070 // where the RSDP is, so the kernel need not scan for it
 	bpExtRamdiskImage = 0x0c0
 	bpExtRamdiskSize  = 0x0c4
 	bpExtCmdLinePtr   = 0x0c8

@@ -131,16 +131,17 @@ type E820Entry struct {
 
 // E820 returns the memory map for guest RAM laid out as regions (sorted, the
 // first at 0, as guestmem.Memory.Regions returns them): base memory
-// [0, EBDAStart) as RAM, the BIOS area holding the MP table reserved, RAM
-// from HighMemBase to the end of the first region, then every other region
-// as RAM. [EBDAStart, MPTableAddr) is left out: the guest sees no RAM there.
+// [0, EBDAStart) as RAM, the BIOS area holding the ACPI and MP tables
+// reserved, RAM from HighMemBase to the end of the first region, then every
+// other region as RAM. [EBDAStart, ACPIAddr) is left out: the guest sees no
+// RAM there.
 func E820(regions []guestmem.Region) ([]E820Entry, error) {
 	if len(regions) == 0 || regions[0].GPA != 0 || regions[0].End() <= HighMemBase {
 		return nil, errors.New("e820: guest RAM must start at 0 and extend past 1 MiB")
 	}
 	m := []E820Entry{
 		{0, EBDAStart, E820RAM},
-		{MPTableAddr, BIOSEnd - MPTableAddr, E820Reserved},
+		{ACPIAddr, BIOSEnd - ACPIAddr, E820Reserved},
 		{HighMemBase, regions[0].End() - HighMemBase, E820RAM},
 	}
 	for _, r := range regions[1:] {
@@ -173,6 +174,10 @@ func Setup(mem *guestmem.Memory, cfg Config) (*CPUState, error) {
 	if err != nil {
 		return nil, err
 	}
+	acpi, err := ACPITables(cfg.CPUs)
+	if err != nil {
+		return nil, err
+	}
 	bp, err := bootParams(mem, cfg)
 	if err != nil {
 		return nil, err
@@ -192,6 +197,7 @@ func Setup(mem *guestmem.Memory, cfg Config) (*CPUState, error) {
 		{"page tables", PML4Addr, pageTables()},
 		{"command line", CmdlineAddr, append([]byte(cfg.Cmdline), 0)},
 		{"MP table", MPTableAddr, mp},
+		{"ACPI tables", ACPIAddr, acpi},
 		{"boot_params", BootParamsAddr, bp},
 	} {
 		if err := mem.WriteAt(w.b, w.addr); err != nil {
@@ -257,6 +263,7 @@ func bootParams(mem *guestmem.Memory, cfg Config) ([]byte, error) {
 		le.PutUint32(bp[bpExtRamdiskImage:], uint32(cfg.InitrdAddr>>32))
 		le.PutUint32(bp[bpExtRamdiskSize:], uint32(cfg.InitrdSize>>32))
 	}
+	le.PutUint64(bp[bpACPIRSDPAddr:], ACPIAddr)
 	e820, err := E820(mem.Regions())
 	if err != nil {
 		return nil, fmt.Errorf("boot: %w", err)

@@ -1,6 +1,7 @@
 // Package devices holds the legacy platform devices of a capsa VM: the 8250
 // UART console, enough of the i8042 for the guest to reset, the boot-time
-// marker port, and the bus that routes port I/O to them.
+// marker port, the ACPI sleep registers a guest powers off through, and
+// the bus that routes port I/O to them.
 //
 // Devices know nothing about KVM: they see port reads and writes as byte
 // slices and set interrupt lines through IRQLevel callbacks. The vmm package wires

@@ -243,3 +243,30 @@ func TestBootMarker(t *testing.T) {
 		t.Errorf("elapsed=%v ok=%v fired=%d", at, ok, fired)
 	}
 }
+
+func TestACPISleep(t *testing.T) {
+	for _, c := range []struct {
+		off   uint64
+		data  []byte
+		power bool
+	}{
+		{0, []byte{0x20 | 5<<2}, true},  // SLP_EN, SLP_TYP 5: soft off
+		{0, []byte{5 << 2}, false},      // SLP_TYP without SLP_EN
+		{0, []byte{0x20 | 3<<2}, false}, // S3: not offered
+		{0, []byte{0x20 | 5<<2 | 0x80 | 0x03}, true},
+		{1, []byte{0x20 | 5<<2}, false}, // the status register
+		{0, nil, false},
+	} {
+		n := 0
+		a := NewACPISleep(5, func() { n++ })
+		a.Write(c.off, c.data)
+		if (n == 1) != c.power || n > 1 {
+			t.Errorf("Write(%d, % x): powered off %d times, want %v", c.off, c.data, n, c.power)
+		}
+		got := []byte{0xff, 0xff}
+		a.Read(c.off, got)
+		if got[0] != 0 || got[1] != 0 {
+			t.Errorf("Read(%d) = % x, want 0", c.off, got)
+		}
+	}
+}

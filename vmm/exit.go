@@ -9,13 +9,15 @@ import (
 type StopReason int
 
 const (
-	// StopReboot: the guest reset itself, through the i8042 (reboot=k), a
-	// triple fault, or a reset system event. capsa treats a guest reset as
-	// its clean exit: without ACPI the guest cannot power off.
+	// StopReboot: the guest reset itself, through the i8042 (reboot=k, or
+	// the ACPI reset register, which is the i8042's), a triple fault, or a
+	// reset system event. capsa treats a guest reset as its clean exit:
+	// its own kernel has no ACPI and cannot power off.
 	StopReboot StopReason = iota + 1
 	// StopPanic: the guest kernel panicked (and, with panic=-1, reset).
 	StopPanic
-	// StopPowerOff: the guest asked KVM for a shutdown system event.
+	// StopPowerOff: the guest powered off through the ACPI sleep control
+	// register (S5), or asked KVM for a shutdown system event.
 	StopPowerOff
 	// StopHalted: a vCPU halted with interrupts disabled forever.
 	StopHalted

@@ -251,6 +251,7 @@ func (m *Machine) attachDevices() error {
 		m.log.Debug("guest reached userspace", "after", d)
 	})
 	i8042 := devices.NewI8042(func() { m.stop(StopReboot, "reset through the i8042", nil) })
+	sleep := devices.NewACPISleep(boot.ACPISleepTypeS5, func() { m.stop(StopPowerOff, "ACPI soft off (S5)", nil) })
 	for _, d := range []struct {
 		base, size uint64
 		dev        devices.Device
@@ -258,6 +259,7 @@ func (m *Machine) attachDevices() error {
 		{devices.SerialPortCOM1, 8, m.serial},
 		{devices.I8042DataPort, 5, i8042},
 		{devices.BootMarkerPort, 1, m.marker},
+		{boot.ACPISleepControlPort, 2, sleep},
 	} {
 		if err := m.ports.Register(d.base, d.size, d.dev); err != nil {
 			return fmt.Errorf("vmm: attach device: %w", err)

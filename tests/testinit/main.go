@@ -3,6 +3,7 @@
 // does what the kernel command line asks (capsa.test=ACTION):
 //
 //	reboot  reboot the machine (the VMM must exit 0)
+//	poweroff  power the machine off (through ACPI, where the kernel has it)
 //	panic   exit, so the kernel panics with "Attempted to kill init"
 //	hang    sleep forever
 //	vsock   talk to the host over vsock (see vsockTest), then reboot
@@ -93,6 +94,13 @@ func main() {
 			fmt.Printf("capsa-testinit: kernel log:\n%s\n", buf[:n])
 		}
 		reboot()
+	case "poweroff":
+		fmt.Println("capsa-testinit: powering off")
+		unix.Sync()
+		if err := unix.Reboot(unix.LINUX_REBOOT_CMD_POWER_OFF); err != nil {
+			fmt.Printf("capsa-testinit: power off: %v\n", err)
+		}
+		select {}
 	case "hang":
 		for {
 			time.Sleep(time.Hour)
