@@ -14,11 +14,11 @@
 package agent
 
 import (
-	"bytes"
 	"encoding/binary"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"github.com/capsa-sandbox/capsa/internal/strictjson"
 	"io"
 	"slices"
 	"sync"
@@ -432,13 +432,8 @@ func (c *Conn) ReadFrame() (FrameType, []byte, error) {
 
 // decodeStrict decodes JSON that must match v exactly.
 func decodeStrict(b []byte, v any) error {
-	d := json.NewDecoder(bytes.NewReader(b))
-	d.DisallowUnknownFields()
-	if err := d.Decode(v); err != nil {
+	if err := strictjson.Decode(b, v); err != nil {
 		return fmt.Errorf("agent: bad %T: %w", v, err)
-	}
-	if d.More() {
-		return fmt.Errorf("agent: bad %T: trailing data", v)
 	}
 	return nil
 }

@@ -12,12 +12,12 @@
 package snapshot
 
 import (
-	"bytes"
 	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"github.com/capsa-sandbox/capsa/internal/strictjson"
 	"hash"
 	"hash/crc32"
 	"io"
@@ -218,7 +218,7 @@ func Open(dir string) (*Snapshot, error) {
 
 // ParseManifest decodes and checks a manifest.
 func ParseManifest(b []byte, m *Manifest) error {
-	if err := decodeStrict(b, m); err != nil {
+	if err := strictjson.Decode(b, m); err != nil {
 		return fmt.Errorf("manifest: %w", err)
 	}
 	switch {
@@ -255,27 +255,13 @@ func ParseManifest(b []byte, m *Manifest) error {
 // ParseState decodes a VM state; vmm.Restore checks it against the VM.
 func ParseState(b []byte) (*vmm.State, error) {
 	var st vmm.State
-	if err := decodeStrict(b, &st); err != nil {
+	if err := strictjson.Decode(b, &st); err != nil {
 		return nil, fmt.Errorf("state: %w", err)
 	}
 	if st.Version != vmm.StateVersion {
 		return nil, fmt.Errorf("state: version %d; this capsa reads version %d", st.Version, vmm.StateVersion)
 	}
 	return &st, nil
-}
-
-// decodeStrict decodes one JSON value with no unknown fields and nothing
-// after it.
-func decodeStrict(b []byte, v any) error {
-	d := json.NewDecoder(bytes.NewReader(b))
-	d.DisallowUnknownFields()
-	if err := d.Decode(v); err != nil {
-		return err
-	}
-	if d.More() {
-		return errors.New("data after the JSON value")
-	}
-	return nil
 }
 
 func readBounded(path string, limit int64) ([]byte, error) {

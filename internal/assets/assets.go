@@ -28,12 +28,11 @@
 package assets
 
 import (
-	"bytes"
 	"crypto/sha256"
 	"encoding/hex"
-	"encoding/json"
 	"errors"
 	"fmt"
+	"github.com/capsa-sandbox/capsa/internal/strictjson"
 	"io"
 	"io/fs"
 	"os"
@@ -116,7 +115,7 @@ func open(fsys fs.FS, where string) (*Set, error) {
 		return nil, err
 	}
 	var m Manifest
-	if err := strictJSON(data, &m); err != nil {
+	if err := strictjson.Decode(data, &m); err != nil {
 		return nil, fmt.Errorf("%s: %w", ManifestName, err)
 	}
 	if err := m.check(); err != nil {
@@ -153,18 +152,6 @@ func readManifest(fsys fs.FS) ([]byte, error) {
 		return nil, fmt.Errorf("%s: larger than %d bytes", ManifestName, maxManifest)
 	}
 	return data, nil
-}
-
-func strictJSON(data []byte, v any) error {
-	dec := json.NewDecoder(bytes.NewReader(data))
-	dec.DisallowUnknownFields()
-	if err := dec.Decode(v); err != nil {
-		return err
-	}
-	if dec.More() {
-		return errors.New("data after the JSON object")
-	}
-	return nil
 }
 
 func (m *Manifest) check() error {

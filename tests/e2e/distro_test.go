@@ -79,25 +79,5 @@ func boottimeLine(stderr string) string {
 // both VMMs offer (microvm has no i8042 for reboot=k, and this kernel,
 // failing it, falls through reset methods for minutes).
 func BenchmarkBootDistroKernel(b *testing.B) {
-	kernel, initrd := artifactB(b, "vmlinuz-debian"), artifactB(b, "testinitrd.cpio")
-	cmdline := distroCmdline + " capsa.test=poweroff"
-	vmms := []struct {
-		name string
-		argv []string
-	}{
-		{"capsa", []string{artifactB(b, "capsa"), "vm", "--kernel", kernel, "--initrd", initrd,
-			"--cpus", "2", "--memory", "256M", "--cmdline", cmdline}},
-		{"qemu-microvm", []string{qemuPath(b), "-M", "microvm", "-accel", "kvm", "-cpu", "host", "-m", "256",
-			"-smp", "2", "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot", "-serial", "stdio",
-			"-kernel", kernel, "-initrd", initrd, "-append", cmdline}},
-	}
-	for _, v := range vmms {
-		b.Run(v.name, func(b *testing.B) {
-			var samples []time.Duration
-			for b.Loop() {
-				samples = append(samples, bootOnce(b, v.argv))
-			}
-			reportSpread(b, samples)
-		})
-	}
+	benchBoots(b, artifactB(b, "vmlinuz-debian"), artifactB(b, "testinitrd.cpio"), distroCmdline+" capsa.test=poweroff", 2)
 }

@@ -1,11 +1,11 @@
 package ninep
 
 import (
-	"bytes"
 	"encoding/binary"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"github.com/capsa-sandbox/capsa/internal/strictjson"
 	"slices"
 	"strings"
 	"time"
@@ -316,9 +316,7 @@ func (d *Device) RestoreState(raw json.RawMessage) error {
 		return nil
 	}
 	var st sessionSnapshot
-	dec := json.NewDecoder(bytes.NewReader(raw))
-	dec.DisallowUnknownFields()
-	if err := dec.Decode(&st); err != nil {
+	if err := strictjson.Decode(raw, &st); err != nil {
 		return fmt.Errorf("virtio-9p %s: restore: %w", d.tag, err)
 	}
 	if err := st.check(); err != nil {
