@@ -402,6 +402,9 @@ func boot(ctx context.Context, c config, root *rootfs, snap *snapshot.Snapshot, 
 	}
 	if snap == nil {
 		s.vm, err = vmm.New(ctx, vcfg)
+		// The guest's memory has them now: the VMM's RSS need not.
+		assets.Evict(kernel)
+		assets.Evict(initrd)
 	} else {
 		var mem *guestmem.Memory
 		if mem, err = snap.MapMemory(); err != nil {

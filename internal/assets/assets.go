@@ -358,7 +358,29 @@ func mapUnpacked(path string, size int64) ([]byte, error) {
 	}
 	// The cache is only ever replaced by rename, never truncated, so the
 	// mapping stays valid for the process's life.
-	return unix.Mmap(int(fd.Fd()), 0, int(size), unix.PROT_READ, unix.MAP_PRIVATE)
+	data, err := unix.Mmap(int(fd.Fd()), 0, int(size), unix.PROT_READ, unix.MAP_PRIVATE)
+	if err == nil && size > 0 {
+		mapped.Store(&data[0], struct{}{})
+	}
+	return data, err
+}
+
+// mapped holds the first byte of every file mapping mapUnpacked made.
+var mapped sync.Map
+
+// Evict gives back the memory b's pages hold if b is one of this package's
+// file mappings (Kernel, Initramfs): a VMM that has copied them into guest
+// memory needs them no more, and they would otherwise count in its RSS
+// for its whole life. The mapping stays valid: a later read brings the
+// pages back from the page cache. Anything else (a file read into the
+// heap, an in-memory decompression) is left alone.
+func Evict(b []byte) {
+	if len(b) == 0 {
+		return
+	}
+	if _, ok := mapped.Load(&b[0]); ok {
+		unix.Madvise(b, unix.MADV_DONTNEED)
+	}
 }
 
 // An unpacked copy unused for unusedFor is removed when another is made;

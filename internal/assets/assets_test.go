@@ -355,3 +355,27 @@ func TestCleanUnpacked(t *testing.T) {
 		}
 	}
 }
+
+// TestEvict: evicting a mapping keeps its content readable; anything else
+// is left untouched.
+func TestEvict(t *testing.T) {
+	dir := t.TempDir()
+	path := filepath.Join(dir, "f")
+	want := bytes.Repeat([]byte("capsa"), 4096)
+	if err := os.WriteFile(path, want, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	m, err := mapUnpacked(path, int64(len(want)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	Evict(m)
+	if !bytes.Equal(m, want) {
+		t.Errorf("a mapping after Evict reads differently")
+	}
+	heap := bytes.Clone(want)
+	Evict(heap)
+	if !bytes.Equal(heap, want) {
+		t.Errorf("Evict changed a heap slice")
+	}
+}
