@@ -37,6 +37,7 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
+	"runtime/debug"
 	"strings"
 	"sync"
 	"time"
@@ -411,6 +412,9 @@ func unpackTo(fsys fs.FS, f File, dir string) (string, error) {
 	if cerr := tmp.Close(); err == nil && cerr != nil {
 		err = cacheWriteError{cerr}
 	}
+	// The decoder's window (tens of MiB) is garbage now: give it back to
+	// the system rather than keep it in the VMM's RSS for its life.
+	debug.FreeOSMemory()
 	if err != nil {
 		return "", err
 	}
