@@ -31,8 +31,8 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/capsa-sandbox/capsa/internal/statedir"
 	"github.com/capsa-sandbox/capsa/confine"
+	"github.com/capsa-sandbox/capsa/internal/statedir"
 	"github.com/capsa-sandbox/capsa/sandbox"
 	bolt "go.etcd.io/bbolt"
 )
@@ -83,7 +83,7 @@ type Record struct {
 	// --no-confine). Confinement is what it got (package confine).
 	NoConfine   bool            `json:"no_confine,omitempty"`
 	Confinement *confine.Layers `json:"confinement,omitempty"`
-	Hostname    string `json:"hostname,omitempty"`
+	Hostname    string          `json:"hostname,omitempty"`
 }
 
 // Alive reports whether the sandbox's supervisor may still be running.
