@@ -19,6 +19,7 @@ import (
 	"context"
 	"encoding/binary"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -42,7 +43,6 @@ const (
 
 // Hub is the mailbox and key-value store in one directory.
 type Hub struct {
-	dir  string
 	db   string
 	lock *os.File
 
@@ -64,11 +64,14 @@ func Open(dir string) (*Hub, error) {
 	if err != nil {
 		return nil, fmt.Errorf("hub: open %s: %w", dir, err)
 	}
-	h := &Hub{dir: dir, db: filepath.Join(dir, "hub.db"), lock: lock, closed: make(chan struct{})}
+	h := &Hub{db: filepath.Join(dir, "hub.db"), lock: lock, closed: make(chan struct{})}
 	// Make the file and its buckets, so readers can open it read-only.
-	if err := h.update(func(*bolt.Tx) error { return nil }); err != nil {
-		lock.Close()
-		return nil, err
+	// Only the Open that made the file has to: every write makes them.
+	if _, err := os.Stat(h.db); errors.Is(err, os.ErrNotExist) {
+		if err := h.update(func(*bolt.Tx) error { return nil }); err != nil {
+			lock.Close()
+			return nil, err
+		}
 	}
 	return h, nil
 }
@@ -402,13 +405,18 @@ func (h *Hub) changesSince(rev uint64, prefix string) ([]proto.Event, uint64, er
 	return evs, last, err
 }
 
-func (h *Hub) topic(topic string) (topicMeta, error) {
+// start is the offset a read of topic from from (an offset, or
+// proto.New: the topic's next) begins at.
+func (h *Hub) start(topic string, from int64) (uint64, error) {
+	if from >= 0 {
+		return uint64(from), nil
+	}
 	var m topicMeta
 	err := h.view(func(tx *bolt.Tx) error {
 		_, err := getJSON(tx.Bucket(bTopics), []byte(topic), &m)
 		return err
 	})
-	return m, err
+	return m.Next, err
 }
 
 func (h *Hub) publish(topic, sender string, payload []byte, lim *Limits) (proto.Message, error) {

@@ -281,15 +281,9 @@ func (s *Session) Read(ctx context.Context, topic string, from int64, max int) (
 	if max <= 0 || max > proto.MaxReadLen {
 		max = proto.MaxReadLen
 	}
-	start := uint64(0)
-	if from >= 0 {
-		start = uint64(from)
-	} else {
-		m, err := s.h.topic(topic)
-		if err != nil {
-			return nil, fmt.Errorf("mailbox read %s: %w", topic, err)
-		}
-		start = m.Next
+	start, err := s.h.start(topic, from)
+	if err != nil {
+		return nil, fmt.Errorf("mailbox read %s: %w", topic, err)
 	}
 	ms, err := s.h.read(topic, start, max)
 	if err != nil {
@@ -305,15 +299,9 @@ func (s *Session) Subscribe(ctx context.Context, topic string, from int64, fn fu
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	changed := s.h.changed(ctx)
-	var next uint64
-	if from >= 0 {
-		next = uint64(from)
-	} else {
-		m, err := s.h.topic(topic)
-		if err != nil {
-			return fmt.Errorf("mailbox subscribe %s: %w", topic, err)
-		}
-		next = m.Next
+	next, err := s.h.start(topic, from)
+	if err != nil {
+		return fmt.Errorf("mailbox subscribe %s: %w", topic, err)
 	}
 	for {
 		ms, err := s.h.read(topic, next, 100)
