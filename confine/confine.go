@@ -13,6 +13,11 @@
 //   - Landlock (unprivileged, Linux 5.13+): file access only beneath the
 //     paths the sandbox uses (its shares, volumes, disks, state files) and
 //     read-only to the few system files the NAT's resolver reads.
+//   - the jail (jail.go), when the process runs as root and was spawned
+//     in a mount namespace of its own: a root holding only those paths,
+//     bound at their own places (read-only where only read), and
+//     optionally another user and group (Config.User) with no
+//     capability.
 //   - a cgroup of its own with memory and pids limits, where cgroup v2 is
 //     delegated to the user; rlimits always (no core dumps, descriptor and
 //     process limits fixed where they are).
@@ -49,6 +54,13 @@ type Config struct {
 	MemoryBytes int64
 	// Pids is the cgroup's pids.max (threads count); 0: DefaultPids.
 	Pids int
+	// User, Own and Shared are for the jail (JailConfig), which a process
+	// running as root in a mount namespace of its own enters: the user
+	// and group it drops to (nil: it stays root), and capsa's files the
+	// user must keep writing. A User the process cannot become is an
+	// error.
+	User        *User
+	Own, Shared []string
 }
 
 // DefaultPids bounds a VMM's threads: the Go runtime's, one per vCPU and
@@ -68,14 +80,15 @@ var SystemRead = []string{
 // Layers says which layers a process got: "on" with details, or why
 // not.
 type Layers struct {
-	Seccomp  string `json:"seccomp"`
-	Landlock string `json:"landlock"`
-	Cgroup   string `json:"cgroup"`
-	Rlimits  string `json:"rlimits"`
+	Seccomp    string `json:"seccomp"`
+	Landlock   string `json:"landlock"`
+	Namespaces string `json:"namespaces"`
+	Cgroup     string `json:"cgroup"`
+	Rlimits    string `json:"rlimits"`
 }
 
 func (l Layers) String() string {
-	return fmt.Sprintf("seccomp: %s; landlock: %s; cgroup: %s; rlimits: %s", l.Seccomp, l.Landlock, l.Cgroup, l.Rlimits)
+	return fmt.Sprintf("seccomp: %s; landlock: %s; namespaces: %s; cgroup: %s; rlimits: %s", l.Seccomp, l.Landlock, l.Namespaces, l.Cgroup, l.Rlimits)
 }
 
 // Apply confines the calling process as c says, every thread of it, for
@@ -107,7 +120,22 @@ func Apply(c Config, log *slog.Logger) (Layers, error) {
 	if l.Rlimits, err = status("rlimits", d, e); err != nil {
 		return l, err
 	}
-	d, e = restrictPaths(append(append([]string{}, SystemRead...), c.Read...), c.Write)
+	read := append(append([]string{}, SystemRead...), c.Read...)
+	if os.Geteuid() != 0 {
+		if c.User != nil {
+			return l, errors.New("confine: jail: changing the user (" + c.User.String() + ") needs root")
+		}
+		l.Namespaces = "off: not root"
+	} else {
+		d, e = Jail(JailConfig{Read: read, Write: c.Write, User: c.User, Own: c.Own, Shared: c.Shared}, log)
+		if e != nil && c.User != nil {
+			return l, fmt.Errorf("confine: jail as %s: %w", c.User, e)
+		}
+		if l.Namespaces, err = status("namespaces", d, e); err != nil {
+			return l, err
+		}
+	}
+	d, e = restrictPaths(read, c.Write)
 	if l.Landlock, err = status("landlock", d, e); err != nil {
 		return l, err
 	}

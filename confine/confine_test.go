@@ -25,6 +25,9 @@ import (
 const childEnv = "CONFINE_TEST_CHILD"
 
 func TestMain(m *testing.M) {
+	if os.Getenv(childEnv) == "jail" {
+		os.Exit(jailChild())
+	}
 	if layer := os.Getenv(childEnv); layer != "" {
 		os.Exit(child(layer))
 	}
