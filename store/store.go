@@ -83,7 +83,11 @@ type Record struct {
 	// --no-confine). Confinement is what it got (package confine).
 	NoConfine   bool            `json:"no_confine,omitempty"`
 	Confinement *confine.Layers `json:"confinement,omitempty"`
-	Hostname    string          `json:"hostname,omitempty"`
+	// JailUser is the user and group the supervisor, jailed, drops to
+	// once the sandbox runs (run --jail-user; root only). nil: it stays
+	// root.
+	JailUser *confine.User `json:"jail_user,omitempty"`
+	Hostname string        `json:"hostname,omitempty"`
 }
 
 // Alive reports whether the sandbox's supervisor may still be running.

@@ -66,6 +66,12 @@ func Spawn(ctx context.Context, st *store.Store, name string, lock *store.Lock, 
 		return err
 	}
 	defer readyR.Close()
+	rec, err := st.Get(name)
+	if err != nil {
+		readyW.Close()
+		return err
+	}
+	sweep(st)
 	args := []string{"supervise", "--state", st.Dir()}
 	if rm {
 		args = append(args, "--rm")
@@ -74,6 +80,18 @@ func Spawn(ctx context.Context, st *store.Store, name string, lock *store.Lock, 
 	cmd.Stdout, cmd.Stderr = logf, logf
 	cmd.ExtraFiles = []*os.File{lock.File(), readyW} // fds 3 and 4
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
+	if Jailed(rec.NoConfine) {
+		// The jail needs a mount namespace made with the process (see
+		// package confine), and a temporary directory the jailed
+		// supervisor can clean.
+		tmp := filepath.Join(st.SandboxDir(name), TmpDir)
+		if err := os.MkdirAll(tmp, 0o700); err != nil {
+			readyW.Close()
+			return err
+		}
+		cmd.SysProcAttr.Unshareflags = syscall.CLONE_NEWNS
+		cmd.Env = append(os.Environ(), "TMPDIR="+tmp)
+	}
 	if err := cmd.Start(); err != nil {
 		readyW.Close()
 		st.Update(name, func(r *store.Record) error { r.State, r.Reason = store.Exited, err.Error(); return nil })
@@ -95,6 +113,31 @@ func Spawn(ctx context.Context, st *store.Store, name string, lock *store.Lock, 
 		msg = []byte("the supervisor ended before the sandbox ran; its log:\n" + last.String())
 	}
 	return fmt.Errorf("%s: %s", name, strings.TrimSpace(string(msg)))
+}
+
+// sweepAge is how long a sandbox directory with no record stays before
+// sweep removes it: a new sandbox's directory has no record for a moment.
+const sweepAge = time.Minute
+
+// sweep removes the empty directories of sandboxes that have no record
+// any more, older than sweepAge: what a confined supervisor's --rm leaves
+// (the jail and Landlock let it empty its directory, not remove it).
+func sweep(st *store.Store) {
+	recs, err := st.List()
+	if err != nil {
+		return
+	}
+	names := map[string]bool{}
+	for _, r := range recs {
+		names[r.Name] = true
+	}
+	dir := filepath.Join(st.Dir(), "sandboxes")
+	ents, _ := os.ReadDir(dir)
+	for _, e := range ents {
+		if fi, err := e.Info(); err == nil && !names[e.Name()] && fi.IsDir() && time.Since(fi.ModTime()) > sweepAge {
+			os.Remove(filepath.Join(dir, e.Name())) // only when empty
+		}
+	}
 }
 
 // Launch records rec (Create) and starts it (Spawn), returning its name:
@@ -161,7 +204,8 @@ func Fork(ctx context.Context, st *store.Store, name string, count int) (names [
 	if count < 1 || count > MaxFork {
 		return nil, nil, fmt.Errorf("supervisor: fork %s: %d copies: want 1 to %d", name, count, MaxFork)
 	}
-	if _, err := st.Get(name); err != nil {
+	src, err := st.Get(name)
+	if err != nil {
 		return nil, nil, err
 	}
 	for i := 1; len(names) < count; i++ {
@@ -182,6 +226,12 @@ func Fork(ctx context.Context, st *store.Store, name string, count int) (names [
 		return nil, nil, err
 	}
 	defer os.RemoveAll(tmp)
+	if u := src.JailUser; u != nil {
+		// The jailed supervisor writes the snapshot as its user.
+		if err := os.Chown(tmp, u.UID, u.GID); err != nil {
+			return nil, nil, err
+		}
+	}
 	dir := filepath.Join(tmp, "snapshot")
 	if err := Snapshot(ctx, st, name, dir); err != nil {
 		return nil, nil, err

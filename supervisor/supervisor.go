@@ -68,19 +68,48 @@ type Options struct {
 
 // confineSelf confines the supervisor (package confine) to the sandbox's
 // host paths, its directory, the store's records and snapshots, and a
-// cgroup bounded to the guest's memory and VMMOverhead.
-func confineSelf(st *store.Store, name string, sb *sandbox.Sandbox, spec sandbox.Spec, log *slog.Logger) (confine.Layers, error) {
+// cgroup bounded to the guest's memory and VMMOverhead. As root (spawned
+// in a mount namespace of its own by Spawn) it is also jailed, as
+// rec.JailUser when set: the sandbox's directory becomes that user's, and
+// the store's shared files let it in (SharedFiles).
+func confineSelf(st *store.Store, rec *store.Record, sb *sandbox.Sandbox, spec sandbox.Spec, log *slog.Logger) (confine.Layers, error) {
 	snaps := filepath.Join(st.Dir(), "snapshots")
 	if err := os.MkdirAll(snaps, 0o700); err != nil {
 		return confine.Layers{}, fmt.Errorf("supervisor: confine: %w", err)
 	}
 	read, write := sb.HostPaths()
-	write = append(write, st.SandboxDir(name), filepath.Join(st.Dir(), "state.db"), snaps)
+	db := filepath.Join(st.Dir(), "state.db")
+	write = append(write, st.SandboxDir(rec.Name), db, snaps)
 	return confine.Apply(confine.Config{
-		Read: read, Write: write, Name: name,
+		Read: read, Write: write, Name: rec.Name,
 		MemoryBytes: int64(spec.MemoryMiB)<<20 + VMMOverhead,
+		User:        rec.JailUser, Own: []string{st.SandboxDir(rec.Name)},
+		Shared: append(SharedFiles(st.Dir(), write), db, snaps),
 	}, log)
 }
+
+// SharedFiles are the paths in write that lie directly in the state
+// directory dir: the hub's files, which every sandbox granted the hub
+// uses. A jail's user gets an ACL entry on them (confine.Config.Shared).
+func SharedFiles(dir string, write []string) []string {
+	var out []string
+	for _, p := range write {
+		if filepath.Dir(p) == filepath.Clean(dir) {
+			out = append(out, p)
+		}
+	}
+	return out
+}
+
+// Jailed reports whether a sandbox's VMM process is jailed (package
+// confine): when capsa runs as root and the sandbox is confined. Such a
+// process must be spawned in a mount namespace of its own.
+func Jailed(noConfine bool) bool { return !noConfine && os.Geteuid() == 0 }
+
+// TmpDir is the temporary directory of a jailed supervisor (its TMPDIR),
+// in the sandbox's directory: what it makes there (an image's writable
+// layer) it can remove again, and capsa rm removes what is left.
+const TmpDir = "tmp"
 
 // VMMOverhead is what a sandbox's VMM may hold beside its guest's memory
 // in its cgroup: its own heap, the NAT's buffers and the host page cache
@@ -194,7 +223,7 @@ func Run(ctx context.Context, o Options) error {
 	// own files, the sandbox's, and the calls a running VMM makes.
 	var layers *confine.Layers
 	if !rec.NoConfine {
-		l, err := confineSelf(st, o.Name, sb, spec, log)
+		l, err := confineSelf(st, rec, sb, spec, log)
 		if err != nil {
 			return fail(err)
 		}

@@ -67,7 +67,8 @@ func runOrCreate(ctx context.Context, cmdName string, args []string, stdout, std
 	secrets := addSecretFlags(fs)
 	mailbox := fs.StringArray("mailbox", nil, "let the guest publish and subscribe to this mailbox topic, or to every topic starting with PREFIX given as PREFIX* (repeatable; inside: capsa mailbox)")
 	kv := fs.StringArray("kv", nil, "let the guest read and change the keys starting with this prefix in the key-value store (repeatable; inside: capsa kv)")
-	noConfine := fs.Bool("no-confine", false, "do not confine the VMM process once the sandbox runs (seccomp, Landlock, cgroup, rlimits: see README)")
+	noConfine := fs.Bool("no-confine", false, "do not confine the VMM process once the sandbox runs (seccomp, Landlock, the jail, cgroup, rlimits: see README)")
+	jailUser := fs.String("jail-user", "", "as root: the VMM process, jailed, runs as this user and group once the sandbox runs, UID[:GID] (numbers; GID defaults to UID)")
 	verbose := fs.Bool("verbose", false, "log VMM events and the guest console to stderr")
 	detach := fs.BoolP("detach", "d", false, "run detached: print the sandbox's name and leave it running (manage it with exec, ps, logs, stop, rm)")
 	create := cmdName == "create"
@@ -119,6 +120,20 @@ func runOrCreate(ctx context.Context, cmdName string, args []string, stdout, std
 				return fail("--name: %v", err)
 			}
 		}
+	}
+	var jailAs *confine.User
+	if *jailUser != "" {
+		switch {
+		case *noConfine:
+			return fail("--jail-user and --no-confine do not go together")
+		case os.Geteuid() != 0:
+			return fail("--jail-user %s: capsa must run as root to change the VMM's user", *jailUser)
+		}
+		u, err := confine.ParseUser(*jailUser)
+		if err != nil {
+			return fail("--jail-user: %v", err)
+		}
+		jailAs = &u
 	}
 	if *cpus < 1 || *cpus > vmm.MaxCPUs {
 		return fail("--cpus %d: must be between 1 and %d", *cpus, vmm.MaxCPUs)
@@ -242,8 +257,12 @@ func runOrCreate(ctx context.Context, cmdName string, args []string, stdout, std
 	}
 	w.Dir(*dir).User(*userFlag).Timeout(*timeout)
 	if *detach {
-		rec := &store.Record{Name: *name, TTL: *ttl, IdleTimeout: *idle, AutoRemove: *rm, NoConfine: *noConfine}
+		rec := &store.Record{Name: *name, TTL: *ttl, IdleTimeout: *idle, AutoRemove: *rm, NoConfine: *noConfine, JailUser: jailAs}
 		return startDetached(ctx, w, rec, create, stdout, stderr)
+	}
+	jailTmp := os.Getenv(jailEnv)
+	if supervisor.Jailed(*noConfine) && jailTmp == "" {
+		return runInJail(args, jailAs, stdout, stderr)
 	}
 	if term != nil {
 		w.TTY(window)
@@ -267,9 +286,16 @@ func runOrCreate(ctx context.Context, cmdName string, args []string, stdout, std
 	}
 	if !*noConfine {
 		read, write := sb.HostPaths()
+		c := confine.Config{Read: read, Write: write, Terminal: term != nil, Name: "run",
+			MemoryBytes: int64(mem) + supervisor.VMMOverhead, User: jailAs}
+		if jailTmp != "" {
+			c.Own = []string{jailTmp}
+		}
+		if dir, err := store.DefaultDir(); err == nil {
+			c.Shared = supervisor.SharedFiles(dir, write)
+		}
 		start := time.Now()
-		layers, err := confine.Apply(confine.Config{Read: read, Write: write, Terminal: term != nil, Name: "run",
-			MemoryBytes: int64(mem) + supervisor.VMMOverhead}, logger)
+		layers, err := confine.Apply(c, logger)
 		if err != nil {
 			sb.Close()
 			fmt.Fprintf(stderr, "capsa run: %v\n", err)
