@@ -41,6 +41,11 @@ var (
 type Client struct {
 	Dial func(ctx context.Context) (net.Conn, error)
 	Name string // sent in Hello
+
+	// agent is the Hello the agent last answered: once known, a new
+	// connection sends its Hello and its request together and checks the
+	// answer after, saving a round trip through the guest per operation.
+	agent atomic.Pointer[Hello]
 }
 
 // open dials, exchanges Hellos and sends req. The connection closes when
@@ -68,21 +73,52 @@ func (cl *Client) open(ctx context.Context, req Request) (*Conn, net.Conn, func(
 	if err := c.WriteJSON(FrameHello, mine); err != nil {
 		return fail(fmt.Errorf("agent: hello: %w", err))
 	}
+	need := op.Feature
+	if req.Op == OpExec && req.Exec != nil && req.Exec.TTY != nil {
+		need = FeaturePTY
+	}
+	// An agent whose Hello is known gets the request at once: the same
+	// agent answers the same Hello, which is checked below before any
+	// reply is read.
+	// The request is written while the Hello is read: a transport that
+	// buffers nothing (net.Pipe) would otherwise hold both ends in a
+	// write.
+	known := cl.agent.Load()
+	pipelined := known != nil && known.has(need)
+	sent := make(chan error, 1)
+	if pipelined {
+		go func() { sent <- c.WriteJSON(FrameRequest, req) }()
+	}
 	var h Hello
 	if err := c.ReadJSON(FrameHello, &h); err != nil {
+		if pipelined {
+			nc.Close()
+			<-sent
+		}
 		return fail(fmt.Errorf("agent: hello: %w", err))
+	}
+	if pipelined {
+		if err := <-sent; err != nil {
+			return fail(fmt.Errorf("agent: %s: %w", req.Op, err))
+		}
 	}
 	// The agent chose a version: it must be one this client speaks.
 	if v, err := negotiate(mine, Hello{Version: h.Version}); err != nil || v != h.Version {
 		return fail(fmt.Errorf("%w: the agent chose %d, the client speaks %d..%d", ErrVersion, h.Version, MinProtocolVersion, ProtocolVersion))
 	}
-	need := op.Feature
-	if req.Op == OpExec && req.Exec != nil && req.Exec.TTY != nil {
-		need = FeaturePTY
-	}
 	if !h.has(need) {
 		return fail(fmt.Errorf("agent: %s: %w (%q lacks %q)", req.Op, ErrUnsupported, h.Name, need))
 	}
+	if pipelined {
+		if h.Version != known.Version {
+			// Another agent answered (the guest was restored from another
+			// snapshot): the request went out in the version it replaced.
+			cl.agent.Store(nil)
+			return fail(fmt.Errorf("%w: the agent changed from version %d to %d during the request; try again", ErrVersion, known.Version, h.Version))
+		}
+		return c, nc, done, nil
+	}
+	cl.agent.Store(&h)
 	if err := c.WriteJSON(FrameRequest, req); err != nil {
 		return fail(fmt.Errorf("agent: %s: %w", req.Op, err))
 	}

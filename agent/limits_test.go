@@ -4,10 +4,12 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"os"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 )
@@ -166,6 +168,48 @@ func TestReadAllLimit(t *testing.T) {
 	for _, max := range []int64{0, 5000, -1} {
 		if b, err := cl.ReadAll(ctx, path, max); err != nil || len(b) != 5000 {
 			t.Errorf("ReadAll(5000-byte file, %d) = %d bytes, %v", max, len(b), err)
+		}
+	}
+}
+
+// TestHelloAndRequestTogether: once the client knows the agent's Hello,
+// it sends the request without waiting for the agent's Hello. The agent
+// here reads the request before it answers the Hello, which only a
+// pipelined client passes; the first call (nothing known yet) may not.
+func TestHelloAndRequestTogether(t *testing.T) {
+	var calls atomic.Int32
+	cl := &Client{Name: "test", Dial: func(ctx context.Context) (net.Conn, error) {
+		a, b := net.Pipe()
+		first := calls.Add(1) == 1
+		go func() {
+			defer b.Close()
+			c := NewConn(b)
+			if c.ReadJSON(FrameHello, &Hello{}) != nil {
+				return
+			}
+			var req Request
+			if first {
+				if c.WriteJSON(FrameHello, Hello{Version: ProtocolVersion, Features: agentFeatures}) != nil || c.ReadJSON(FrameRequest, &req) != nil {
+					return
+				}
+			} else {
+				b.SetReadDeadline(time.Now().Add(2 * time.Second))
+				if err := c.ReadJSON(FrameRequest, &req); err != nil {
+					c.WriteError(fmt.Errorf("the request did not come with the Hello: %w", err))
+					return
+				}
+				b.SetReadDeadline(time.Time{})
+				c.WriteJSON(FrameHello, Hello{Version: ProtocolVersion, Features: agentFeatures})
+			}
+			c.WriteJSON(FrameReply, FileInfo{Name: req.Path})
+		}()
+		return a, nil
+	}}
+	ctx := context.Background()
+	for i := range 3 {
+		fi, err := cl.Stat(ctx, "/x")
+		if err != nil || fi.Name != "/x" {
+			t.Fatalf("Stat #%d = %+v, %v; want /x", i+1, fi, err)
 		}
 	}
 }

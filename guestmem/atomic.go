@@ -73,3 +73,7 @@ func mincore(b, vec []byte) error {
 	}
 	return nil
 }
+
+// addrOf is the host address of b's first byte (to align guest memory on
+// huge pages).
+func addrOf(b []byte) uint64 { return uint64(uintptr(unsafe.Pointer(&b[0]))) }

@@ -42,6 +42,7 @@ func (r Region) End() uint64 { return r.GPA + uint64(len(r.Host)) }
 // mapping never changes after New, and callers coordinate the contents.
 type Memory struct {
 	regions []Region // sorted by GPA, non-overlapping
+	maps    [][]byte // the mappings the regions lie in, for Close
 	size    uint64
 	mapped  bool // regions were mmap'd by New and are unmapped by Close
 }
@@ -78,19 +79,50 @@ func mapLayout(size uint64, f *os.File) (*Memory, error) {
 	m := &Memory{size: size, mapped: true}
 	var off int64
 	for _, l := range layout {
-		fd, flags := -1, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS|unix.MAP_NORESERVE
 		if f != nil {
-			fd, flags = int(f.Fd()), unix.MAP_PRIVATE|unix.MAP_NORESERVE
+			b, err := unix.Mmap(int(f.Fd()), off, int(l.n), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_NORESERVE)
+			if err != nil {
+				m.Close()
+				return nil, fmt.Errorf("mmap %d bytes of guest memory: %w", l.n, err)
+			}
+			m.maps = append(m.maps, b)
+			m.regions = append(m.regions, Region{GPA: l.gpa, Host: b})
+			off += int64(l.n)
+			continue
 		}
-		b, err := unix.Mmap(fd, off, int(l.n), unix.PROT_READ|unix.PROT_WRITE, flags)
+		b, err := mapHuge(l.n)
 		if err != nil {
 			m.Close()
-			return nil, fmt.Errorf("mmap %d bytes of guest memory: %w", l.n, err)
+			return nil, err
 		}
-		m.regions = append(m.regions, Region{GPA: l.gpa, Host: b})
+		m.maps = append(m.maps, b)
+		// The region starts at the first 2 MiB boundary of the mapping,
+		// so that guest and host huge pages line up.
+		skip := (hugePage - addrOf(b)%hugePage) % hugePage
+		m.regions = append(m.regions, Region{GPA: l.gpa, Host: b[skip : skip+l.n : skip+l.n]})
 		off += int64(l.n)
 	}
 	return m, nil
+}
+
+// hugePage is x86's 2 MiB page.
+const hugePage = 2 << 20
+
+// mapHuge maps n bytes of anonymous memory, and 2 MiB more so that a 2 MiB
+// aligned run of n bytes lies inside, and asks for transparent huge pages
+// on it: KVM then maps the guest's memory with 2 MiB pages of the nested
+// page table wherever the host has a huge page, and a guest's boot takes a
+// few hundred second-level page faults instead of thousands (each an exit,
+// costly when the host is itself a guest). The slack at either end is
+// never touched, so it costs address space only. Where transparent huge
+// pages are off, the advice fails quietly and memory is in 4 KiB pages.
+func mapHuge(n uint64) ([]byte, error) {
+	b, err := unix.Mmap(-1, 0, int(n+hugePage), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS|unix.MAP_NORESERVE)
+	if err != nil {
+		return nil, fmt.Errorf("mmap %d bytes of guest memory: %w", n, err)
+	}
+	_ = unix.Madvise(b, unix.MADV_HUGEPAGE)
+	return b, nil
 }
 
 // WriteFile writes the memory to f as Map reads it: the regions one after
@@ -205,13 +237,13 @@ func FromRegions(regions ...Region) (*Memory, error) {
 func (m *Memory) Close() error {
 	var errs []error
 	if m.mapped {
-		for _, r := range m.regions {
-			if err := unix.Munmap(r.Host); err != nil {
-				errs = append(errs, fmt.Errorf("munmap guest memory at %#x: %w", r.GPA, err))
+		for _, b := range m.maps {
+			if err := unix.Munmap(b); err != nil {
+				errs = append(errs, fmt.Errorf("munmap guest memory: %w", err))
 			}
 		}
 	}
-	m.regions, m.mapped = nil, false
+	m.regions, m.maps, m.mapped = nil, nil, false
 	return errors.Join(errs...)
 }
 

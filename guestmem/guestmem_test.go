@@ -221,3 +221,23 @@ func TestWriteFileAndMap(t *testing.T) {
 		t.Error("Map() of a file smaller than the memory = nil error")
 	}
 }
+
+func TestNewAlignsOnHugePages(t *testing.T) {
+	for _, size := range []uint64{64 << 20, 64<<20 + 4096} {
+		m, err := New(size)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, r := range m.Regions() {
+			if a := addrOf(r.Host); a%hugePage != 0 {
+				t.Errorf("New(%d): region at GPA %#x is at host address %#x, not on a 2 MiB boundary", size, r.GPA, a)
+			}
+		}
+		if got := uint64(len(m.Regions()[0].Host)); got != size {
+			t.Errorf("New(%d): region of %d bytes", size, got)
+		}
+		if err := m.Close(); err != nil {
+			t.Errorf("Close() = %v", err)
+		}
+	}
+}

@@ -438,8 +438,12 @@ func boot(ctx context.Context, c config, root *rootfs, snap *snapshot.Snapshot, 
 		return s, nil
 	}
 	go func() {
-		if c, err := readyL.Accept(); err == nil {
-			c.Close()
+		if conn, err := readyL.Accept(); err == nil {
+			conn.Close()
+			vm.Mark("guest: agent ready")
+			if log := c.logger(); log.Enabled(context.Background(), slog.LevelDebug) {
+				log.Debug("sandbox: agent ready", "timeline", vm.Timeline().String())
+			}
 			close(s.ready)
 		}
 		readyL.Close()

@@ -442,6 +442,9 @@ func (t *MMIO) Status() uint32 {
 	return t.status
 }
 
+// Type is the device's type (DeviceID).
+func (t *MMIO) Type() uint32 { return t.dev.Type() }
+
 // Close stops the device if it is running (the VM is going away).
 func (t *MMIO) Close() {
 	t.mu.Lock()

@@ -25,7 +25,8 @@ var panicBanner = []byte("Kernel panic - not syncing: ")
 // lock. Bytes the writer has not taken yet are bounded; past the bound
 // they are dropped and counted, so a chatty guest cannot grow the host.
 type consoleWatch struct {
-	out io.Writer
+	out   io.Writer
+	first func() // called at the first byte (the boot timeline), if set
 
 	mu      sync.Mutex
 	line    []byte // the current line, capped
@@ -98,6 +99,10 @@ func (c *consoleWatch) flush(timeout time.Duration) {
 
 func (c *consoleWatch) Write(p []byte) (int, error) {
 	c.mu.Lock()
+	if c.first != nil && len(p) > 0 {
+		c.first()
+		c.first = nil
+	}
 	// Trimmed only at twice the cap: the serial port writes a byte at a time.
 	c.tail = append(c.tail, p...)
 	if len(c.tail) > 2*consoleTailCap {

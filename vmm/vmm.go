@@ -83,6 +83,11 @@ type Machine struct {
 
 	track []*vcpuTrack
 
+	timeline timeline
+	stats    []*kvm.Stats // each vCPU's KVM counters, for the timeline
+	// bootTimeline is the timeline when the guest wrote its boot marker.
+	bootTimeline atomic.Pointer[Timeline]
+
 	// runMu guards running and paused against Debug, Pause, Resume and
 	// Close.
 	runMu   sync.Mutex
@@ -151,6 +156,8 @@ func newMachine(ctx context.Context, cfg Config, st *State, mem *guestmem.Memory
 	}
 	cfg.MemoryBytes = (cfg.MemoryBytes + 4095) &^ 4095
 	m := &Machine{cfg: cfg, log: cfg.Log, stopped: make(chan struct{}), ports: devices.NewPortBus(), mmio: devices.NewMMIOBus(), gate: virtio.NewGate(), mem: mem}
+	m.timeline.start = cfg.Start
+	m.timeline.mark("vmm: configured")
 	if err := m.build(ctx, st); err != nil {
 		m.Close()
 		return nil, err
@@ -189,6 +196,7 @@ func (m *Machine) build(ctx context.Context, st *State) (err error) {
 	if err = m.vm.SetPITReinject(false); err != nil {
 		return err
 	}
+	m.timeline.mark("vmm: KVM VM, interrupt controllers and PIT made")
 	if m.mem == nil {
 		if m.mem, err = guestmem.New(cfg.MemoryBytes); err != nil {
 			return err
@@ -199,6 +207,7 @@ func (m *Machine) build(ctx context.Context, st *State) (err error) {
 			return err
 		}
 	}
+	m.timeline.mark("vmm: guest memory mapped")
 
 	if err = m.attachDevices(); err != nil {
 		return err
@@ -207,10 +216,13 @@ func (m *Machine) build(ctx context.Context, st *State) (err error) {
 	if err != nil {
 		return err
 	}
+	m.timeline.mark("vmm: devices attached")
 	if st != nil {
 		if err = m.restoreState(st); err != nil {
 			return fmt.Errorf("vmm: restore: %w", err)
 		}
+		m.openStats()
+		m.timeline.mark("vmm: state restored")
 		m.log.Debug("vm restored", "cpus", cfg.CPUs, "memory", cfg.MemoryBytes)
 		return ctx.Err()
 	}
@@ -218,9 +230,12 @@ func (m *Machine) build(ctx context.Context, st *State) (err error) {
 	if err != nil {
 		return err
 	}
+	m.timeline.mark("vmm: kernel, initramfs and boot tables loaded")
 	if err = m.createVCPUs(state); err != nil {
 		return err
 	}
+	m.openStats()
+	m.timeline.mark("vmm: vCPUs set up")
 	m.log.Debug("vm created", "cpus", cfg.CPUs, "memory", cfg.MemoryBytes, "cmdline", cfg.Cmdline)
 	return ctx.Err()
 }
@@ -245,10 +260,13 @@ func (m *Machine) loadGuest(cmdline string) (*boot.CPUState, error) {
 }
 
 func (m *Machine) attachDevices() error {
-	m.console = &consoleWatch{out: m.cfg.Console}
+	m.console = &consoleWatch{out: m.cfg.Console, first: func() { m.timeline.mark("guest: first console output") }}
 	m.serial = devices.NewSerial(m.console, m.irqLevel(devices.SerialIRQCOM1))
 	m.marker = devices.NewBootMarker(m.cfg.Start, func(d time.Duration) {
 		m.log.Debug("guest reached userspace", "after", d)
+		m.timeline.mark("guest: userspace (boot marker)")
+		tl := m.Timeline()
+		m.bootTimeline.Store(&tl)
 	})
 	i8042 := devices.NewI8042(func() { m.stop(StopReboot, "reset through the i8042", nil) })
 	sleep := devices.NewACPISleep(boot.ACPISleepTypeS5, func() { m.stop(StopPowerOff, "ACPI soft off (S5)", nil) })
@@ -297,6 +315,7 @@ func (m *Machine) Run(ctx context.Context) *Exit {
 	m.runMu.Lock()
 	m.running = true
 	m.runMu.Unlock()
+	m.timeline.mark("vmm: vCPUs started")
 	var wg sync.WaitGroup
 	for i := range m.vcpus {
 		wg.Add(1)
@@ -462,6 +481,7 @@ func (m *Machine) handleExit(i int, v *kvm.VCPU, t *vcpuTrack) bool {
 		if !claimed {
 			m.unhandled("mmio", mmio.PhysAddr, mmio.IsWrite)
 		}
+		m.markVirtio(mmio.PhysAddr, mmio.IsWrite)
 	case kvm.ExitShutdown:
 		m.stop(StopTripleFault, fmt.Sprintf("vCPU %d: KVM_EXIT_SHUTDOWN", i), nil)
 		return false
@@ -517,6 +537,10 @@ func (m *Machine) Close() error {
 	m.runMu.Lock()
 	defer m.runMu.Unlock()
 	errs := []error{m.closeVirtio()}
+	for _, s := range m.stats {
+		errs = append(errs, s.Close())
+	}
+	m.stats = nil
 	for _, v := range m.vcpus {
 		errs = append(errs, v.Close())
 	}

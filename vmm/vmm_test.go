@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"os"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -129,4 +130,42 @@ func TestNewRejectsBadConfig(t *testing.T) {
 			t.Errorf("config %+v accepted", cfg)
 		}
 	}
+}
+
+func TestBootTimeline(t *testing.T) {
+	needKVM(t)
+	ctx := context.Background()
+	m, err := New(ctx, Config{Kernel: testkernel.Code(codeReboot), CPUs: 1, MemoryBytes: 64 << 20, Cmdline: "x"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	if exit := m.Run(ctx); exit.Reason != StopReboot {
+		t.Fatalf("Run() = %v, want a reboot", exit)
+	}
+	tl, ok := m.BootTimeline()
+	if !ok {
+		t.Fatal("BootTimeline() = false after the guest wrote its boot marker")
+	}
+	var names []string
+	for i, mk := range tl.Marks {
+		names = append(names, mk.What)
+		if i > 0 && mk.At < tl.Marks[i-1].At {
+			t.Errorf("mark %q at %v comes before its predecessor's %v", mk.What, mk.At, tl.Marks[i-1].At)
+		}
+	}
+	for _, want := range []string{"vmm: guest memory mapped", "vmm: kernel, initramfs and boot tables loaded", "vmm: vCPUs started",
+		"guest: first console output", "guest: userspace (boot marker)"} {
+		if !slices.Contains(names, want) {
+			t.Errorf("BootTimeline().Marks = %q, want %q among them", names, want)
+		}
+	}
+	// "OK" and the marker: three port writes reached the VMM.
+	if got := tl.Exits["KVM_EXIT_IO"]; got < 3 {
+		t.Errorf("BootTimeline().Exits[KVM_EXIT_IO] = %d, want at least 3 (%v)", got, tl.Exits)
+	}
+	if tl.KVM != nil && tl.KVM["exits"] < tl.Exits["KVM_EXIT_IO"] {
+		t.Errorf("KVM counters: %d exits, fewer than the %d the VMM handled", tl.KVM["exits"], tl.Exits["KVM_EXIT_IO"])
+	}
+	t.Logf("%s", tl)
 }

@@ -28,7 +28,7 @@ func runVM(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	cpus := fs.Int("cpus", 1, "number of vCPUs")
 	memory := fs.String("memory", "512M", "guest memory (e.g. 512M, 2G)")
 	console := fs.String("console", "-", "where the guest console goes: - for the terminal, or a file path")
-	bootTime := fs.Bool("boot-time", false, "print the time from VMM start to guest userspace")
+	bootTime := fs.Bool("boot-time", false, "print the time from VMM start to guest userspace, where it went (the VMM's steps, the guest's milestones) and the VM exits until then")
 	disks := fs.StringArray("disk", nil, "attach a host file as a virtio block device, /dev/vda, /dev/vdb... in order: PATH[:ro] (repeatable)")
 	verbose := fs.BoolP("verbose", "v", false, "log VMM events to stderr")
 	if code := parseFlags(fs, args, stderr); code >= 0 {
@@ -109,10 +109,14 @@ func runVM(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	exit := m.Run(ctx)
 	signal.Stop(quit)
 	close(quit)
+	bootTL, booted := m.BootTimeline()
 	m.Close()
 	if *bootTime {
 		if exit.BootTime > 0 {
 			fmt.Fprintf(stderr, "capsa vm: boot time: guest userspace reached after %.1f ms\n", float64(exit.BootTime.Microseconds())/1000)
+			if booted {
+				fmt.Fprintf(stderr, "capsa vm: %s", bootTL)
+			}
 		} else {
 			fmt.Fprintf(stderr, "capsa vm: boot time: the guest never signalled userspace (port %#x)\n", 0x3f0)
 		}
