@@ -193,6 +193,9 @@ func Jail(c JailConfig, log *slog.Logger) (string, error) {
 			}
 			continue
 		}
+		if i, ok := boundAbove(bound, b.path); ok && binds[i].rdonly == b.rdonly {
+			continue // reached through that bind, which it would only pin
+		}
 		target := jailRoot + b.path
 		if err := mountPoint(target, b.dir); err != nil {
 			return "", fmt.Errorf("confine: jail: %s: %w", b.path, err)
@@ -215,11 +218,27 @@ func Jail(c JailConfig, log *slog.Logger) (string, error) {
 	if err := unix.Chdir(jailRoot); err != nil {
 		return "", fmt.Errorf("confine: jail: %w", err)
 	}
-	if err := unix.PivotRoot(".", "."); err != nil {
+	how := "pivot_root"
+	switch err := unix.PivotRoot(".", "."); {
+	case errors.Is(err, unix.EINVAL):
+		// The root is the initial ramfs, which cannot be pivoted away
+		// from: as switch_root does, move the tmpfs over it and chroot
+		// there. The old root stays in the namespace, beneath; getting
+		// back to it takes chroot or mount, which seccomp refuses, and
+		// the capability a dropped user no longer has.
+		if err := unix.Mount(".", "/", "", unix.MS_MOVE, ""); err != nil {
+			return "", fmt.Errorf("confine: jail: move its root over /: %w", err)
+		}
+		if err := unix.Chroot("."); err != nil {
+			return "", fmt.Errorf("confine: jail: chroot: %w", err)
+		}
+		how = "moved over the initial ramfs"
+	case err != nil:
 		return "", fmt.Errorf("confine: jail: pivot_root: %w", err)
-	}
-	if err := unix.Unmount(".", unix.MNT_DETACH); err != nil {
-		return "", fmt.Errorf("confine: jail: detach the old root: %w", err)
+	default:
+		if err := unix.Unmount(".", unix.MNT_DETACH); err != nil {
+			return "", fmt.Errorf("confine: jail: detach the old root: %w", err)
+		}
 	}
 	if err := unix.Chdir("/"); err != nil {
 		return "", fmt.Errorf("confine: jail: %w", err)
@@ -228,6 +247,9 @@ func Jail(c JailConfig, log *slog.Logger) (string, error) {
 		return "", fmt.Errorf("confine: jail: remount its root read-only: %w", err)
 	}
 	what := fmt.Sprintf("mount namespace, %d paths", len(bound))
+	if how != "pivot_root" {
+		what += ", " + how
+	}
 	if c.User == nil {
 		return what + ", uid 0", nil
 	}
@@ -249,6 +271,19 @@ func Jail(c JailConfig, log *slog.Logger) (string, error) {
 	}
 	log.Debug("confine: jailed", "paths", len(bound), "user", c.User.String())
 	return what + ", " + c.User.String(), nil
+}
+
+// boundAbove returns the index of the bind of the nearest directory above
+// path in bound.
+func boundAbove(bound map[string]int, path string) (int, bool) {
+	for p := filepath.Dir(path); ; p = filepath.Dir(p) {
+		if i, ok := bound[p]; ok {
+			return i, true
+		}
+		if p == "/" {
+			return 0, false
+		}
+	}
 }
 
 // mountPoint makes target, in the jail's tmpfs, a directory or an empty

@@ -23,7 +23,7 @@ import (
 func jailChild() int {
 	ro, rw, own, shared := os.Getenv("JAIL_RO"), os.Getenv("JAIL_RW"), os.Getenv("JAIL_OWN"), os.Getenv("JAIL_SHARED")
 	what, err := Jail(JailConfig{
-		Read: []string{ro, "/proc/self", "/nonexistent/skipped"}, Write: []string{rw, own, shared},
+		Read: []string{ro, "/proc/self", "/nonexistent/skipped"}, Write: []string{rw, own, shared, filepath.Join(rw, "sub")},
 		User: &User{65534, 65534}, Own: []string{own}, Shared: []string{shared},
 	}, slog.New(slog.DiscardHandler))
 	if err != nil {
@@ -41,6 +41,7 @@ func jailChild() int {
 	try("read ro", err)
 	try("write ro", os.WriteFile(filepath.Join(ro, "new"), nil, 0o644))
 	try("write rw", os.WriteFile(filepath.Join(rw, "new"), []byte("x"), 0o644))
+	try("remove a directory beneath rw", os.Remove(filepath.Join(rw, "sub"))) // not a mount point of its own
 	try("write own", os.WriteFile(filepath.Join(own, "f"), []byte("x"), 0o644))
 	try("write shared", os.WriteFile(shared, []byte("x"), 0o600))
 	_, err = os.ReadFile(os.Getenv("JAIL_OUTSIDE"))
@@ -76,7 +77,7 @@ func TestJail(t *testing.T) {
 	}
 	base := t.TempDir()
 	dirs := map[string]string{}
-	for _, d := range []string{"ro", "rw", "own", "outside"} {
+	for _, d := range []string{"ro", "rw", "rw/sub", "own", "outside"} {
 		dirs[d] = filepath.Join(base, d)
 		if err := os.Mkdir(dirs[d], 0o755); err != nil {
 			t.Fatal(err)
@@ -112,7 +113,7 @@ func TestJail(t *testing.T) {
 	}
 	want := map[string]string{
 		"uid": "65534", "gid": "65534",
-		"read ro": "ok", "write rw": "ok", "write own": "ok", "write shared": "ok",
+		"read ro": "ok", "write rw": "ok", "remove a directory beneath rw": "ok", "write own": "ok", "write shared": "ok",
 		"read /proc/self/status": "ok", "reopen through /proc/self/fd": "ok", "write /dev/null": "ok",
 		"write ro":           "open " + filepath.Join(dirs["ro"], "new") + ": read-only file system",
 		"read outside":       "open " + outside + ": no such file or directory",

@@ -119,9 +119,11 @@ func Spawn(ctx context.Context, st *store.Store, name string, lock *store.Lock, 
 // sweep removes it: a new sandbox's directory has no record for a moment.
 const sweepAge = time.Minute
 
-// sweep removes the empty directories of sandboxes that have no record
-// any more, older than sweepAge: what a confined supervisor's --rm leaves
-// (the jail and Landlock let it empty its directory, not remove it).
+// sweep removes the directories of sandboxes that have no record any
+// more, older than sweepAge and with nobody holding their lock: what a
+// confined supervisor's --rm leaves (it deletes its record, but the jail
+// and Landlock keep it from removing its directory, which lies in one it
+// may not open).
 func sweep(st *store.Store) {
 	recs, err := st.List()
 	if err != nil {
@@ -134,8 +136,20 @@ func sweep(st *store.Store) {
 	dir := filepath.Join(st.Dir(), "sandboxes")
 	ents, _ := os.ReadDir(dir)
 	for _, e := range ents {
-		if fi, err := e.Info(); err == nil && !names[e.Name()] && fi.IsDir() && time.Since(fi.ModTime()) > sweepAge {
-			os.Remove(filepath.Join(dir, e.Name())) // only when empty
+		fi, err := e.Info()
+		if err != nil || names[e.Name()] || !fi.IsDir() || time.Since(fi.ModTime()) < sweepAge {
+			continue
+		}
+		p := filepath.Join(dir, e.Name())
+		if f, err := os.Open(filepath.Join(p, "lock")); err == nil {
+			if syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB) != nil {
+				f.Close()
+				continue
+			}
+			os.RemoveAll(p)
+			f.Close()
+		} else if errors.Is(err, os.ErrNotExist) {
+			os.RemoveAll(p)
 		}
 	}
 }

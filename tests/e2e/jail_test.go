@@ -1,0 +1,209 @@
+package e2e
+
+import (
+	"encoding/json"
+	"io"
+	"net/http"
+	"os"
+	"path/filepath"
+	"regexp"
+	"slices"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/capsa-sandbox/capsa/confine"
+	"github.com/capsa-sandbox/capsa/supervisor"
+)
+
+// TestJail: as root (the nested host), every VMM process is jailed: a
+// mount namespace whose root holds only the paths it uses, and with
+// --jail-user another user. A detached sandbox run as 65534 keeps its
+// share, the NAT and a published port; its supervisor runs as 65534 and
+// sees only its paths (a host file outside is not there at all); an image
+// sandbox runs jailed in the foreground and detached with --rm, and no
+// temporary directory is left behind; rm removes what remains.
+func TestJail(t *testing.T) {
+	dir, cli := detachedState(t)
+	w := setupNetWorld(t) // skips unless root
+	secret := filepath.Join(t.TempDir(), "secret")
+	if err := os.WriteFile(secret, []byte("not for the VMM"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	share := t.TempDir()
+	if err := os.Chmod(share, 0o777); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(share, "in.txt"), []byte("from the host"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	self, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Setenv("CAPSA_CACHE", t.TempDir())
+	tmp := t.TempDir()
+	t.Setenv("TMPDIR", tmp) // the CLI's: what is left in it, it leaves behind
+	tarPath := filepath.Join(t.TempDir(), "probe.tar")
+	probeImage(t, tarPath, "capsa.test/probe:1")
+	if r := cli(2*time.Minute, "image", "import", tarPath); r.code != 0 {
+		t.Fatalf("capsa image import: exit %d, stderr %q", r.code, r.stderr)
+	}
+
+	// Bad flags are refused before anything starts.
+	if r := cli(time.Minute, "run", "--jail-user", "nobody", "--", "true"); r.code != 2 || !strings.Contains(r.stderr, "--jail-user") {
+		t.Errorf("capsa run --jail-user nobody = exit %d, stderr %q; want 2 naming the flag", r.code, r.stderr)
+	}
+
+	// Detached with --rm, from an image: it runs jailed, and when it ends
+	// its record goes; its directory, which the jailed supervisor cannot
+	// remove, goes at the next start, once a minute old.
+	if r := cli(3*time.Minute, "run", "-d", "--rm", "--name", "r", "--jail-user", "65534", "--image", "capsa.test/probe:1"); r.code != 0 {
+		t.Fatalf("capsa run -d --rm --jail-user --image = exit %d, stderr %q", r.code, r.stderr)
+	}
+	rdir := filepath.Join(dir, "sandboxes", "r")
+	for deadline := time.Now().Add(2 * time.Minute); ; time.Sleep(500 * time.Millisecond) {
+		if _, ok := psAll(t, cli)["r"]; !ok {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the --rm sandbox r is still recorded after 2m")
+		}
+	}
+	ents, _ := os.ReadDir(rdir)
+	t.Logf("the --rm sandbox's directory holds %v when its record is gone", ents)
+	old := time.Now().Add(-2 * time.Minute)
+	os.Chtimes(rdir, old, old)
+
+	// Detached as 65534, with a share, the NAT and a published port.
+	t.Setenv(confine.ProbeEnv, secret)
+	r := cli(3*time.Minute, "run", "-d", "--name", "j", "--jail-user", "65534:65534", "--net", "--dns-server", w.dns, "-p", "0:8080",
+		"-v", share+":/mnt/share", "-v", filepath.Dir(self)+":/probe:ro",
+		"-e", serveEnv+"=:8080", "-e", "CAPSA_E2E_SERVE_BODY=served jailed\n", "--", "/probe/"+filepath.Base(self))
+	if r.code != 0 {
+		t.Fatalf("capsa run -d --jail-user = exit %d, stderr %q", r.code, r.stderr)
+	}
+	if _, err := os.Stat(rdir); err == nil {
+		t.Errorf("%s is still there after the next start swept", rdir)
+	}
+	r = cli(time.Minute, "inspect", "j")
+	var recs []struct {
+		PID         int             `json:"pid"`
+		Ports       []string        `json:"ports"`
+		Confinement *confine.Layers `json:"confinement"`
+	}
+	if err := json.Unmarshal([]byte(r.stdout), &recs); err != nil || len(recs) != 1 || recs[0].Confinement == nil {
+		t.Fatalf("capsa inspect j = %q (%v); want its confinement", r.stdout, err)
+	}
+	l := recs[0].Confinement
+	t.Logf("confinement: %s", l)
+	if !strings.HasPrefix(l.Namespaces, "on (mount namespace") || !strings.HasSuffix(l.Namespaces, "uid 65534 gid 65534)") {
+		t.Errorf("the namespaces layer = %q, want on, as uid 65534 gid 65534", l.Namespaces)
+	}
+	pid := recs[0].PID
+	status, err := os.ReadFile(filepath.Join("/proc", strconv.Itoa(pid), "status"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if m := regexp.MustCompile(`(?m)^Uid:\s+(.*)$`).FindSubmatch(status); m == nil || strings.Join(strings.Fields(string(m[1])), " ") != "65534 65534 65534 65534" {
+		t.Errorf("the supervisor's Uid line = %q, want 65534 four times", m)
+	}
+	if m := regexp.MustCompile(`(?m)^CapEff:\s+(.*)$`).FindSubmatch(status); m == nil || string(m[1]) != "0000000000000000" {
+		t.Errorf("the supervisor's CapEff = %q, want none", m)
+	}
+	// What its root holds: the system files a VMM reads and the first
+	// directories of its own paths, nothing else.
+	ents, err = os.ReadDir(filepath.Join("/proc", strconv.Itoa(pid), "root"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	allowed := []string{"dev", "proc", "sys", "etc", "usr", first(dir), first(share), first(self)}
+	var top []string
+	for _, e := range ents {
+		top = append(top, e.Name())
+		if !slices.Contains(allowed, e.Name()) {
+			t.Errorf("the jailed supervisor's root holds /%s, want only %v", e.Name(), allowed)
+		}
+	}
+	t.Logf("the jailed supervisor's root: %v", top)
+	logb, err := os.ReadFile(filepath.Join(dir, "sandboxes", "j", supervisor.SupervisorLog))
+	if err != nil {
+		t.Fatal(err)
+	}
+	probe := ""
+	for _, line := range strings.Split(string(logb), "\n") {
+		if strings.Contains(line, "confine probe") {
+			probe = line
+		}
+	}
+	if !strings.Contains(probe, `open="open `+secret+`: no such file or directory"`) || !strings.Contains(probe, `execve="operation not permitted"`) {
+		t.Errorf("the jailed supervisor's probe: %q; want %s not there and execve refused", probe, secret)
+	}
+
+	if r := cli(time.Minute, "exec", "j", "--", "sh", "-c", "cat /mnt/share/in.txt && echo out > /mnt/share/out.txt"); r.code != 0 || r.stdout != "from the host" {
+		t.Errorf("the share, jailed: exit %d, %q (stderr %q)", r.code, r.stdout, r.stderr)
+	}
+	var st syscall.Stat_t
+	if err := syscall.Stat(filepath.Join(share, "out.txt"), &st); err != nil || st.Uid != 65534 {
+		t.Errorf("the file the guest wrote to the share: owner %d, %v; want 65534", st.Uid, err)
+	}
+	if r := cli(2*time.Minute, "exec", "j", "--", "sh", "-c", "wget -O /tmp/page http://public.example.test/ && cat /tmp/page"); r.code != 0 || r.stdout != "public page\n" {
+		t.Errorf("the NAT, jailed: exit %d, %q (stderr %q)", r.code, r.stdout, r.stderr)
+	}
+	if len(recs[0].Ports) != 1 {
+		t.Fatalf("the record's ports = %q, want one", recs[0].Ports)
+	}
+	addr, _, _ := strings.Cut(recs[0].Ports[0], "->")
+	var page string
+	for deadline := time.Now().Add(time.Minute); time.Now().Before(deadline); time.Sleep(200 * time.Millisecond) {
+		resp, err := http.Get("http://" + addr + "/")
+		if err == nil {
+			b, _ := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			if page = string(b); page == "served jailed\n" {
+				break
+			}
+		}
+	}
+	if page != "served jailed\n" {
+		t.Errorf("the published port %s, jailed: %q", addr, page)
+	}
+	if r := cli(time.Minute, "rm", "-f", "j"); r.code != 0 {
+		t.Errorf("capsa rm -f j = exit %d, stderr %q", r.code, r.stderr)
+	}
+	if _, err := os.Stat(filepath.Join(dir, "sandboxes", "j")); err == nil {
+		t.Error("capsa rm -f j left its directory")
+	}
+
+	// In the foreground: capsa run starts itself again in a namespace of
+	// its own; the probe's open finds nothing; an image runs as 65534.
+	r = cli(3*time.Minute, "run", "--verbose", "--jail-user", "65534", "-v", share+":/mnt/share", "--", "cat", "/mnt/share/in.txt")
+	if r.code != 0 || !strings.HasPrefix(r.stdout, "from the host") || !strings.Contains(r.stderr, `open="open `+secret+`: no such file or directory"`) {
+		t.Errorf("capsa run --jail-user, with the probe = exit %d, %q; want the share read and %s not there", r.code, r.stdout, secret)
+	}
+	if m := regexp.MustCompile(`capsa run: confined.*namespaces: on \(mount namespace[^)]*uid 65534 gid 65534\).* took=(\S+)`).FindStringSubmatch(r.stderr); m == nil {
+		t.Errorf("capsa run --verbose --jail-user: no confined line with the namespaces layer on as 65534")
+	} else {
+		t.Logf("confining with the jail took %s", m[1])
+	}
+	t.Setenv(confine.ProbeEnv, "")
+	r = cli(3*time.Minute, "run", "--jail-user", "65534", "--image", "capsa.test/probe:1")
+	if want := "uid=1000 gid=1000 cwd=/home/app greeting=from-image home=/home/app hosts=true gone=true kept=kept\n"; r.code != 0 || r.stdout != want {
+		t.Errorf("capsa run --jail-user --image: exit %d, stdout %q, want %q", r.code, r.stdout, want)
+	}
+	if r := cli(time.Minute, "run", "--", "sh", "-c", "exit 7"); r.code != 7 {
+		t.Errorf("capsa run, jailed, of exit 7 = exit %d", r.code)
+	}
+	if ents, _ := os.ReadDir(tmp); len(ents) > 0 {
+		t.Errorf("the runs left %v in their TMPDIR", ents)
+	}
+}
+
+// first is the first element of an absolute path.
+func first(p string) string {
+	p = strings.TrimPrefix(filepath.Clean(p), "/")
+	f, _, _ := strings.Cut(p, "/")
+	return f
+}
