@@ -7,6 +7,7 @@ import (
 	"io"
 	"net"
 	"os"
+	"sync"
 	"sync/atomic"
 	"time"
 )
@@ -42,19 +43,115 @@ type Client struct {
 	Dial func(ctx context.Context) (net.Conn, error)
 	Name string // sent in Hello
 
+	// Spare keeps one connection dialed ahead of the next operation, so
+	// that an operation does not wait for a connection's set-up through
+	// the guest. Only for a client that owns its transport: a spare
+	// connection counts as somebody connected (a detached sandbox's idle
+	// timeout). Close releases it.
+	Spare bool
+
 	// agent is the Hello the agent last answered: once known, a new
 	// connection sends its Hello and its request together and checks the
 	// answer after, saving a round trip through the guest per operation.
 	agent atomic.Pointer[Hello]
+
+	spareMu   sync.Mutex
+	spare     net.Conn
+	refilling bool
+	closed    bool
 }
 
-// open dials, exchanges Hellos and sends req. The connection closes when
-// ctx ends.
+// spareDialTimeout bounds a spare connection's dial.
+const spareDialTimeout = 30 * time.Second
+
+// Close closes the spare connection, if any, and keeps the client from
+// dialing another.
+func (cl *Client) Close() error {
+	cl.spareMu.Lock()
+	defer cl.spareMu.Unlock()
+	cl.closed = true
+	if cl.spare != nil {
+		cl.spare.Close()
+		cl.spare = nil
+	}
+	return nil
+}
+
+// takeSpare returns the spare connection, if there is one.
+func (cl *Client) takeSpare() net.Conn {
+	if !cl.Spare {
+		return nil
+	}
+	cl.spareMu.Lock()
+	defer cl.spareMu.Unlock()
+	nc := cl.spare
+	cl.spare = nil
+	return nc
+}
+
+// startSpare starts dialing the next spare connection if none is there
+// or coming; it is called once an operation got its connection and the
+// agent's Hello (before the agent answered one, it may not listen yet).
+func (cl *Client) startSpare() {
+	if !cl.Spare {
+		return
+	}
+	cl.spareMu.Lock()
+	defer cl.spareMu.Unlock()
+	if !cl.closed && !cl.refilling && cl.spare == nil {
+		cl.refilling = true
+		go cl.refill()
+	}
+}
+
+func (cl *Client) refill() {
+	ctx, cancel := context.WithTimeout(context.Background(), spareDialTimeout)
+	defer cancel()
+	nc, err := cl.Dial(ctx)
+	cl.spareMu.Lock()
+	defer cl.spareMu.Unlock()
+	cl.refilling = false
+	if err != nil {
+		return
+	}
+	if cl.closed || cl.spare != nil {
+		nc.Close()
+		return
+	}
+	cl.spare = nc
+}
+
+// open dials (or takes the spare connection), exchanges Hellos and sends
+// req. The connection closes when ctx ends.
 func (cl *Client) open(ctx context.Context, req Request) (*Conn, net.Conn, func(), error) {
+	if nc := cl.takeSpare(); nc != nil {
+		c, nc, done, err := cl.openOn(ctx, nc, req)
+		// A spare connection the guest dropped meanwhile (a restore
+		// resets every connection) fails before the agent's Hello, so
+		// before the agent read the request: dial a new one.
+		if !errors.Is(err, errNoHello) {
+			if err == nil {
+				cl.startSpare()
+			}
+			return c, nc, done, err
+		}
+	}
 	nc, err := cl.Dial(ctx)
 	if err != nil {
 		return nil, nil, nil, fmt.Errorf("agent: connect: %w", err)
 	}
+	c, nc, done, err := cl.openOn(ctx, nc, req)
+	if err == nil {
+		cl.startSpare()
+	}
+	return c, nc, done, err
+}
+
+// errNoHello marks an open that failed reading the agent's Hello.
+var errNoHello = errors.New("no hello from the agent")
+
+// openOn is open on the connection nc.
+func (cl *Client) openOn(ctx context.Context, nc net.Conn, req Request) (*Conn, net.Conn, func(), error) {
 	stop := context.AfterFunc(ctx, func() { nc.Close() })
 	done := func() { stop(); nc.Close() }
 	c := NewConn(nc)
@@ -71,7 +168,7 @@ func (cl *Client) open(ctx context.Context, req Request) (*Conn, net.Conn, func(
 	}
 	mine := Hello{Version: ProtocolVersion, MinVersion: MinProtocolVersion, Name: cl.Name}
 	if err := c.WriteJSON(FrameHello, mine); err != nil {
-		return fail(fmt.Errorf("agent: hello: %w", err))
+		return fail(fmt.Errorf("agent: hello: %w: %w", errNoHello, err))
 	}
 	need := op.Feature
 	if req.Op == OpExec && req.Exec != nil && req.Exec.TTY != nil {
@@ -94,6 +191,9 @@ func (cl *Client) open(ctx context.Context, req Request) (*Conn, net.Conn, func(
 		if pipelined {
 			nc.Close()
 			<-sent
+		}
+		if ctx.Err() == nil {
+			err = fmt.Errorf("%w: %w", errNoHello, err)
 		}
 		return fail(fmt.Errorf("agent: hello: %w", err))
 	}

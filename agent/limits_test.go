@@ -9,6 +9,7 @@ import (
 	"net"
 	"os"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -212,4 +213,70 @@ func TestHelloAndRequestTogether(t *testing.T) {
 			t.Fatalf("Stat #%d = %+v, %v; want /x", i+1, fi, err)
 		}
 	}
+}
+
+// TestSpareConnection: a client with Spare dials the next connection
+// ahead, and one the guest dropped meanwhile is replaced, not reported.
+func TestSpareConnection(t *testing.T) {
+	var mu sync.Mutex
+	var dials int
+	var ends []net.Conn
+	cl := &Client{Name: "test", Spare: true, Dial: func(ctx context.Context) (net.Conn, error) {
+		a, b := net.Pipe()
+		mu.Lock()
+		dials++
+		ends = append(ends, b)
+		mu.Unlock()
+		go func() {
+			defer b.Close()
+			c := NewConn(b)
+			var req Request
+			if c.ReadJSON(FrameHello, &Hello{}) != nil || c.WriteJSON(FrameHello, Hello{Version: ProtocolVersion, Features: agentFeatures}) != nil ||
+				c.ReadJSON(FrameRequest, &req) != nil {
+				return
+			}
+			c.WriteJSON(FrameReply, FileInfo{Name: req.Path})
+		}()
+		return a, nil
+	}}
+	defer cl.Close()
+	ctx := context.Background()
+	stat := func(what string) {
+		t.Helper()
+		if fi, err := cl.Stat(ctx, "/x"); err != nil || fi.Name != "/x" {
+			t.Fatalf("Stat (%s) = %+v, %v; want /x", what, fi, err)
+		}
+	}
+	waitSpare := func() {
+		t.Helper()
+		for range 200 {
+			cl.spareMu.Lock()
+			ready := cl.spare != nil
+			cl.spareMu.Unlock()
+			if ready {
+				return
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+		t.Fatal("no spare connection was dialed")
+	}
+	stat("first")
+	waitSpare()
+	mu.Lock()
+	before := dials
+	mu.Unlock()
+	stat("on the spare")
+	mu.Lock()
+	if dials > before+1 {
+		t.Errorf("Stat on a spare dialed %d times, want at most 1 (the next spare)", dials-before)
+	}
+	mu.Unlock()
+	waitSpare()
+	// The guest drops every connection (a restore's transport reset).
+	mu.Lock()
+	for _, e := range ends {
+		e.Close()
+	}
+	mu.Unlock()
+	stat("after the spare was dropped")
 }

@@ -418,7 +418,7 @@ func boot(ctx context.Context, c config, root *rootfs, snap *snapshot.Snapshot, 
 	runCtx, cancel := context.WithCancel(context.WithoutCancel(ctx))
 	s.cancel = cancel
 	dev := s.dev
-	s.client = &agent.Client{Name: "capsa", Dial: func(ctx context.Context) (net.Conn, error) {
+	s.client = &agent.Client{Name: "capsa", Spare: true, Dial: func(ctx context.Context) (net.Conn, error) {
 		return dev.Dial(ctx, agent.Port)
 	}}
 	vm := s.vm
@@ -455,6 +455,9 @@ func boot(ctx context.Context, c config, root *rootfs, snap *snapshot.Snapshot, 
 // have stopped or never run.
 func (s *Sandbox) release() error {
 	var err error
+	if s.client != nil {
+		s.client.Close()
+	}
 	if s.vm != nil {
 		err = s.vm.Close()
 	}

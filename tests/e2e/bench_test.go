@@ -25,7 +25,7 @@ import (
 const benchCmdline = "console=ttyS0 quiet reboot=k panic=-1"
 
 // bootOnce starts argv and returns the time until the guest's init prints
-// its first line, then waits for the VM to end (the test init reboots).
+// its first line, then ends the VM.
 func bootOnce(b *testing.B, argv []string) time.Duration {
 	b.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
@@ -42,15 +42,18 @@ func bootOnce(b *testing.B, argv []string) time.Duration {
 	var at time.Duration
 	sc := bufio.NewScanner(out)
 	for sc.Scan() {
-		if at == 0 && strings.Contains(sc.Text(), "capsa-testinit: userspace reached") {
+		if strings.Contains(sc.Text(), "capsa-testinit: userspace reached") {
 			at = time.Since(start)
+			break
 		}
 	}
-	if err := cmd.Wait(); err != nil {
-		b.Fatalf("%s: %v", argv[0], err)
-	}
+	// Measured: the VM is not waited for. (QEMU's microvm has no i8042,
+	// and the guest's reboot=k falls back through other ways for tens of
+	// seconds before QEMU sees a reset.)
+	cmd.Process.Kill()
+	err = cmd.Wait()
 	if at == 0 {
-		b.Fatalf("%s: the guest never reached userspace", argv[0])
+		b.Fatalf("%s: the guest never reached userspace (%v)", argv[0], err)
 	}
 	return at
 }
