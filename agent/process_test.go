@@ -4,8 +4,11 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"net"
+	"os"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -333,4 +336,40 @@ func TestOperationsTable(t *testing.T) {
 			t.Errorf("handler %q is not in the table", name)
 		}
 	}
+}
+
+// TestTimeoutKillsWhatTheProcessLeft: a process that ends before its
+// timeout and leaves others running in its group (a fork bomb whose first
+// copy the OOM killer took) has them killed at the deadline.
+func TestTimeoutKillsWhatTheProcessLeft(t *testing.T) {
+	cl := serve(t)
+	ctx := context.Background()
+	out, err := cl.Output(ctx, ExecOptions{Argv: []string{"sh", "-c", "sleep 60 >/dev/null 2>&1 & echo $!"}, Timeout: 500 * time.Millisecond})
+	if err != nil || out.Code != 0 || out.TimedOut {
+		t.Fatalf("Output(sleep in the background) = %+v, %v; want exit 0 before the timeout", out, err)
+	}
+	pid, err := strconv.Atoi(strings.TrimSpace(string(out.Stdout)))
+	if err != nil {
+		t.Fatalf("the background pid %q: %v", out.Stdout, err)
+	}
+	defer syscall.Kill(pid, syscall.SIGKILL)
+	// Gone, or a zombie waiting for whoever reaps orphans here.
+	gone := func() bool {
+		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+		if err != nil {
+			return true
+		}
+		i := bytes.LastIndexByte(b, ')')
+		return i > 0 && i+2 < len(b) && b[i+2] == 'Z'
+	}
+	if gone() {
+		t.Fatalf("the background sleep %d is gone before the deadline", pid)
+	}
+	for range 100 {
+		time.Sleep(50 * time.Millisecond)
+		if gone() {
+			return
+		}
+	}
+	t.Errorf("the background sleep %d still runs 5 s after the exec's 500 ms timeout", pid)
 }

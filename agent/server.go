@@ -2,6 +2,7 @@ package agent
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -692,12 +693,19 @@ func (s *Server) exec(ctx context.Context, c *Conn, req *ExecRequest) error {
 			unix.Kill(-pgid, sig)
 		}
 	}
-	var timer *time.Timer
 	if req.TimeoutMs > 0 {
-		timer = time.AfterFunc(time.Duration(req.TimeoutMs)*time.Millisecond, func() {
+		// The timeout bounds the whole process group: what the process
+		// left running in it when it ended (a fork bomb's copies after
+		// the OOM killer took the first) is killed at the deadline too.
+		time.AfterFunc(time.Duration(req.TimeoutMs)*time.Millisecond, func() {
 			mu.Lock()
 			timedOut = !exited
+			ended := exited
 			mu.Unlock()
+			if ended {
+				killLeftovers(pgid)
+				return
+			}
 			p.kill(unix.SIGKILL)
 		})
 	}
@@ -729,9 +737,6 @@ func (s *Server) exec(ctx context.Context, c *Conn, req *ExecRequest) error {
 		st := ExitStatus{TimedOut: timedOut}
 		mu.Unlock()
 		stop()
-		if timer != nil {
-			timer.Stop()
-		}
 		if ps := cmd.ProcessState; ps != nil {
 			ws := ps.Sys().(syscall.WaitStatus)
 			if ws.Signaled() {
@@ -785,4 +790,47 @@ func startPTY(cmd *exec.Cmd, cred *syscall.Credential, ws WindowSize) (*os.File,
 		return fail(err)
 	}
 	return ptmx, nil
+}
+
+// killLeftovers kills process group pgid if processes of it remain after
+// its leader was reaped. The group's id cannot have been given to another
+// group while a member lives (the kernel keeps the number while it is in
+// use), and it is only signalled after a member was seen.
+func killLeftovers(pgid int) {
+	for range 3 {
+		if !groupHasMembers(pgid) {
+			return
+		}
+		unix.Kill(-pgid, unix.SIGKILL)
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// groupHasMembers reports whether a process of group pgid exists, from
+// /proc/PID/stat (the group is the fifth field, after the command's name
+// in parentheses, which may itself hold any byte).
+func groupHasMembers(pgid int) bool {
+	ents, err := os.ReadDir("/proc")
+	if err != nil {
+		return false
+	}
+	want := strconv.Itoa(pgid)
+	for _, e := range ents {
+		if e.Name()[0] < '0' || e.Name()[0] > '9' {
+			continue
+		}
+		b, err := os.ReadFile("/proc/" + e.Name() + "/stat")
+		if err != nil {
+			continue
+		}
+		i := bytes.LastIndexByte(b, ')')
+		if i < 0 {
+			continue
+		}
+		f := strings.Fields(string(b[i+1:]))
+		if len(f) > 2 && f[2] == want {
+			return true
+		}
+	}
+	return false
 }
