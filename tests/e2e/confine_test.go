@@ -102,17 +102,7 @@ func TestConfinement(t *testing.T) {
 		t.Fatalf("the record's ports = %q, want one", recs[0].Ports)
 	}
 	addr, _, _ := strings.Cut(recs[0].Ports[0], "->")
-	var page string
-	for deadline := time.Now().Add(time.Minute); time.Now().Before(deadline); time.Sleep(200 * time.Millisecond) {
-		resp, err := http.Get("http://" + addr + "/")
-		if err == nil {
-			b, _ := io.ReadAll(resp.Body)
-			resp.Body.Close()
-			if page = string(b); page == "served confined\n" {
-				break
-			}
-		}
-	}
+	page := pollPage(addr, "served confined\n", time.Minute)
 	if page != "served confined\n" {
 		t.Errorf("the published port %s, confined: %q", addr, page)
 	}
@@ -129,4 +119,21 @@ func TestConfinement(t *testing.T) {
 	if r.code != 0 || r.stdout != "from the host" || !strings.Contains(r.stderr, `execve="operation not permitted"`) {
 		t.Errorf("capsa run, confined, with the probe = exit %d, %q, stderr %q; want the share read and execve refused", r.code, r.stdout, r.stderr)
 	}
+}
+
+// pollPage gets http://addr/ until it answers want or within passes, and
+// returns the last answer.
+func pollPage(addr, want string, within time.Duration) string {
+	var page string
+	for deadline := time.Now().Add(within); time.Now().Before(deadline); time.Sleep(200 * time.Millisecond) {
+		resp, err := http.Get("http://" + addr + "/")
+		if err == nil {
+			b, _ := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			if page = string(b); page == want {
+				break
+			}
+		}
+	}
+	return page
 }

@@ -2,8 +2,6 @@ package e2e
 
 import (
 	"encoding/json"
-	"io"
-	"net/http"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -156,17 +154,7 @@ func TestJail(t *testing.T) {
 		t.Fatalf("the record's ports = %q, want one", recs[0].Ports)
 	}
 	addr, _, _ := strings.Cut(recs[0].Ports[0], "->")
-	var page string
-	for deadline := time.Now().Add(time.Minute); time.Now().Before(deadline); time.Sleep(200 * time.Millisecond) {
-		resp, err := http.Get("http://" + addr + "/")
-		if err == nil {
-			b, _ := io.ReadAll(resp.Body)
-			resp.Body.Close()
-			if page = string(b); page == "served jailed\n" {
-				break
-			}
-		}
-	}
+	page := pollPage(addr, "served jailed\n", time.Minute)
 	if page != "served jailed\n" {
 		t.Errorf("the published port %s, jailed: %q", addr, page)
 	}
