@@ -153,7 +153,10 @@ func CheckSnapshotName(name string) error {
 func (s *Store) Dir() string { return s.dir }
 
 // SandboxDir is where name's runtime files live.
-func (s *Store) SandboxDir(name string) string { return filepath.Join(s.dir, "sandboxes", name) }
+func (s *Store) SandboxDir(name string) string { return filepath.Join(s.dir, sandboxesDir, name) }
+
+// sandboxesDir holds one directory per sandbox in the state directory.
+const sandboxesDir = "sandboxes"
 
 var bucket = []byte("sandboxes") // name -> Record (JSON)
 
@@ -246,6 +249,33 @@ func (s *Store) lock(name string) (*Lock, error) {
 		return nil, fmt.Errorf("store: %s: lock: %w", name, err)
 	}
 	return &Lock{f}, nil
+}
+
+// RemoveStale removes the directories of sandboxes that have no record,
+// were last changed more than age ago and whose lock nobody holds (taken
+// while the directory goes, as Remove does). Errors are skipped: it is
+// tidying, and the next call tries again.
+func (s *Store) RemoveStale(age time.Duration) {
+	recs, err := s.List()
+	if err != nil {
+		return
+	}
+	recorded := map[string]bool{}
+	for _, r := range recs {
+		recorded[r.Name] = true
+	}
+	ents, _ := os.ReadDir(filepath.Join(s.dir, sandboxesDir))
+	for _, e := range ents {
+		name := e.Name()
+		fi, err := e.Info()
+		if err != nil || recorded[name] || !fi.IsDir() || time.Since(fi.ModTime()) < age || CheckName(name) != nil {
+			continue
+		}
+		if l, err := s.lock(name); err == nil {
+			os.RemoveAll(s.SandboxDir(name))
+			l.Close()
+		}
+	}
 }
 
 // Create records a new sandbox in state Creating and returns its lock,

@@ -3,8 +3,10 @@ package store
 import (
 	"errors"
 	"os"
+	"path/filepath"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/capsa-sandbox/capsa/sandbox"
 )
@@ -164,5 +166,46 @@ func TestStart(t *testing.T) {
 	}
 	if _, err := s.Start("none"); !errors.Is(err, ErrNotFound) {
 		t.Errorf("Start(none) = %v, want ErrNotFound", err)
+	}
+}
+
+func TestRemoveStale(t *testing.T) {
+	s := open(t)
+	old := time.Now().Add(-time.Hour)
+	mk := func(name string) string {
+		d := s.SandboxDir(name)
+		if err := os.MkdirAll(d, 0o700); err != nil {
+			t.Fatal(err)
+		}
+		os.WriteFile(filepath.Join(d, "console.log"), []byte("x"), 0o600)
+		os.Chtimes(d, old, old)
+		return d
+	}
+	mk("gone")
+	young := mk("young")
+	now := time.Now()
+	os.Chtimes(young, now, now)
+	held := mk("held")
+	l, err := s.lock("held")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	os.Chtimes(held, old, old)
+	kept, err := s.Create(&Record{Name: "kept"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	kept.Close()
+	os.Chtimes(s.SandboxDir("kept"), old, old)
+	s.RemoveStale(time.Minute)
+	for _, c := range []struct {
+		name string
+		want bool
+	}{{"gone", false}, {"young", true}, {"held", true}, {"kept", true}} {
+		_, err := os.Stat(s.SandboxDir(c.name))
+		if got := err == nil; got != c.want {
+			t.Errorf("after RemoveStale, %s's directory exists = %v, want %v", c.name, got, c.want)
+		}
 	}
 }

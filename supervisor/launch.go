@@ -71,7 +71,7 @@ func Spawn(ctx context.Context, st *store.Store, name string, lock *store.Lock, 
 		readyW.Close()
 		return err
 	}
-	sweep(st)
+	st.RemoveStale(sweepAge)
 	args := []string{"supervise", "--state", st.Dir()}
 	if rm {
 		args = append(args, "--rm")
@@ -116,43 +116,11 @@ func Spawn(ctx context.Context, st *store.Store, name string, lock *store.Lock, 
 }
 
 // sweepAge is how long a sandbox directory with no record stays before
-// sweep removes it: a new sandbox's directory has no record for a moment.
+// Spawn removes it (store.RemoveStale): a new sandbox's directory has no
+// record for a moment. Such directories are what a confined supervisor's
+// --rm leaves: it deletes its record, but the jail and Landlock keep it
+// from removing its directory, which lies in one it may not open.
 const sweepAge = time.Minute
-
-// sweep removes the directories of sandboxes that have no record any
-// more, older than sweepAge and with nobody holding their lock: what a
-// confined supervisor's --rm leaves (it deletes its record, but the jail
-// and Landlock keep it from removing its directory, which lies in one it
-// may not open).
-func sweep(st *store.Store) {
-	recs, err := st.List()
-	if err != nil {
-		return
-	}
-	names := map[string]bool{}
-	for _, r := range recs {
-		names[r.Name] = true
-	}
-	dir := filepath.Join(st.Dir(), "sandboxes")
-	ents, _ := os.ReadDir(dir)
-	for _, e := range ents {
-		fi, err := e.Info()
-		if err != nil || names[e.Name()] || !fi.IsDir() || time.Since(fi.ModTime()) < sweepAge {
-			continue
-		}
-		p := filepath.Join(dir, e.Name())
-		if f, err := os.Open(filepath.Join(p, "lock")); err == nil {
-			if syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB) != nil {
-				f.Close()
-				continue
-			}
-			os.RemoveAll(p)
-			f.Close()
-		} else if errors.Is(err, os.ErrNotExist) {
-			os.RemoveAll(p)
-		}
-	}
-}
 
 // Launch records rec (Create) and starts it (Spawn), returning its name:
 // rec.Name, or the new one it got.
