@@ -95,17 +95,7 @@ func TestConfinement(t *testing.T) {
 	if b, err := os.ReadFile(filepath.Join(share, "out.txt")); err != nil || string(b) != "out\n" {
 		t.Errorf("the file the guest wrote to the share: %q, %v", b, err)
 	}
-	if r := cli(2*time.Minute, "exec", "c", "--", "sh", "-c", "wget -O /tmp/page http://public.example.test/ && cat /tmp/page"); r.code != 0 || r.stdout != "public page\n" {
-		t.Errorf("the NAT, confined: exit %d, %q (stderr %q)", r.code, r.stdout, r.stderr)
-	}
-	if len(recs[0].Ports) != 1 {
-		t.Fatalf("the record's ports = %q, want one", recs[0].Ports)
-	}
-	addr, _, _ := strings.Cut(recs[0].Ports[0], "->")
-	page := pollPage(addr, "served confined\n", time.Minute)
-	if page != "served confined\n" {
-		t.Errorf("the published port %s, confined: %q", addr, page)
-	}
+	checkNATAndPort(t, cli, "c", recs[0].Ports, "served confined\n", "confined")
 	if r := cli(3*time.Minute, "snapshot", "create", "c", "csnap"); r.code != 0 {
 		t.Errorf("capsa snapshot create of a confined sandbox = exit %d, stderr %q", r.code, r.stderr)
 	} else if r := cli(3*time.Minute, "snapshot", "restore", "csnap", "--name", "c2"); r.code != 0 {
@@ -121,19 +111,31 @@ func TestConfinement(t *testing.T) {
 	}
 }
 
-// pollPage gets http://addr/ until it answers want or within passes, and
-// returns the last answer.
-func pollPage(addr, want string, within time.Duration) string {
+// checkNATAndPort checks that the detached sandbox name (serving body on
+// its one published port, listed in ports) reaches the test's public
+// server through the NAT and answers on that port; how says in what
+// state ("confined", "jailed").
+func checkNATAndPort(t *testing.T, cli func(time.Duration, ...string) result, name string, ports []string, body, how string) {
+	t.Helper()
+	if r := cli(2*time.Minute, "exec", name, "--", "sh", "-c", "wget -O /tmp/page http://public.example.test/ && cat /tmp/page"); r.code != 0 || r.stdout != "public page\n" {
+		t.Errorf("the NAT, %s: exit %d, %q (stderr %q)", how, r.code, r.stdout, r.stderr)
+	}
+	if len(ports) != 1 {
+		t.Fatalf("the record's ports = %q, want one", ports)
+	}
+	addr, _, _ := strings.Cut(ports[0], "->")
 	var page string
-	for deadline := time.Now().Add(within); time.Now().Before(deadline); time.Sleep(200 * time.Millisecond) {
+	for deadline := time.Now().Add(time.Minute); time.Now().Before(deadline); time.Sleep(200 * time.Millisecond) {
 		resp, err := http.Get("http://" + addr + "/")
 		if err == nil {
 			b, _ := io.ReadAll(resp.Body)
 			resp.Body.Close()
-			if page = string(b); page == want {
+			if page = string(b); page == body {
 				break
 			}
 		}
 	}
-	return page
+	if page != body {
+		t.Errorf("the published port %s, %s: %q", addr, how, page)
+	}
 }

@@ -147,17 +147,7 @@ func TestJail(t *testing.T) {
 	if err := syscall.Stat(filepath.Join(share, "out.txt"), &st); err != nil || st.Uid != 65534 {
 		t.Errorf("the file the guest wrote to the share: owner %d, %v; want 65534", st.Uid, err)
 	}
-	if r := cli(2*time.Minute, "exec", "j", "--", "sh", "-c", "wget -O /tmp/page http://public.example.test/ && cat /tmp/page"); r.code != 0 || r.stdout != "public page\n" {
-		t.Errorf("the NAT, jailed: exit %d, %q (stderr %q)", r.code, r.stdout, r.stderr)
-	}
-	if len(recs[0].Ports) != 1 {
-		t.Fatalf("the record's ports = %q, want one", recs[0].Ports)
-	}
-	addr, _, _ := strings.Cut(recs[0].Ports[0], "->")
-	page := pollPage(addr, "served jailed\n", time.Minute)
-	if page != "served jailed\n" {
-		t.Errorf("the published port %s, jailed: %q", addr, page)
-	}
+	checkNATAndPort(t, cli, "j", recs[0].Ports, "served jailed\n", "jailed")
 	if r := cli(time.Minute, "rm", "-f", "j"); r.code != 0 {
 		t.Errorf("capsa rm -f j = exit %d, stderr %q", r.code, r.stderr)
 	}
