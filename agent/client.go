@@ -123,24 +123,20 @@ func (cl *Client) refill() {
 
 // open dials (or takes the spare connection), exchanges Hellos and sends
 // req. The connection closes when ctx ends.
-func (cl *Client) open(ctx context.Context, req Request) (*Conn, net.Conn, func(), error) {
-	if nc := cl.takeSpare(); nc != nil {
-		c, nc, done, err := cl.openOn(ctx, nc, req)
-		// A spare connection the guest dropped meanwhile (a restore
-		// resets every connection) fails before the agent's Hello, so
-		// before the agent read the request: dial a new one.
-		if !errors.Is(err, errNoHello) {
-			if err == nil {
-				cl.startSpare()
-			}
-			return c, nc, done, err
+func (cl *Client) open(ctx context.Context, req Request) (c *Conn, nc net.Conn, done func(), err error) {
+	if spare := cl.takeSpare(); spare != nil {
+		c, nc, done, err = cl.openOn(ctx, spare, req)
+	}
+	// No spare, or one the guest dropped meanwhile (a restore resets
+	// every connection): that fails before the agent's Hello, so before
+	// the agent read the request, and a new connection is dialed.
+	if c == nil && (err == nil || errors.Is(err, errNoHello)) {
+		fresh, derr := cl.Dial(ctx)
+		if derr != nil {
+			return nil, nil, nil, fmt.Errorf("agent: connect: %w", derr)
 		}
+		c, nc, done, err = cl.openOn(ctx, fresh, req)
 	}
-	nc, err := cl.Dial(ctx)
-	if err != nil {
-		return nil, nil, nil, fmt.Errorf("agent: connect: %w", err)
-	}
-	c, nc, done, err := cl.openOn(ctx, nc, req)
 	if err == nil {
 		cl.startSpare()
 	}
@@ -176,10 +172,9 @@ func (cl *Client) openOn(ctx context.Context, nc net.Conn, req Request) (*Conn, 
 	}
 	// An agent whose Hello is known gets the request at once: the same
 	// agent answers the same Hello, which is checked below before any
-	// reply is read.
-	// The request is written while the Hello is read: a transport that
-	// buffers nothing (net.Pipe) would otherwise hold both ends in a
-	// write.
+	// reply is read. The request is written while the Hello is read: a
+	// transport that buffers nothing (net.Pipe) would otherwise hold both
+	// ends in a write.
 	known := cl.agent.Load()
 	pipelined := known != nil && known.has(need)
 	sent := make(chan error, 1)

@@ -69,7 +69,7 @@ func (m *Machine) markVirtio(addr uint64, write bool) {
 	if addr < virtioMMIOBase || addr >= virtioMMIOBase+uint64(len(m.virtio))*virtio.MMIOSize {
 		return
 	}
-	if !m.timeline.virtioSeen.Swap(true) {
+	if !m.timeline.virtioSeen.Load() && !m.timeline.virtioSeen.Swap(true) {
 		m.timeline.mark("guest: first virtio access (drivers probing)")
 	}
 	i := int((addr - virtioMMIOBase) / virtio.MMIOSize)
