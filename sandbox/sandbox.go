@@ -20,7 +20,6 @@ import (
 	"io"
 	"log/slog"
 	"net"
-	"os"
 	"strings"
 	"sync"
 	"time"
@@ -296,11 +295,17 @@ func startVM(ctx context.Context, c config, root *rootfs, snap *snapshot.Snapsho
 	return s, nil
 }
 
-func readOr(path string, builtinData func() ([]byte, error)) ([]byte, error) {
+// readOr maps the file at path (assets.MapFile) or, with no path, returns
+// the built-in asset; release gives back what it holds once the guest's
+// memory has a copy.
+func readOr(path string, builtinData func() ([]byte, error)) (data []byte, release func(), err error) {
 	if path != "" {
-		return os.ReadFile(path)
+		return assets.MapFile(path)
 	}
-	return builtinData()
+	if data, err = builtinData(); err != nil {
+		return nil, nil, err
+	}
+	return data, func() { assets.Evict(data) }, nil
 }
 
 // boot starts the VM and the host end of its vsock link; with root, the
@@ -311,12 +316,15 @@ func boot(ctx context.Context, c config, root *rootfs, snap *snapshot.Snapshot, 
 	start := time.Now()
 	var kernel, initrd []byte
 	if snap == nil {
-		if kernel, err = readOr(c.Kernel, assets.Kernel); err != nil {
+		var release func()
+		if kernel, release, err = readOr(c.Kernel, assets.Kernel); err != nil {
 			return nil, fmt.Errorf("sandbox: kernel: %w", err)
 		}
-		if initrd, err = readOr(c.Initrd, assets.Initramfs); err != nil {
+		defer release()
+		if initrd, release, err = readOr(c.Initrd, assets.Initramfs); err != nil {
 			return nil, fmt.Errorf("sandbox: initramfs: %w", err)
 		}
+		defer release()
 	}
 	log := c.logger()
 	s := &Sandbox{c: c, vmDone: make(chan struct{}), ready: make(chan struct{}), started: start, rootfs: root}
@@ -401,10 +409,7 @@ func boot(ctx context.Context, c config, root *rootfs, snap *snapshot.Snapshot, 
 		Devices: devices, Log: log, Start: start,
 	}
 	if snap == nil {
-		s.vm, err = vmm.New(ctx, vcfg)
-		// The guest's memory has them now: the VMM's RSS need not.
-		assets.Evict(kernel)
-		assets.Evict(initrd)
+		s.vm, err = vmm.New(ctx, vcfg) // the deferred releases give back kernel and initrd
 	} else {
 		var mem *guestmem.Memory
 		if mem, err = snap.MapMemory(); err != nil {

@@ -14,6 +14,7 @@ import (
 	"io"
 	"log/slog"
 	"runtime"
+	"runtime/debug"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -240,8 +241,25 @@ func (m *Machine) build(ctx context.Context, st *State) (err error) {
 	return ctx.Err()
 }
 
-// loadGuest puts the kernel, the initramfs and the boot structures in memory.
-func (m *Machine) loadGuest(cmdline string) (*boot.CPUState, error) {
+// loadGuest puts the kernel, the initramfs and the boot structures in
+// memory, and then forgets cfg's Kernel and Initrd: they may be file
+// mappings their caller releases once New returns.
+//
+// Reading them can fault if they are mappings of files truncated meanwhile
+// (assets.MapFile); that fault is this VM's error, not the process's
+// crash.
+func (m *Machine) loadGuest(cmdline string) (_ *boot.CPUState, err error) {
+	defer debug.SetPanicOnFault(debug.SetPanicOnFault(true))
+	defer func() {
+		if r := recover(); r != nil {
+			f, ok := r.(interface{ Addr() uintptr })
+			if !ok {
+				panic(r)
+			}
+			err = fmt.Errorf("load kernel and initramfs: a fault reading them at %#x (was the file truncated?)", f.Addr())
+		}
+	}()
+	defer func() { m.cfg.Kernel, m.cfg.Initrd = nil, nil }()
 	k, err := boot.LoadKernel(m.mem, m.cfg.Kernel)
 	if err != nil {
 		return nil, fmt.Errorf("load kernel: %w", err)

@@ -3,6 +3,7 @@ package vmm
 import (
 	"bytes"
 	"context"
+	"debug/elf"
 	"errors"
 	"os"
 	"slices"
@@ -10,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/capsa-sandbox/capsa/internal/assets"
 	"github.com/capsa-sandbox/capsa/internal/testkernel"
 )
 
@@ -129,6 +131,36 @@ func TestNewRejectsBadConfig(t *testing.T) {
 		if _, err := New(context.Background(), cfg); err == nil {
 			t.Errorf("config %+v accepted", cfg)
 		}
+	}
+}
+
+// TestTruncatedKernelFileIsAnError: a kernel file mapped by
+// assets.MapFile and truncated before New copies it makes that copy fault;
+// New returns an error instead of the process dying of SIGBUS.
+func TestTruncatedKernelFileIsAnError(t *testing.T) {
+	needKVM(t)
+	code := append(slices.Clone(codeReboot), make([]byte, 64<<10)...)
+	path := t.TempDir() + "/vmlinux"
+	image := testkernel.ELF(testkernel.LoadAddr, elf.EM_X86_64, elf.ELFCLASS64, testkernel.Segment{
+		Type: elf.PT_LOAD, Paddr: testkernel.LoadAddr, Filesz: uint64(len(code)), Memsz: uint64(len(code)), Data: code})
+	if err := os.WriteFile(path, image, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	kernel, release, err := assets.MapFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer release()
+	if err := os.Truncate(path, 4096); err != nil {
+		t.Fatal(err)
+	}
+	m, err := New(context.Background(), Config{Kernel: kernel, CPUs: 1, MemoryBytes: 64 << 20, Cmdline: "x"})
+	if err == nil {
+		m.Close()
+		t.Fatal("New(a kernel file truncated while mapped) = nil error, want the fault as an error")
+	}
+	if !strings.Contains(err.Error(), "truncated") {
+		t.Errorf("New(a kernel file truncated while mapped) = %v, want it to say the file may have been truncated", err)
 	}
 }
 

@@ -52,17 +52,23 @@ func runVM(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	if *appendArgs != "" {
 		cfg.Cmdline += " " + *appendArgs
 	}
+	// The files are mapped, not read: the VMM copies them into guest
+	// memory once, from the page cache.
 	if *kernel != "" {
-		if cfg.Kernel, err = os.ReadFile(*kernel); err != nil {
+		var release func()
+		if cfg.Kernel, release, err = assets.MapFile(*kernel); err != nil {
 			return fail("--kernel: %v", err)
 		}
+		defer release()
 	} else if cfg.Kernel, err = assets.Kernel(); err != nil {
 		return fail("%v", err)
 	}
 	if *initrd != "" {
-		if cfg.Initrd, err = os.ReadFile(*initrd); err != nil {
+		var release func()
+		if cfg.Initrd, release, err = assets.MapFile(*initrd); err != nil {
 			return fail("--initrd: %v", err)
 		}
+		defer release()
 	}
 	cfg.Console = stdout
 	if *console != "-" {
@@ -93,6 +99,9 @@ func runVM(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	}
 
 	m, err := vmm.New(ctx, cfg)
+	// The guest's memory has them now: the VMM's RSS need not.
+	assets.Evict(cfg.Kernel)
+	assets.Evict(cfg.Initrd)
 	if err != nil {
 		fmt.Fprintf(stderr, "capsa vm: %v\n", err)
 		return 1

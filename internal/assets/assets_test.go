@@ -5,6 +5,9 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
+	"errors"
+	"fmt"
+	"io/fs"
 	"os"
 	"path/filepath"
 	"strings"
@@ -377,5 +380,49 @@ func TestEvict(t *testing.T) {
 	Evict(heap)
 	if !bytes.Equal(heap, want) {
 		t.Errorf("Evict changed a heap slice")
+	}
+}
+
+// TestMapFile: a regular file is mapped with its content, and Evict and
+// release work on it; a pipe is read instead; a missing file is an error.
+func TestMapFile(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "kernel")
+	want := bytes.Repeat([]byte("capsa"), 10000)
+	if err := os.WriteFile(path, want, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	data, release, err := MapFile(path)
+	if err != nil {
+		t.Fatalf("MapFile(%s) = %v", path, err)
+	}
+	if !bytes.Equal(data, want) {
+		t.Fatalf("MapFile(%s) = %d bytes, want the file's %d", path, len(data), len(want))
+	}
+	if _, ok := mapped.Load(&data[0]); !ok {
+		t.Error("MapFile's mapping is not one Evict gives back")
+	}
+	Evict(data)
+	if !bytes.Equal(data, want) {
+		t.Error("after Evict, the mapping no longer reads as the file")
+	}
+	release()
+	if _, ok := mapped.Load(&data[0]); ok {
+		t.Error("release left the mapping registered")
+	}
+
+	r, w, err := os.Pipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	go func() { w.Write([]byte("piped")); w.Close() }()
+	defer r.Close()
+	data, release, err = MapFile(fmt.Sprintf("/proc/self/fd/%d", r.Fd()))
+	if err != nil || string(data) != "piped" {
+		t.Errorf("MapFile(a pipe) = %q, %v, want its content read", data, err)
+	}
+	release()
+
+	if _, _, err := MapFile(filepath.Join(t.TempDir(), "missing")); !errors.Is(err, fs.ErrNotExist) {
+		t.Errorf("MapFile(a missing file) = %v, want ErrNotExist", err)
 	}
 }
