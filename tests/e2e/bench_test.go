@@ -116,9 +116,42 @@ func BenchmarkBootToAgentReady(b *testing.B) {
 
 // BenchmarkExecTrue measures the round trip of running `true` in a running
 // sandbox: connect, handshake, fork and exec in the guest, exit status.
+//
+// It reports the VM exits an exec costs: each one milliseconds in the
+// nested host. BenchmarkAgentStat is the same round trip without a process.
 func BenchmarkExecTrue(b *testing.B) {
 	ctx := context.Background()
-	benchTrue(b, ctx, &newSandbox(b, ctx, 1).Guest)
+	sb := newSandbox(b, ctx, 1)
+	before := benchExits(b, sb)
+	benchTrue(b, ctx, &sb.Guest)
+	b.ReportMetric(float64(benchExits(b, sb)-before)/float64(b.N), "exits/op")
+}
+
+// BenchmarkAgentStat measures an agent operation that starts no process (a
+// stat of /): the protocol's and the vsock's share of BenchmarkExecTrue.
+func BenchmarkAgentStat(b *testing.B) {
+	ctx := context.Background()
+	sb := newSandbox(b, ctx, 1)
+	before := benchExits(b, sb)
+	var samples []time.Duration
+	for b.Loop() {
+		start := time.Now()
+		if _, err := sb.Stat(ctx, "/"); err != nil {
+			b.Fatalf("Stat(/) = %v", err)
+		}
+		samples = append(samples, time.Since(start))
+	}
+	reportSpread(b, samples)
+	b.ReportMetric(float64(benchExits(b, sb)-before)/float64(b.N), "exits/op")
+}
+
+// benchExits is the VM exits sb has taken so far.
+func benchExits(b *testing.B, sb *sandbox.Sandbox) uint64 {
+	s, err := sb.Stats()
+	if err != nil {
+		b.Fatal(err)
+	}
+	return s.Exits
 }
 
 // benchTrue times `true` run to the end through g, b.N times.
