@@ -45,9 +45,9 @@ type timeline struct {
 }
 
 func (t *timeline) mark(what string) {
-	at := time.Since(t.start)
 	t.mu.Lock()
 	defer t.mu.Unlock()
+	at := time.Since(t.start) // under the lock: marks from several goroutines stay in order
 	for _, m := range t.marks {
 		if m.What == what {
 			return

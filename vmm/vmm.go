@@ -170,6 +170,27 @@ func newMachine(ctx context.Context, cfg Config, st *State, mem *guestmem.Memory
 // Close releases what it made.
 func (m *Machine) build(ctx context.Context, st *State) (err error) {
 	cfg := m.cfg
+	var images func() loadedImages
+	if st == nil {
+		// The kernel and initramfs are copied into guest memory while KVM
+		// makes the VM: in the nested host each takes tens of milliseconds
+		// and neither needs the other.
+		if m.mem, err = guestmem.New(cfg.MemoryBytes); err != nil {
+			return err
+		}
+		c := make(chan loadedImages, 1)
+		go func() { c <- m.loadImages() }()
+		var got *loadedImages
+		images = func() loadedImages {
+			if got == nil {
+				v := <-c
+				got = &v
+			}
+			return *got
+		}
+		// Close, after an error, must not unmap memory the copy writes.
+		defer images()
+	}
 	if m.sys, err = kvm.OpenPath(cfg.DevicePath); err != nil {
 		return err
 	}
@@ -198,11 +219,6 @@ func (m *Machine) build(ctx context.Context, st *State) (err error) {
 		return err
 	}
 	m.timeline.mark("vmm: KVM VM, interrupt controllers and PIT made")
-	if m.mem == nil {
-		if m.mem, err = guestmem.New(cfg.MemoryBytes); err != nil {
-			return err
-		}
-	}
 	for i, r := range m.mem.Regions() {
 		if err = m.vm.SetUserMemoryRegion(uint32(i), 0, r.GPA, r.Host); err != nil {
 			return err
@@ -227,11 +243,18 @@ func (m *Machine) build(ctx context.Context, st *State) (err error) {
 		m.log.Debug("vm restored", "cpus", cfg.CPUs, "memory", cfg.MemoryBytes)
 		return ctx.Err()
 	}
-	state, err := m.loadGuest(cfg.Cmdline + virtioArgs)
-	if err != nil {
-		return err
+	img := images()
+	// They may be file mappings their caller releases once New returns.
+	m.cfg.Kernel, m.cfg.Initrd = nil, nil
+	if img.err != nil {
+		return img.err
 	}
-	m.timeline.mark("vmm: kernel, initramfs and boot tables loaded")
+	img.boot.Cmdline = cfg.Cmdline + virtioArgs
+	state, err := boot.Setup(m.mem, img.boot)
+	if err != nil {
+		return fmt.Errorf("boot setup: %w", err)
+	}
+	m.timeline.mark("vmm: boot tables written")
 	if err = m.createVCPUs(state); err != nil {
 		return err
 	}
@@ -241,14 +264,19 @@ func (m *Machine) build(ctx context.Context, st *State) (err error) {
 	return ctx.Err()
 }
 
-// loadGuest puts the kernel, the initramfs and the boot structures in
-// memory, and then forgets cfg's Kernel and Initrd: they may be file
-// mappings their caller releases once New returns.
+// loadedImages is where loadImages put the kernel and initramfs: the boot
+// configuration but its command line.
+type loadedImages struct {
+	boot boot.Config
+	err  error
+}
+
+// loadImages copies cfg's kernel and initramfs into guest memory.
 //
 // Reading them can fault if they are mappings of files truncated meanwhile
 // (assets.MapFile); that fault is this VM's error, not the process's
 // crash.
-func (m *Machine) loadGuest(cmdline string) (_ *boot.CPUState, err error) {
+func (m *Machine) loadImages() (img loadedImages) {
 	defer debug.SetPanicOnFault(debug.SetPanicOnFault(true))
 	defer func() {
 		if r := recover(); r != nil {
@@ -256,25 +284,21 @@ func (m *Machine) loadGuest(cmdline string) (_ *boot.CPUState, err error) {
 			if !ok {
 				panic(r)
 			}
-			err = fmt.Errorf("load kernel and initramfs: a fault reading them at %#x (was the file truncated?)", f.Addr())
+			img.err = fmt.Errorf("load kernel and initramfs: a fault reading them at %#x (was the file truncated?)", f.Addr())
 		}
 	}()
-	defer func() { m.cfg.Kernel, m.cfg.Initrd = nil, nil }()
 	k, err := boot.LoadKernel(m.mem, m.cfg.Kernel)
 	if err != nil {
-		return nil, fmt.Errorf("load kernel: %w", err)
+		return loadedImages{err: fmt.Errorf("load kernel: %w", err)}
 	}
-	bc := boot.Config{Kernel: k, Cmdline: cmdline, CPUs: m.cfg.CPUs}
+	img.boot = boot.Config{Kernel: k, CPUs: m.cfg.CPUs}
 	if len(m.cfg.Initrd) > 0 {
-		if bc.InitrdAddr, bc.InitrdSize, err = boot.LoadInitrd(m.mem, k, m.cfg.Initrd); err != nil {
-			return nil, fmt.Errorf("load initramfs: %w", err)
+		if img.boot.InitrdAddr, img.boot.InitrdSize, err = boot.LoadInitrd(m.mem, k, m.cfg.Initrd); err != nil {
+			return loadedImages{err: fmt.Errorf("load initramfs: %w", err)}
 		}
 	}
-	state, err := boot.Setup(m.mem, bc)
-	if err != nil {
-		return nil, fmt.Errorf("boot setup: %w", err)
-	}
-	return state, nil
+	m.timeline.mark("vmm: kernel and initramfs loaded (beside KVM's setup)")
+	return img
 }
 
 func (m *Machine) attachDevices() error {

@@ -186,7 +186,7 @@ func TestBootTimeline(t *testing.T) {
 			t.Errorf("mark %q at %v comes before its predecessor's %v", mk.What, mk.At, tl.Marks[i-1].At)
 		}
 	}
-	for _, want := range []string{"vmm: guest memory mapped", "vmm: kernel, initramfs and boot tables loaded", "vmm: vCPUs started",
+	for _, want := range []string{"vmm: guest memory mapped", "vmm: kernel and initramfs loaded (beside KVM's setup)", "vmm: boot tables written", "vmm: vCPUs started",
 		"guest: first console output", "guest: userspace (boot marker)"} {
 		if !slices.Contains(names, want) {
 			t.Errorf("BootTimeline().Marks = %q, want %q among them", names, want)
