@@ -48,16 +48,8 @@ func TestConfinement(t *testing.T) {
 	}
 
 	// What it got, and what the probe found.
-	r = cli(time.Minute, "inspect", "c")
-	var recs []struct {
-		Ports       []string        `json:"ports"`
-		Confinement *confine.Layers `json:"confinement"`
-	}
-	if err := json.Unmarshal([]byte(r.stdout), &recs); err != nil || len(recs) != 1 || recs[0].Confinement == nil {
-		t.Fatalf("capsa inspect c = %q (%v); want its confinement", r.stdout, err)
-	}
-	l := recs[0].Confinement
-	t.Logf("confinement: %s", l)
+	rec := inspectConfined(t, cli, "c")
+	l := rec.Confinement
 	if !strings.HasPrefix(l.Seccomp, "on") || !strings.HasPrefix(l.Rlimits, "on") {
 		t.Errorf("confinement = %s; want seccomp and rlimits on", l)
 	}
@@ -95,7 +87,7 @@ func TestConfinement(t *testing.T) {
 	if b, err := os.ReadFile(filepath.Join(share, "out.txt")); err != nil || string(b) != "out\n" {
 		t.Errorf("the file the guest wrote to the share: %q, %v", b, err)
 	}
-	checkNATAndPort(t, cli, "c", recs[0].Ports, "served confined\n", "confined")
+	checkNATAndPort(t, cli, "c", rec.Ports, "served confined\n", "confined")
 	if r := cli(3*time.Minute, "snapshot", "create", "c", "csnap"); r.code != 0 {
 		t.Errorf("capsa snapshot create of a confined sandbox = exit %d, stderr %q", r.code, r.stderr)
 	} else if r := cli(3*time.Minute, "snapshot", "restore", "csnap", "--name", "c2"); r.code != 0 {
@@ -109,6 +101,27 @@ func TestConfinement(t *testing.T) {
 	if r.code != 0 || r.stdout != "from the host" || !strings.Contains(r.stderr, `execve="operation not permitted"`) {
 		t.Errorf("capsa run, confined, with the probe = exit %d, %q, stderr %q; want the share read and execve refused", r.code, r.stdout, r.stderr)
 	}
+}
+
+// confinedRecord is what capsa inspect says of a detached sandbox that
+// the confinement tests check.
+type confinedRecord struct {
+	PID         int             `json:"pid"`
+	Ports       []string        `json:"ports"`
+	Confinement *confine.Layers `json:"confinement"`
+}
+
+// inspectConfined runs capsa inspect name and returns its record, which
+// must report the sandbox's confinement; it logs the layers.
+func inspectConfined(t *testing.T, cli func(time.Duration, ...string) result, name string) confinedRecord {
+	t.Helper()
+	r := cli(time.Minute, "inspect", name)
+	var recs []confinedRecord
+	if err := json.Unmarshal([]byte(r.stdout), &recs); err != nil || len(recs) != 1 || recs[0].Confinement == nil {
+		t.Fatalf("capsa inspect %s = %q (%v); want its confinement", name, r.stdout, err)
+	}
+	t.Logf("confinement: %s", recs[0].Confinement)
+	return recs[0]
 }
 
 // checkNATAndPort checks that the detached sandbox name (serving body on

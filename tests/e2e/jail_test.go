@@ -1,7 +1,6 @@
 package e2e
 
 import (
-	"encoding/json"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -86,21 +85,12 @@ func TestJail(t *testing.T) {
 	if _, err := os.Stat(rdir); err == nil {
 		t.Errorf("%s is still there after the next start swept", rdir)
 	}
-	r = cli(time.Minute, "inspect", "j")
-	var recs []struct {
-		PID         int             `json:"pid"`
-		Ports       []string        `json:"ports"`
-		Confinement *confine.Layers `json:"confinement"`
-	}
-	if err := json.Unmarshal([]byte(r.stdout), &recs); err != nil || len(recs) != 1 || recs[0].Confinement == nil {
-		t.Fatalf("capsa inspect j = %q (%v); want its confinement", r.stdout, err)
-	}
-	l := recs[0].Confinement
-	t.Logf("confinement: %s", l)
+	rec := inspectConfined(t, cli, "j")
+	l := rec.Confinement
 	if !strings.HasPrefix(l.Namespaces, "on (mount namespace") || !strings.HasSuffix(l.Namespaces, "uid 65534 gid 65534)") {
 		t.Errorf("the namespaces layer = %q, want on, as uid 65534 gid 65534", l.Namespaces)
 	}
-	pid := recs[0].PID
+	pid := rec.PID
 	status, err := os.ReadFile(filepath.Join("/proc", strconv.Itoa(pid), "status"))
 	if err != nil {
 		t.Fatal(err)
@@ -147,7 +137,7 @@ func TestJail(t *testing.T) {
 	if err := syscall.Stat(filepath.Join(share, "out.txt"), &st); err != nil || st.Uid != 65534 {
 		t.Errorf("the file the guest wrote to the share: owner %d, %v; want 65534", st.Uid, err)
 	}
-	checkNATAndPort(t, cli, "j", recs[0].Ports, "served jailed\n", "jailed")
+	checkNATAndPort(t, cli, "j", rec.Ports, "served jailed\n", "jailed")
 	if r := cli(time.Minute, "rm", "-f", "j"); r.code != 0 {
 		t.Errorf("capsa rm -f j = exit %d, stderr %q", r.code, r.stderr)
 	}
