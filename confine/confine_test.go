@@ -181,13 +181,20 @@ func runChild(t *testing.T, layer string, env ...string) map[string]string {
 	t.Helper()
 	cmd := exec.Command(os.Args[0], "-test.run=^$")
 	cmd.Env = append(os.Environ(), append([]string{childEnv + "=" + layer, "CONFINE_TEST_DIR=" + t.TempDir()}, env...)...)
+	return childResult(t, cmd, "the confined child")
+}
+
+// childResult runs cmd, a child of this test binary, and decodes what it
+// printed: what it found, by name; who names the child in failures.
+func childResult(t *testing.T, cmd *exec.Cmd, who string) map[string]string {
+	t.Helper()
 	out, err := cmd.Output()
 	if err != nil {
-		t.Fatalf("the confined child: %v\n%s", err, out)
+		t.Fatalf("%s: %v\n%s", who, err, out)
 	}
 	got := map[string]string{}
 	if err := json.Unmarshal(out, &got); err != nil {
-		t.Fatalf("the confined child printed %q: %v", out, err)
+		t.Fatalf("%s printed %q: %v", who, out, err)
 	}
 	return got
 }

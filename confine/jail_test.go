@@ -99,14 +99,7 @@ func TestJail(t *testing.T) {
 	cmd.Env = append(os.Environ(), childEnv+"=jail", "JAIL_RO="+dirs["ro"], "JAIL_RW="+dirs["rw"], "JAIL_OWN="+dirs["own"],
 		"JAIL_SHARED="+shared, "JAIL_OUTSIDE="+outside)
 	cmd.SysProcAttr = &syscall.SysProcAttr{Unshareflags: syscall.CLONE_NEWNS}
-	out, err := cmd.Output()
-	if err != nil {
-		t.Fatalf("the jailed child: %v\n%s", err, out)
-	}
-	got := map[string]string{}
-	if err := json.Unmarshal(out, &got); err != nil {
-		t.Fatalf("the jailed child printed %q: %v", out, err)
-	}
+	got := childResult(t, cmd, "the jailed child")
 	t.Logf("jail: %s", got["jail"])
 	if got["jail"] != "mount namespace, 6 paths, uid 65534 gid 65534" {
 		t.Fatalf("Jail() = %q, want mount namespace, 6 paths, uid 65534 gid 65534", got["jail"])
