@@ -180,14 +180,7 @@ func (m *Machine) build(ctx context.Context, st *State) (err error) {
 		}
 		c := make(chan loadedImages, 1)
 		go func() { c <- m.loadImages() }()
-		var got *loadedImages
-		images = func() loadedImages {
-			if got == nil {
-				v := <-c
-				got = &v
-			}
-			return *got
-		}
+		images = sync.OnceValue(func() loadedImages { return <-c })
 		// Close, after an error, must not unmap memory the copy writes.
 		defer images()
 	}
