@@ -57,16 +57,7 @@ func TestConfinement(t *testing.T) {
 	if !landlock {
 		t.Logf("this host has no Landlock (%s): the file check is skipped", l.Landlock)
 	}
-	logb, err := os.ReadFile(filepath.Join(dir, "sandboxes", "c", supervisor.SupervisorLog))
-	if err != nil {
-		t.Fatal(err)
-	}
-	probe := ""
-	for _, line := range strings.Split(string(logb), "\n") {
-		if strings.Contains(line, "confine probe") {
-			probe = line
-		}
-	}
+	probe := probeLine(t, dir, "c")
 	for _, want := range []string{`execve="operation not permitted"`, `ptrace="operation not permitted"`} {
 		if !strings.Contains(probe, want) {
 			t.Errorf("the confined supervisor's probe: %q; want %s", probe, want)
@@ -101,6 +92,24 @@ func TestConfinement(t *testing.T) {
 	if r.code != 0 || r.stdout != "from the host" || !strings.Contains(r.stderr, `execve="operation not permitted"`) {
 		t.Errorf("capsa run, confined, with the probe = exit %d, %q, stderr %q; want the share read and execve refused", r.code, r.stdout, r.stderr)
 	}
+}
+
+// probeLine is the last line of the detached sandbox name's supervisor
+// log (in the state directory dir) where its confined VMM reported what
+// the test hook's probe (confine.ProbeEnv) tried; "" if none.
+func probeLine(t *testing.T, dir, name string) string {
+	t.Helper()
+	logb, err := os.ReadFile(filepath.Join(dir, "sandboxes", name, supervisor.SupervisorLog))
+	if err != nil {
+		t.Fatal(err)
+	}
+	probe := ""
+	for _, line := range strings.Split(string(logb), "\n") {
+		if strings.Contains(line, "confine probe") {
+			probe = line
+		}
+	}
+	return probe
 }
 
 // confinedRecord is what capsa inspect says of a detached sandbox that

@@ -12,7 +12,6 @@ import (
 	"time"
 
 	"github.com/capsa-sandbox/capsa/confine"
-	"github.com/capsa-sandbox/capsa/supervisor"
 )
 
 // TestJail: as root (the nested host), every VMM process is jailed: a
@@ -116,16 +115,7 @@ func TestJail(t *testing.T) {
 		}
 	}
 	t.Logf("the jailed supervisor's root: %v", top)
-	logb, err := os.ReadFile(filepath.Join(dir, "sandboxes", "j", supervisor.SupervisorLog))
-	if err != nil {
-		t.Fatal(err)
-	}
-	probe := ""
-	for _, line := range strings.Split(string(logb), "\n") {
-		if strings.Contains(line, "confine probe") {
-			probe = line
-		}
-	}
+	probe := probeLine(t, dir, "j")
 	if !strings.Contains(probe, `open="open `+secret+`: no such file or directory"`) || !strings.Contains(probe, `execve="operation not permitted"`) {
 		t.Errorf("the jailed supervisor's probe: %q; want %s not there and execve refused", probe, secret)
 	}
