@@ -34,6 +34,7 @@ import (
 
 	"github.com/capsa-sandbox/capsa/agent"
 	"github.com/capsa-sandbox/capsa/confine"
+	"github.com/capsa-sandbox/capsa/internal/selfpages"
 	"github.com/capsa-sandbox/capsa/sandbox"
 	"github.com/capsa-sandbox/capsa/store"
 	"github.com/capsa-sandbox/capsa/virtio/vsock"
@@ -245,8 +246,16 @@ func Run(ctx context.Context, o Options) error {
 	log.Info("supervisor: running", "name", o.Name)
 	// What the start left (decompression, image layers, JSON) is garbage
 	// now: give its pages back, so that a VMM that runs for hours holds
-	// only what it uses (BenchmarkDetachedExec/memory).
+	// only what it uses (BenchmarkDetachedExec/memory). The same for the
+	// binary's own code and read-only data, which the start mapped and
+	// most of which runs no more: what does comes back from the page
+	// cache.
 	debug.FreeOSMemory()
+	if n, err := selfpages.Release(); err != nil {
+		log.Warn("supervisor: giving back the binary's pages", "err", err)
+	} else {
+		log.Debug("supervisor: gave back the binary's pages", "bytes", n)
+	}
 
 	var mainStatus *agent.ExitStatus
 	var mainErr error
