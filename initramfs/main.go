@@ -1,7 +1,16 @@
 // Command initramfs builds capsa's guest initramfs with u-root: u-root's
-// core commands (those a sandbox can use: coreCommands) compiled into one
-// busybox-style binary, gosh as /bin/sh (so `sh -c` works), and capsa's
+// core commands (those a sandbox can use: coreCommands) compiled into two
+// busybox-style binaries, gosh as /bin/sh (so `sh -c` works), and capsa's
 // guest agent as /init.
+//
+// Two busyboxes, because a Go busybox runs the init functions of every
+// package any of its commands links before it looks at argv[0]: with the
+// shell's line editor, net/http, TLS and strace's tables in the same
+// binary, `true` took twice as long to run as a Go program that links
+// none of them (BenchmarkExecTrue). The commands that link the network
+// stack, TLS or a terminal UI (netCommands) are /bbin/bbnet; the rest,
+// what a sandbox runs most (ls, cat, cp, mkdir, grep, true...), are
+// /bbin/bb.
 //
 //	go run . -agent PATH -o OUT.cpio
 //
@@ -14,9 +23,15 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
+	"path"
+	"path/filepath"
 
+	"github.com/u-root/gobusybox/src/pkg/bb"
 	"github.com/u-root/gobusybox/src/pkg/golang"
+	"github.com/u-root/mkuimage/cpio"
 	"github.com/u-root/mkuimage/uimage"
+	"github.com/u-root/mkuimage/uimage/builder"
+	"github.com/u-root/mkuimage/uimage/initramfs"
 	"github.com/u-root/uio/llog"
 )
 
@@ -57,6 +72,7 @@ func main() {
 		// its time). They were 4.6 MB of the 15.8 MB busybox binary,
 		// 1.2 MB of the compressed initramfs capsa embeds.
 		uimage.WithBusyboxCommands(coreCommands...),
+		uimage.WithCommands(nil, namedBusybox("bbnet"), netCommands...),
 		uimage.WithShell("gosh"),
 		uimage.WithFiles(*agent+":bin/capsa-agent"),
 		// The agent is PID 1: it sets the machine up and reaps orphans.
@@ -84,5 +100,55 @@ var coreCommands = func() []string {
 	} {
 		cmds = append(cmds, "-"+core+c)
 	}
+	for _, c := range netCommands {
+		cmds = append(cmds, "-"+c)
+	}
 	return cmds
 }()
+
+// netCommands are the core commands that link the network stack, TLS or a
+// terminal UI, whose packages' init functions are most of a busybox's
+// start: they get their own busybox (see the package comment). Any core
+// command can be listed here; one that is not stays in /bbin/bb.
+var netCommands = func() []string {
+	const core = "github.com/u-root/u-root/cmds/core/"
+	var cmds []string
+	for _, c := range []string{"gosh", "wget", "netcat", "netstat", "ping", "ip", "strace"} {
+		cmds = append(cmds, core+c)
+	}
+	return cmds
+}()
+
+// namedBusybox builds its commands into one busybox binary at /bbin/NAME,
+// with /bbin/COMMAND symlinks to it. It is uimage's GBBBuilder with another
+// name: that one always writes /bbin/bb, and an initramfs with two
+// busyboxes needs two names.
+type namedBusybox string
+
+func (namedBusybox) DefaultBinaryDir() string { return "bbin" }
+
+func (b namedBusybox) Build(l *llog.Logger, af *initramfs.Files, opts builder.Opts) error {
+	if opts.TempDir == "" || opts.Env == nil {
+		return fmt.Errorf("busybox %s: no temporary directory or Go environment", string(b))
+	}
+	bin := filepath.Join(opts.TempDir, string(b))
+	err := bb.BuildBusybox(l.AtLevel(slog.LevelInfo), &bb.Opts{
+		Env:          opts.Env,
+		GenSrcDir:    opts.TempDir,
+		CommandPaths: opts.Packages,
+		BinaryPath:   bin,
+		GoBuildOpts:  opts.BuildOpts,
+	})
+	if err != nil {
+		return fmt.Errorf("busybox %s: %w", string(b), err)
+	}
+	if err := af.AddFile(bin, path.Join(opts.BinaryDir, string(b))); err != nil {
+		return err
+	}
+	for _, pkg := range opts.Packages {
+		if err := af.AddRecord(cpio.Symlink(path.Join(opts.BinaryDir, path.Base(pkg)), string(b))); err != nil {
+			return err
+		}
+	}
+	return nil
+}
