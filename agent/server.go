@@ -682,6 +682,12 @@ func (s *Server) exec(ctx context.Context, c *Conn, req *ExecRequest) error {
 	}
 	pgid := cmd.Process.Pid
 	p.info.PID = pgid
+	// The command inherited the server's exemption from the OOM killer
+	// (ProtectFromOOM): give it back the default, so that a command that
+	// exhausts the guest's memory is what the OOM killer takes.
+	if err := setOOMScoreAdj(strconv.Itoa(pgid), 0); err != nil {
+		s.log().Warn("exec: the command's OOM score", "pid", pgid, "err", err)
+	}
 	var mu sync.Mutex
 	timedOut, exited := false, false
 	// kill signals the process group while it can still be ours: once
@@ -833,4 +839,22 @@ func groupHasMembers(pgid int) bool {
 		}
 	}
 	return false
+}
+
+// ProtectFromOOM exempts the calling process (the agent server) from the
+// guest's OOM killer: otherwise, once a command (a fork bomb, a memory
+// eater) has exhausted the guest's memory, the server, with more memory
+// than any one of the command's processes, is the killer's choice, and the
+// sandbox stops answering (TestHostileWorkloads). Every command the server
+// starts gets the default back at once; what the command forks before
+// that (it has not run its own code yet when Start returns, so in
+// practice nothing) keeps the exemption.
+func ProtectFromOOM() error { return setOOMScoreAdj("self", -1000) }
+
+// setOOMScoreAdj writes /proc/PID/oom_score_adj.
+func setOOMScoreAdj(pid string, adj int) error {
+	if err := os.WriteFile("/proc/"+pid+"/oom_score_adj", []byte(strconv.Itoa(adj)), 0); err != nil {
+		return fmt.Errorf("oom_score_adj: %w", err)
+	}
+	return nil
 }

@@ -80,6 +80,12 @@ func TestHostileWorkloads(t *testing.T) {
 		t.Fatal("a sandbox stopped answering after one filled its /tmp")
 	}
 
+	// The agent server is exempt from the guest's OOM killer; what it runs
+	// is not.
+	if r, err := abused.Exec(ctx, sandbox.Command("cat", "/proc/self/oom_score_adj")); err != nil || string(r.Stdout) != "0\n" {
+		t.Errorf("Exec(cat /proc/self/oom_score_adj) = %+v, %v; want 0", r, err)
+	}
+
 	// Memory exhausted: the guest's OOM killer ends the process. The
 	// eater runs from the guest's tmpfs, not the share: a program whose
 	// text is on a share can have it reclaimed and read back over 9P

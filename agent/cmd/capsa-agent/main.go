@@ -353,6 +353,9 @@ func serve(log *slog.Logger) int {
 		log.Error("listen", "port", agent.Port, "err", err)
 		return 1
 	}
+	if err := agent.ProtectFromOOM(); err != nil {
+		log.Warn("serve: exempting the server from the OOM killer", "err", err)
+	}
 	go announceReady(log)
 	srv := &agent.Server{Log: log, Shutdown: func() {
 		time.Sleep(10 * time.Millisecond) // let the reply reach the host
