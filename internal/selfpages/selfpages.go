@@ -44,18 +44,9 @@ type mapping struct {
 // in them before. It is always safe: what runs afterwards faults its pages
 // back in from the page cache.
 func Release() (int64, error) {
-	exe, err := os.Readlink("/proc/self/exe")
+	ms, err := ownMappings()
 	if err != nil {
-		return 0, fmt.Errorf("selfpages: %w", err)
-	}
-	f, err := os.Open("/proc/self/smaps")
-	if err != nil {
-		return 0, fmt.Errorf("selfpages: %w", err)
-	}
-	defer f.Close()
-	ms, err := droppable(f, exe)
-	if err != nil {
-		return 0, fmt.Errorf("selfpages: /proc/self/smaps: %w", err)
+		return 0, err
 	}
 	var freed int64
 	for _, m := range ms {
@@ -65,6 +56,24 @@ func Release() (int64, error) {
 		freed += int64(m.rssKiB) << 10
 	}
 	return freed, nil
+}
+
+// ownMappings is droppable for the calling process and its executable.
+func ownMappings() ([]mapping, error) {
+	exe, err := os.Readlink("/proc/self/exe")
+	if err != nil {
+		return nil, fmt.Errorf("selfpages: %w", err)
+	}
+	f, err := os.Open("/proc/self/smaps")
+	if err != nil {
+		return nil, fmt.Errorf("selfpages: %w", err)
+	}
+	defer f.Close()
+	ms, err := droppable(f, exe)
+	if err != nil {
+		return nil, fmt.Errorf("selfpages: /proc/self/smaps: %w", err)
+	}
+	return ms, nil
 }
 
 // droppable reads smaps and returns the mappings of the file at path that
