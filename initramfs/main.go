@@ -8,9 +8,9 @@
 // shell's line editor, net/http, TLS and strace's tables in the same
 // binary, `true` took twice as long to run as a Go program that links
 // none of them (BenchmarkExecTrue). The commands that link the network
-// stack, TLS or a terminal UI (netCommands) are /bbin/bbnet; the rest,
-// what a sandbox runs most (ls, cat, cp, mkdir, grep, true...), are
-// /bbin/bb.
+// stack, TLS, a terminal UI, the crypto hashes, compression, archive
+// formats or ELF and DWARF (heavyCommands) are /bbin/bbx; the rest, what
+// a sandbox runs most (ls, cat, cp, mkdir, grep, true...), are /bbin/bb.
 //
 //	go run . -agent PATH -o OUT.cpio
 //
@@ -72,7 +72,7 @@ func main() {
 		// its time). They were 4.6 MB of the 15.8 MB busybox binary,
 		// 1.2 MB of the compressed initramfs capsa embeds.
 		uimage.WithBusyboxCommands(coreCommands...),
-		uimage.WithCommands(nil, namedBusybox("bbnet"), netCommands...),
+		uimage.WithCommands(nil, namedBusybox("bbx"), heavyCommands...),
 		uimage.WithShell("gosh"),
 		uimage.WithFiles(*agent+":bin/capsa-agent"),
 		// The agent is PID 1: it sets the machine up and reaps orphans.
@@ -100,20 +100,26 @@ var coreCommands = func() []string {
 	} {
 		cmds = append(cmds, "-"+core+c)
 	}
-	for _, c := range netCommands {
+	for _, c := range heavyCommands {
 		cmds = append(cmds, "-"+c)
 	}
 	return cmds
 }()
 
-// netCommands are the core commands that link the network stack, TLS or a
-// terminal UI, whose packages' init functions are most of a busybox's
-// start: they get their own busybox (see the package comment). Any core
-// command can be listed here; one that is not stays in /bbin/bb.
-var netCommands = func() []string {
+// heavyCommands are the core commands whose packages' init functions are
+// most of a busybox's start (GODEBUG=inittrace=1 in the guest): those that
+// link the network stack, TLS or a terminal UI (gosh, wget, netcat,
+// netstat, ping, ip, strace), the crypto hashes (blkid, md5sum, shasum),
+// compression and archives (gzip, tar, cpio) and ELF and DWARF
+// (lddfiles). They get their own busybox (see the package comment). Any
+// core command can be listed here; one that is not stays in /bbin/bb.
+var heavyCommands = func() []string {
 	const core = "github.com/u-root/u-root/cmds/core/"
 	var cmds []string
-	for _, c := range []string{"gosh", "wget", "netcat", "netstat", "ping", "ip", "strace"} {
+	for _, c := range []string{
+		"gosh", "wget", "netcat", "netstat", "ping", "ip", "strace",
+		"blkid", "md5sum", "shasum", "gzip", "tar", "cpio", "lddfiles",
+	} {
 		cmds = append(cmds, core+c)
 	}
 	return cmds
