@@ -64,6 +64,20 @@ func calls(dir string) []attempt {
 			_, err := os.ReadFile(p)
 			return err
 		}},
+		{"rename across directories", func() error {
+			// What a guest's mv a/f b/f in a share asks of the VMM
+			// (Landlock's "refer" right).
+			a, b := filepath.Join(dir, "ra"), filepath.Join(dir, "rb")
+			for _, d := range []string{a, b} {
+				if err := os.MkdirAll(d, 0o700); err != nil {
+					return err
+				}
+			}
+			if err := os.WriteFile(filepath.Join(a, "f"), nil, 0o600); err != nil {
+				return err
+			}
+			return os.Rename(filepath.Join(a, "f"), filepath.Join(b, "f"))
+		}},
 		{"tcp socket", func() error {
 			fd, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM, 0)
 			unix.Close(fd)
@@ -206,7 +220,7 @@ func TestSeccompAllowlist(t *testing.T) {
 		t.Skip("no seccomp on this host")
 	}
 	got := runChild(t, "seccomp")
-	allowed := []string{"getpid", "file write and read", "tcp socket", "mmap rw", "new threads", "KVM_RUN on a file", "KVM_GET_CLOCK on a file", "unix socket", "signal to itself"}
+	allowed := []string{"getpid", "file write and read", "rename across directories", "tcp socket", "mmap rw", "new threads", "KVM_RUN on a file", "KVM_GET_CLOCK on a file", "unix socket", "signal to itself"}
 	for _, name := range allowed {
 		if got[name] != "ok" {
 			t.Errorf("confined %s = %q, want ok", name, got[name])
@@ -244,6 +258,9 @@ func TestApply(t *testing.T) {
 	got := runChild(t, "all", "CONFINE_TEST_OUTSIDE="+outside)
 	if got["file write and read"] != "ok" || got["execve"] != unix.EPERM.Error() {
 		t.Errorf("confined child: write in its directory %q, execve %q; want ok, EPERM", got["file write and read"], got["execve"])
+	}
+	if abi, err := landlockABI(); (err != nil || abi >= 2) && got["rename across directories"] != "ok" {
+		t.Errorf("confined child: rename between two directories it may write = %q, want ok", got["rename across directories"])
 	}
 	if _, err := landlockABI(); err != nil {
 		t.Logf("no Landlock here (%v): reading outside = %q", err, got["read outside"])

@@ -14,6 +14,14 @@ import (
 // best the kernel has (ABI 5 adds nothing past it that a VMM needs: its
 // network rules would restrict the NAT's own connections). A path that
 // does not exist is skipped. Without Landlock it returns errUnavailable.
+//
+// The rw directories get the "refer" right (ABI 2, Linux 5.19), without
+// which Landlock refuses every rename or link that moves a file to
+// another directory with EXDEV: a guest's mv a/f b/f in a share, git's
+// and pip's renames into place. Moving between rw directories gives the
+// VMM nothing it lacks (it may already copy and delete in both). On ABI 1
+// the right does not exist and such renames stay refused: asking for it
+// there would make go-landlock's best effort drop Landlock altogether.
 func restrictPaths(ro, rw []string) (string, error) {
 	abi, err := landlockABI()
 	if err != nil {
@@ -39,7 +47,11 @@ func restrictPaths(ro, rw []string) (string, error) {
 	if err := add(ro, landlock.RODirs, landlock.ROFiles); err != nil {
 		return "", err
 	}
-	if err := add(rw, landlock.RWDirs, landlock.RWFiles); err != nil {
+	rwDirs := landlock.RWDirs
+	if abi >= 2 {
+		rwDirs = func(paths ...string) landlock.FSRule { return landlock.RWDirs(paths...).WithRefer() }
+	}
+	if err := add(rw, rwDirs, landlock.RWFiles); err != nil {
 		return "", err
 	}
 	if err := landlock.V5.BestEffort().RestrictPaths(rules...); err != nil {

@@ -325,12 +325,21 @@ func (f *file) truncate(size int64) error {
 			}
 		}
 		// An fid open for writing may truncate even a file whose mode
-		// no longer allows writing, as ftruncate(2) would.
+		// no longer allows writing, as ftruncate(2) would. Otherwise the
+		// inode is opened for writing through its magic link, which
+		// checks the same write permission truncate(2) does, and
+		// truncated through that descriptor: truncate(2) by path is not
+		// in a confined VMM's system call allowlist (a guest's
+		// truncate -s got EPERM from seccomp).
 		var err error
 		if f.ofd >= 0 && f.owrite {
 			err = unix.Ftruncate(f.ofd, size)
 		} else {
-			err = unix.Truncate(procPath(f.fd), size)
+			var wfd int
+			if wfd, err = reopen(f.fd, unix.O_WRONLY|unix.O_NONBLOCK); err == nil {
+				err = unix.Ftruncate(wfd, size)
+				unix.Close(wfd)
+			}
 		}
 		chargeSize(tx, f.fd, st.Size)
 		return errno(err)

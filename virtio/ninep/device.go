@@ -386,6 +386,7 @@ type fidOp struct {
 	kind  byte   // one of the fid* constants
 	fid   uint32 // the fid made, converted or released
 	reply byte   // the reply type that says it succeeded
+	list  bool   // a Txattrwalk with no name: the attribute list
 }
 
 const (
@@ -507,7 +508,9 @@ func (s *session) admitMsg(msg []byte, tag uint16, c *virtio.Chain, internal cha
 			op.kind, op.fid = fidMake, newfid
 		}
 	case txattrwalk:
+		// fid[4] newfid[4] name[s]
 		op.kind, op.fid = fidMakeXattr, le.Uint32(body[4:])
+		op.list = le.Uint16(body[8:]) == 0
 	case txattrcreate:
 		// fid[4] name[s] size[8] flags[4]: the server buffers the value
 		// the guest then writes, up to size, until the clunk.
@@ -574,6 +577,9 @@ func (s *session) answered(tag uint16, msg []byte) {
 	}
 	delete(s.fidOps, tag)
 	ok = msg[4] == op.reply
+	if ok && op.list {
+		emptyList(msg)
+	}
 	if op.kind == fidMakeXattr || op.kind == fidToXattr {
 		s.xmaking--
 	}
@@ -602,6 +608,21 @@ func (s *session) answered(tag uint16, msg []byte) {
 			}
 			delete(s.fids, op.fid)
 		}
+	}
+}
+
+// emptyList corrects the p9 server's Rxattrwalk for an empty attribute
+// list. The server sends the names joined by NUL with a NUL after the
+// last, so no names at all become one NUL byte: the guest's listxattr(2)
+// then returned one empty name, and cp -a, shutil.copystat and the like
+// failed with ERANGE getting it. A list of one byte can hold nothing
+// else (a name is at least one byte and its NUL), so its size is set to
+// 0, which is what the guest reads for an empty list: it then reads
+// nothing from the fid.
+func emptyList(msg []byte) {
+	// size[4] type[1] tag[2] attrsize[8]
+	if len(msg) == headerLen+8 && msg[4] == txattrwalk+1 && binary.LittleEndian.Uint64(msg[headerLen:]) == 1 {
+		binary.LittleEndian.PutUint64(msg[headerLen:], 0)
 	}
 }
 

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/hugelgupf/p9/p9"
+	"golang.org/x/sys/unix"
 
 	"github.com/capsa-sandbox/capsa/p9fs"
 	"github.com/capsa-sandbox/capsa/virtio"
@@ -484,4 +485,31 @@ func TestLaterVersionsAreAnsweredByTheDevice(t *testing.T) {
 func openFDs() int {
 	e, _ := os.ReadDir("/proc/self/fd")
 	return len(e)
+}
+
+// TestEmptyXattrListIsEmpty: a file without attributes lists none (size
+// 0), where the p9 server alone answers one NUL byte, which the guest
+// read as one empty name; a file with one lists exactly it.
+func TestEmptyXattrListIsEmpty(t *testing.T) {
+	root := t.TempDir()
+	os.WriteFile(filepath.Join(root, "f"), []byte("data"), 0o644)
+	os.WriteFile(filepath.Join(root, "g"), []byte("data"), 0o644)
+	withAttr := unix.Setxattr(filepath.Join(root, "g"), "user.k", []byte("v"), 0) == nil
+	g := newGuest(t, root, false)
+	g.attach()
+	size := func(name string, fid uint32) uint64 {
+		g.ok(twalk, 2, cat(u32b(1), u32b(fid), u16b(1), str9(name)), 4096)
+		r := g.ok(txattrwalk, 3, cat(u32b(fid), u32b(fid+1), str9("")), 4096)
+		g.ok(tclunk, 4, u32b(fid+1), 64)
+		return binary.LittleEndian.Uint64(r[headerLen:])
+	}
+	if n := size("f", 10); n != 0 {
+		t.Errorf("attribute list of a file without attributes: %d bytes, want 0", n)
+	}
+	if !withAttr {
+		t.Skip("the test directory's file system has no user attributes")
+	}
+	if n := size("g", 20); n != uint64(len("user.k\x00")) {
+		t.Errorf("attribute list of a file with user.k: %d bytes, want %d", n, len("user.k\x00"))
+	}
 }
