@@ -67,6 +67,7 @@ const (
 	treaddir     = 40
 	tclunk       = 120
 	tremove      = 122
+	tgetlock     = 54
 )
 
 var (
@@ -308,6 +309,7 @@ func (d *Device) complete(s *session, c *virtio.Chain, msg []byte) {
 
 const (
 	errnoE2BIG  = 7
+	errnoEBADF  = 9
 	errnoEBUSY  = 16
 	errnoEINVAL = 22
 	errnoENFILE = 23
@@ -477,6 +479,18 @@ func (s *session) admitMsg(msg []byte, tag uint16, c *virtio.Chain, internal cha
 		}
 		s.flushes[tag] = old
 	}
+	if typ == tgetlock {
+		// The guest kernel keeps the locks and tests its own first: it
+		// asks the server only when it found no conflict, and the guest
+		// is this share's one client, so there is none here either
+		// (p9fs grants every Tlock for the same reason). The p9 server
+		// has no Tgetlock: unanswered, fcntl(F_GETLK) failed, and SQLite
+		// in WAL mode with it.
+		if _, held := s.fids[le.Uint32(body)]; !held {
+			return refuse(errnoEBADF, "Tgetlock on fid %d, which the guest does not hold", le.Uint32(body))
+		}
+		return nil, tag, getlockReply(tag, body), nil
+	}
 	cost := int64(len(msg))
 	op := fidOp{reply: typ + 1}
 	switch typ {
@@ -609,6 +623,15 @@ func (s *session) answered(tag uint16, msg []byte) {
 			delete(s.fids, op.fid)
 		}
 	}
+}
+
+// getlockReply is the Rgetlock for the Tgetlock body req (fid[4] type[1]
+// start[8] length[8] proc_id[4] client_id[s], checked against its
+// layout): no conflicting lock (type P9_LOCK_TYPE_UNLCK), the range and
+// owner as asked.
+func getlockReply(tag uint16, req []byte) []byte {
+	body := []byte{2} // P9_LOCK_TYPE_UNLCK
+	return message(tgetlock+1, tag, append(body, req[5:]...))
 }
 
 // emptyList corrects the p9 server's Rxattrwalk for an empty attribute

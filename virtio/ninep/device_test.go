@@ -320,7 +320,8 @@ func TestCheckBody(t *testing.T) {
 		{"setattr", 26, make([]byte, 4+4+12+40), 0},
 		{"setattr short", 26, make([]byte, 59), errnoEINVAL},
 		{"a reply type", rlerror, u32(5), errnoENOSYS},
-		{"getlock (not served)", 54, nil, errnoENOSYS},
+		{"getlock short (the device answers it)", 54, u32(1), errnoEINVAL},
+		{"an unassigned type", 56, nil, errnoENOSYS},
 		{"extra bytes are ignored, as the server does", 120, cat(u32(1), u32(9)), 0},
 	} {
 		errno, err := checkBody(tc.typ, tc.body)

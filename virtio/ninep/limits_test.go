@@ -513,3 +513,26 @@ func TestEmptyXattrListIsEmpty(t *testing.T) {
 		t.Errorf("attribute list of a file with user.k: %d bytes, want %d", n, len("user.k\x00"))
 	}
 }
+
+// TestGetlockIsAnsweredByTheDevice: fcntl(F_GETLK) reaches the device as
+// Tgetlock only when the guest found no conflicting lock of its own; the
+// device answers that there is none, with the range and owner asked, and
+// refuses a fid the guest does not hold.
+func TestGetlockIsAnsweredByTheDevice(t *testing.T) {
+	root := t.TempDir()
+	os.WriteFile(filepath.Join(root, "f"), []byte("data"), 0o644)
+	g := newGuest(t, root, false)
+	g.attach()
+	g.ok(twalk, 2, cat(u32b(1), u32b(2), u16b(1), str9("f")), 4096)
+	req := cat(u32b(2), []byte{1}, u64b(100), u64b(50), u32b(77), str9("guest"))
+	r := g.ok(tgetlock, 3, req, 4096)
+	if want := cat([]byte{2}, u64b(100), u64b(50), u32b(77), str9("guest")); !bytes.Equal(r[headerLen:], want) {
+		t.Errorf("Rgetlock body = % x, want % x (unlocked, the range and owner asked)", r[headerLen:], want)
+	}
+	if e := errnoOf(g.call(tgetlock, 4, cat(u32b(99), []byte{1}, u64b(0), u64b(0), u32b(1), str9("")), 4096)); e != errnoEBADF {
+		t.Errorf("Tgetlock on a fid not held: errno %d, want EBADF", e)
+	}
+	if e := errnoOf(g.call(tgetlock, 5, u32b(2), 4096)); e != errnoEINVAL {
+		t.Errorf("a truncated Tgetlock: errno %d, want EINVAL", e)
+	}
+}

@@ -32,6 +32,7 @@ var layouts = map[byte]string{
 	40:  "484",        // Treaddir fid offset count
 	50:  "4",          // Tfsync fid
 	52:  "414884s",    // Tlock fid type flags start length pid client
+	54:  "41884s",     // Tgetlock fid type start length pid client (the device answers it)
 	70:  "44s",        // Tlink dfid fid name
 	72:  "4s44",       // Tmkdir dfid name mode gid
 	74:  "4s4s",       // Trenameat olddir oldname newdir newname

@@ -218,7 +218,14 @@ func switchToImage() error {
 			return err
 		}
 	}
-	opts := "lowerdir=" + lower + ",upperdir=" + upperMnt + "/upper,workdir=" + upperMnt + "/work"
+	// xino=on: inode numbers carry which layer they come from, so that
+	// every st_ino is unique and readdir's d_ino agrees with it (with
+	// "auto", overlayfs turns xino off for an EROFS lower layer without a
+	// UUID, and a directory that another was renamed into listed the upper
+	// disk's raw inode numbers). redirect_dir=on: a directory of the image
+	// can be renamed (without it rename(2) fails with EXDEV, and a program
+	// that does not fall back to copying, Python's os.rename, fails).
+	opts := "lowerdir=" + lower + ",upperdir=" + upperMnt + "/upper,workdir=" + upperMnt + "/work,xino=on,redirect_dir=on"
 	if err := unix.Mount("overlay", root, "overlay", 0, opts); err != nil {
 		return fmt.Errorf("mount the overlay: %w", err)
 	}
