@@ -7,6 +7,8 @@ NESTED := $(BUILD)/capsa-nested
 # Test binaries for the KVM tier: packages whose tests need /dev/kvm.
 KVM_PKGS := ./kvm ./vmm
 BENCHTIME ?= 5x
+# Which benchmarks make bench runs (a -test.bench pattern): make bench BENCH=WorkspaceMeta
+BENCH ?= .
 VERSION := $(shell git describe --always --dirty 2>/dev/null || echo dev)
 # Where `make install` puts capsa (PREFIX/bin) and the guest assets
 # (PREFIX/share/capsa), and where the library looks for them last.
@@ -173,7 +175,7 @@ bench: capsa testinitrd testimages nested-deps qemu-bundle $(NESTED)
 	CGO_ENABLED=0 $(GO) test -c -o $(BUILD)/bench/e2e.test ./tests/e2e
 	set -o pipefail; l1=$$(scripts/nested-deps.sh); $(NESTED) -f $(BUILD)/bench/e2e.test $(patsubst %,-f %,$(E2E_FILES)) -f $(BUILD)/testimages:testimages \
 		-f $$(ls $$l1/boot/vmlinuz-* | head -1):vmlinuz-debian -- \
-		./e2e.test -test.run '^$$' -test.bench . -test.benchtime $(BENCHTIME) | tee $(BUILD)/bench/results.txt
+		./e2e.test -test.run '^$$' -test.bench '$(BENCH)' -test.benchtime $(BENCHTIME) | tee $(BUILD)/bench/results.txt
 
 # Everything, tier by tier; stops at the first failing tier and names it.
 test:

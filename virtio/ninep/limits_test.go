@@ -426,16 +426,23 @@ func FuzzRequestSequences(f *testing.F) {
 	})
 }
 
-// TestXattrWalkKeepsTheFidUsable: the p9 server gives a Txattrwalk's new
-// fid the original fid's File and closes it when the new fid is clunked;
-// the original fid must still work afterwards (Linux walks from it, as
-// after every getxattr on a share).
-func TestXattrWalkKeepsTheFidUsable(t *testing.T) {
+// guestAtFile is a guest attached (fid 1) to a share holding one file, f
+// ("data"), with fid 2 walked to it.
+func guestAtFile(t *testing.T) *guest {
 	root := t.TempDir()
 	os.WriteFile(filepath.Join(root, "f"), []byte("data"), 0o644)
 	g := newGuest(t, root, false)
 	g.attach()
 	g.ok(twalk, 2, cat(u32b(1), u32b(2), u16b(1), str9("f")), 4096)
+	return g
+}
+
+// TestXattrWalkKeepsTheFidUsable: the p9 server gives a Txattrwalk's new
+// fid the original fid's File and closes it when the new fid is clunked;
+// the original fid must still work afterwards (Linux walks from it, as
+// after every getxattr on a share).
+func TestXattrWalkKeepsTheFidUsable(t *testing.T) {
+	g := guestAtFile(t)
 	for _, name := range []string{"", "user.missing"} {
 		g.call(txattrwalk, 3, cat(u32b(2), u32b(3), str9(name)), 4096)
 		g.call(tclunk, 4, u32b(3), 64)
@@ -519,11 +526,7 @@ func TestEmptyXattrListIsEmpty(t *testing.T) {
 // device answers that there is none, with the range and owner asked, and
 // refuses a fid the guest does not hold.
 func TestGetlockIsAnsweredByTheDevice(t *testing.T) {
-	root := t.TempDir()
-	os.WriteFile(filepath.Join(root, "f"), []byte("data"), 0o644)
-	g := newGuest(t, root, false)
-	g.attach()
-	g.ok(twalk, 2, cat(u32b(1), u32b(2), u16b(1), str9("f")), 4096)
+	g := guestAtFile(t)
 	req := cat(u32b(2), []byte{1}, u64b(100), u64b(50), u32b(77), str9("guest"))
 	r := g.ok(tgetlock, 3, req, 4096)
 	if want := cat([]byte{2}, u64b(100), u64b(50), u32b(77), str9("guest")); !bytes.Equal(r[headerLen:], want) {
