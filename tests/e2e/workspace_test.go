@@ -37,7 +37,6 @@ var shareDifferences = map[string]struct{ got, why string }{
 	"rename_exchange":         {"EINVAL", "9P2000.L's Trenameat has no flags: the guest kernel does RENAME_NOREPLACE itself (kernel/patches/0002), not an exchange"},
 	"o_tmpfile":               {"ENOTSUP", "Linux's v9fs has no tmpfile operation (programs fall back to a named file)"},
 	"setxattr_trusted":        {"ENOTSUP", "only user.* attributes are served; trusted.* and security.* are the host's"},
-	"getxattr_missing":        {"EINVAL", "the p9 server library answers every failed Txattrwalk with EINVAL"},
 	"ftruncate_unlinked_file": {"EINVAL", "the p9 server library refuses Tsetattr on a file whose name was removed"},
 	"fchmod_unlinked_file":    {"EINVAL", "as ftruncate_unlinked_file"},
 }

@@ -13,6 +13,7 @@
 package ninep
 
 import (
+	"bytes"
 	"context"
 	"encoding/binary"
 	"errors"
@@ -308,12 +309,13 @@ func (d *Device) complete(s *session, c *virtio.Chain, msg []byte) {
 }
 
 const (
-	errnoE2BIG  = 7
-	errnoEBADF  = 9
-	errnoEBUSY  = 16
-	errnoEINVAL = 22
-	errnoENFILE = 23
-	errnoEROFS  = 30
+	errnoE2BIG   = 7
+	errnoEBADF   = 9
+	errnoEBUSY   = 16
+	errnoEINVAL  = 22
+	errnoENFILE  = 23
+	errnoEROFS   = 30
+	errnoENODATA = 61
 )
 
 // message is a 9P message: size[4] type[1] tag[2], then body.
@@ -389,6 +391,7 @@ type fidOp struct {
 	fid   uint32 // the fid made, converted or released
 	reply byte   // the reply type that says it succeeded
 	list  bool   // a Txattrwalk with no name: the attribute list
+	named bool   // a Txattrwalk with a well-formed name: one attribute
 }
 
 const (
@@ -524,7 +527,9 @@ func (s *session) admitMsg(msg []byte, tag uint16, c *virtio.Chain, internal cha
 	case txattrwalk:
 		// fid[4] newfid[4] name[s]
 		op.kind, op.fid = fidMakeXattr, le.Uint32(body[4:])
-		op.list = le.Uint16(body[8:]) == 0
+		n := int(le.Uint16(body[8:]))
+		op.list = n == 0
+		op.named = n > 0 && n <= 255 && bytes.IndexByte(body[10:10+n], 0) < 0
 	case txattrcreate:
 		// fid[4] name[s] size[8] flags[4]: the server buffers the value
 		// the guest then writes, up to size, until the clunk.
@@ -594,6 +599,9 @@ func (s *session) answered(tag uint16, msg []byte) {
 	if ok && op.list {
 		emptyList(msg)
 	}
+	if op.named {
+		missingAttr(msg)
+	}
 	if op.kind == fidMakeXattr || op.kind == fidToXattr {
 		s.xmaking--
 	}
@@ -646,6 +654,20 @@ func emptyList(msg []byte) {
 	// size[4] type[1] tag[2] attrsize[8]
 	if len(msg) == headerLen+8 && msg[4] == txattrwalk+1 && binary.LittleEndian.Uint64(msg[headerLen:]) == 1 {
 		binary.LittleEndian.PutUint64(msg[headerLen:], 0)
+	}
+}
+
+// missingAttr corrects the p9 server's error for a Txattrwalk of one
+// attribute: it answers every failure with EINVAL, where getxattr(2) of an
+// attribute that does not exist must fail with ENODATA (the attr package's
+// ENOATTR), which programs test for. p9fs's own EINVAL is for a malformed
+// name, which this request did not have, so EINVAL here means the
+// attribute could not be read: ENODATA, its usual cause (a host without
+// user attributes, whose own answer is EOPNOTSUPP, also reads as no data).
+func missingAttr(msg []byte) {
+	// size[4] type[1] tag[2] ecode[4]
+	if len(msg) == headerLen+4 && msg[4] == rlerror && binary.LittleEndian.Uint32(msg[headerLen:]) == errnoEINVAL {
+		binary.LittleEndian.PutUint32(msg[headerLen:], errnoENODATA)
 	}
 }
 

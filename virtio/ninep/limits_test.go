@@ -539,3 +539,17 @@ func TestGetlockIsAnsweredByTheDevice(t *testing.T) {
 		t.Errorf("a truncated Tgetlock: errno %d, want EINVAL", e)
 	}
 }
+
+// TestMissingAttrIsENODATA: the p9 server answers every failed Txattrwalk
+// with EINVAL; for a well-formed name the guest gets ENODATA, as
+// getxattr(2) of a missing attribute gives on a local disk. A malformed
+// name keeps EINVAL.
+func TestMissingAttrIsENODATA(t *testing.T) {
+	g := guestAtFile(t)
+	if e := errnoOf(g.call(txattrwalk, 3, cat(u32b(2), u32b(3), str9("user.missing")), 4096)); e != errnoENODATA {
+		t.Errorf("Txattrwalk of a missing attribute: errno %d, want ENODATA (%d)", e, errnoENODATA)
+	}
+	if e := errnoOf(g.call(txattrwalk, 4, cat(u32b(2), u32b(4), str9("user.a\x00b")), 4096)); e != errnoEINVAL {
+		t.Errorf("Txattrwalk of a name holding NUL: errno %d, want EINVAL", e)
+	}
+}
