@@ -259,10 +259,11 @@ func TestApply(t *testing.T) {
 	if got["file write and read"] != "ok" || got["execve"] != unix.EPERM.Error() {
 		t.Errorf("confined child: write in its directory %q, execve %q; want ok, EPERM", got["file write and read"], got["execve"])
 	}
-	if abi, err := landlockABI(); (err != nil || abi >= 2) && got["rename across directories"] != "ok" {
+	abi, err := landlockABI()
+	if (err != nil || abi >= 2) && got["rename across directories"] != "ok" {
 		t.Errorf("confined child: rename between two directories it may write = %q, want ok", got["rename across directories"])
 	}
-	if _, err := landlockABI(); err != nil {
+	if err != nil {
 		t.Logf("no Landlock here (%v): reading outside = %q", err, got["read outside"])
 		return
 	}

@@ -10,7 +10,6 @@ import (
 	"time"
 
 	"github.com/hanwen/go-fuse/v2/posixtest"
-	"golang.org/x/sys/unix"
 )
 
 // posixDirEnv, set in a guest, makes TestPosixSuite run go-fuse's POSIX
@@ -52,12 +51,11 @@ func TestPosixSuite(t *testing.T) {
 	// where the host's attributes cannot hold its 8 KiB value (ext4
 	// without ea_inode).
 	xattr, xattrLarge, xattrWhy := "PASS", "PASS", "as tmpfs"
-	if err := unix.Setxattr(share, "user.capsa-test", []byte("1"), 0); err != nil {
+	if err := hostXattr(share, 1); err != nil {
 		xattr, xattrLarge, xattrWhy = "FAIL", "SKIP", "the host directory's file system has no user attributes: "+err.Error()
-	} else if err := unix.Setxattr(share, "user.capsa-test", make([]byte, 8<<10+123), 0); err != nil {
+	} else if err := hostXattr(share, 8<<10+123); err != nil {
 		xattrLarge, xattrWhy = "SKIP", "the host directory's file system holds no 8 KiB attribute: "+err.Error()
 	}
-	unix.Removexattr(share, "user.capsa-test")
 	self, err := os.Executable()
 	if err != nil {
 		t.Fatal(err)

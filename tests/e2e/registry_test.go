@@ -19,6 +19,7 @@ import (
 	"github.com/google/go-containerregistry/pkg/v1/mutate"
 	"github.com/google/go-containerregistry/pkg/v1/remote"
 	"github.com/google/go-containerregistry/pkg/v1/tarball"
+	"golang.org/x/sys/unix"
 )
 
 // registryAddr is where startRegistry serves: loopback, so capsa reaches it
@@ -117,15 +118,33 @@ func pushPythonImage(t testing.TB, ref string, extra ...v1.Layer) {
 	t.Logf("pushed %s in %v", ref, time.Since(start).Round(time.Millisecond))
 }
 
+// pythonImage starts the registry, pushes the python image to it as
+// python:TAG and gives the test a cache of its own, so that its pull and
+// conversion are its own; it returns the image's reference.
+func pythonImage(tb testing.TB, tag string) string {
+	tb.Helper()
+	startRegistry(tb)
+	ref := registryAddr + "/capsa-test/python:" + tag
+	pushPythonImage(tb, ref)
+	tb.Setenv("CAPSA_CACHE", tb.TempDir())
+	return ref
+}
+
+// hostXattr sets a user attribute of size bytes on dir and removes it
+// again: nil where the host directory's file system holds such an
+// attribute, which is what a share over it can offer the guest.
+func hostXattr(dir string, size int) error {
+	err := unix.Setxattr(dir, "user.capsa-test", make([]byte, size), 0)
+	unix.Removexattr(dir, "user.capsa-test")
+	return err
+}
+
 // TestImageFromRegistry: a python image from Debian's packages, pushed to
 // the reference registry on loopback, is pulled and run: its default
 // command with its Env, WorkingDir and non-root User, a command in its
 // place, and python reaching the network and a share from inside it.
 func TestImageFromRegistry(t *testing.T) {
-	startRegistry(t)
-	ref := registryAddr + "/capsa-test/python:3.11"
-	pushPythonImage(t, ref)
-	t.Setenv("CAPSA_CACHE", t.TempDir())
+	ref := pythonImage(t, "3.11")
 
 	start := time.Now()
 	r := capsa(t, 5*time.Minute, "image", "pull", ref)

@@ -168,10 +168,7 @@ func tmuxServer(t *testing.T) func(args ...string) string {
 // `sleep 100` with the shell still there, its exit code passed through,
 // and the terminal's modes as they were before.
 func TestTerminal(t *testing.T) {
-	startRegistry(t)
-	ref := registryAddr + "/capsa-test/python:tty"
-	pushPythonImage(t, ref)
-	t.Setenv("CAPSA_CACHE", t.TempDir())
+	ref := pythonImage(t, "tty")
 	dir, cli := detachedState(t)
 	if r := cli(5*time.Minute, "run", "-d", "--name", "tty", "--image", ref, "-u", "0", "--", "sleep", "3600"); r.code != 0 {
 		t.Fatalf("capsa run -d --image %s = exit %d, stderr %q", ref, r.code, r.stderr)

@@ -53,10 +53,7 @@ print(time.perf_counter() - t)
 //	make bench   (runs it in the nested host)
 func BenchmarkWorkspaceMeta(b *testing.B) {
 	ctx := context.Background()
-	startRegistry(b)
-	ref := registryAddr + "/capsa-test/python-meta:1"
-	pushPythonImage(b, ref)
-	b.Setenv("CAPSA_CACHE", b.TempDir())
+	ref := pythonImage(b, "meta")
 	if r := capsaWith(b, 10*time.Minute, nil, "image", "pull", ref); r.code != 0 {
 		b.Fatalf("capsa image pull %s: exit %d: %s", ref, r.code, r.stderr)
 	}

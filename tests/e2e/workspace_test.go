@@ -48,19 +48,14 @@ var shareDifferences = map[string]struct{ got, why string }{
 // must behave as the host directory's own file system does (the nested
 // host's may not have them).
 func TestWorkspaceFidelity(t *testing.T) {
-	startRegistry(t)
-	ref := registryAddr + "/capsa-test/python:workspace"
-	pushPythonImage(t, ref)
-	t.Setenv("CAPSA_CACHE", t.TempDir())
+	ref := pythonImage(t, "workspace")
 	share := t.TempDir()
 	if err := os.WriteFile(filepath.Join(share, "fsprobe.py"), fsProbe, 0o644); err != nil {
 		t.Fatal(err)
 	}
-	hostXattr := "ok"
-	if err := unix.Setxattr(filepath.Join(share, "fsprobe.py"), "user.capsa-test", []byte("1"), 0); err != nil {
-		hostXattr = unix.ErrnoName(err.(unix.Errno))
-	} else {
-		unix.Removexattr(filepath.Join(share, "fsprobe.py"), "user.capsa-test")
+	shareXattr := "ok"
+	if err := hostXattr(share, 1); err != nil {
+		shareXattr = unix.ErrnoName(err.(unix.Errno))
 	}
 	r := capsa(t, 6*time.Minute, "run", "--image", ref, "-u", "0", "--memory", "512M", "-v", share+":/w", "-w", "/w", "--",
 		"sh", "-c", "python3 /w/fsprobe.py /w && python3 /w/fsprobe.py /root && "+
@@ -99,7 +94,7 @@ func TestWorkspaceFidelity(t *testing.T) {
 			want, why = d.got, d.why
 		}
 		if name == "xattr_user_round_trip" {
-			want, why = hostXattr, "as the host directory's own file system"
+			want, why = shareXattr, "as the host directory's own file system"
 		}
 		if got := onShare[name]; got != want {
 			t.Errorf("%s on the share = %q, want %q (%s)", name, got, want, why)
