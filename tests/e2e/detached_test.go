@@ -135,7 +135,7 @@ func TestDetachedSandbox(t *testing.T) {
 	}
 
 	// logs: what the main process wrote, then more as it comes.
-	if r := cli(time.Minute, "logs", "w"); r.code != 0 || !strings.HasPrefix(r.stdout, "started\n") {
+	if r := logsShow(t, cli, "w", "started\n"); r.code != 0 || !strings.HasPrefix(r.stdout, "started\n") {
 		t.Errorf("capsa logs w = exit %d, %q; want it to start with %q", r.code, r.stdout, "started\n")
 	}
 	followLogs(t, dir)
@@ -362,6 +362,24 @@ func copyBothWays(t *testing.T, cli func(time.Duration, ...string) result) {
 	}
 }
 
+// logsShow runs `capsa logs name` until its output holds want, for at
+// most 30 seconds, and gives the last run. The main process's output
+// reaches main.log on its own stream, apart from the exec and start
+// requests that return before it may have been written, so a test that
+// reads the log right after one of them waits for the line it expects:
+// a log that never shows it still fails.
+func logsShow(t *testing.T, cli func(time.Duration, ...string) result, name, want string) result {
+	t.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		r := cli(time.Minute, "logs", name)
+		if r.code != 0 || strings.Contains(r.stdout, want) || time.Now().After(deadline) {
+			return r
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+}
+
 // logSandboxFiles logs the tails of every sandbox's supervisor log and
 // guest console, for a failed test.
 func logSandboxFiles(t *testing.T, dir string) {
@@ -406,7 +424,7 @@ func TestCreateStart(t *testing.T) {
 	if r := cli(time.Minute, "exec", "c", "--", "true"); r.code != 0 {
 		t.Errorf("capsa exec c after start = exit %d, stderr %q", r.code, r.stderr)
 	}
-	if r := cli(time.Minute, "logs", "c"); !strings.Contains(r.stdout, "created-then-started") {
+	if r := logsShow(t, cli, "c", "created-then-started"); !strings.Contains(r.stdout, "created-then-started") {
 		t.Errorf("capsa logs c = %q; want the main process's output", r.stdout)
 	}
 	if r := cli(time.Minute, "start", "c"); r.code == 0 || !strings.Contains(r.stderr, "running") {
