@@ -18,7 +18,7 @@ ASSETS_PKG := github.com/capsa-sandbox/capsa/internal/assets
 # function names and lines, from the pclntab).
 GO_LDFLAGS := -s -w -X main.version=$(VERSION) -X $(ASSETS_PKG).Prefix=$(PREFIX)
 
-.PHONY: soak fuzz all deps kernel initramfs assets install nested-deps qemu-bundle mcp-client capsa testinitrd testimages vm run test test-unit test-kvm test-e2e bench stress clean
+.PHONY: test-programs soak fuzz all deps kernel initramfs assets install nested-deps qemu-bundle mcp-client capsa testinitrd testimages vm run test test-unit test-kvm test-e2e bench stress clean
 
 all: capsa
 
@@ -69,10 +69,10 @@ testinitrd: deps
 	CGO_ENABLED=0 $(GO) build -o $(BUILD)/testinit ./tests/testinit
 	$(GO) run ./tests/cmd/mkinitrd -init $(BUILD)/testinit -o $(BUILD)/testinitrd.cpio
 
-# The image tests' python root and the reference registry, from Debian's
-# packages, cached by hash (scripts/test-images.sh).
+# The image tests' python and tools roots and the reference registry, from
+# Debian's packages, cached by hash (scripts/test-images.sh).
 testimages:
-	scripts/test-images.sh $(BUILD)/testimages >/dev/null
+	scripts/test-images.sh $(BUILD)/testimages $(BUILD)/toolsimage >/dev/null
 
 # Boot the built-in kernel to userspace and back, where KVM works (the nested
 # host where this machine has no /dev/kvm).
@@ -118,7 +118,8 @@ qemu-bundle: nested-deps
 	scripts/qemu-bundle.sh $(BUILD)/qemu
 
 # Node.js 22 and the official MCP TypeScript SDK with their libraries, for
-# the nested host's L1: the MCP end-to-end test's client (cached by version).
+# the nested host's L1: the MCP end-to-end test's client; and npm, which
+# TestWorkspacePrograms runs in a guest (cached by version).
 mcp-client:
 	scripts/mcp-client-bundle.sh $(BUILD)/mcp-client
 
@@ -134,7 +135,8 @@ test-e2e: capsa testinitrd testimages nested-deps qemu-bundle mcp-client $(NESTE
 	CGO_ENABLED=0 $(GO) build -tags capsa_builtin -o $(BUILD)/e2e/example-sandbox ./examples/sandbox
 	CGO_ENABLED=0 $(GO) build -ldflags "-X $(ASSETS_PKG).Prefix=/tmp/capsa-e2e-prefix" -o $(BUILD)/e2e/example-assets ./examples/sandbox
 	l1=$$(scripts/nested-deps.sh) && tests/run-e2e.sh $(NESTED) $(BUILD)/e2e $(E2E_FILES) $(BUILD)/e2e/example-sandbox $(BUILD)/testimages:testimages \
-		$(BUILD)/mcp-client:mcp-client@^TestMCP$$ \
+		'$(BUILD)/mcp-client:mcp-client@^(TestMCP|TestWorkspacePrograms)$$' \
+		$(BUILD)/toolsimage/tools.tar.gz:tools.tar.gz@^TestWorkspacePrograms$$ \
 		$(BUILD)/e2e/example-assets@^TestLibraryAssets$$ $(BUILD)/assets:assets@^TestLibraryAssets$$ \
 		$$(ls $$l1/boot/vmlinuz-* | head -1):vmlinuz-debian@^TestDistroKernel$$
 
@@ -167,6 +169,17 @@ soak: capsa testinitrd nested-deps qemu-bundle $(NESTED)
 	CGO_ENABLED=0 $(GO) test -c -o $(BUILD)/soak/e2e.test ./tests/e2e
 	set -o pipefail; $(NESTED) --timeout 80m -f $(BUILD)/soak/e2e.test $(patsubst %,-f %,$(E2E_FILES)) -- \
 		./e2e.test -test.run '^TestSoak$$' -test.v -test.timeout 75m -soak.cycles $(SOAK_CYCLES) | tee $(BUILD)/soak/results.txt
+
+# The workspace's third-party tier in full: TestWorkspacePrograms with pip
+# and npm too, beside the POSIX suite and the file system probe (about 25
+# minutes; make test runs git, tar and cp -a, and SQLite).
+test-programs: capsa testinitrd testimages nested-deps qemu-bundle mcp-client $(NESTED)
+	@rm -rf $(BUILD)/programs && mkdir -p $(BUILD)/programs
+	CGO_ENABLED=0 $(GO) test -c -o $(BUILD)/programs/e2e.test ./tests/e2e
+	set -o pipefail; $(NESTED) --timeout 80m -f $(BUILD)/programs/e2e.test $(patsubst %,-f %,$(E2E_FILES)) -f $(BUILD)/testimages:testimages \
+		-f $(BUILD)/mcp-client:mcp-client -f $(BUILD)/toolsimage/tools.tar.gz:tools.tar.gz -- \
+		./e2e.test -test.run '^(TestWorkspacePrograms|TestPosixSuite|TestWorkspaceFidelity)$$' -test.v -test.timeout 75m -programs.all \
+		| tee $(BUILD)/programs/results.txt
 
 # Benchmarks, in the nested host where this machine has no /dev/kvm: boot to
 # guest userspace, capsa beside QEMU's microvm on the same kernel and initramfs.

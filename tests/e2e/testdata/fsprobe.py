@@ -150,6 +150,18 @@ def fchmod_unlinked_file():
 
 
 @probe
+def setgid_dir():
+    # A project directory whose new entries take its group (cp -a and
+    # tar -p keep the bit; mkdir gives it to subdirectories).
+    os.mkdir("d"); os.chmod("d", 0o2775)
+    if not os.stat("d").st_mode & stat.S_ISGID:
+        return "setgid dropped"
+    os.mkdir("d/sub")
+    if not os.stat("d/sub").st_mode & stat.S_ISGID:
+        return "setgid not inherited"
+
+
+@probe
 def listxattr_none():
     touch("f")
     names = os.listxattr("f")
