@@ -72,10 +72,13 @@ func ParseDisk(s string) (string, ShareMode, error) {
 func diskDevices(disks []DiskSpec, c config) ([]*virtioblk.Device, error) {
 	var specs []diskSpec
 	for i, d := range disks {
-		specs = append(specs, diskSpec{d.Path, virtioblk.Options{ReadOnly: d.Mode == ReadOnly, ID: fmt.Sprintf("capsa-disk-%d", i)}})
+		specs = append(specs, diskSpec{d.Path, virtioblk.Options{ReadOnly: d.Mode == ReadOnly, ID: diskSerial(i)}})
 	}
 	return openDisks(specs, c)
 }
+
+// diskSerial is the serial of the user's disk i.
+func diskSerial(i int) string { return fmt.Sprintf("capsa-disk-%d", i) }
 
 type diskSpec struct {
 	path string

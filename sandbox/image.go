@@ -173,10 +173,13 @@ func newRootfs(c config, store *image.Store, img *image.Image, makeUpper func(pa
 // looks for.
 func (r *rootfs) devices(c config) ([]*virtioblk.Device, error) {
 	return openDisks([]diskSpec{
-		{r.erofs, virtioblk.Options{ReadOnly: true, ID: "capsa-image"}},
-		{r.upperPath, virtioblk.Options{ID: "capsa-upper"}},
+		{r.erofs, virtioblk.Options{ReadOnly: true, ID: rootSerials[0]}},
+		{r.upperPath, virtioblk.Options{ID: rootSerials[1]}},
 	}, c)
 }
+
+// rootSerials are the serials of the image's disk and its writable layer.
+var rootSerials = [2]string{"capsa-image", "capsa-upper"}
 
 func (r *rootfs) remove() error {
 	if r == nil || r.upperDir == "" {

@@ -30,7 +30,6 @@ import (
 	"github.com/capsa-sandbox/capsa/internal/assets"
 	"github.com/capsa-sandbox/capsa/snapshot"
 	"github.com/capsa-sandbox/capsa/tlsproxy"
-	"github.com/capsa-sandbox/capsa/virtio"
 	virtioblk "github.com/capsa-sandbox/capsa/virtio/blk"
 	"github.com/capsa-sandbox/capsa/virtio/ninep"
 	"github.com/capsa-sandbox/capsa/virtio/vsock"
@@ -355,7 +354,9 @@ func boot(ctx context.Context, c config, root *rootfs, snap *snapshot.Snapshot, 
 		}
 	}
 	cmdline := []string{"console=ttyS0 quiet reboot=k panic=-1"}
-	devices := []virtio.Device{s.dev}
+	// Each device's id names its state in a snapshot: what it is to the
+	// guest (a share's path, a disk's serial), never its position.
+	devices := []vmm.Device{{ID: "vsock", Device: s.dev}}
 	if root != nil {
 		// The image and its writable layer are the first disks (vda,
 		// vdb); init finds them by serial.
@@ -364,8 +365,8 @@ func boot(ctx context.Context, c config, root *rootfs, snap *snapshot.Snapshot, 
 			return nil, err
 		}
 		s.disks = append(s.disks, devs...)
-		for _, d := range devs {
-			devices = append(devices, d)
+		for i, d := range devs {
+			devices = append(devices, vmm.Device{ID: "blk:" + rootSerials[i], Device: d})
 		}
 		cmdline = append(cmdline, "capsa.root=image")
 	}
@@ -375,14 +376,14 @@ func boot(ctx context.Context, c config, root *rootfs, snap *snapshot.Snapshot, 
 			return nil, err
 		}
 		cmdline = append(cmdline, ipArg)
-		devices = append(devices, s.net.nic)
+		devices = append(devices, vmm.Device{ID: "net0", Device: s.net.nic})
 	}
 	if s.shares, err = shareDevices(c.Shares, log); err != nil {
 		return nil, err
 	}
 	for i, d := range s.shares {
 		cmdline = append(cmdline, shareArg(i, c.Shares[i]))
-		devices = append(devices, d)
+		devices = append(devices, vmm.Device{ID: "9p:" + c.Shares[i].Guest, Device: d})
 	}
 	// Volumes are shares too, numbered after them (in this order at a
 	// restore as at a boot), and closed with them.
@@ -393,15 +394,15 @@ func boot(ctx context.Context, c config, root *rootfs, snap *snapshot.Snapshot, 
 	}
 	for i, d := range vols {
 		cmdline = append(cmdline, volumeArg(len(c.Shares)+i, c.Volumes[i]))
-		devices = append(devices, d)
+		devices = append(devices, vmm.Device{ID: "9p:" + c.Volumes[i].Guest, Device: d})
 	}
 	userDisks, err := diskDevices(c.Disks, c)
 	if err != nil {
 		return nil, err
 	}
 	s.disks = append(s.disks, userDisks...)
-	for _, d := range userDisks {
-		devices = append(devices, d)
+	for i, d := range userDisks {
+		devices = append(devices, vmm.Device{ID: "blk:" + diskSerial(i), Device: d})
 	}
 	vcfg := vmm.Config{
 		Kernel: kernel, Initrd: initrd, CPUs: c.CPUs, MemoryBytes: uint64(c.MemoryMiB) << 20,

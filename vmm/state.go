@@ -12,7 +12,10 @@ import (
 )
 
 // StateVersion numbers State's layout; a restore refuses any other.
-const StateVersion = 1
+// Version 2 keys each virtio device's state by its id; version 1 held
+// them by position, and a state of version 1 is refused (its devices
+// cannot be matched to a VM's safely: take the snapshot again).
+const StateVersion = 2
 
 // State is a paused VM's state without its memory and devices: what the
 // guest can observe of its vCPUs, interrupt controllers, timer and clock,
@@ -28,9 +31,15 @@ type State struct {
 	IRQChips    []kvm.IRQChip       `json:"irqchips"` // PIC master, PIC slave, IOAPIC
 	VCPUs       []VCPUState         `json:"vcpus"`
 	Serial      devices.SerialState `json:"serial"`
-	// Virtio holds each virtio device's transport, in Config.Devices'
-	// order.
-	Virtio []virtio.TransportState `json:"virtio"`
+	// Virtio holds each virtio device's transport under its id, in the
+	// order of the guest's memory map.
+	Virtio []DeviceState `json:"virtio"`
+}
+
+// DeviceState is one virtio device's transport state under its id.
+type DeviceState struct {
+	ID string `json:"id"`
+	virtio.TransportState
 }
 
 // VCPUState is one vCPU's state.
@@ -81,11 +90,12 @@ func (m *Machine) State() (*State, error) {
 	}
 	st.Serial = m.serial.State()
 	for i, s := range m.virtio {
+		id := m.cfg.Devices[i].ID
 		ts, err := s.transport.State()
 		if err != nil {
-			return nil, fmt.Errorf("vmm: save state: virtio device %d: %w", i, err)
+			return nil, fmt.Errorf("vmm: save state: virtio device %s: %w", id, err)
 		}
-		st.Virtio = append(st.Virtio, ts)
+		st.Virtio = append(st.Virtio, DeviceState{ID: id, TransportState: ts})
 	}
 	for i, v := range m.vcpus {
 		vs, err := saveVCPU(v, msrs)
@@ -177,10 +187,11 @@ func (st *State) Check(cfg Config) error {
 		return fmt.Errorf("state of %d vCPUs (%d saved); the VM has %d: the vCPU count cannot change on restore", st.CPUs, len(st.VCPUs), cfg.CPUs)
 	case st.MemoryBytes != cfg.MemoryBytes:
 		return fmt.Errorf("state of %d bytes of memory; the VM has %d: the memory size cannot change on restore", st.MemoryBytes, cfg.MemoryBytes)
-	case len(st.Virtio) != len(cfg.Devices):
-		return fmt.Errorf("state of %d virtio devices; the VM has %d", len(st.Virtio), len(cfg.Devices))
 	case len(st.IRQChips) != 3:
 		return fmt.Errorf("state holds %d interrupt controllers, want 3", len(st.IRQChips))
+	}
+	if err := st.checkDevices(cfg.Devices); err != nil {
+		return err
 	}
 	for i, c := range st.IRQChips {
 		if c.ChipID != uint32(i) {
@@ -198,6 +209,56 @@ func (st *State) Check(cfg Config) error {
 		}
 	}
 	return nil
+}
+
+// checkDevices refuses a state whose devices are not the VM's, by id: one
+// the state lacks, one the VM lacks, or one saved as another kind, each
+// named; and a state whose ids are themselves bad.
+func (st *State) checkDevices(devs []Device) error {
+	if err := checkDeviceIDs(devs); err != nil {
+		return err
+	}
+	saved := make(map[string]uint32, len(st.Virtio))
+	for i, d := range st.Virtio {
+		if err := checkDeviceID(d.ID); err != nil {
+			return fmt.Errorf("saved virtio device %d: %w", i, err)
+		}
+		if _, dup := saved[d.ID]; dup {
+			return fmt.Errorf("the state holds two virtio devices with the id %q", d.ID)
+		}
+		saved[d.ID] = d.DeviceType
+	}
+	have := make(map[string]bool, len(devs))
+	for _, d := range devs {
+		have[d.ID] = true
+		typ, ok := saved[d.ID]
+		switch {
+		case !ok:
+			return fmt.Errorf("the state has no virtio device %q, which this VM has", d.ID)
+		case typ != d.Type():
+			return fmt.Errorf("virtio device %q: saved as device type %d, this VM's is type %d", d.ID, typ, d.Type())
+		}
+	}
+	for _, d := range st.Virtio {
+		if !have[d.ID] {
+			return fmt.Errorf("the state holds virtio device %q, which this VM lacks", d.ID)
+		}
+	}
+	return nil
+}
+
+// deviceOrder gives devs, checked by checkDevices, in the order of the
+// state's devices: each where it was in the guest's memory map.
+func (st *State) deviceOrder(devs []Device) []Device {
+	byID := make(map[string]Device, len(devs))
+	for _, d := range devs {
+		byID[d.ID] = d
+	}
+	out := make([]Device, 0, len(st.Virtio))
+	for _, d := range st.Virtio {
+		out = append(out, byID[d.ID])
+	}
+	return out
 }
 
 // checkCPUID refuses a state whose vCPUs used CPU features this host's
@@ -273,8 +334,8 @@ func (m *Machine) restoreState(st *State) error {
 	}
 	m.serial.Restore(st.Serial)
 	for i, s := range m.virtio {
-		if err := s.transport.Restore(st.Virtio[i]); err != nil {
-			return fmt.Errorf("virtio device %d: %w", i, err)
+		if err := s.transport.Restore(st.Virtio[i].TransportState); err != nil {
+			return fmt.Errorf("virtio device %s: %w", st.Virtio[i].ID, err)
 		}
 	}
 	return nil

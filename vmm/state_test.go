@@ -13,6 +13,7 @@ import (
 	"github.com/capsa-sandbox/capsa/guestmem"
 	"github.com/capsa-sandbox/capsa/internal/testkernel"
 	"github.com/capsa-sandbox/capsa/kvm"
+	"github.com/capsa-sandbox/capsa/virtio"
 )
 
 // codeWaitFlag counts in RBX until the byte at waitFlagOffset (its own
@@ -169,5 +170,93 @@ func TestCheckCPUID(t *testing.T) {
 	deadline := []kvm.CPUIDEntry{{Function: 1, ECX: cpuidTSCDeadline}}
 	if err := checkCPUID(deadline, host, false); err == nil {
 		t.Error("checkCPUID(TSC deadline on a host without it) = nil")
+	}
+}
+
+// typedDevice is a virtio device of a given type that does nothing: the
+// device checks of a restore look only at ids and types.
+type typedDevice struct {
+	typ  uint32
+	name string
+}
+
+func (d typedDevice) Type() uint32                   { return d.typ }
+func (typedDevice) Features() uint64                 { return 0 }
+func (typedDevice) QueueSizes() []uint16             { return []uint16{8} }
+func (typedDevice) ReadConfig(uint64, []byte)        {}
+func (typedDevice) WriteConfig(uint64, []byte)       {}
+func (typedDevice) Activate(virtio.Activation) error { return nil }
+func (typedDevice) Notify(int)                       {}
+func (typedDevice) Reset()                           {}
+
+var _ virtio.Device = typedDevice{}
+
+// TestRestoreMatchesDevicesByID: a state's devices are matched to the
+// VM's by id, whatever the VM's order, and each is placed where it was;
+// a device the state lacks, one the VM lacks, one saved as another kind,
+// and repeated or bad ids are refused with an error naming the id, before
+// KVM is touched.
+func TestRestoreMatchesDevicesByID(t *testing.T) {
+	vsock, work, data := typedDevice{virtio.TypeVsock, "vsock"}, typedDevice{virtio.Type9P, "work"}, typedDevice{virtio.Type9P, "data"}
+	saved := func() *State {
+		return &State{Version: StateVersion, CPUs: 1, MemoryBytes: 64 << 20,
+			IRQChips: []kvm.IRQChip{{ChipID: 0}, {ChipID: 1}, {ChipID: 2}},
+			VCPUs:    []VCPUState{{CPUID: []kvm.CPUIDEntry{{Function: 0}}}},
+			Virtio: []DeviceState{
+				{ID: "vsock", TransportState: virtio.TransportState{DeviceType: virtio.TypeVsock}},
+				{ID: "9p:/mnt/work", TransportState: virtio.TransportState{DeviceType: virtio.Type9P}},
+				{ID: "9p:/mnt/data", TransportState: virtio.TransportState{DeviceType: virtio.Type9P}},
+			}}
+	}
+	// The VM lists its shares the other way round: each still gets its
+	// own state and place.
+	devs := []Device{{"9p:/mnt/data", data}, {"vsock", vsock}, {"9p:/mnt/work", work}}
+	cfg := Config{CPUs: 1, MemoryBytes: 64 << 20, Devices: devs}
+	if err := saved().Check(cfg); err != nil {
+		t.Fatalf("Check(the same devices in another order) = %v", err)
+	}
+	got := saved().deviceOrder(devs)
+	if len(got) != 3 || got[0].ID != "vsock" || got[1].ID != "9p:/mnt/work" || got[2].ID != "9p:/mnt/data" ||
+		got[1].Device != virtio.Device(work) || got[2].Device != virtio.Device(data) {
+		t.Errorf("deviceOrder = %v; want vsock, 9p:/mnt/work, 9p:/mnt/data with their own devices", got)
+	}
+
+	for _, tc := range []struct {
+		name string
+		st   func(*State)
+		devs []Device
+		want string
+	}{
+		{"missing in the state", func(s *State) { s.Virtio = s.Virtio[:2] }, devs, `no virtio device "9p:/mnt/data", which this VM has`},
+		{"missing in the VM", nil, devs[:2], `holds virtio device "9p:/mnt/work", which this VM lacks`},
+		{"another kind", func(s *State) { s.Virtio[0].DeviceType = virtio.TypeNet }, devs, `"vsock": saved as device type 1, this VM's is type 19`},
+		{"a share renamed", nil, []Device{{"9p:/mnt/data", data}, {"vsock", vsock}, {"9p:/mnt/other", work}}, `no virtio device "9p:/mnt/other", which this VM has`},
+		{"repeated in the state", func(s *State) { s.Virtio[2].ID = "9p:/mnt/work" }, devs, `two virtio devices with the id "9p:/mnt/work"`},
+		{"empty in the state", func(s *State) { s.Virtio[1].ID = "" }, devs, "saved virtio device 1: device id of 0 bytes"},
+		{"unprintable in the state", func(s *State) { s.Virtio[1].ID = "9p:\n" }, devs, "want printable UTF-8"},
+		{"overlong in the state", func(s *State) { s.Virtio[1].ID = strings.Repeat("x", maxDeviceID+1) }, devs, "device id of 257 bytes"},
+		{"repeated in the VM", nil, []Device{{"vsock", vsock}, {"vsock", work}}, `two virtio devices have the id "vsock"`},
+	} {
+		st := saved()
+		if tc.st != nil {
+			tc.st(st)
+		}
+		mem, err := guestmem.New(64 << 20)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, err = Restore(context.Background(), Config{CPUs: 1, MemoryBytes: 64 << 20, Devices: tc.devs}, st, mem)
+		if err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%s: Restore() = %v, want an error containing %q", tc.name, err, tc.want)
+		}
+	}
+}
+
+// TestStateVersion1Refused: a state saved before devices had ids (version
+// 1, devices by position) is refused with the versions named.
+func TestStateVersion1Refused(t *testing.T) {
+	st := &State{Version: 1}
+	if err := st.Check(Config{CPUs: 1, MemoryBytes: 64 << 20}); err == nil || !strings.Contains(err.Error(), "state version 1; this capsa reads version 2") {
+		t.Errorf("Check(version 1) = %v", err)
 	}
 }

@@ -59,7 +59,7 @@ func (m *Machine) attachVirtio() (string, error) {
 				m.log.Warn("virtio interrupt", "gsi", s.gsi, "err", err)
 			}
 		}
-		s.transport = virtio.NewMMIO(dev, m.mem, raise, m.log)
+		s.transport = virtio.NewMMIO(dev.Device, m.mem, raise, m.log)
 		s.transport.UseGate(m.gate)
 		if err := m.mmio.Register(s.base, virtio.MMIOSize, s.transport); err != nil {
 			return "", fmt.Errorf("vmm: attach virtio device: %w", err)

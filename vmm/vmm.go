@@ -18,6 +18,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+	"unicode/utf8"
 
 	"golang.org/x/sys/unix"
 
@@ -55,8 +56,9 @@ type Config struct {
 	ConsoleInput io.Reader // optional: bytes fed to the guest's serial input
 
 	// Devices are attached as virtio-mmio devices and declared on the
-	// kernel command line.
-	Devices []virtio.Device
+	// kernel command line, in this order at a boot; a restore places each
+	// where its id was when the state was saved.
+	Devices []Device
 
 	Log        *slog.Logger
 	DevicePath string    // default /dev/kvm
@@ -104,6 +106,48 @@ type Machine struct {
 	unknown  atomic.Int64 // unhandled port and MMIO accesses, for the log's rate limit
 }
 
+// Device is a virtio device under the id that names it in the VM's saved
+// state: unique in the VM, at most maxDeviceID bytes, and the same at a
+// restore as when the state was saved (for example "vsock", "net0",
+// "9p:/mnt/work", "blk:capsa-image"). A restore gives each device the
+// state saved under its id and the place in the guest's memory map it had
+// then, whatever Config.Devices' order (Firecracker keeps each device's
+// state under its id too).
+type Device struct {
+	ID string
+	virtio.Device
+}
+
+// maxDeviceID bounds a device id, in a configuration and in a state file.
+const maxDeviceID = 256
+
+// checkDeviceIDs refuses an empty, overlong, unprintable or repeated id.
+func checkDeviceIDs(devs []Device) error {
+	seen := make(map[string]bool, len(devs))
+	for i, d := range devs {
+		if err := checkDeviceID(d.ID); err != nil {
+			return fmt.Errorf("virtio device %d: %w", i, err)
+		}
+		if seen[d.ID] {
+			return fmt.Errorf("two virtio devices have the id %q", d.ID)
+		}
+		seen[d.ID] = true
+	}
+	return nil
+}
+
+func checkDeviceID(id string) error {
+	if id == "" || len(id) > maxDeviceID {
+		return fmt.Errorf("device id of %d bytes, want 1 to %d", len(id), maxDeviceID)
+	}
+	for _, r := range id {
+		if r < 0x20 || r == 0x7f || r == utf8.RuneError {
+			return fmt.Errorf("device id %q: want printable UTF-8", id)
+		}
+	}
+	return nil
+}
+
 // New creates the VM: it opens KVM, maps memory, loads the kernel and
 // initramfs, writes the boot structures and configures every vCPU.
 func New(ctx context.Context, cfg Config) (*Machine, error) {
@@ -117,8 +161,9 @@ func New(ctx context.Context, cfg Config) (*Machine, error) {
 // on the guest memory mem, which it then owns (guestmem.Map maps a saved
 // memory file copy-on-write). cfg must describe the same machine: its
 // vCPU count and memory size are checked against st, and its Devices must
-// be the same kinds in the same order, their own state restored by their
-// transports. No kernel is loaded; Run continues the guest where it was.
+// be the devices whose ids st holds, each of the kind saved under its id;
+// each is placed where it was and its state restored by its transport. No
+// kernel is loaded; Run continues the guest where it was.
 func Restore(ctx context.Context, cfg Config, st *State, mem *guestmem.Memory) (*Machine, error) {
 	if mem == nil {
 		return nil, errors.New("vmm: restore: no guest memory")
@@ -131,6 +176,7 @@ func Restore(ctx context.Context, cfg Config, st *State, mem *guestmem.Memory) (
 		mem.Close()
 		return nil, fmt.Errorf("vmm: restore: %w", err)
 	}
+	cfg.Devices = st.deviceOrder(cfg.Devices)
 	return newMachine(ctx, cfg, st, mem)
 }
 
@@ -148,6 +194,9 @@ func newMachine(ctx context.Context, cfg Config, st *State, mem *guestmem.Memory
 	}
 	if cfg.MemoryBytes < 32<<20 {
 		return fail(fmt.Errorf("vmm: %d bytes of memory: at least 32 MiB is needed", cfg.MemoryBytes))
+	}
+	if err := checkDeviceIDs(cfg.Devices); err != nil {
+		return fail(fmt.Errorf("vmm: %w", err))
 	}
 	if cfg.Log == nil {
 		cfg.Log = slog.New(slog.DiscardHandler)

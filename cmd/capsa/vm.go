@@ -95,7 +95,7 @@ func runVM(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 			return fail("--disk %s: %v", d, err)
 		}
 		defer dev.Close()
-		cfg.Devices = append(cfg.Devices, dev)
+		cfg.Devices = append(cfg.Devices, vmm.Device{ID: fmt.Sprintf("blk:capsa-disk-%d", i), Device: dev})
 	}
 
 	m, err := vmm.New(ctx, cfg)

@@ -19,6 +19,7 @@ import (
 
 	"github.com/capsa-sandbox/capsa/netstack"
 	"github.com/capsa-sandbox/capsa/sandbox"
+	"github.com/capsa-sandbox/capsa/volume"
 )
 
 // restoreSandbox restores the snapshot in dir and closes the sandbox at
@@ -530,5 +531,61 @@ func TestSnapshotCLI(t *testing.T) {
 	}
 	if r := cli(time.Minute, "exec", "r1", "--", "true"); r.code != 0 {
 		t.Errorf("capsa exec r1 after its snapshot was removed = exit %d, stderr %q", r.code, r.stderr)
+	}
+}
+
+// TestSnapshotKeepsSharesApart: a sandbox with two shares and a volume
+// (three 9P devices of one kind) is snapshotted and restored; each guest
+// path still shows its own host directory, for reading and writing, and
+// the saved state names each device by what it is to the guest.
+func TestSnapshotKeepsSharesApart(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	a, b, vdir := t.TempDir(), t.TempDir(), t.TempDir()
+	for dir, which := range map[string]string{a: "a", b: "b"} {
+		if err := os.WriteFile(filepath.Join(dir, "which"), []byte(which), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	vols, err := volume.Open(vdir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := vols.Create("v", 0); err != nil {
+		t.Fatal(err)
+	}
+	sb := startSandbox(t, ctx, sandbox.New().
+		Share(a, "/mnt/a", sandbox.ReadWrite).Share(b, "/mnt/b", sandbox.ReadOnly).VolumeIn(vdir, "v", "/mnt/v", sandbox.ReadWrite))
+	if out, err := sb.Exec(ctx, sandbox.Shell("printf v > /mnt/v/which")); err != nil || out.Code != 0 {
+		t.Fatalf("write the volume's marker: %+v, %v", out, err)
+	}
+	snap := filepath.Join(t.TempDir(), "snap")
+	if err := sb.Snapshot(ctx, snap); err != nil {
+		t.Fatalf("Snapshot() = %v", err)
+	}
+	state, err := os.ReadFile(filepath.Join(snap, "state.json"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, id := range []string{`"id":"vsock"`, `"id":"9p:/mnt/a"`, `"id":"9p:/mnt/b"`, `"id":"9p:/mnt/v"`} {
+		if !bytes.Contains(state, []byte(id)) {
+			t.Errorf("the saved state lacks %s", id)
+		}
+	}
+	sb.Close()
+
+	r := restoreSandbox(t, ctx, snap, sandbox.RestoreOptions{})
+	out, err := r.Exec(ctx, sandbox.Shell("cat /mnt/a/which /mnt/b/which /mnt/v/which && printf A > /mnt/a/new && printf V > /mnt/v/new && ! touch /mnt/b/new 2>/dev/null"))
+	if err != nil || out.Code != 0 || string(out.Stdout) != "abv" {
+		t.Fatalf("the restored mounts: %+v, %v; want \"abv\" read and the writes made", out, err)
+	}
+	if got, err := os.ReadFile(filepath.Join(a, "new")); err != nil || string(got) != "A" {
+		t.Errorf("share a's host directory reads %q, %v from the restored guest's write", got, err)
+	}
+	if _, err := os.Stat(filepath.Join(b, "new")); !errors.Is(err, fs.ErrNotExist) {
+		t.Errorf("share b (read-only) got a file from the restored guest: %v", err)
+	}
+	if got, err := os.ReadFile(filepath.Join(vdir, "v", "data", "new")); err != nil || string(got) != "V" {
+		t.Errorf("the volume reads %q, %v from the restored guest's write", got, err)
 	}
 }

@@ -20,7 +20,6 @@ import (
 	"github.com/capsa-sandbox/capsa/p9fs"
 	"github.com/capsa-sandbox/capsa/sandbox"
 	"github.com/capsa-sandbox/capsa/tests/stressload"
-	"github.com/capsa-sandbox/capsa/virtio"
 	virtionet "github.com/capsa-sandbox/capsa/virtio/net"
 	"github.com/capsa-sandbox/capsa/virtio/ninep"
 	"github.com/capsa-sandbox/capsa/vmm"
@@ -356,7 +355,7 @@ func runCapsaRaw(t *testing.T, kernel, initrd, cmdline, dir string, c stressload
 		t.Fatal(err)
 	}
 	m, err := vmm.New(ctx, vmm.Config{Kernel: k, Initrd: i, Cmdline: cmdline, CPUs: 1, MemoryBytes: 512 << 20,
-		Console: &console, Devices: []virtio.Device{nic, share}, Log: log})
+		Console: &console, Devices: []vmm.Device{{ID: "net0", Device: nic}, {ID: "9p:share", Device: share}}, Log: log})
 	if err != nil {
 		t.Fatal(err)
 	}

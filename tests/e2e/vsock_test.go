@@ -13,7 +13,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/capsa-sandbox/capsa/virtio"
 	"github.com/capsa-sandbox/capsa/virtio/vsock"
 	"github.com/capsa-sandbox/capsa/vmm"
 )
@@ -62,7 +61,7 @@ func TestVsockWithRealGuest(t *testing.T) {
 	m, err := vmm.New(ctx, vmm.Config{
 		Kernel: kernel, Initrd: initrd, CPUs: 2, MemoryBytes: 256 << 20,
 		Cmdline: "console=ttyS0 quiet reboot=k panic=-1 capsa.test=vsock",
-		Console: &console, Devices: []virtio.Device{dev},
+		Console: &console, Devices: []vmm.Device{{ID: "vsock", Device: dev}},
 		Log: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelInfo})),
 	})
 	if err != nil {
