@@ -16,6 +16,8 @@ import (
 	"time"
 
 	"gvisor.dev/gvisor/pkg/tcpip"
+	"gvisor.dev/gvisor/pkg/tcpip/adapters/gonet"
+	"gvisor.dev/gvisor/pkg/tcpip/network/ipv4"
 	"gvisor.dev/gvisor/pkg/tcpip/transport/tcp"
 )
 
@@ -663,5 +665,48 @@ func TestTCPBuffersAreBounded(t *testing.T) {
 		if snd.Max != tc.want || rcv.Max != tc.want {
 			t.Errorf("TCPBuffer %d: send max %d, receive max %d; want %d", tc.set, snd.Max, rcv.Max, tc.want)
 		}
+	}
+}
+
+// TestPortReuseAfterServerClose: a guest connection that the server closes
+// first (as an HTTP server answering Connection: close does) leaves the
+// guest's port free at once, since the guest closed second; a new
+// connection from that port must get through. The NAT's side of the old
+// connection held the 4-tuple in TIME_WAIT for 60 s and dropped the new
+// SYN without an answer, so the guest's request hung (about one in a
+// thousand new connections under load, as the guest reused ports).
+func TestPortReuseAfterServerClose(t *testing.T) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	go func() {
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			c.Write([]byte("bye"))
+			c.Close()
+		}
+	}()
+	g := newTestNAT(t, Config{Policy: AllowAll()})
+	server := g.fullAddr(gatewayPort(g, loopbackPort(t, l.Addr())))
+	local := tcpip.FullAddress{NIC: 1, Addr: toTCPIP(g.nat.Addrs().GuestIP.Addr()), Port: 40000}
+	for i := range 3 {
+		ctx := testCtx(t, 5*time.Second)
+		c, err := gonet.DialTCPWithBind(ctx, g.st, local, server, ipv4.ProtocolNumber)
+		if err != nil {
+			t.Fatalf("connection %d from guest port %d: %v (the NAT kept the last one's 4-tuple)", i, local.Port, err)
+		}
+		c.SetReadDeadline(time.Now().Add(5 * time.Second))
+		if got, err := io.ReadAll(c); err != nil || string(got) != "bye" {
+			t.Fatalf("connection %d read %q, %v; want \"bye\"", i, got, err)
+		}
+		c.Close()
+		// The guest's close (its FIN after the server's) is acknowledged
+		// before the next SYN, as a guest kernel's would be.
+		time.Sleep(100 * time.Millisecond)
 	}
 }

@@ -178,6 +178,20 @@ func (s *Stack) setupStack() error {
 		return err
 	}
 
+	// No TIME_WAIT on the guest's side. When the host's server closes
+	// first, the NAT's endpoint ends in TIME_WAIT, and gVisor's default
+	// keeps it 60 s, dropping without a word a SYN for that 4-tuple (it
+	// reopens one only for a listener, and the forwarder is none). The
+	// guest closed second and holds no TIME_WAIT, so it may use the port
+	// again at once: that connection hung until the guest gave up (about
+	// one in a thousand new connections under load). TIME_WAIT guards
+	// against old segments of a path that reorders; the guest's link is a
+	// virtio queue, in order, with no old segments. A FIN the guest sends
+	// again after a lost ACK gets a RST, which ends its LAST_ACK as well.
+	tw := tcpip.TCPTimeWaitTimeoutOption(0)
+	if err := tcpipErr("turn off TCP TIME_WAIT", st.SetTransportProtocolOption(tcp.ProtocolNumber, &tw)); err != nil {
+		return err
+	}
 	tcpFwd := tcp.NewForwarder(st, 0, 512, s.handleTCP)
 	st.SetTransportProtocolHandler(tcp.ProtocolNumber, tcpFwd.HandlePacket)
 	udpFwd := udp.NewForwarder(st, s.handleUDP)

@@ -2,6 +2,8 @@ package e2e
 
 import (
 	"context"
+	"errors"
+	"flag"
 	"fmt"
 	"io"
 	"net"
@@ -12,6 +14,8 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -54,11 +58,16 @@ func TestMain(m *testing.M) {
 // netBenchEnv makes the test binary, copied into a guest, the guest end of
 // the network benchmarks: "send ADDR BYTES" writes BYTES to ADDR, "recv
 // ADDR" reads ADDR to its end, "connect ADDR N" opens and closes N
-// connections one after another.
+// connections one after another, "get URL N WORKERS" makes N HTTP GETs,
+// each on a new connection, from WORKERS goroutines, and prints how many
+// answered (its exit is 0 whatever they did).
 const netBenchEnv = "CAPSA_E2E_NETBENCH"
 
 func netBenchClient(job string) error {
 	f := strings.Fields(job)
+	if len(f) == 4 && f[0] == "get" {
+		return netGets(f[1], f[2], f[3])
+	}
 	if len(f) != 3 && !(len(f) == 2 && f[0] == "recv") {
 		return fmt.Errorf("%s=%q: bad job", netBenchEnv, job)
 	}
@@ -106,6 +115,96 @@ func netBenchClient(job string) error {
 		return nil
 	}
 	return fmt.Errorf("%s=%q: bad job", netBenchEnv, job)
+}
+
+// netGets makes n GETs of url, each on a new connection, from workers
+// goroutines, each with 20 s to get its whole answer, and prints "answered
+// A of N" and the first errors. It stops early after 20 failures.
+func netGets(url, n, workers string) error {
+	total, err1 := strconv.Atoi(n)
+	w, err2 := strconv.Atoi(workers)
+	if err := errors.Join(err1, err2); err != nil {
+		return err
+	}
+	client := &http.Client{Timeout: 20 * time.Second, Transport: &http.Transport{DisableKeepAlives: true}}
+	var next, answered, failed atomic.Int64
+	var mu sync.Mutex
+	var errs []string
+	var wg sync.WaitGroup
+	for range w {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for next.Add(1) <= int64(total) && failed.Load() < 20 {
+				resp, err := client.Get(url)
+				if err == nil {
+					_, err = io.Copy(io.Discard, resp.Body)
+					resp.Body.Close()
+					if err == nil && resp.StatusCode != http.StatusOK {
+						err = fmt.Errorf("status %s", resp.Status)
+					}
+				}
+				if err != nil {
+					failed.Add(1)
+					mu.Lock()
+					if len(errs) < 5 {
+						errs = append(errs, err.Error())
+					}
+					mu.Unlock()
+					continue
+				}
+				answered.Add(1)
+			}
+		}()
+	}
+	wg.Wait()
+	fmt.Printf("answered %d of %d\n", answered.Load(), total)
+	for _, e := range errs {
+		fmt.Println("error:", e)
+	}
+	return nil
+}
+
+// natConns is how many connections TestNATConnectionLoad makes: make test's
+// 2,000; make soak's 50,000.
+var natConns = flag.Int("nat.conns", 2000, "new connections TestNATConnectionLoad makes through the NAT")
+
+// TestNATConnectionLoad: thousands of new connections from a guest through
+// the NAT, from four workers, each answered. The guest's ports are held to
+// a range of 1,000, so each is used again within the minute, as a busy
+// guest's are: before the NAT kept no TIME_WAIT of its own, a SYN from a
+// port whose last connection the server had closed first got no answer
+// (netstack.TestPortReuseAfterServerClose is the unit test).
+func TestNATConnectionLoad(t *testing.T) {
+	artifact(t, "vmlinux")
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Minute)
+	defer cancel()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var served atomic.Int64
+	hs := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		served.Add(1)
+		io.WriteString(w, "answer\n")
+	})}
+	go hs.Serve(l)
+	t.Cleanup(func() { hs.Close() })
+	sb := netSandbox(t, ctx, func(b *sandbox.Builder) { b.Network(netstack.AllowAll()) })
+	copySelf(t, ctx, sb, "/tmp/netbench")
+	if r, err := sb.Exec(ctx, sandbox.Shell("echo 40000 40999 > /proc/sys/net/ipv4/ip_local_port_range")); err != nil || r.Code != 0 {
+		t.Fatalf("narrow the guest's port range: %+v, %v", r, err)
+	}
+	job := fmt.Sprintf("get http://10.0.2.2:%d/ %d 4", l.Addr().(*net.TCPAddr).Port, *natConns)
+	start := time.Now()
+	r, err := sb.Exec(ctx, sandbox.ExecOptions{Argv: []string{"/tmp/netbench"}, Env: []string{netBenchEnv + "=" + job}, Timeout: 25 * time.Minute})
+	if err != nil || r.Code != 0 {
+		t.Fatalf("the guest's GETs: %+v, %v\nthe sandbox's state:\n%s", r, err, sb.Debug(ctx))
+	}
+	t.Logf("%s in %v; the host served %d", strings.TrimSpace(string(r.Stdout)), time.Since(start).Round(time.Millisecond), served.Load())
+	if want := fmt.Sprintf("answered %d of %d\n", *natConns, *natConns); string(r.Stdout) != want {
+		t.Errorf("the guest's GETs through the NAT: %q; want every one answered", r.Stdout)
+	}
 }
 
 // The stand-in public server's address, from a documentation range. It
