@@ -25,7 +25,7 @@
 // A layer the host cannot give is reported with the reason, and the others
 // still apply. Confinement is for the whole process and cannot be undone:
 // the CLI and each detached sandbox's supervisor apply it; a program that
-// embeds package sandbox decides for its own process (see the README).
+// embeds package sandbox decides for its own process (see docs/security.md).
 package confine
 
 import (

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # qemu-install.sh: installs QEMU 10 or later for the nested KVM host, from
 # Debian's packages. QEMU 7.2 (Debian 12's own) emulates AMD SVM with bugs
-# that stop nested guests now and then (see README, "Guest stalls"): on
+# that stop nested guests now and then (see docs/testing.md, "Guest stalls"): on
 # Debian 12 this takes qemu-system-x86 from bookworm-backports, adding
 # that suite to apt's sources when it is missing.
 set -euo pipefail

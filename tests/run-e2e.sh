@@ -13,7 +13,7 @@
 # capsa, and says so: L1's kernel oopses, panics or stalls, which
 # capsa-nested sees on L1's console and answers by running the job again
 # in a fresh L1 (--l1-retries). A guest state that L1 replaced with its own
-# ("impossible state:", README "Guest stalls") is no longer re-run: its
+# ("impossible state:", docs/testing.md, "Guest stalls") is no longer re-run: its
 # cause, a race in QEMU's TCG (tests/nested/qemu/fpu-clear-ignne-race.patch),
 # is fixed, so seeing it again is a finding to chase, not noise.
 set -u

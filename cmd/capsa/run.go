@@ -67,7 +67,7 @@ func runOrCreate(ctx context.Context, cmdName string, args []string, stdout, std
 	secrets := addSecretFlags(fs)
 	mailbox := fs.StringArray("mailbox", nil, "let the guest publish and subscribe to this mailbox topic, or to every topic starting with PREFIX given as PREFIX* (repeatable; inside: capsa mailbox)")
 	kv := fs.StringArray("kv", nil, "let the guest read and change the keys starting with this prefix in the key-value store (repeatable; inside: capsa kv)")
-	noConfine := fs.Bool("no-confine", false, "do not confine the VMM process once the sandbox runs (seccomp, Landlock, the jail, cgroup, rlimits: see README)")
+	noConfine := fs.Bool("no-confine", false, "do not confine the VMM process once the sandbox runs (seccomp, Landlock, the jail, cgroup, rlimits: see docs/security.md)")
 	jailUser := fs.String("jail-user", "", "as root: the VMM process, jailed, runs as this user and group once the sandbox runs, UID[:GID] (numbers; GID defaults to UID)")
 	verbose := fs.Bool("verbose", false, "log VMM events and the guest console to stderr")
 	detach := fs.BoolP("detach", "d", false, "run detached: print the sandbox's name and leave it running (manage it with exec, ps, logs, stop, rm)")

@@ -112,7 +112,7 @@ type Op struct {
 }
 
 // Ops is the protocol's table of operations, which the client, the
-// server and the README follow.
+// server and docs/cli.md follow.
 var Ops = []Op{
 	{"kv.get", false, "key", "key, value, version"},
 	{"kv.set", false, "key, value", "version"},

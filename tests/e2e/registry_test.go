@@ -202,7 +202,7 @@ open("/mnt/share/out.txt", "w").write("from python")
 	}
 
 	// The hub's wire protocol, spoken by python's own sockets as the
-	// README shows (no capsa command involved), and seen by the host.
+	// docs/cli.md shows (no capsa command involved), and seen by the host.
 	t.Setenv("CAPSA_STATE", t.TempDir())
 	wire := `import json, socket, base64
 s = socket.socket(socket.AF_VSOCK, socket.SOCK_STREAM); s.connect((2, 1030))
