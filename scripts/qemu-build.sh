@@ -5,7 +5,7 @@
 # It is Debian's QEMU 10.0.2 source (the orig tarball of the version that
 # scripts/qemu-install.sh installs, pinned by hash) with the fixes in
 # tests/nested/qemu/*.patch to QEMU's TCG emulation of AMD SVM, which every
-# nested test stands on (docs/testing.md, "Guest stalls"). Only the x86_64 system
+# nested test stands on (README, "Guest stalls"). Only the x86_64 system
 # emulator is built, with no optional features; the firmware comes from
 # Debian's qemu-system-data, installed with qemu-system-x86.
 #
