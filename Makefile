@@ -85,11 +85,16 @@ CMD ?= uname -a; echo hello from a capsa sandbox
 run: capsa nested-deps $(NESTED)
 	$(NESTED) -f $(BUILD)/capsa -- ./capsa run -- sh -c "$(CMD)"
 
-# Tier 1: unit tests, no KVM needed. KVM tests skip here when /dev/kvm is absent.
+# Tier 1: unit tests, no KVM needed. It ends with how many tests passed,
+# failed and skipped; a skip not in tests/unit-expected-skips.txt fails it
+# (the end-to-end tests skip here: tier 3 runs them). GNU cpio is the
+# reference the cpio writer's tests compare against.
 test-unit: deps
+	@command -v cpio >/dev/null || scripts/apt-install.sh cpio
 	$(GO) vet ./...
 	cd initramfs && $(GO) vet .
-	$(GO) test ./...
+	$(GO) build -o $(BUILD)/testsummary ./tests/cmd/testsummary
+	set -o pipefail; $(GO) test -json ./... | $(BUILD)/testsummary -expected tests/unit-expected-skips.txt
 
 # Every fuzz target, each for FUZZTIME: a target that dies at once (a bug
 # in the harness, not the code) fails here, not only when someone fuzzes.
@@ -110,6 +115,7 @@ test-kvm: deps nested-deps $(NESTED)
 	@rm -rf $(BUILD)/kvmtests && mkdir -p $(BUILD)/kvmtests
 	@for p in $(KVM_PKGS); do \
 		CGO_ENABLED=0 $(GO) test -c -o $(BUILD)/kvmtests/$$(basename $$p).test $$p || exit 1; done
+	cp tests/kvm-expected-skips.txt $(BUILD)/kvmtests/expected-skips.txt
 	$(NESTED) -f $(BUILD)/kvmtests:kvmtests -f tests/run-test-binaries.sh -- sh run-test-binaries.sh kvmtests
 
 # QEMU with its libraries, for the nested host's L1 (which has only

@@ -10,7 +10,6 @@ import (
 	sdk "github.com/modelcontextprotocol/go-sdk/mcp"
 
 	"github.com/capsa-sandbox/capsa/sandbox"
-	"github.com/capsa-sandbox/capsa/supervisor"
 )
 
 // Exec's bounds: what the agent may ask for, and what it gets unless it
@@ -79,7 +78,7 @@ func (t *tools) exec(ctx context.Context, a execArgs) (execResult, error) {
 			return execResult{}, fmt.Errorf("env %q: want KEY=VALUE", e)
 		}
 	}
-	h, err := supervisor.Open(ctx, t.st, a.Name)
+	h, err := t.m.Open(ctx, a.Name)
 	if err != nil {
 		return execResult{}, err
 	}

@@ -16,7 +16,6 @@ import (
 	sdk "github.com/modelcontextprotocol/go-sdk/mcp"
 
 	"github.com/capsa-sandbox/capsa/agent"
-	"github.com/capsa-sandbox/capsa/supervisor"
 )
 
 // The files tools' bounds.
@@ -120,7 +119,7 @@ func (t *tools) readFile(ctx context.Context, a readArgs) (readResult, error) {
 		}
 		limit = a.MaxBytes
 	}
-	h, err := supervisor.Open(ctx, t.st, a.Name)
+	h, err := t.m.Open(ctx, a.Name)
 	if err != nil {
 		return readResult{}, err
 	}
@@ -209,7 +208,7 @@ func (t *tools) writeFile(ctx context.Context, a writeArgs) (writeResult, error)
 		}
 		mode = os.FileMode(m)
 	}
-	h, err := supervisor.Open(ctx, t.st, a.Name)
+	h, err := t.m.Open(ctx, a.Name)
 	if err != nil {
 		return writeResult{}, err
 	}
@@ -228,7 +227,7 @@ func (t *tools) listDir(ctx context.Context, a listDirArgs) (listDirResult, erro
 	if err := checkPath(a.Path); err != nil {
 		return listDirResult{}, err
 	}
-	h, err := supervisor.Open(ctx, t.st, a.Name)
+	h, err := t.m.Open(ctx, a.Name)
 	if err != nil {
 		return listDirResult{}, err
 	}

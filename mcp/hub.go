@@ -117,7 +117,7 @@ func registerHubTools(s *sdk.Server, t *tools) {
 
 // hub opens the state directory's hub for one call, as the host.
 func (t *tools) hub(fn func(api proto.API) error) error {
-	h, err := hub.Open(t.st.Dir())
+	h, err := hub.Open(t.m.Dir())
 	if err != nil {
 		return err
 	}

@@ -16,17 +16,32 @@ import (
 	"github.com/capsa-sandbox/capsa/hub"
 	"github.com/capsa-sandbox/capsa/sandbox"
 	"github.com/capsa-sandbox/capsa/store"
+	"github.com/capsa-sandbox/capsa/supervisor"
 )
 
 // connect starts a server on a fresh state directory and returns the SDK's
-// own client connected to it in memory, with the store.
+// own client connected to it in memory, with the directory's store, for
+// the test to make records the server then finds.
 func connect(t *testing.T) (*sdk.ClientSession, *store.Store) {
 	t.Helper()
-	st, err := store.Open(t.TempDir())
+	m, st := managerAndStore(t)
+	return connectTo(t, NewServer(Options{Manager: m, Version: "test"})), st
+}
+
+// managerAndStore opens a fresh state directory as a Manager and as a
+// store.
+func managerAndStore(t *testing.T) (*supervisor.Manager, *store.Store) {
+	t.Helper()
+	dir := t.TempDir()
+	m, err := supervisor.OpenManager(dir)
 	if err != nil {
 		t.Fatal(err)
 	}
-	return connectTo(t, NewServer(Options{Store: st, Version: "test"})), st
+	st, err := store.Open(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return m, st
 }
 
 func connectTo(t *testing.T, s *sdk.Server) *sdk.ClientSession {
@@ -285,15 +300,12 @@ func (b bearer) RoundTrip(r *http.Request) (*http.Response, error) {
 // TestHTTP: streamable HTTP on loopback serves a client with the token,
 // and nobody without it.
 func TestHTTP(t *testing.T) {
-	st, err := store.Open(t.TempDir())
-	if err != nil {
-		t.Fatal(err)
-	}
+	m, _ := managerAndStore(t)
 	l, err := ListenLoopback("127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
-	srv := httptest.NewUnstartedServer(HTTPHandler(NewServer(Options{Store: st}), "sesame", nil))
+	srv := httptest.NewUnstartedServer(HTTPHandler(NewServer(Options{Manager: m}), "sesame", nil))
 	srv.Listener.Close()
 	srv.Listener = l
 	srv.Start()

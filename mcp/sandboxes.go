@@ -12,7 +12,6 @@ import (
 
 	"github.com/capsa-sandbox/capsa/netstack"
 	"github.com/capsa-sandbox/capsa/sandbox"
-	"github.com/capsa-sandbox/capsa/store"
 	"github.com/capsa-sandbox/capsa/supervisor"
 )
 
@@ -120,7 +119,7 @@ func registerSandboxTools(s *sdk.Server, t *tools) {
 // supervisor.Launch, as capsa run -d does.
 func (t *tools) create(ctx context.Context, a createArgs) (createResult, error) {
 	if a.Name != "" {
-		if err := store.CheckName(a.Name); err != nil {
+		if err := supervisor.CheckName(a.Name); err != nil {
 			return createResult{}, err
 		}
 	}
@@ -193,13 +192,13 @@ func (t *tools) create(ctx context.Context, a createArgs) (createResult, error) 
 	if err != nil {
 		return createResult{}, err
 	}
-	rec := &store.Record{Name: a.Name, Spec: spec,
+	rec := &supervisor.Record{Name: a.Name, Spec: spec,
 		TTL: time.Duration(a.TTLSeconds) * time.Second, IdleTimeout: time.Duration(a.IdleTimeoutSeconds) * time.Second}
-	name, err := supervisor.LaunchSecrets(ctx, t.st, rec, w.SecretValues())
+	name, err := t.m.Launch(ctx, rec, w.SecretValues())
 	if err != nil {
 		return createResult{}, failedLaunch(name, err)
 	}
-	return createResult{Name: name, State: string(store.Running)}, nil
+	return createResult{Name: name, State: string(supervisor.Running)}, nil
 }
 
 // failedLaunch says, of a sandbox that was recorded but did not start,
@@ -212,7 +211,7 @@ func failedLaunch(name string, err error) error {
 }
 
 func (t *tools) list(ctx context.Context, a listArgs) (listResult, error) {
-	recs, err := t.st.List()
+	recs, err := t.m.List()
 	if err != nil {
 		return listResult{}, err
 	}
@@ -223,7 +222,7 @@ func (t *tools) list(ctx context.Context, a listArgs) (listResult, error) {
 		}
 		row := sandboxRow{Name: r.Name, State: string(r.State), Command: supervisor.CommandLine(r.Spec),
 			CPUs: r.Spec.CPUs, MemoryMiB: r.Spec.MemoryMiB, ExitCode: r.ExitCode, Reason: r.Reason}
-		if (r.State == store.Running || r.State == store.Paused) && !r.Started.IsZero() {
+		if (r.State == supervisor.Running || r.State == supervisor.Paused) && !r.Started.IsZero() {
 			row.UptimeSeconds = int64(time.Since(r.Started).Seconds())
 		}
 		res.Sandboxes = append(res.Sandboxes, row)
@@ -232,7 +231,7 @@ func (t *tools) list(ctx context.Context, a listArgs) (listResult, error) {
 }
 
 func (t *tools) destroy(ctx context.Context, a nameArgs) (destroyResult, error) {
-	if err := supervisor.Destroy(ctx, t.st, a.Name); err != nil {
+	if err := t.m.Remove(ctx, a.Name); err != nil {
 		return destroyResult{}, err
 	}
 	return destroyResult{Name: a.Name, Destroyed: true}, nil

@@ -29,14 +29,14 @@ import (
 
 	sdk "github.com/modelcontextprotocol/go-sdk/mcp"
 
-	"github.com/capsa-sandbox/capsa/store"
+	"github.com/capsa-sandbox/capsa/supervisor"
 )
 
 // Options configure a server.
 type Options struct {
-	// Store is the state directory whose detached sandboxes the tools
-	// create and reach.
-	Store *store.Store
+	// Manager owns the state directory whose detached sandboxes the
+	// tools create and reach.
+	Manager *supervisor.Manager
 	// Log receives a line per tool call (nil: none).
 	Log *slog.Logger
 	// Version is capsa's, told to clients.
@@ -45,7 +45,7 @@ type Options struct {
 
 // tools is what every tool handler works with.
 type tools struct {
-	st  *store.Store
+	m   *supervisor.Manager
 	log *slog.Logger
 }
 
@@ -65,7 +65,7 @@ func NewServer(o Options) *sdk.Server {
 	}
 	s := sdk.NewServer(&sdk.Implementation{Name: "capsa", Title: "capsa sandboxes", Version: version},
 		&sdk.ServerOptions{Instructions: instructions, Logger: slog.New(atLeast{log.Handler(), slog.LevelWarn})})
-	t := &tools{st: o.Store, log: log}
+	t := &tools{m: o.Manager, log: log}
 	registerSandboxTools(s, t)
 	registerExecTools(s, t)
 	registerFileTools(s, t)

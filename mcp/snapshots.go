@@ -4,11 +4,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"time"
 
 	sdk "github.com/modelcontextprotocol/go-sdk/mcp"
 
-	"github.com/capsa-sandbox/capsa/store"
 	"github.com/capsa-sandbox/capsa/supervisor"
 )
 
@@ -58,34 +56,19 @@ func registerSnapshotTools(s *sdk.Server, t *tools) {
 }
 
 func (t *tools) snapshot(ctx context.Context, a snapshotArgs) (snapshotResult, error) {
-	snap := a.Snapshot
-	if snap == "" {
-		snap = supervisor.DefaultSnapshotName(a.Name, time.Now())
-	}
-	if err := supervisor.SaveSnapshot(ctx, t.st, a.Name, snap); err != nil {
+	snap, err := t.m.SaveSnapshot(ctx, a.Name, a.Snapshot)
+	if err != nil {
 		return snapshotResult{}, err
 	}
 	return snapshotResult{Snapshot: snap}, nil
 }
 
 func (t *tools) restore(ctx context.Context, a restoreArgs) (createResult, error) {
-	if err := store.CheckSnapshotName(a.Snapshot); err != nil {
-		return createResult{}, err
-	}
-	if a.Name != "" {
-		if err := store.CheckName(a.Name); err != nil {
-			return createResult{}, err
-		}
-	}
-	rec, err := supervisor.RestoreRecord(t.st.SnapshotDir(a.Snapshot), a.Name, "", false)
-	if err != nil {
-		return createResult{}, err
-	}
-	name, err := supervisor.Launch(ctx, t.st, rec)
+	name, err := t.m.Restore(ctx, a.Snapshot, a.Name, "", false, nil)
 	if err != nil {
 		return createResult{}, failedLaunch(name, err)
 	}
-	return createResult{Name: name, State: string(store.Running)}, nil
+	return createResult{Name: name, State: string(supervisor.Running)}, nil
 }
 
 func (t *tools) fork(ctx context.Context, a forkArgs) (forkResult, error) {
@@ -96,7 +79,7 @@ func (t *tools) fork(ctx context.Context, a forkArgs) (forkResult, error) {
 	if count < 1 || count > maxFork {
 		return forkResult{}, fmt.Errorf("count %d: want 1 to %d", a.Count, maxFork)
 	}
-	names, errs, err := supervisor.Fork(ctx, t.st, a.Name, count)
+	names, errs, err := t.m.Fork(ctx, a.Name, count)
 	if err != nil {
 		return forkResult{}, err
 	}

@@ -138,7 +138,19 @@ func Open(dir string) (*Store, error) {
 }
 
 // SnapshotDir is where the CLI keeps the snapshot called name.
-func (s *Store) SnapshotDir(name string) string { return filepath.Join(s.dir, "snapshots", name) }
+func (s *Store) SnapshotDir(name string) string { return filepath.Join(s.SnapshotsDir(), name) }
+
+// SnapshotsDir holds the CLI's named snapshots, one directory each.
+func (s *Store) SnapshotsDir() string { return filepath.Join(s.dir, snapshotsDir) }
+
+// DBPath is the records' database file.
+func (s *Store) DBPath() string { return filepath.Join(s.dir, dbFile) }
+
+// The state directory's layout: only this package names its entries.
+const (
+	snapshotsDir = "snapshots"
+	dbFile       = "state.db"
+)
 
 // CheckSnapshotName refuses a snapshot name that is not a plain name (the
 // same rule as a sandbox's).
@@ -161,9 +173,9 @@ const sandboxesDir = "sandboxes"
 var bucket = []byte("sandboxes") // name -> Record (JSON)
 
 func (s *Store) db(write bool, fn func(b *bolt.Bucket) error) error {
-	db, err := bolt.Open(filepath.Join(s.dir, "state.db"), 0o600, &bolt.Options{Timeout: 30 * time.Second})
+	db, err := bolt.Open(s.DBPath(), 0o600, &bolt.Options{Timeout: 30 * time.Second})
 	if err != nil {
-		return fmt.Errorf("store: open state.db: %w", err)
+		return fmt.Errorf("store: open %s: %w", dbFile, err)
 	}
 	defer db.Close()
 	if write {

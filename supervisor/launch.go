@@ -200,10 +200,10 @@ func Fork(ctx context.Context, st *store.Store, name string, count int) (names [
 			return nil, nil, fmt.Errorf("supervisor: fork %s: %w", name, err) // a name too long
 		}
 	}
-	if err := os.MkdirAll(filepath.Join(st.Dir(), "snapshots"), 0o700); err != nil {
+	if err := os.MkdirAll(st.SnapshotsDir(), 0o700); err != nil {
 		return nil, nil, err
 	}
-	tmp, err := os.MkdirTemp(filepath.Join(st.Dir(), "snapshots"), ".fork-")
+	tmp, err := os.MkdirTemp(st.SnapshotsDir(), ".fork-")
 	if err != nil {
 		return nil, nil, err
 	}

@@ -14,9 +14,7 @@
 package supervisor
 
 import (
-	"bytes"
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -75,12 +73,12 @@ type Options struct {
 // rec.JailUser when set: the sandbox's directory becomes that user's, and
 // the store's shared files let it in (SharedFiles).
 func confineSelf(st *store.Store, rec *store.Record, sb *sandbox.Sandbox, spec sandbox.Spec, log *slog.Logger) (confine.Layers, error) {
-	snaps := filepath.Join(st.Dir(), "snapshots")
+	snaps := st.SnapshotsDir()
 	if err := os.MkdirAll(snaps, 0o700); err != nil {
 		return confine.Layers{}, fmt.Errorf("supervisor: confine: %w", err)
 	}
 	read, write := sb.HostPaths()
-	db := filepath.Join(st.Dir(), "state.db")
+	db := st.DBPath()
 	write = append(write, st.SandboxDir(rec.Name), db, snaps)
 	return confine.Apply(confine.Config{
 		Read: read, Write: write, Name: rec.Name,
@@ -420,12 +418,8 @@ func (c *control) stopMain(mainDone <-chan struct{}, timeout time.Duration, kill
 	}
 }
 
-// stopBody is POST /v1/stop's request.
-type stopBody struct {
-	Timeout time.Duration `json:"timeout_ns"`
-	Kill    bool          `json:"kill"`
-}
-
+// serve listens on the control socket path and serves the control
+// protocol on it.
 func (c *control) serve(path string, log *slog.Logger) (*http.Server, error) {
 	l, err := net.Listen("unix", path)
 	if err != nil {
@@ -435,65 +429,60 @@ func (c *control) serve(path string, log *slog.Logger) (*http.Server, error) {
 		l.Close()
 		return nil, fmt.Errorf("supervisor: control socket: %w", err)
 	}
-	mux := http.NewServeMux()
-	mux.HandleFunc("POST /v1/stop", func(w http.ResponseWriter, r *http.Request) {
-		var req stopBody
-		if err := json.NewDecoder(http.MaxBytesReader(w, r.Body, 4096)).Decode(&req); err != nil {
-			http.Error(w, "bad stop request: "+err.Error(), http.StatusBadRequest)
-			return
-		}
-		if req.Timeout < 0 {
-			http.Error(w, "bad stop request: negative timeout", http.StatusBadRequest)
-			return
-		}
-		select {
-		case c.stopc <- stopRequest{timeout: req.Timeout, kill: req.Kill}:
-		default: // a stop is already under way
-		}
-		w.WriteHeader(http.StatusAccepted)
-	})
-	mux.HandleFunc("POST /v1/pause", func(w http.ResponseWriter, r *http.Request) {
-		c.setPaused(w, r, true, log)
-	})
-	mux.HandleFunc("POST /v1/resume", func(w http.ResponseWriter, r *http.Request) {
-		c.setPaused(w, r, false, log)
-	})
-	mux.HandleFunc("POST /v1/snapshot", func(w http.ResponseWriter, r *http.Request) {
-		var req snapshotBody
-		if err := json.NewDecoder(http.MaxBytesReader(w, r.Body, 4096)).Decode(&req); err != nil || !filepath.IsAbs(req.Dir) {
-			http.Error(w, fmt.Sprintf("bad snapshot request: %v (want an absolute directory)", err), http.StatusBadRequest)
-			return
-		}
-		c.pauseMu.Lock()
-		defer c.pauseMu.Unlock()
-		if err := c.sb.Snapshot(r.Context(), req.Dir); err != nil {
-			log.Warn("supervisor: snapshot", "err", err)
-			http.Error(w, err.Error(), http.StatusConflict)
-			return
-		}
-		log.Info("supervisor: snapshot written", "dir", req.Dir)
-		w.WriteHeader(http.StatusNoContent)
-	})
-	mux.HandleFunc("GET /v1/stats", func(w http.ResponseWriter, r *http.Request) {
-		st, err := c.sb.Stats()
-		if err != nil {
-			http.Error(w, err.Error(), http.StatusInternalServerError)
-			return
-		}
-		w.Header().Set("Content-Type", "application/json")
-		json.NewEncoder(w).Encode(st)
-	})
-	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second,
+	srv := &http.Server{Handler: c.mux(log), ReadHeaderTimeout: 10 * time.Second,
 		ErrorLog: slog.NewLogLogger(log.Handler(), slog.LevelWarn)}
 	go srv.Serve(l)
 	return srv, nil
 }
 
+// mux is the control protocol's server: a handler for each operation of
+// controlOps.
+func (c *control) mux(log *slog.Logger) *http.ServeMux {
+	mux := http.NewServeMux()
+	opStop.register(mux, func(_ context.Context, req stopBody) (noBody, error) {
+		if req.Timeout < 0 {
+			return noBody{}, badRequest("bad stop request: negative timeout")
+		}
+		select {
+		case c.stopc <- stopRequest{timeout: req.Timeout, kill: req.Kill}:
+		default: // a stop is already under way
+		}
+		return noBody{}, nil
+	})
+	opPause.register(mux, func(ctx context.Context, _ noBody) (noBody, error) {
+		return noBody{}, c.setPaused(ctx, true, log)
+	})
+	opResume.register(mux, func(ctx context.Context, _ noBody) (noBody, error) {
+		return noBody{}, c.setPaused(ctx, false, log)
+	})
+	opSnapshot.register(mux, func(ctx context.Context, req snapshotBody) (noBody, error) {
+		if !filepath.IsAbs(req.Dir) {
+			return noBody{}, badRequest("bad snapshot request: %q is not an absolute directory", req.Dir)
+		}
+		c.pauseMu.Lock()
+		defer c.pauseMu.Unlock()
+		if err := c.sb.Snapshot(ctx, req.Dir); err != nil {
+			log.Warn("supervisor: snapshot", "err", err)
+			return noBody{}, err
+		}
+		log.Info("supervisor: snapshot written", "dir", req.Dir)
+		return noBody{}, nil
+	})
+	opStats.register(mux, func(context.Context, noBody) (sandbox.Stats, error) {
+		st, err := c.sb.Stats()
+		if err != nil {
+			return sandbox.Stats{}, &controlError{http.StatusInternalServerError, err}
+		}
+		return *st, nil
+	})
+	return mux
+}
+
 // setPaused pauses or resumes the sandbox and records its state.
-func (c *control) setPaused(w http.ResponseWriter, r *http.Request, pause bool, log *slog.Logger) {
+func (c *control) setPaused(ctx context.Context, pause bool, log *slog.Logger) error {
 	c.pauseMu.Lock()
 	defer c.pauseMu.Unlock()
-	ctx, cancel := context.WithTimeout(r.Context(), pauseTimeout)
+	ctx, cancel := context.WithTimeout(ctx, pauseTimeout)
 	defer cancel()
 	op, state := "resume", store.Running
 	var err error
@@ -513,11 +502,10 @@ func (c *control) setPaused(w http.ResponseWriter, r *http.Request, pause bool, 
 	}
 	if err != nil {
 		log.Warn("supervisor: "+op, "err", err)
-		http.Error(w, err.Error(), http.StatusConflict)
-		return
+		return err
 	}
 	log.Info("supervisor: " + op + "d")
-	w.WriteHeader(http.StatusNoContent)
+	return nil
 }
 
 // pauseTimeout bounds a pause: the devices finish the requests they hold
@@ -527,17 +515,12 @@ const pauseTimeout = 30 * time.Second
 // Pause pauses the running detached sandbox name (sandbox.Sandbox.Pause)
 // through its supervisor; its record says paused until Resume.
 func Pause(ctx context.Context, st *store.Store, name string) error {
-	return controlPost(ctx, st, name, "pause", nil, http.StatusNoContent)
+	return callLive(ctx, st, name, opPause, noBody{})
 }
 
 // Resume runs the paused detached sandbox name again (sandbox.Sandbox.Resume).
 func Resume(ctx context.Context, st *store.Store, name string) error {
-	return controlPost(ctx, st, name, "resume", nil, http.StatusNoContent)
-}
-
-// snapshotBody is POST /v1/snapshot's request.
-type snapshotBody struct {
-	Dir string `json:"dir"`
+	return callLive(ctx, st, name, opResume, noBody{})
 }
 
 // Snapshot writes the running detached sandbox name to the snapshot
@@ -547,7 +530,7 @@ func Snapshot(ctx context.Context, st *store.Store, name, dir string) error {
 	if err != nil {
 		return err
 	}
-	return controlPost(ctx, st, name, "snapshot", snapshotBody{Dir: abs}, http.StatusNoContent)
+	return callLive(ctx, st, name, opSnapshot, snapshotBody{Dir: abs})
 }
 
 // Stop ends the detached sandbox name as `capsa stop` does: SIGTERM to the
@@ -555,58 +538,35 @@ func Snapshot(ctx context.Context, st *store.Store, name, dir string) error {
 // stops; a paused one is resumed first. It returns once the supervisor has
 // recorded the end, or ctx ends.
 func Stop(ctx context.Context, st *store.Store, name string, timeout time.Duration, kill bool) error {
-	if err := controlPost(ctx, st, name, "stop", stopBody{Timeout: timeout, Kill: kill}, http.StatusAccepted); err != nil {
+	if err := callLive(ctx, st, name, opStop, stopBody{Timeout: timeout, Kill: kill}); err != nil {
 		return err
 	}
 	return waitEnded(ctx, st, name)
 }
 
-// controlPost posts body (JSON, if not nil) to a live sandbox's control
-// API and says what failed unless the answer has status want.
-func controlPost(ctx context.Context, st *store.Store, name, op string, body any, want int) error {
+// callLive makes the control operation op with req on the live sandbox
+// name and says what failed: the operation, the sandbox, and its end if
+// it has ended.
+func callLive[Req, Resp any](ctx context.Context, st *store.Store, name string, op controlOp[Req, Resp], req Req) error {
 	rec, err := st.Get(name)
 	if err != nil {
 		return err
 	}
 	if !rec.Alive() {
-		return fmt.Errorf("supervisor: %s %s: %w (%s)", op, name, ErrNotRunning, describeEnd(rec))
+		return fmt.Errorf("supervisor: %s %s: %w (%s)", op.name, name, ErrNotRunning, describeEnd(rec))
 	}
-	var r io.Reader
-	if body != nil {
-		b, err := json.Marshal(body)
-		if err != nil {
-			return err
-		}
-		r = bytes.NewReader(b)
+	_, err = op.call(ctx, controlClient(filepath.Join(st.SandboxDir(name), ControlSocket)), req)
+	if err == nil {
+		return nil
 	}
-	hc := controlClient(filepath.Join(st.SandboxDir(name), ControlSocket))
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, "http://supervisor/v1/"+op, r)
-	if err != nil {
-		return err
-	}
-	resp, err := hc.Do(req)
-	if err != nil {
-		err = fmt.Errorf("supervisor: %s %s: %w", op, name, err)
+	err = fmt.Errorf("supervisor: %s %s: %w", op.name, name, err)
+	var te *transportError
+	if errors.As(err, &te) {
 		if rec, gerr := st.Get(name); gerr == nil && !rec.Alive() {
 			err = fmt.Errorf("sandbox %s ended (%s): %w", name, describeEnd(rec), err)
 		}
-		return err
 	}
-	defer resp.Body.Close()
-	msg, _ := io.ReadAll(io.LimitReader(resp.Body, 64<<10))
-	if resp.StatusCode != want {
-		return fmt.Errorf("supervisor: %s %s: %s: %s", op, name, resp.Status, strings.TrimSpace(string(msg)))
-	}
-	return nil
-}
-
-// controlClient talks HTTP over a supervisor's control socket.
-func controlClient(path string) *http.Client {
-	return &http.Client{Transport: &http.Transport{
-		DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
-			var d net.Dialer
-			return d.DialContext(ctx, "unix", path)
-		}}}
+	return err
 }
 
 // Handle is a running detached sandbox, reached by name: its guest
@@ -679,27 +639,16 @@ func (h *Handle) Stop(ctx context.Context, timeout time.Duration, kill bool) err
 // Stats reports what the sandbox has used so far (sandbox.Stats), asked
 // of its supervisor.
 func (h *Handle) Stats(ctx context.Context) (*sandbox.Stats, error) {
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://supervisor/v1/stats", nil)
+	st, err := opStats.call(ctx, h.http, noBody{})
 	if err != nil {
+		err = fmt.Errorf("supervisor: stats of %s: %w", h.Name, err)
+		var te *transportError
+		if errors.As(err, &te) {
+			err = h.explain(err)
+		}
 		return nil, err
 	}
-	resp, err := h.http.Do(req)
-	if err != nil {
-		return nil, h.explain(fmt.Errorf("supervisor: stats of %s: %w", h.Name, err))
-	}
-	defer resp.Body.Close()
-	body, err := io.ReadAll(io.LimitReader(resp.Body, 64<<10))
-	if err != nil {
-		return nil, h.explain(fmt.Errorf("supervisor: stats of %s: %w", h.Name, err))
-	}
-	if resp.StatusCode != http.StatusOK {
-		return nil, fmt.Errorf("supervisor: stats of %s: %s: %s", h.Name, resp.Status, strings.TrimSpace(string(body)))
-	}
-	var st sandbox.Stats
-	if err := json.Unmarshal(body, &st); err != nil {
-		return nil, fmt.Errorf("supervisor: stats of %s: %w", h.Name, err)
-	}
-	return &st, nil
+	return st, nil
 }
 
 // WaitEnded waits until the sandbox's record says it no longer runs.

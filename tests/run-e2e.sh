@@ -9,10 +9,13 @@
 # count against them.
 #
 # A test runs once. A failure of a capsa guest fails the tier, with the
-# diagnostics the test prints. The only re-run is for the layer below
-# capsa, and says so: L1's kernel oopses, panics or stalls, which
+# diagnostics the test prints. The tier ends with how many tests passed,
+# failed and skipped; a skip not in tests/e2e/expected-skips.txt fails it,
+# as does a test with no result. The only re-run is for the layer below
+# capsa, is counted, and hides nothing: L1's kernel oopses, panics or stalls, which
 # capsa-nested sees on L1's console and answers by running the job again
-# in a fresh L1 (--l1-retries). A guest state that L1 replaced with its own
+# in a fresh L1 (--l1-retries); a test that failed in any attempt has
+# failed, and more than one L1 crash in a run fails it. A guest state that L1 replaced with its own
 # ("impossible state:", docs/testing.md, "Guest stalls") is no longer re-run: its
 # cause, a race in QEMU's TCG (tests/nested/qemu/fpu-clear-ignne-race.patch),
 # is fixed, so seeing it again is a finding to chase, not noise.
@@ -36,9 +39,12 @@ for f in "$@"; do
 		files+=(-f "$f")
 	fi
 done
-failed="" rerun="" n=0
+failed="" rerun="" n=0 passed=0 skipped=0 nfailed=0 crashes=0
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
+# The skips expected on this machine: "TestName: why" lines (# comments),
+# none on the nested host. A skip not listed fails the tier.
+expected_skips=$(dirname "$0")/e2e/expected-skips.txt
 
 # run NAMES...: one session running the named tests.
 run() {
@@ -56,13 +62,41 @@ run() {
 	echo "=== run-e2e: $*"
 	"$nested" --timeout 30m "${session[@]}" -- ./e2e.test -test.v -test.run "^($re)\$" -test.timeout 25m 2>&1 | tee "$log"
 	local st=${PIPESTATUS[0]}
-	grep -q '^capsa-nested: running the job again' "$log" && rerun="$rerun $*(L1-crash)"
-	[ "$st" = 0 ] && return
-	# The tests that said they failed; if none did (a panic, a timeout),
-	# every test of the session is named.
-	local named
-	named=$(sed -n 's/^--- FAIL: \(Test[A-Za-z0-9_]*\).*/\1/p' "$log" | tr '\n' ' ')
-	failed="$failed ${named:-$*}"
+	# A re-run covers only L1's own crash and hides nothing: a test that
+	# failed in any attempt has failed, and every re-run is counted.
+	local again
+	again=$(grep -c '^capsa-nested: running the job again' "$log")
+	if [ "$again" -gt 0 ]; then
+		crashes=$((crashes + again))
+		rerun="$rerun $*(L1 crashed $again time(s); its console tail is above)"
+	fi
+	local result
+	for t in "$@"; do
+		if grep -q "^--- FAIL: $t " "$log"; then
+			result=failed
+		elif grep -q "^--- SKIP: $t " "$log"; then
+			result=skipped
+		elif grep -q "^--- PASS: $t " "$log"; then
+			result=passed
+		else
+			result=none # a panic, a timeout, a session that never ran it
+		fi
+		case $result in
+		passed) passed=$((passed + 1)) ;;
+		skipped)
+			skipped=$((skipped + 1))
+			if ! grep -q "^$t:" "$expected_skips" 2>/dev/null; then
+				nfailed=$((nfailed + 1))
+				failed="$failed $t(skipped,not-expected)"
+			fi ;;
+		failed) nfailed=$((nfailed + 1)) failed="$failed $t" ;;
+		none) nfailed=$((nfailed + 1)) failed="$failed $t(no-result)" ;;
+		esac
+	done
+	if [ "$st" != 0 ] && ! grep -q '^--- FAIL: ' "$log"; then
+		# The session failed with no test saying so: name them all.
+		case "$failed" in *"(no-result)"*) ;; *) nfailed=$((nfailed + 1)) failed="$failed $*(session-exit-$st)" ;; esac
+	fi
 }
 
 group=()
@@ -79,7 +113,11 @@ for t in $tests; do
 	fi
 done
 [ ${#group[@]} -gt 0 ] && run "${group[@]}"
-[ -n "$rerun" ] && echo "run-e2e: re-run for the layer below capsa (see the logs above):$rerun"
+echo "run-e2e: $n listed: $passed passed, $nfailed failed, $skipped skipped; L1 crashed $crashes time(s)"
+[ -n "$rerun" ] && echo "run-e2e: re-run for the layer below capsa:$rerun"
+if [ "$crashes" -gt 1 ]; then
+	failed="$failed (L1 crashed $crashes times: more than once in one run)"
+fi
 if [ -n "$failed" ]; then
 	echo "run-e2e: FAILED:$failed"
 	exit 1

@@ -15,6 +15,7 @@ import (
 	sdk "github.com/modelcontextprotocol/go-sdk/mcp"
 
 	"github.com/capsa-sandbox/capsa/mcp"
+	"github.com/capsa-sandbox/capsa/supervisor"
 )
 
 // runMCP serves the MCP tools (package mcp) on stdin and stdout, or with
@@ -29,7 +30,7 @@ func runMCP(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintln(stderr, "capsa mcp: takes no arguments (see `capsa mcp --help`)")
 		return 2
 	}
-	st, err := openStateStore()
+	m, err := supervisor.OpenManager("")
 	if err != nil {
 		fmt.Fprintf(stderr, "capsa mcp: %v\n", err)
 		return 1
@@ -40,7 +41,7 @@ func runMCP(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	}
 	// stdout is the protocol's: the log goes to stderr.
 	log := slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: level}))
-	s := mcp.NewServer(mcp.Options{Store: st, Log: log, Version: version})
+	s := mcp.NewServer(mcp.Options{Manager: m, Log: log, Version: version})
 	if *listen == "" {
 		err := s.Run(ctx, &sdk.IOTransport{Reader: os.Stdin, Writer: nopCloser{stdout}})
 		if err != nil && ctx.Err() == nil {

@@ -171,7 +171,7 @@ func snapshotList(ctx context.Context, args []string, stdout, stderr io.Writer) 
 		fmt.Fprintf(stderr, "capsa snapshot ls: %v\n", err)
 		return 1
 	}
-	entries, err := os.ReadDir(filepath.Join(st.Dir(), "snapshots"))
+	entries, err := os.ReadDir(st.SnapshotsDir())
 	if err != nil && !errors.Is(err, os.ErrNotExist) {
 		fmt.Fprintf(stderr, "capsa snapshot ls: %v\n", err)
 		return 1

@@ -1,0 +1,186 @@
+package supervisor
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"strings"
+	"time"
+
+	"github.com/capsa-sandbox/capsa/sandbox"
+)
+
+// The control protocol between a supervisor (the server, on its
+// sandbox's control.sock) and its clients: HTTP with JSON bodies, every
+// operation once in one table, controlOps, with its method, path, request
+// and reply types and the status it answers on success. The server
+// registers each operation's handler through the table and the clients
+// call each through it, so neither writes a route; a unit test holds the
+// server's routes to the table (as the agent's operations are one table,
+// agent.Ops).
+
+// noBody is the request or reply of an operation that has none.
+type noBody struct{}
+
+// stopBody is the stop operation's request.
+type stopBody struct {
+	Timeout time.Duration `json:"timeout_ns"`
+	Kill    bool          `json:"kill"`
+}
+
+// snapshotBody is the snapshot operation's request: an absolute directory.
+type snapshotBody struct {
+	Dir string `json:"dir"`
+}
+
+// controlOp is one operation of the control protocol, with request type
+// Req and reply type Resp (noBody for none).
+type controlOp[Req, Resp any] struct {
+	name   string // its path is /v1/NAME
+	method string
+	ok     int // the status of success
+}
+
+// The operations.
+var (
+	opStop     = controlOp[stopBody, noBody]{"stop", http.MethodPost, http.StatusAccepted}
+	opPause    = controlOp[noBody, noBody]{"pause", http.MethodPost, http.StatusNoContent}
+	opResume   = controlOp[noBody, noBody]{"resume", http.MethodPost, http.StatusNoContent}
+	opSnapshot = controlOp[snapshotBody, noBody]{"snapshot", http.MethodPost, http.StatusNoContent}
+	opStats    = controlOp[noBody, sandbox.Stats]{"stats", http.MethodGet, http.StatusOK}
+)
+
+// controlRoute is what the table says of an operation, whatever its types.
+type controlRoute interface {
+	opName() string
+	pattern() string
+	// clientRequest is the request a client sends for the operation
+	// (with a zero request body).
+	clientRequest(context.Context) (*http.Request, error)
+}
+
+// controlOps is the protocol's table.
+var controlOps = []controlRoute{opStop, opPause, opResume, opSnapshot, opStats}
+
+func (o controlOp[Req, Resp]) opName() string  { return o.name }
+func (o controlOp[Req, Resp]) path() string    { return "/v1/" + o.name }
+func (o controlOp[Req, Resp]) pattern() string { return o.method + " " + o.path() }
+
+func (o controlOp[Req, Resp]) clientRequest(ctx context.Context) (*http.Request, error) {
+	var req Req
+	return o.newRequest(ctx, req)
+}
+
+// Bounds of a request body the server reads and of a reply a client reads.
+const (
+	maxControlRequest = 4 << 10
+	maxControlReply   = 64 << 10
+)
+
+// controlError is a handler's failure with the status to answer it with.
+type controlError struct {
+	status int
+	err    error
+}
+
+func (e *controlError) Error() string { return e.err.Error() }
+func (e *controlError) Unwrap() error { return e.err }
+
+// badRequest is a request the server refuses (400).
+func badRequest(format string, args ...any) error {
+	return &controlError{http.StatusBadRequest, fmt.Errorf(format, args...)}
+}
+
+// register serves o on mux with h, which gets the decoded, bounded
+// request and returns the reply; an error is answered with its status
+// (a controlError's, else 409 Conflict: the sandbox could not do it now).
+func (o controlOp[Req, Resp]) register(mux *http.ServeMux, h func(context.Context, Req) (Resp, error)) {
+	mux.HandleFunc(o.pattern(), func(w http.ResponseWriter, r *http.Request) {
+		var req Req
+		if _, none := any(req).(noBody); !none {
+			if err := json.NewDecoder(http.MaxBytesReader(w, r.Body, maxControlRequest)).Decode(&req); err != nil {
+				http.Error(w, fmt.Sprintf("bad %s request: %v", o.name, err), http.StatusBadRequest)
+				return
+			}
+		}
+		resp, err := h(r.Context(), req)
+		if err != nil {
+			status := http.StatusConflict
+			var ce *controlError
+			if errors.As(err, &ce) {
+				status = ce.status
+			}
+			http.Error(w, err.Error(), status)
+			return
+		}
+		if _, none := any(resp).(noBody); none {
+			w.WriteHeader(o.ok)
+			return
+		}
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(o.ok)
+		json.NewEncoder(w).Encode(resp)
+	})
+}
+
+// newRequest is the client's HTTP request for o with req.
+func (o controlOp[Req, Resp]) newRequest(ctx context.Context, req Req) (*http.Request, error) {
+	var body io.Reader
+	if _, none := any(req).(noBody); !none {
+		b, err := json.Marshal(req)
+		if err != nil {
+			return nil, err
+		}
+		body = bytes.NewReader(b)
+	}
+	return http.NewRequestWithContext(ctx, o.method, "http://supervisor"+o.path(), body)
+}
+
+// call makes o on the supervisor hc reaches and decodes its reply. An
+// error says the operation and the server's answer; one that never
+// reached the server wraps the transport's error.
+func (o controlOp[Req, Resp]) call(ctx context.Context, hc *http.Client, req Req) (*Resp, error) {
+	r, err := o.newRequest(ctx, req)
+	if err != nil {
+		return nil, err
+	}
+	resp, err := hc.Do(r)
+	if err != nil {
+		return nil, &transportError{err}
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(io.LimitReader(resp.Body, maxControlReply))
+	if err != nil {
+		return nil, &transportError{err}
+	}
+	if resp.StatusCode != o.ok {
+		return nil, fmt.Errorf("%s: %s", resp.Status, strings.TrimSpace(string(body)))
+	}
+	var out Resp
+	if _, none := any(out).(noBody); !none {
+		if err := json.Unmarshal(body, &out); err != nil {
+			return nil, fmt.Errorf("bad reply: %w", err)
+		}
+	}
+	return &out, nil
+}
+
+// transportError is a call that did not get the server's answer.
+type transportError struct{ err error }
+
+func (e *transportError) Error() string { return e.err.Error() }
+func (e *transportError) Unwrap() error { return e.err }
+
+// controlClient talks HTTP over a supervisor's control socket.
+func controlClient(path string) *http.Client {
+	return &http.Client{Transport: &http.Transport{
+		DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
+			var d net.Dialer
+			return d.DialContext(ctx, "unix", path)
+		}}}
+}

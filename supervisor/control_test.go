@@ -1,0 +1,128 @@
+package supervisor
+
+import (
+	"context"
+	"errors"
+	"log/slog"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+)
+
+// TestControlTableMatchesServer: every operation of the table is served
+// under the route its clients send, each name once; a request the table
+// does not have (a client that disagrees with the server) matches nothing.
+func TestControlTableMatchesServer(t *testing.T) {
+	mux := (&control{}).mux(slog.New(slog.DiscardHandler))
+	seen := map[string]bool{}
+	for _, op := range controlOps {
+		if seen[op.opName()] {
+			t.Errorf("operation %s twice in the table", op.opName())
+		}
+		seen[op.opName()] = true
+		req, err := op.clientRequest(context.Background())
+		if err != nil {
+			t.Fatalf("%s: %v", op.opName(), err)
+		}
+		if _, pattern := mux.Handler(req); pattern != op.pattern() {
+			t.Errorf("%s: the client's %s %s reaches the server's %q; want %q", op.opName(), req.Method, req.URL.Path, pattern, op.pattern())
+		}
+	}
+	for _, bad := range []struct{ method, path string }{{http.MethodGet, "/v1/stop"}, {http.MethodPost, "/v1/nosuch"}, {http.MethodPost, "/v2/pause"}} {
+		req := httptest.NewRequest(bad.method, "http://supervisor"+bad.path, nil)
+		if _, pattern := mux.Handler(req); pattern != "" {
+			t.Errorf("%s %s reaches %q; want no route", bad.method, bad.path, pattern)
+		}
+	}
+}
+
+// TestControlStopAndSnapshotRequests: the server checks what it is given
+// before it acts: a negative stop timeout and a relative snapshot
+// directory are refused (400, naming the fault); a good stop reaches the
+// supervisor's stop channel, once, however often it is asked.
+func TestControlStopAndSnapshotRequests(t *testing.T) {
+	c := &control{stopc: make(chan stopRequest, 1)}
+	path := filepath.Join(t.TempDir(), ControlSocket)
+	srv, err := c.serve(path, slog.New(slog.DiscardHandler))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer srv.Close()
+	hc := controlClient(path)
+	ctx := context.Background()
+	if _, err := opStop.call(ctx, hc, stopBody{Timeout: -1}); err == nil || !strings.Contains(err.Error(), "400") || !strings.Contains(err.Error(), "negative timeout") {
+		t.Errorf("stop with a negative timeout = %v; want 400, negative timeout", err)
+	}
+	if _, err := opSnapshot.call(ctx, hc, snapshotBody{Dir: "rel/dir"}); err == nil || !strings.Contains(err.Error(), "400") || !strings.Contains(err.Error(), "absolute") {
+		t.Errorf("snapshot to a relative directory = %v; want 400 asking for an absolute one", err)
+	}
+	for range 2 {
+		if _, err := opStop.call(ctx, hc, stopBody{Timeout: time.Second, Kill: true}); err != nil {
+			t.Fatalf("stop = %v", err)
+		}
+	}
+	if got := <-c.stopc; got.timeout != time.Second || !got.kill {
+		t.Errorf("the supervisor got %+v; want a 1 s timeout and kill", got)
+	}
+	if len(c.stopc) != 0 {
+		t.Error("a second stop request queued behind the first")
+	}
+}
+
+// TestControlOpRoundTrip: an operation's request and reply cross as
+// typed values; a malformed or oversized request is refused with 400 and
+// the operation's name, a handler's failure reaches the client with its
+// status and message, and a server unreachable is a transport error.
+func TestControlOpRoundTrip(t *testing.T) {
+	type reply struct {
+		Echo string `json:"echo"`
+	}
+	op := controlOp[snapshotBody, reply]{"echo", http.MethodPost, http.StatusOK}
+	mux := http.NewServeMux()
+	op.register(mux, func(_ context.Context, req snapshotBody) (reply, error) {
+		switch req.Dir {
+		case "conflict":
+			return reply{}, errors.New("cannot now")
+		case "bad":
+			return reply{}, badRequest("bad thing %d", 7)
+		}
+		return reply{Echo: req.Dir}, nil
+	})
+	path := filepath.Join(t.TempDir(), "echo.sock")
+	l, err := net.Listen("unix", path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := &http.Server{Handler: mux}
+	go srv.Serve(l)
+	hc := controlClient(path)
+	ctx := context.Background()
+	if got, err := op.call(ctx, hc, snapshotBody{Dir: "hello"}); err != nil || got.Echo != "hello" {
+		t.Errorf("call = %+v, %v; want the echo", got, err)
+	}
+	if _, err := op.call(ctx, hc, snapshotBody{Dir: "conflict"}); err == nil || !strings.Contains(err.Error(), "409") || !strings.Contains(err.Error(), "cannot now") {
+		t.Errorf("a handler's failure = %v; want 409 and its message", err)
+	}
+	if _, err := op.call(ctx, hc, snapshotBody{Dir: "bad"}); err == nil || !strings.Contains(err.Error(), "400") || !strings.Contains(err.Error(), "bad thing 7") {
+		t.Errorf("a refused request = %v; want 400 and its message", err)
+	}
+	for _, body := range []string{"{not json", `{"dir":"` + strings.Repeat("x", maxControlRequest) + `"}`} {
+		resp, err := hc.Post("http://supervisor/v1/echo", "application/json", strings.NewReader(body))
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusBadRequest {
+			t.Errorf("a request of %d bytes, malformed or oversized: %s; want 400", len(body), resp.Status)
+		}
+	}
+	srv.Close()
+	var te *transportError
+	if _, err := op.call(ctx, hc, snapshotBody{Dir: "hello"}); !errors.As(err, &te) {
+		t.Errorf("a call to a closed server = %v; want a transport error", err)
+	}
+}
