@@ -25,6 +25,15 @@ import (
 	"github.com/capsa-sandbox/capsa/store"
 )
 
+// The descriptors Spawn hands a supervisor process (`capsa supervise`):
+// the sandbox's lock, held while it lives, and the pipe on which it says
+// the sandbox runs ("ok") or why not. They are the first of
+// exec.Cmd.ExtraFiles, which start at 3.
+const (
+	LockFD  = 3
+	ReadyFD = 4
+)
+
 // MaxFork bounds the copies one Fork makes.
 const MaxFork = 256
 
@@ -78,7 +87,7 @@ func Spawn(ctx context.Context, st *store.Store, name string, lock *store.Lock, 
 	}
 	cmd := exec.Command(exe, append(args, name)...)
 	cmd.Stdout, cmd.Stderr = logf, logf
-	cmd.ExtraFiles = []*os.File{lock.File(), readyW} // fds 3 and 4
+	cmd.ExtraFiles = []*os.File{lock.File(), readyW} // LockFD and ReadyFD
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
 	if Jailed(rec.NoConfine) {
 		// The jail needs a mount namespace made with the process (see

@@ -2,7 +2,10 @@ package supervisor
 
 import (
 	"context"
+	"fmt"
 	"io"
+	"log/slog"
+	"os"
 	"time"
 
 	"github.com/capsa-sandbox/capsa/store"
@@ -114,23 +117,13 @@ func (m *Manager) SaveSnapshot(ctx context.Context, name, snap string) (string, 
 }
 
 // Restore starts a sandbox named name ("": a new name) from the state
-// directory's snapshot snap, its guest taking hostname ("": the
-// snapshot's), with its secrets' values (nil: none); rm removes it when
-// it ends. It returns the sandbox's name.
+// directory's snapshot snap, as RestoreDir does.
 func (m *Manager) Restore(ctx context.Context, snap, name, hostname string, rm bool, secrets map[string]string) (string, error) {
-	if err := CheckSnapshotName(snap); err != nil {
-		return "", err
-	}
-	if name != "" {
-		if err := CheckName(name); err != nil {
-			return "", err
-		}
-	}
-	rec, err := RestoreRecord(m.st.SnapshotDir(snap), name, hostname, rm)
+	dir, err := m.SnapshotDir(snap, false)
 	if err != nil {
 		return "", err
 	}
-	return m.Launch(ctx, rec, secrets)
+	return m.RestoreDir(ctx, dir, name, hostname, rm, secrets)
 }
 
 // Fork makes count running copies of the running sandbox name (see Fork).
@@ -143,3 +136,65 @@ func (m *Manager) Fork(ctx context.Context, name string, count int) ([]string, [
 func (m *Manager) Logs(ctx context.Context, name, file string, lines int, follow bool, w io.Writer) error {
 	return Logs(ctx, m.st, name, file, lines, follow, w)
 }
+
+// Create records rec without starting it (state Created, for Start),
+// keeping its secrets' values (nil: none), and returns its name (rec.Name,
+// or the new one it got).
+func (m *Manager) Create(rec *Record, secrets map[string]string) (string, error) {
+	lock, err := CreateSecrets(m.st, rec, secrets)
+	if err != nil {
+		return rec.Name, err
+	}
+	defer lock.Close()
+	return rec.Name, m.st.Update(rec.Name, func(r *store.Record) error { r.State = store.Created; return nil })
+}
+
+// Start starts the sandbox name that Create recorded, and waits until it
+// runs or says why it cannot; only a created sandbox starts.
+func (m *Manager) Start(ctx context.Context, name string) error {
+	lock, err := m.st.Start(name)
+	if err != nil {
+		return err
+	}
+	rec, err := m.st.Get(name)
+	if err != nil {
+		lock.Close()
+		return err
+	}
+	return Spawn(ctx, m.st, name, lock, rec.AutoRemove)
+}
+
+// Supervise is the life of the supervisor process of the sandbox name
+// (Run): lock and ready are the files Spawn handed it (LockFD, ReadyFD);
+// it writes "ok" on ready once the sandbox runs, or why it could not. With
+// rm the record is removed when the sandbox ends.
+func (m *Manager) Supervise(ctx context.Context, name string, lock, ready *os.File, rm bool, log *slog.Logger) error {
+	err := Run(ctx, Options{Store: m.st, Name: name, Log: log, Ready: func(err error) {
+		if err != nil {
+			fmt.Fprintln(ready, err)
+		} else {
+			fmt.Fprintln(ready, "ok")
+		}
+		ready.Close()
+	}})
+	if err != nil {
+		log.Error("supervisor", "err", err)
+	}
+	if rm {
+		lock.Close()
+		if err := m.st.Remove(name); err != nil {
+			log.Error("supervisor: --rm", "err", err)
+		}
+	}
+	return err
+}
+
+// NetLogs writes the sandbox name's audit log of intercepted HTTPS
+// requests to w, as Logs does.
+func (m *Manager) NetLogs(ctx context.Context, name string, lines int, follow bool, w io.Writer) error {
+	return NetLogs(ctx, m.st, name, lines, follow, w)
+}
+
+// DefaultDir is the default state directory: $CAPSA_STATE, else the
+// user's state directory's capsa.
+func DefaultDir() (string, error) { return store.DefaultDir() }

@@ -19,22 +19,16 @@ import (
 
 	"github.com/capsa-sandbox/capsa/agent"
 	"github.com/capsa-sandbox/capsa/sandbox"
-	"github.com/capsa-sandbox/capsa/store"
 	"github.com/capsa-sandbox/capsa/supervisor"
 )
 
-func openStateStore() (*store.Store, error) {
-	dir, err := store.DefaultDir()
-	if err != nil {
-		return nil, err
-	}
-	return store.Open(dir)
-}
+// openManager opens the default state directory's sandboxes.
+func openManager() (*supervisor.Manager, error) { return supervisor.OpenManager("") }
 
 // startDetached records the sandbox (rec, with w's Spec), starts its
 // supervisor and waits until the sandbox runs (or says why it cannot).
 // With create (capsa create) it only records it, for capsa start.
-func startDetached(ctx context.Context, w *sandbox.Workload, rec *store.Record, create bool, stdout, stderr io.Writer) int {
+func startDetached(ctx context.Context, w *sandbox.Workload, rec *supervisor.Record, create bool, stdout, stderr io.Writer) int {
 	cmdName := "run"
 	if create {
 		cmdName = "create"
@@ -44,22 +38,18 @@ func startDetached(ctx context.Context, w *sandbox.Workload, rec *store.Record, 
 		fmt.Fprintf(stderr, "capsa %s: %v\n", cmdName, err)
 		return 2
 	}
-	st, err := openStateStore()
+	m, err := openManager()
 	if err != nil {
 		fmt.Fprintf(stderr, "capsa %s: %v\n", cmdName, err)
 		return 125
 	}
 	rec.Spec = spec
 	if !create {
-		name, err := supervisor.LaunchSecrets(ctx, st, rec, w.SecretValues())
+		name, err := m.Launch(ctx, rec, w.SecretValues())
 		return launched(cmdName, name, err, stdout, stderr)
 	}
-	lock, err := supervisor.CreateSecrets(st, rec, w.SecretValues())
-	if err == nil {
-		err = st.Update(rec.Name, func(r *store.Record) error { r.State = store.Created; return nil })
-		lock.Close()
-	}
-	return launched(cmdName, rec.Name, err, stdout, stderr)
+	name, err := m.Create(rec, w.SecretValues())
+	return launched(cmdName, name, err, stdout, stderr)
 }
 
 // launched ends a command that started (or recorded) the detached
@@ -67,7 +57,7 @@ func startDetached(ctx context.Context, w *sandbox.Workload, rec *store.Record, 
 // code is 2 for a name that is taken, 125 for any other failure.
 func launched(cmdName, name string, err error, stdout, stderr io.Writer) int {
 	switch {
-	case errors.Is(err, store.ErrExists):
+	case errors.Is(err, supervisor.ErrExists):
 		fmt.Fprintf(stderr, "capsa %s: %v\n", cmdName, err)
 		return 2
 	case err != nil:
@@ -88,35 +78,23 @@ func runStart(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 		fmt.Fprintln(stderr, "capsa start: want NAME... (sandboxes made by capsa create)")
 		return 2
 	}
-	st, err := openStateStore()
+	m, err := openManager()
 	if err != nil {
 		fmt.Fprintf(stderr, "capsa start: %v\n", err)
 		return 125
 	}
 	code := 0
 	for _, name := range fs.Args() {
-		lock, err := st.Start(name)
-		if err != nil {
-			fmt.Fprintf(stderr, "capsa start: %v\n", err)
-			code = 125
-			continue
-		}
-		rec, err := st.Get(name)
-		if err != nil {
-			lock.Close()
-			fmt.Fprintf(stderr, "capsa start: %v\n", err)
-			code = 125
-			continue
-		}
-		if c := launched("start", name, supervisor.Spawn(ctx, st, name, lock, rec.AutoRemove), stdout, stderr); c != 0 {
+		if c := launched("start", name, m.Start(ctx, name), stdout, stderr); c != 0 {
 			code = c
 		}
 	}
 	return code
 }
 
-// runSupervise is the supervisor process (`run -d` starts it): fd 3 is the
-// sandbox's lock, fd 4 the pipe on which it says the sandbox is ready.
+// runSupervise is the supervisor process (`run -d` starts it), handed the
+// sandbox's lock and the pipe on which it says the sandbox is ready as
+// supervisor.LockFD and supervisor.ReadyFD.
 func runSupervise(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	fs := newFlags("supervise", "[flags] NAME (started by `capsa run -d`)", stdout)
 	stateDir := fs.String("state", "", "the state directory")
@@ -128,15 +106,15 @@ func runSupervise(ctx context.Context, args []string, stdout, stderr io.Writer) 
 		fmt.Fprintln(stderr, "capsa supervise: want --state DIR NAME")
 		return 2
 	}
-	lock := os.NewFile(3, "lock")
-	ready := os.NewFile(4, "ready")
+	lock := os.NewFile(supervisor.LockFD, "lock")
+	ready := os.NewFile(supervisor.ReadyFD, "ready")
 	if lock == nil || ready == nil {
 		fmt.Fprintln(stderr, "capsa supervise: is started by `capsa run -d`")
 		return 2
 	}
 	// The terminal that started us may be gone; its hangup is not ours.
 	signal.Ignore(syscall.SIGHUP)
-	st, err := store.Open(*stateDir)
+	m, err := supervisor.OpenManager(*stateDir)
 	if err != nil {
 		fmt.Fprintln(stderr, err)
 		return 1
@@ -146,25 +124,7 @@ func runSupervise(ctx context.Context, args []string, stdout, stderr io.Writer) 
 		level = slog.LevelDebug
 	}
 	log := slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: level}))
-	name := fs.Arg(0)
-	err = supervisor.Run(ctx, supervisor.Options{Store: st, Name: name, Log: log, Ready: func(err error) {
-		if err != nil {
-			fmt.Fprintln(ready, err)
-		} else {
-			fmt.Fprintln(ready, "ok")
-		}
-		ready.Close()
-	}})
-	if err != nil {
-		log.Error("supervisor", "err", err)
-	}
-	if *rm {
-		lock.Close()
-		if err := st.Remove(name); err != nil {
-			log.Error("supervisor: --rm", "err", err)
-		}
-	}
-	if err != nil {
+	if err := m.Supervise(ctx, fs.Arg(0), lock, ready, *rm, log); err != nil {
 		return 1
 	}
 	return 0
@@ -246,15 +206,15 @@ func runExec(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 
 // psRow is one sandbox as ps shows it.
 type psRow struct {
-	Name     string        `json:"name"`
-	State    store.State   `json:"state"`
-	Command  string        `json:"command"`
-	Uptime   time.Duration `json:"uptime_ns,omitempty"`
-	CPUs     int           `json:"cpus"`
-	Memory   int           `json:"memory_mib"`
-	Ports    []string      `json:"ports,omitempty"`
-	ExitCode *int          `json:"exit_code,omitempty"`
-	Reason   string        `json:"reason,omitempty"`
+	Name     string           `json:"name"`
+	State    supervisor.State `json:"state"`
+	Command  string           `json:"command"`
+	Uptime   time.Duration    `json:"uptime_ns,omitempty"`
+	CPUs     int              `json:"cpus"`
+	Memory   int              `json:"memory_mib"`
+	Ports    []string         `json:"ports,omitempty"`
+	ExitCode *int             `json:"exit_code,omitempty"`
+	Reason   string           `json:"reason,omitempty"`
 	// Lifetimes: the sandbox stops TTL after it started, or once nobody
 	// has been connected to it for IdleTimeout.
 	TTL         time.Duration `json:"ttl_ns,omitempty"`
@@ -272,12 +232,12 @@ func runPs(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "capsa ps: --format %q: want table or json\n", *format)
 		return 2
 	}
-	st, err := openStateStore()
+	m, err := openManager()
 	if err != nil {
 		fmt.Fprintf(stderr, "capsa ps: %v\n", err)
 		return 1
 	}
-	recs, err := st.List()
+	recs, err := m.List()
 	if err != nil {
 		fmt.Fprintf(stderr, "capsa ps: %v\n", err)
 		return 1
@@ -290,7 +250,7 @@ func runPs(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		row := psRow{Name: r.Name, State: r.State, Command: supervisor.CommandLine(r.Spec), CPUs: r.Spec.CPUs,
 			Memory: r.Spec.MemoryMiB, Ports: r.Ports, ExitCode: r.ExitCode, Reason: r.Reason,
 			TTL: r.TTL, IdleTimeout: r.IdleTimeout}
-		if (r.State == store.Running || r.State == store.Paused) && !r.Started.IsZero() {
+		if (r.State == supervisor.Running || r.State == supervisor.Paused) && !r.Started.IsZero() {
 			row.Uptime = time.Since(r.Started).Round(time.Second)
 		}
 		rows = append(rows, row)
@@ -326,19 +286,19 @@ func runPs(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 
 // eachName runs fn for every NAME argument, reporting failures; the exit
 // code is 1 if any failed.
-func eachName(ctx context.Context, cmdName string, names []string, stderr io.Writer, fn func(st *store.Store, name string) error) int {
+func eachName(ctx context.Context, cmdName string, names []string, stderr io.Writer, fn func(m *supervisor.Manager, name string) error) int {
 	if len(names) == 0 {
 		fmt.Fprintf(stderr, "capsa %s: want at least one NAME\n", cmdName)
 		return 2
 	}
-	st, err := openStateStore()
+	m, err := openManager()
 	if err != nil {
 		fmt.Fprintf(stderr, "capsa %s: %v\n", cmdName, err)
 		return 1
 	}
 	code := 0
 	for _, n := range names {
-		if err := fn(st, n); err != nil {
+		if err := fn(m, n); err != nil {
 			fmt.Fprintf(stderr, "capsa %s: %v\n", cmdName, err)
 			code = 1
 		}
@@ -347,10 +307,10 @@ func eachName(ctx context.Context, cmdName string, names []string, stderr io.Wri
 }
 
 // stopByName stops a running sandbox; one that is not running is fine.
-func stopByName(ctx context.Context, st *store.Store, name string, timeout time.Duration, kill bool) error {
+func stopByName(ctx context.Context, m *supervisor.Manager, name string, timeout time.Duration, kill bool) error {
 	wctx, cancel := context.WithTimeout(ctx, timeout+30*time.Second)
 	defer cancel()
-	err := supervisor.Stop(wctx, st, name, timeout, kill)
+	err := m.Stop(wctx, name, timeout, kill)
 	if errors.Is(err, supervisor.ErrNotRunning) {
 		return nil
 	}
@@ -358,22 +318,22 @@ func stopByName(ctx context.Context, st *store.Store, name string, timeout time.
 }
 
 func runPause(ctx context.Context, args []string, stdout, stderr io.Writer) int {
-	return pauseOrResume(ctx, "pause", supervisor.Pause, args, stdout, stderr)
+	return pauseOrResume(ctx, "pause", (*supervisor.Manager).Pause, args, stdout, stderr)
 }
 
 func runResume(ctx context.Context, args []string, stdout, stderr io.Writer) int {
-	return pauseOrResume(ctx, "resume", supervisor.Resume, args, stdout, stderr)
+	return pauseOrResume(ctx, "resume", (*supervisor.Manager).Resume, args, stdout, stderr)
 }
 
 // pauseOrResume runs op on each named detached sandbox and prints the
 // names it did.
-func pauseOrResume(ctx context.Context, name string, op func(context.Context, *store.Store, string) error, args []string, stdout, stderr io.Writer) int {
+func pauseOrResume(ctx context.Context, name string, op func(*supervisor.Manager, context.Context, string) error, args []string, stdout, stderr io.Writer) int {
 	fs := newFlags(name, "NAME...", stdout)
 	if code := parseFlags(fs, args, stderr); code >= 0 {
 		return code
 	}
-	return eachName(ctx, name, fs.Args(), stderr, func(st *store.Store, n string) error {
-		if err := op(ctx, st, n); err != nil {
+	return eachName(ctx, name, fs.Args(), stderr, func(m *supervisor.Manager, n string) error {
+		if err := op(m, ctx, n); err != nil {
 			return err
 		}
 		fmt.Fprintln(stdout, n)
@@ -391,8 +351,8 @@ func runStop(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "capsa stop: --time %v: must not be negative\n", *timeout)
 		return 2
 	}
-	return eachName(ctx, "stop", fs.Args(), stderr, func(st *store.Store, name string) error {
-		if err := stopByName(ctx, st, name, *timeout, false); err != nil {
+	return eachName(ctx, "stop", fs.Args(), stderr, func(m *supervisor.Manager, name string) error {
+		if err := stopByName(ctx, m, name, *timeout, false); err != nil {
 			return err
 		}
 		fmt.Fprintln(stdout, name)
@@ -405,8 +365,8 @@ func runKill(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	if code := parseFlags(fs, args, stderr); code >= 0 {
 		return code
 	}
-	return eachName(ctx, "kill", fs.Args(), stderr, func(st *store.Store, name string) error {
-		if err := stopByName(ctx, st, name, 0, true); err != nil {
+	return eachName(ctx, "kill", fs.Args(), stderr, func(m *supervisor.Manager, name string) error {
+		if err := stopByName(ctx, m, name, 0, true); err != nil {
 			return err
 		}
 		fmt.Fprintln(stdout, name)
@@ -420,15 +380,15 @@ func runRm(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	if code := parseFlags(fs, args, stderr); code >= 0 {
 		return code
 	}
-	return eachName(ctx, "rm", fs.Args(), stderr, func(st *store.Store, name string) error {
-		r, err := st.Get(name)
+	return eachName(ctx, "rm", fs.Args(), stderr, func(m *supervisor.Manager, name string) error {
+		r, err := m.Get(name)
 		if err != nil {
 			return err
 		}
 		if r.Alive() && !*force {
 			return fmt.Errorf("%s is %s: stop it first, or rm -f", name, r.State)
 		}
-		if err := supervisor.Destroy(ctx, st, name); err != nil {
+		if err := m.Remove(ctx, name); err != nil {
 			return err
 		}
 		fmt.Fprintln(stdout, name)
@@ -441,9 +401,9 @@ func runInspect(ctx context.Context, args []string, stdout, stderr io.Writer) in
 	if code := parseFlags(fs, args, stderr); code >= 0 {
 		return code
 	}
-	var recs []*store.Record
-	code := eachName(ctx, "inspect", fs.Args(), stderr, func(st *store.Store, name string) error {
-		r, err := st.Get(name)
+	var recs []*supervisor.Record
+	code := eachName(ctx, "inspect", fs.Args(), stderr, func(m *supervisor.Manager, name string) error {
+		r, err := m.Get(name)
 		if err == nil {
 			recs = append(recs, r)
 		}
@@ -472,13 +432,13 @@ func runLogs(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintln(stderr, "capsa logs: want one NAME")
 		return 2
 	}
-	st, err := openStateStore()
+	m, err := openManager()
 	if err != nil {
 		fmt.Fprintf(stderr, "capsa logs: %v\n", err)
 		return 1
 	}
 	name := fs.Arg(0)
-	if _, err := st.Get(name); err != nil {
+	if _, err := m.Get(name); err != nil {
 		fmt.Fprintf(stderr, "capsa logs: %v\n", err)
 		return 1
 	}
@@ -487,9 +447,9 @@ func runLogs(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		file = supervisor.ConsoleLog
 	}
 	if *netLog {
-		err = supervisor.NetLogs(ctx, st, name, *lines, *follow, stdout)
+		err = m.NetLogs(ctx, name, *lines, *follow, stdout)
 	} else {
-		err = supervisor.Logs(ctx, st, name, file, *lines, *follow, stdout)
+		err = m.Logs(ctx, name, file, *lines, *follow, stdout)
 	}
 	if err != nil {
 		fmt.Fprintf(stderr, "capsa logs: %v\n", err)
@@ -501,7 +461,7 @@ func runLogs(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 // splitSandboxPath reads NAME:/PATH; ok is false for a host path.
 func splitSandboxPath(s string) (name, p string, ok bool) {
 	name, p, found := strings.Cut(s, ":")
-	if !found || !strings.HasPrefix(p, "/") || store.CheckName(name) != nil {
+	if !found || !strings.HasPrefix(p, "/") || supervisor.CheckName(name) != nil {
 		return "", "", false
 	}
 	return name, p, true
@@ -522,7 +482,7 @@ func runCp(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintln(stderr, "capsa cp: exactly one of SRC and DST must be NAME:/PATH (a path in a detached sandbox)")
 		return 2
 	}
-	st, err := openStateStore()
+	m, err := openManager()
 	if err != nil {
 		fmt.Fprintf(stderr, "capsa cp: %v\n", err)
 		return 1
@@ -531,7 +491,7 @@ func runCp(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	if dstIn {
 		name = dstName
 	}
-	h, err := supervisor.Open(ctx, st, name)
+	h, err := m.Open(ctx, name)
 	if err != nil {
 		fmt.Fprintf(stderr, "capsa cp: %v\n", err)
 		return 1

@@ -8,7 +8,7 @@ import (
 
 	"github.com/capsa-sandbox/capsa/hub"
 	"github.com/capsa-sandbox/capsa/hub/proto"
-	"github.com/capsa-sandbox/capsa/store"
+	"github.com/capsa-sandbox/capsa/supervisor"
 )
 
 // runKV is capsa kv: the host's key-value store, which sandboxes reach
@@ -26,7 +26,7 @@ func runMailbox(ctx context.Context, args []string, stdout, stderr io.Writer) in
 // runHub runs a kv or mailbox verb as the host: every key and topic, no
 // limits, "host" as the sender.
 func runHub(ctx context.Context, group string, args []string, stdout, stderr io.Writer) int {
-	dir, err := store.DefaultDir()
+	dir, err := supervisor.DefaultDir()
 	if err != nil {
 		fmt.Fprintf(stderr, "capsa %s: %v\n", group, err)
 		return proto.ExitFailed

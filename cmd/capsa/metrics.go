@@ -16,7 +16,7 @@ import (
 	"time"
 
 	"github.com/capsa-sandbox/capsa/sandbox"
-	"github.com/capsa-sandbox/capsa/store"
+	"github.com/capsa-sandbox/capsa/supervisor"
 )
 
 // runMetrics serves every detached sandbox's use as Prometheus metrics,
@@ -35,12 +35,12 @@ func runMetrics(ctx context.Context, args []string, stdout, stderr io.Writer) in
 		fmt.Fprintln(stderr, "capsa metrics: takes no arguments")
 		return 2
 	}
-	st, err := openStateStore()
+	m, err := openManager()
 	if err != nil {
 		fmt.Fprintf(stderr, "capsa metrics: %v\n", err)
 		return 1
 	}
-	c := newSandboxCollector(ctx, st)
+	c := newSandboxCollector(ctx, m)
 	l, err := net.Listen("tcp", *listen)
 	if err != nil {
 		fmt.Fprintf(stderr, "capsa metrics: --listen: %v\n", err)
@@ -66,14 +66,14 @@ func runMetrics(ctx context.Context, args []string, stdout, stderr io.Writer) in
 // sandboxCollector measures the running sandboxes at each scrape.
 type sandboxCollector struct {
 	ctx context.Context
-	st  *store.Store
+	m   *supervisor.Manager
 
 	mu      sync.Mutex // scrapes may come at once
 	handles *statsHandles
 }
 
-func newSandboxCollector(ctx context.Context, st *store.Store) *sandboxCollector {
-	return &sandboxCollector{ctx: ctx, st: st, handles: newStatsHandles(st)}
+func newSandboxCollector(ctx context.Context, m *supervisor.Manager) *sandboxCollector {
+	return &sandboxCollector{ctx: ctx, m: m, handles: newStatsHandles(m)}
 }
 
 // metric describes one per-sandbox series and how to read it from Stats.
@@ -153,15 +153,15 @@ func (c *sandboxCollector) handler(log *slog.Logger) http.Handler {
 
 // collect measures every running sandbox.
 func (c *sandboxCollector) collect() ([]family, error) {
-	recs, err := c.st.List()
+	recs, err := c.m.List()
 	if err != nil {
 		return nil, err
 	}
-	states := map[store.State]int{store.Created: 0, store.Creating: 0, store.Running: 0, store.Paused: 0, store.Exited: 0, store.Crashed: 0}
+	states := map[supervisor.State]int{supervisor.Created: 0, supervisor.Creating: 0, supervisor.Running: 0, supervisor.Paused: 0, supervisor.Exited: 0, supervisor.Crashed: 0}
 	running := map[string]bool{}
 	for _, r := range recs {
 		states[r.State]++
-		if r.State == store.Running {
+		if r.State == supervisor.Running {
 			running[r.Name] = true
 		}
 	}

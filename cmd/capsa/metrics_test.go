@@ -15,6 +15,7 @@ import (
 
 	"github.com/capsa-sandbox/capsa/sandbox"
 	"github.com/capsa-sandbox/capsa/store"
+	"github.com/capsa-sandbox/capsa/supervisor"
 )
 
 // parseExposition parses text with Prometheus's own parser.
@@ -77,7 +78,8 @@ func TestWriteExposition(t *testing.T) {
 // The handler serves what capsa's store holds: here one sandbox being
 // created, none running.
 func TestMetricsHandler(t *testing.T) {
-	st, err := store.Open(t.TempDir())
+	dir := t.TempDir()
+	st, err := store.Open(dir)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -86,7 +88,11 @@ func TestMetricsHandler(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer l.Close()
-	h := newSandboxCollector(context.Background(), st).handler(slog.New(slog.NewTextHandler(io.Discard, nil)))
+	m, err := supervisor.OpenManager(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := newSandboxCollector(context.Background(), m).handler(slog.New(slog.NewTextHandler(io.Discard, nil)))
 	rec := httptest.NewRecorder()
 	h.ServeHTTP(rec, httptest.NewRequest("GET", "/metrics", nil))
 	if rec.Code != 200 || !strings.HasPrefix(rec.Header().Get("Content-Type"), "text/plain; version=0.0.4") {

@@ -17,12 +17,12 @@ import (
 // openHandle reaches a detached sandbox by name for command cmd, or says
 // why not on stderr.
 func openHandle(ctx context.Context, cmd, name string, stderr io.Writer) (*supervisor.Handle, bool) {
-	st, err := openStateStore()
+	m, err := openManager()
 	if err != nil {
 		fmt.Fprintf(stderr, "capsa %s: %v\n", cmd, err)
 		return nil, false
 	}
-	h, err := supervisor.Open(ctx, st, name)
+	h, err := m.Open(ctx, name)
 	if err != nil {
 		fmt.Fprintf(stderr, "capsa %s: %v\n", cmd, err)
 		return nil, false

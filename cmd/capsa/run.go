@@ -13,7 +13,6 @@ import (
 	"github.com/capsa-sandbox/capsa/confine"
 	"github.com/capsa-sandbox/capsa/netstack"
 	"github.com/capsa-sandbox/capsa/sandbox"
-	"github.com/capsa-sandbox/capsa/store"
 	"github.com/capsa-sandbox/capsa/supervisor"
 	"github.com/capsa-sandbox/capsa/vmm"
 )
@@ -116,7 +115,7 @@ func runOrCreate(ctx context.Context, cmdName string, args []string, stdout, std
 			return fail("--idle-timeout %v: must not be negative", *idle)
 		}
 		if *name != "" {
-			if err := store.CheckName(*name); err != nil {
+			if err := supervisor.CheckName(*name); err != nil {
 				return fail("--name: %v", err)
 			}
 		}
@@ -257,7 +256,7 @@ func runOrCreate(ctx context.Context, cmdName string, args []string, stdout, std
 	}
 	w.Dir(*dir).User(*userFlag).Timeout(*timeout)
 	if *detach {
-		rec := &store.Record{Name: *name, TTL: *ttl, IdleTimeout: *idle, AutoRemove: *rm, NoConfine: *noConfine, JailUser: jailAs}
+		rec := &supervisor.Record{Name: *name, TTL: *ttl, IdleTimeout: *idle, AutoRemove: *rm, NoConfine: *noConfine, JailUser: jailAs}
 		return startDetached(ctx, w, rec, create, stdout, stderr)
 	}
 	jailTmp := os.Getenv(jailEnv)
@@ -291,7 +290,7 @@ func runOrCreate(ctx context.Context, cmdName string, args []string, stdout, std
 		if jailTmp != "" {
 			c.Own = []string{jailTmp}
 		}
-		if dir, err := store.DefaultDir(); err == nil {
+		if dir, err := supervisor.DefaultDir(); err == nil {
 			c.Shared = supervisor.SharedFiles(dir, write)
 		}
 		start := time.Now()

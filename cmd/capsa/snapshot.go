@@ -2,21 +2,14 @@ package main
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
-	"os"
-	"path/filepath"
 	"sort"
 	"strings"
-	"syscall"
 	"text/tabwriter"
 	"time"
 
-	"github.com/capsa-sandbox/capsa/sandbox"
-	"github.com/capsa-sandbox/capsa/snapshot"
-	"github.com/capsa-sandbox/capsa/store"
 	"github.com/capsa-sandbox/capsa/supervisor"
 )
 
@@ -68,16 +61,16 @@ func snapshotCreate(ctx context.Context, args []string, stdout, stderr io.Writer
 	if fs.NArg() == 2 {
 		snap = fs.Arg(1)
 	}
-	if err := store.CheckSnapshotName(snap); err != nil {
+	if err := supervisor.CheckSnapshotName(snap); err != nil {
 		fmt.Fprintf(stderr, "capsa snapshot create: %v\n", err)
 		return 2
 	}
-	st, err := openStateStore()
+	m, err := openManager()
 	if err != nil {
 		fmt.Fprintf(stderr, "capsa snapshot create: %v\n", err)
 		return 1
 	}
-	if err := supervisor.SaveSnapshot(ctx, st, name, snap); errors.Is(err, supervisor.ErrSnapshotExists) {
+	if _, err := m.SaveSnapshot(ctx, name, snap); errors.Is(err, supervisor.ErrSnapshotExists) {
 		fmt.Fprintf(stderr, "capsa snapshot create: a snapshot called %s exists (capsa snapshot rm %s first)\n", snap, snap)
 		return 1
 	} else if err != nil {
@@ -89,14 +82,14 @@ func snapshotCreate(ctx context.Context, args []string, stdout, stderr io.Writer
 }
 
 // restoreDetached records a detached sandbox that starts from the
-// snapshot in dir and starts its supervisor; it prints the name.
-func restoreDetached(ctx context.Context, cmdName string, st *store.Store, dir, name, hostname string, rm bool, secrets map[string]string, stdout, stderr io.Writer) int {
-	rec, err := supervisor.RestoreRecord(dir, name, hostname, rm)
-	if err != nil {
+// snapshot in dir and starts its supervisor; it prints the name. A
+// snapshot that cannot be read is exit 1, a failed start 125.
+func restoreDetached(ctx context.Context, cmdName string, m *supervisor.Manager, dir, name, hostname string, rm bool, secrets map[string]string, stdout, stderr io.Writer) int {
+	if _, err := m.InspectSnapshot(dir, false); err != nil {
 		fmt.Fprintf(stderr, "capsa %s: %v\n", cmdName, err)
 		return 1
 	}
-	name, err = supervisor.LaunchSecrets(ctx, st, rec, secrets)
+	name, err := m.RestoreDir(ctx, dir, name, hostname, rm, secrets)
 	return launched(cmdName, name, err, stdout, stderr)
 }
 
@@ -119,45 +112,24 @@ func snapshotRestore(ctx context.Context, args []string, stdout, stderr io.Write
 		return 2
 	}
 	if *name != "" {
-		if err := store.CheckName(*name); err != nil {
+		if err := supervisor.CheckName(*name); err != nil {
 			fmt.Fprintf(stderr, "capsa snapshot restore: %v\n", err)
 			return 2
 		}
 	}
-	st, err := openStateStore()
+	m, err := openManager()
 	if err != nil {
 		fmt.Fprintf(stderr, "capsa snapshot restore: %v\n", err)
 		return 1
 	}
-	dir, err := snapshotPath(st, fs.Arg(0))
+	// A name in the state directory, or a path to a snapshot directory
+	// (anything with a slash).
+	dir, err := m.SnapshotDir(fs.Arg(0), true)
 	if err != nil {
 		fmt.Fprintf(stderr, "capsa snapshot restore: %v\n", err)
 		return 2
 	}
-	return restoreDetached(ctx, "snapshot restore", st, dir, *name, "", *rm, secrets, stdout, stderr)
-}
-
-// snapshotPath finds a snapshot: a name in the state directory, or a
-// path to a snapshot directory (anything with a slash).
-func snapshotPath(st *store.Store, snap string) (string, error) {
-	if strings.Contains(snap, "/") {
-		return filepath.Abs(snap)
-	}
-	if err := store.CheckSnapshotName(snap); err != nil {
-		return "", err
-	}
-	return st.SnapshotDir(snap), nil
-}
-
-// snapshotRow is a line of capsa snapshot ls.
-type snapshotRow struct {
-	Name        string    `json:"name"`
-	Created     time.Time `json:"created"`
-	CPUs        int       `json:"cpus"`
-	MemoryBytes uint64    `json:"memory_bytes"`
-	DiskBytes   int64     `json:"disk_bytes"` // what its files take on disk
-	Command     string    `json:"command"`
-	Err         string    `json:"error,omitempty"`
+	return restoreDetached(ctx, "snapshot restore", m, dir, *name, "", *rm, secrets, stdout, stderr)
 }
 
 func snapshotList(ctx context.Context, args []string, stdout, stderr io.Writer) int {
@@ -166,34 +138,15 @@ func snapshotList(ctx context.Context, args []string, stdout, stderr io.Writer) 
 	if code := parseFlags(fs, args, stderr); code >= 0 {
 		return code
 	}
-	st, err := openStateStore()
+	m, err := openManager()
 	if err != nil {
 		fmt.Fprintf(stderr, "capsa snapshot ls: %v\n", err)
 		return 1
 	}
-	entries, err := os.ReadDir(st.SnapshotsDir())
-	if err != nil && !errors.Is(err, os.ErrNotExist) {
+	rows, err := m.Snapshots()
+	if err != nil {
 		fmt.Fprintf(stderr, "capsa snapshot ls: %v\n", err)
 		return 1
-	}
-	rows := []snapshotRow{}
-	for _, e := range entries {
-		if !e.IsDir() || strings.HasPrefix(e.Name(), ".") {
-			continue
-		}
-		dir := st.SnapshotDir(e.Name())
-		row := snapshotRow{Name: e.Name(), DiskBytes: diskUsage(dir)}
-		if s, err := snapshot.Open(dir); err != nil {
-			row.Err = err.Error()
-		} else {
-			m := s.Manifest
-			row.Created, row.CPUs, row.MemoryBytes = m.Created, m.CPUs, m.MemoryBytes
-			var spec sandbox.Spec
-			if json.Unmarshal(m.Spec, &spec) == nil {
-				row.Command = supervisor.CommandLine(spec)
-			}
-		}
-		rows = append(rows, row)
 	}
 	if *format == "json" {
 		writeJSON(stdout, rows)
@@ -213,39 +166,13 @@ func snapshotList(ctx context.Context, args []string, stdout, stderr io.Writer) 
 	return 0
 }
 
-// diskUsage is what the files in dir take on disk (a sparse memory file
-// only its written pages).
-func diskUsage(dir string) int64 {
-	var n int64
-	entries, _ := os.ReadDir(dir)
-	for _, e := range entries {
-		if fi, err := e.Info(); err == nil {
-			if st, ok := fi.Sys().(*syscall.Stat_t); ok {
-				n += st.Blocks * 512
-			}
-		}
-	}
-	return n
-}
-
 func snapshotRemove(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	fs := newFlags("snapshot rm", "SNAP...", stdout)
 	if code := parseFlags(fs, args, stderr); code >= 0 {
 		return code
 	}
-	return eachName(ctx, "snapshot rm", fs.Args(), stderr, func(st *store.Store, name string) error {
-		if err := store.CheckSnapshotName(name); err != nil {
-			return err
-		}
-		dir := st.SnapshotDir(name)
-		if _, err := os.Stat(filepath.Join(dir, snapshot.ManifestFile)); errors.Is(err, os.ErrNotExist) {
-			return fmt.Errorf("no snapshot called %s", name)
-		} else if err != nil {
-			return err
-		}
-		// Running sandboxes restored from it keep its memory mapped:
-		// removing the files does not disturb them.
-		if err := os.RemoveAll(dir); err != nil {
+	return eachName(ctx, "snapshot rm", fs.Args(), stderr, func(m *supervisor.Manager, name string) error {
+		if err := m.RemoveSnapshot(name); err != nil {
 			return err
 		}
 		fmt.Fprintln(stdout, name)
@@ -263,28 +190,25 @@ func snapshotInspect(ctx context.Context, args []string, stdout, stderr io.Write
 		fmt.Fprintln(stderr, "capsa snapshot inspect: want SNAP...")
 		return 2
 	}
-	st, err := openStateStore()
+	m, err := openManager()
 	if err != nil {
 		fmt.Fprintf(stderr, "capsa snapshot inspect: %v\n", err)
 		return 1
 	}
 	code := 0
-	var out []snapshot.Manifest
+	var out []supervisor.SnapshotManifest
 	for _, name := range fs.Args() {
-		dir, err := snapshotPath(st, name)
-		var s *snapshot.Snapshot
+		dir, err := m.SnapshotDir(name, true)
+		var mf *supervisor.SnapshotManifest
 		if err == nil {
-			s, err = snapshot.Open(dir)
-		}
-		if err == nil && *verify {
-			err = snapshot.Verify(dir)
+			mf, err = m.InspectSnapshot(dir, *verify)
 		}
 		if err != nil {
 			fmt.Fprintf(stderr, "capsa snapshot inspect: %v\n", err)
 			code = 1
 			continue
 		}
-		out = append(out, s.Manifest)
+		out = append(out, *mf)
 	}
 	if len(out) > 0 {
 		writeJSON(stdout, out)
@@ -305,12 +229,12 @@ func runFork(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "capsa fork: want NAME and a --count from 1 to %d\n", supervisor.MaxFork)
 		return 2
 	}
-	st, err := openStateStore()
+	m, err := openManager()
 	if err != nil {
 		fmt.Fprintf(stderr, "capsa fork: %v\n", err)
 		return 1
 	}
-	names, errs, err := supervisor.Fork(ctx, st, fs.Arg(0), *count)
+	names, errs, err := m.Fork(ctx, fs.Arg(0), *count)
 	if err != nil {
 		fmt.Fprintf(stderr, "capsa fork: %v\n", err)
 		return 1

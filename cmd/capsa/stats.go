@@ -12,7 +12,6 @@ import (
 	"golang.org/x/term"
 
 	"github.com/capsa-sandbox/capsa/sandbox"
-	"github.com/capsa-sandbox/capsa/store"
 	"github.com/capsa-sandbox/capsa/supervisor"
 )
 
@@ -45,14 +44,14 @@ func runStats(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 	if *interval < 100*time.Millisecond {
 		return fail(2, "--interval %v: must be at least 100ms", *interval)
 	}
-	st, err := openStateStore()
+	m, err := openManager()
 	if err != nil {
 		return fail(1, "%v", err)
 	}
 	names := fs.Args()
 	all := len(names) == 0
 	for _, n := range names {
-		if _, err := st.Get(n); err != nil {
+		if _, err := m.Get(n); err != nil {
 			return fail(1, "%v", err)
 		}
 	}
@@ -61,18 +60,18 @@ func runStats(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 		clear = term.IsTerminal(int(f.Fd()))
 	}
 	prev := map[string]*sandbox.Stats{}
-	handles := newStatsHandles(st)
+	handles := newStatsHandles(m)
 	// measure takes one round; rows for names that stopped say so.
 	measure := func() []statsRow {
 		if all {
 			names = names[:0]
-			recs, err := st.List()
+			recs, err := m.List()
 			if err != nil {
 				return []statsRow{{Err: err.Error()}}
 			}
 			running := map[string]bool{}
 			for _, r := range recs {
-				if r.State == store.Running {
+				if r.State == supervisor.Running {
 					names = append(names, r.Name)
 					running[r.Name] = true
 				}
@@ -127,12 +126,12 @@ func runStats(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 // the supervisor, so opening one each time would leave one more idle
 // connection behind every time. Not safe for concurrent use.
 type statsHandles struct {
-	st      *store.Store
+	m       *supervisor.Manager
 	handles map[string]*supervisor.Handle
 }
 
-func newStatsHandles(st *store.Store) *statsHandles {
-	return &statsHandles{st: st, handles: map[string]*supervisor.Handle{}}
+func newStatsHandles(m *supervisor.Manager) *statsHandles {
+	return &statsHandles{m: m, handles: map[string]*supervisor.Handle{}}
 }
 
 // stats measures the sandbox name; a handle that fails is dropped, to be
@@ -140,7 +139,7 @@ func newStatsHandles(st *store.Store) *statsHandles {
 func (h *statsHandles) stats(ctx context.Context, name string) (*sandbox.Stats, error) {
 	hd, err := h.handles[name], error(nil)
 	if hd == nil {
-		if hd, err = supervisor.Open(ctx, h.st, name); err != nil {
+		if hd, err = h.m.Open(ctx, name); err != nil {
 			return nil, err
 		}
 		h.handles[name] = hd

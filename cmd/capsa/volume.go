@@ -9,7 +9,7 @@ import (
 	"strings"
 	"text/tabwriter"
 
-	"github.com/capsa-sandbox/capsa/store"
+	"github.com/capsa-sandbox/capsa/supervisor"
 	"github.com/capsa-sandbox/capsa/volume"
 )
 
@@ -165,11 +165,11 @@ func volumeRemove(ctx context.Context, args []string, stdout, stderr io.Writer) 
 // with it mounted (when the store can say).
 func volumeRows(r *volume.Root, infos []*volume.Info) []volumeRow {
 	rows := make([]volumeRow, len(infos))
-	var recs []*store.Record
+	var recs []*supervisor.Record
 	for _, v := range infos {
 		if v.InUse {
-			if st, err := openStateStore(); err == nil {
-				recs, _ = st.List()
+			if m, err := openManager(); err == nil {
+				recs, _ = m.List()
 			}
 			break
 		}
@@ -190,7 +190,7 @@ func volumeRows(r *volume.Root, infos []*volume.Info) []volumeRow {
 
 // mounts reports whether the sandbox rec mounts the volume name of the
 // volumes directory dir.
-func mounts(rec *store.Record, dir, name string) bool {
+func mounts(rec *supervisor.Record, dir, name string) bool {
 	for _, v := range rec.Spec.Volumes {
 		vd := v.Dir
 		if vd == "" {

@@ -1,0 +1,137 @@
+package supervisor
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/capsa-sandbox/capsa/sandbox"
+	"github.com/capsa-sandbox/capsa/snapshot"
+)
+
+// The Manager's snapshot catalog: the named snapshots of its state
+// directory (store.SnapshotsDir), which `capsa snapshot` and the MCP
+// snapshot tools list, inspect, restore and remove.
+
+// SnapshotManifest is what a snapshot says of itself (package snapshot's
+// manifest).
+type SnapshotManifest = snapshot.Manifest
+
+// SnapshotInfo is a named snapshot as the catalog lists it.
+type SnapshotInfo struct {
+	Name        string    `json:"name"`
+	Created     time.Time `json:"created"`
+	CPUs        int       `json:"cpus"`
+	MemoryBytes uint64    `json:"memory_bytes"`
+	DiskBytes   int64     `json:"disk_bytes"` // what its files take on disk
+	Command     string    `json:"command"`
+	Err         string    `json:"error,omitempty"` // why it cannot be read
+}
+
+// SnapshotDir is the directory of snap: a snapshot's name in the state
+// directory, or (allowPath, for the local CLI) a path to a snapshot
+// directory, anything with a slash.
+func (m *Manager) SnapshotDir(snap string, allowPath bool) (string, error) {
+	if allowPath && strings.Contains(snap, "/") {
+		return filepath.Abs(snap)
+	}
+	if err := CheckSnapshotName(snap); err != nil {
+		return "", err
+	}
+	return m.st.SnapshotDir(snap), nil
+}
+
+// Snapshots lists the named snapshots; one that cannot be read is listed
+// with why.
+func (m *Manager) Snapshots() ([]SnapshotInfo, error) {
+	entries, err := os.ReadDir(m.st.SnapshotsDir())
+	if err != nil && !errors.Is(err, os.ErrNotExist) {
+		return nil, err
+	}
+	out := []SnapshotInfo{}
+	for _, e := range entries {
+		if !e.IsDir() || strings.HasPrefix(e.Name(), ".") {
+			continue
+		}
+		dir := m.st.SnapshotDir(e.Name())
+		info := SnapshotInfo{Name: e.Name(), DiskBytes: diskUsage(dir)}
+		if s, err := snapshot.Open(dir); err != nil {
+			info.Err = err.Error()
+		} else {
+			mf := s.Manifest
+			info.Created, info.CPUs, info.MemoryBytes = mf.Created, mf.CPUs, mf.MemoryBytes
+			var spec sandbox.Spec
+			if json.Unmarshal(mf.Spec, &spec) == nil {
+				info.Command = CommandLine(spec)
+			}
+		}
+		out = append(out, info)
+	}
+	return out, nil
+}
+
+// diskUsage is what the files in dir take on disk (a sparse memory file
+// only its written pages).
+func diskUsage(dir string) int64 {
+	var n int64
+	entries, _ := os.ReadDir(dir)
+	for _, e := range entries {
+		if fi, err := e.Info(); err == nil {
+			if st, ok := fi.Sys().(*syscall.Stat_t); ok {
+				n += st.Blocks * 512
+			}
+		}
+	}
+	return n
+}
+
+// InspectSnapshot opens the snapshot in dir (SnapshotDir) and returns its
+// manifest; with verify it also reads every file and checks its checksum.
+func (m *Manager) InspectSnapshot(dir string, verify bool) (*SnapshotManifest, error) {
+	s, err := snapshot.Open(dir)
+	if err == nil && verify {
+		err = snapshot.Verify(dir)
+	}
+	if err != nil {
+		return nil, err
+	}
+	return &s.Manifest, nil
+}
+
+// RemoveSnapshot removes the named snapshot. Sandboxes restored from it
+// keep its memory mapped: removing the files does not disturb them.
+func (m *Manager) RemoveSnapshot(name string) error {
+	if err := CheckSnapshotName(name); err != nil {
+		return err
+	}
+	dir := m.st.SnapshotDir(name)
+	if _, err := os.Stat(filepath.Join(dir, snapshot.ManifestFile)); errors.Is(err, os.ErrNotExist) {
+		return fmt.Errorf("no snapshot called %s", name)
+	} else if err != nil {
+		return err
+	}
+	return os.RemoveAll(dir)
+}
+
+// RestoreDir starts a sandbox named name ("": a new name) from the
+// snapshot in dir, its guest taking hostname ("": the snapshot's), with
+// its secrets' values (nil: none); rm removes it when it ends. It returns
+// the sandbox's name.
+func (m *Manager) RestoreDir(ctx context.Context, dir, name, hostname string, rm bool, secrets map[string]string) (string, error) {
+	if name != "" {
+		if err := CheckName(name); err != nil {
+			return "", err
+		}
+	}
+	rec, err := RestoreRecord(dir, name, hostname, rm)
+	if err != nil {
+		return "", err
+	}
+	return m.Launch(ctx, rec, secrets)
+}
