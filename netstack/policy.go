@@ -15,8 +15,10 @@ type Mode int
 const (
 	// ModePublicOnly allows public unicast destinations and refuses private
 	// (RFC 1918, ULA), loopback, link-local, CGNAT (100.64.0.0/10),
-	// unspecified, multicast, reserved (0/8, 240/4) destinations and the
-	// host's own interface addresses. It is the default.
+	// unspecified, multicast, reserved (0/8, 240/4, 192.0.0.0/24,
+	// 198.18.0.0/15), IPv4-embedding (NAT64 and its local-use prefix, 6to4,
+	// Teredo) and cloud-infrastructure destinations and the host's own
+	// interface addresses. It is the default.
 	ModePublicOnly Mode = iota
 	// ModeAllowAll allows every destination not matched by a deny rule.
 	ModeAllowAll
@@ -508,6 +510,8 @@ var (
 	reserved4  = netip.MustParsePrefix("240.0.0.0/4")
 	ietfProto  = netip.MustParsePrefix("192.0.0.0/24")
 	nat64      = netip.MustParsePrefix("64:ff9b::/96")
+	nat64Local = netip.MustParsePrefix("64:ff9b:1::/48") // RFC 8215: local-use NAT64
+	benchmark4 = netip.MustParsePrefix("198.18.0.0/15")  // RFC 2544: benchmarking, often lab networks
 	discardV6  = netip.MustParsePrefix("100::/64")
 	sixToFour  = netip.MustParsePrefix("2002::/16")
 	teredo     = netip.MustParsePrefix("2001::/32")
@@ -556,9 +560,9 @@ func nonPublic(addr netip.Addr, isHost func(netip.Addr) bool) string {
 		return "private"
 	case cgnat.Contains(addr):
 		return "CGNAT"
-	case reserved4.Contains(addr) || ietfProto.Contains(addr) || discardV6.Contains(addr) || siteLocal6.Contains(addr):
+	case reserved4.Contains(addr) || ietfProto.Contains(addr) || benchmark4.Contains(addr) || discardV6.Contains(addr) || siteLocal6.Contains(addr):
 		return "reserved"
-	case nat64.Contains(addr) || sixToFour.Contains(addr) || teredo.Contains(addr):
+	case nat64.Contains(addr) || nat64Local.Contains(addr) || sixToFour.Contains(addr) || teredo.Contains(addr):
 		// Translation prefixes embed an IPv4 address that may be private.
 		return "IPv4-embedding"
 	case isCloudInfra(addr):

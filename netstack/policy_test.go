@@ -255,3 +255,23 @@ func TestCloudInfraListIsRefused(t *testing.T) {
 		t.Errorf("nonPublic(168.63.129.15) = %q, want public", why)
 	}
 }
+
+// TestNonPublicRanges: the special-purpose ranges that are not the
+// internet are refused under public-only, each with its reason, and
+// their neighbours are public.
+func TestNonPublicRanges(t *testing.T) {
+	for addr, want := range map[string]string{
+		"198.18.0.1":        "reserved", // RFC 2544 benchmarking
+		"198.19.255.254":    "reserved",
+		"64:ff9b:1::a00:1":  "IPv4-embedding", // RFC 8215 local-use NAT64
+		"64:ff9b::10.0.0.1": "IPv4-embedding",
+		"100.64.0.1":        "CGNAT",
+		"198.17.255.255":    "",
+		"198.20.0.0":        "",
+		"64:ff9b:2::1":      "",
+	} {
+		if got := nonPublic(netip.MustParseAddr(addr), nil); got != want {
+			t.Errorf("nonPublic(%s) = %q, want %q", addr, got, want)
+		}
+	}
+}
