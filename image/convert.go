@@ -31,15 +31,29 @@ type ConvertLimits struct {
 	MaxBytes int64
 	// MaxEntries bounds the files, directories and links (0: no bound).
 	MaxEntries int
+	// MaxMetaBytes bounds the entries' metadata the conversion holds in
+	// memory until its end (names, link targets, extended attributes of
+	// directories, files and hard links; 0: no bound). What it holds
+	// besides is a constant per entry, which MaxEntries bounds.
+	MaxMetaBytes int64
 }
+
+// Bounds of one entry's names, whatever the limits: Linux's PATH_MAX for
+// a path or a link's target, and a depth that no real tree reaches. The
+// conversion's work per entry grows with both (each parent is looked up).
+const (
+	maxPathLen   = 4096
+	maxPathDepth = 256
+)
 
 // ErrTooLarge is wrapped by a conversion that went past its limits.
 var ErrTooLarge = errors.New("image is larger than allowed")
 
 // convertStats describes a finished conversion.
 type convertStats struct {
-	Entries int
-	Bytes   int64
+	Entries   int
+	Bytes     int64
+	MetaBytes int64 // metadata held until the end (ConvertLimits.MaxMetaBytes)
 }
 
 // Layer opens one layer's uncompressed tar stream.
@@ -194,6 +208,12 @@ type converter struct {
 // cleanName turns a tar entry name into an absolute path inside the image,
 // refusing names that leave it.
 func cleanName(name string) (string, error) {
+	if len(name) > maxPathLen {
+		return "", fmt.Errorf("image: layer entry %.64q...: a name of %d bytes, longer than %d", name, len(name), maxPathLen)
+	}
+	if n := strings.Count(name, "/"); n > maxPathDepth {
+		return "", fmt.Errorf("image: layer entry %.64q...: %d directories deep, deeper than %d", name, n, maxPathDepth)
+	}
 	if strings.HasPrefix(name, "/") {
 		return "", fmt.Errorf("image: layer entry %q: absolute path", name)
 	}
@@ -215,6 +235,35 @@ func (c *converter) count(n int64) error {
 		return fmt.Errorf("%w: more than %d bytes of files", ErrTooLarge, c.lim.MaxBytes)
 	}
 	return nil
+}
+
+// keep returns what the conversion holds of h until its end: h without
+// the PAX records it does not use (only extended attributes are), its size
+// counted against MaxMetaBytes. A link's target is bounded as a path is.
+func (c *converter) keep(h *tar.Header) (*tar.Header, error) {
+	if len(h.Linkname) > maxPathLen {
+		return nil, fmt.Errorf("image: layer entry %.64q: a link target of %d bytes, longer than %d", h.Name, len(h.Linkname), maxPathLen)
+	}
+	// Strings are copied: archive/tar cuts names and records out of the
+	// whole PAX block, which a kept substring would keep alive.
+	k := *h
+	k.PAXRecords, k.Xattrs = nil, nil
+	k.Name, k.Linkname, k.Uname, k.Gname = strings.Clone(h.Name), strings.Clone(h.Linkname), strings.Clone(h.Uname), strings.Clone(h.Gname)
+	n := int64(len(k.Name) + len(k.Linkname) + len(k.Uname) + len(k.Gname))
+	for key, v := range h.PAXRecords {
+		if strings.HasPrefix(key, "SCHILY.xattr.") {
+			if k.PAXRecords == nil {
+				k.PAXRecords = map[string]string{}
+			}
+			k.PAXRecords[strings.Clone(key)] = strings.Clone(v)
+			n += int64(len(key) + len(v))
+		}
+	}
+	c.stats.MetaBytes += n
+	if c.lim.MaxMetaBytes > 0 && c.stats.MetaBytes > c.lim.MaxMetaBytes {
+		return nil, fmt.Errorf("%w: more than %d bytes of names and attributes", ErrTooLarge, c.lim.MaxMetaBytes)
+	}
+	return &k, nil
 }
 
 // parents checks that no parent of p is a symlink or a non-directory, and
@@ -254,7 +303,11 @@ func (c *converter) add(h *tar.Header, data io.Reader) error {
 	if k := c.kinds[p]; k != 0 {
 		if k == kindImplicit && h.Typeflag == tar.TypeDir {
 			c.kinds[p] = kindDir
-			c.dirs = append(c.dirs, h)
+			kh, err := c.keep(h)
+			if err != nil {
+				return err
+			}
+			c.dirs = append(c.dirs, kh)
 			return c.count(0)
 		}
 		if k == kindImplicit {
@@ -272,13 +325,20 @@ func (c *converter) add(h *tar.Header, data io.Reader) error {
 			return fmt.Errorf("image: %s: %w", p, err)
 		}
 		c.kinds[p] = kindDir
-		c.dirs = append(c.dirs, h)
+		kh, err := c.keep(h)
+		if err != nil {
+			return err
+		}
+		c.dirs = append(c.dirs, kh)
 		return c.count(0)
 	case tar.TypeReg, tar.TypeRegA:
 		if err := c.writeFile(p, h, data); err != nil {
 			return err
 		}
 	case tar.TypeSymlink:
+		if len(h.Linkname) > maxPathLen {
+			return fmt.Errorf("image: layer entry %s: a symlink target of %d bytes, longer than %d", p, len(h.Linkname), maxPathLen)
+		}
 		if err := c.w.Symlink(h.Linkname, p); err != nil {
 			return fmt.Errorf("image: %s: %w", p, err)
 		}
@@ -286,7 +346,8 @@ func (c *converter) add(h *tar.Header, data io.Reader) error {
 		if c.links == nil {
 			c.links = map[string]string{}
 		}
-		c.links[p] = h.Linkname
+		c.links[p] = strings.Clone(h.Linkname) // not the PAX block it was cut from
+		c.stats.MetaBytes += int64(len(h.Linkname))
 		if err := c.count(0); err != nil {
 			return err
 		}
@@ -303,7 +364,11 @@ func (c *converter) add(h *tar.Header, data io.Reader) error {
 	case tar.TypeLink:
 		// The target may come later: the stream has upper layers first.
 		c.kinds[p] = kindOther
-		c.hard = append(c.hard, h)
+		kh, err := c.keep(h)
+		if err != nil {
+			return err
+		}
+		c.hard = append(c.hard, kh)
 		return c.count(0)
 	default:
 		// Sockets and tar's own records (GNU long names, PAX headers
@@ -475,7 +540,11 @@ func (c *converter) writeFile(p string, h *tar.Header, data io.Reader) error {
 	if c.headers == nil {
 		c.headers = map[string]*tar.Header{}
 	}
-	c.headers[p] = h
+	kh, err := c.keep(h)
+	if err != nil {
+		return err
+	}
+	c.headers[p] = kh
 	return nil
 }
 

@@ -47,8 +47,9 @@ import (
 // Platform is the only platform capsa runs.
 var Platform = v1.Platform{OS: "linux", Architecture: "amd64"}
 
-// DefaultLimits bound a conversion: 16 GiB of files, a million entries.
-var DefaultLimits = ConvertLimits{MaxBytes: 16 << 30, MaxEntries: 1 << 20}
+// DefaultLimits bound a conversion: 16 GiB of files, a million entries,
+// 256 MiB of names and attributes held until its end.
+var DefaultLimits = ConvertLimits{MaxBytes: 16 << 30, MaxEntries: 1 << 20, MaxMetaBytes: 256 << 20}
 
 // Image is a pulled image as the store records it.
 type Image struct {
