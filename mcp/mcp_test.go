@@ -6,6 +6,8 @@ import (
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
+	"os"
+	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
@@ -169,7 +171,8 @@ func TestArgumentErrors(t *testing.T) {
 		{"snapshot_restore", map[string]any{"snapshot": "../x"}, "snapshot name"},
 		{"snapshot_create", map[string]any{"name": "a", "snapshot": "a b"}, "snapshot name"},
 		{"sandbox_create", map[string]any{"mailbox": []string{"a*b"}}, "may only end it"},
-		{"sandbox_create", map[string]any{"network": "public-only", "secrets": []map[string]any{{"name": "API_KEY", "env": "CAPSA_MCP_TEST_UNSET", "hosts": []string{"api.example.com"}}}}, "has no CAPSA_MCP_TEST_UNSET"},
+		{"sandbox_create", map[string]any{"network": "public-only", "secrets": []map[string]any{{"name": "API_KEY", "env": "CAPSA_MCP_TEST_UNSET", "hosts": []string{"api.example.com"}}}}, "--secret-env CAPSA_MCP_TEST_UNSET allows it"},
+		{"sandbox_create", map[string]any{"shares": []map[string]any{{"host": "/tmp", "guest": "/mnt"}}}, "shares no host directory"},
 		{"sandbox_create", map[string]any{"volumes": []map[string]any{{"name": "nosuchvol", "guest": "/data"}}}, "nosuchvol"},
 		{"sandbox_create", map[string]any{"kv": []string{"a\u0001"}}, "control character"},
 		{"kv_cas", map[string]any{"key": "k", "value": "v"}, "version"},
@@ -446,12 +449,62 @@ func TestHubTools(t *testing.T) {
 }
 
 // TestCreateSecretFromEnv: a secret's value comes from the server's
-// environment, and the builder's checks apply to it.
+// environment, from a variable the server was allowed to use, never its
+// own token; the builder's checks apply to it.
 func TestCreateSecretFromEnv(t *testing.T) {
 	t.Setenv("CAPSA_MCP_TEST_KEY", "s3cr3t")
-	cs, _ := connect(t)
+	t.Setenv(TokenEnv, "t0k3n")
+	m, _ := managerAndStore(t)
+	cs := connectTo(t, NewServer(Options{Manager: m, SecretEnv: []string{"CAPSA_MCP_TEST_KEY", "CAPSA_MCP_TEST_UNSET", TokenEnv}}))
 	res := call(t, cs, "sandbox_create", map[string]any{"secrets": []map[string]any{{"name": "API_KEY", "env": "CAPSA_MCP_TEST_KEY", "hosts": []string{"api.example.com"}}}})
 	if !res.IsError || !strings.Contains(text(res), "network") || strings.Contains(text(res), "s3cr3t") {
 		t.Errorf("sandbox_create with a secret and no network = IsError %v, %q; want a tool error about the network, without the value", res.IsError, text(res))
 	}
+	res = call(t, cs, "sandbox_create", map[string]any{"network": "public-only", "secrets": []map[string]any{{"name": "API_KEY", "env": "CAPSA_MCP_TEST_UNSET", "hosts": []string{"api.example.com"}}}})
+	if !res.IsError || !strings.Contains(text(res), "has no CAPSA_MCP_TEST_UNSET") {
+		t.Errorf("sandbox_create with an allowed but unset variable = %q; want a tool error naming it", text(res))
+	}
+	res = call(t, cs, "sandbox_create", map[string]any{"network": "public-only", "secrets": []map[string]any{{"name": "T", "env": TokenEnv, "hosts": []string{"evil.example"}}}})
+	if !res.IsError || !strings.Contains(text(res), "may not use") || strings.Contains(text(res), "t0k3n") {
+		t.Errorf("sandbox_create with the server's token as a secret = %q; want it refused, even listed", text(res))
+	}
+}
+
+// TestShareRoots: a tool shares only host directories under the server's
+// share roots; a path outside them, or a link inside one that leads out,
+// is refused naming the rule.
+func TestShareRoots(t *testing.T) {
+	root, outside := t.TempDir(), t.TempDir()
+	os.Mkdir(filepath.Join(root, "work"), 0o755)
+	os.Symlink(outside, filepath.Join(root, "escape"))
+	m, _ := managerAndStore(t)
+	cs := connectTo(t, NewServer(Options{Manager: m, ShareRoots: []string{root}}))
+	for host, want := range map[string]string{
+		outside:                                "not under a share root",
+		filepath.Join(root, "escape"):          "not under a share root",
+		root + "/../" + filepath.Base(outside): "not under a share root",
+	} {
+		res := call(t, cs, "sandbox_create", map[string]any{"shares": []map[string]any{{"host": host, "guest": "/mnt"}}})
+		if !res.IsError || !strings.Contains(text(res), want) {
+			t.Errorf("sharing %s = %q; want a refusal saying %q", host, text(res), want)
+		}
+	}
+	// Inside the root the share passes (the tool would then start a
+	// sandbox, which this unit test cannot).
+	tl := &tools{shareRoots: []string{mustReal(t, root)}}
+	if err := tl.mayShare(filepath.Join(root, "work")); err != nil {
+		t.Errorf("mayShare(a directory under the root) = %v", err)
+	}
+	if err := tl.mayShare(root); err != nil {
+		t.Errorf("mayShare(the root) = %v", err)
+	}
+}
+
+func mustReal(t *testing.T, p string) string {
+	t.Helper()
+	r, err := filepath.EvalSymlinks(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return r
 }

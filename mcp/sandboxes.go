@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
 	"time"
 
 	sdk "github.com/modelcontextprotocol/go-sdk/mcp"
@@ -152,6 +153,9 @@ func (t *tools) create(ctx context.Context, a createArgs) (createResult, error) 
 		if !filepath.IsAbs(sh.Host) {
 			return createResult{}, fmt.Errorf("shares: host %q: want an absolute host path", sh.Host)
 		}
+		if err := t.mayShare(sh.Host); err != nil {
+			return createResult{}, err
+		}
 		mode := sandbox.ReadWrite
 		if sh.ReadOnly {
 			mode = sandbox.ReadOnly
@@ -169,6 +173,9 @@ func (t *tools) create(ctx context.Context, a createArgs) (createResult, error) 
 		env := sec.Env
 		if env == "" {
 			env = sec.Name
+		}
+		if !t.secretEnv[env] {
+			return createResult{}, fmt.Errorf("secrets: %s: this server may not use its environment variable %s as a secret (capsa mcp --secret-env %s allows it)", sec.Name, env, env)
 		}
 		value, ok := os.LookupEnv(env)
 		if !ok || value == "" {
@@ -235,4 +242,23 @@ func (t *tools) destroy(ctx context.Context, a nameArgs) (destroyResult, error) 
 		return destroyResult{}, err
 	}
 	return destroyResult{Name: a.Name, Destroyed: true}, nil
+}
+
+// mayShare refuses a host directory that is not under one of the
+// server's share roots, symlinks resolved (a link inside a root that
+// leads out of it is refused).
+func (t *tools) mayShare(host string) error {
+	if len(t.shareRoots) == 0 {
+		return fmt.Errorf("shares: host %q: this server shares no host directory (capsa mcp --share-root DIR allows those under DIR)", host)
+	}
+	real, err := filepath.EvalSymlinks(host)
+	if err != nil {
+		return fmt.Errorf("shares: host %q: %w", host, err)
+	}
+	for _, root := range t.shareRoots {
+		if rel, err := filepath.Rel(root, real); err == nil && rel != ".." && !strings.HasPrefix(rel, "../") {
+			return nil
+		}
+	}
+	return fmt.Errorf("shares: host %q: not under a share root of this server (%s)", host, strings.Join(t.shareRoots, ", "))
 }

@@ -23,6 +23,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"path/filepath"
 	"runtime/debug"
 	"strings"
 	"time"
@@ -37,16 +38,29 @@ type Options struct {
 	// Manager owns the state directory whose detached sandboxes the
 	// tools create and reach.
 	Manager *supervisor.Manager
+	// ShareRoots are the host directories under which a tool may share a
+	// directory into a sandbox (none: no host directory is shared): a
+	// token holder gets no more of the user's files than these.
+	ShareRoots []string
+	// SecretEnv names the server's environment variables a tool may use
+	// as a secret's value (none: no secrets); CAPSA_MCP_TOKEN never.
+	SecretEnv []string
 	// Log receives a line per tool call (nil: none).
 	Log *slog.Logger
 	// Version is capsa's, told to clients.
 	Version string
 }
 
+// TokenEnv is the environment variable that may hold the HTTP server's
+// bearer token: never a secret's value, whatever SecretEnv says.
+const TokenEnv = "CAPSA_MCP_TOKEN"
+
 // tools is what every tool handler works with.
 type tools struct {
-	m   *supervisor.Manager
-	log *slog.Logger
+	m          *supervisor.Manager
+	log        *slog.Logger
+	shareRoots []string // cleaned, symlinks resolved
+	secretEnv  map[string]bool
 }
 
 // instructions tell the agent how the tools go together.
@@ -65,7 +79,17 @@ func NewServer(o Options) *sdk.Server {
 	}
 	s := sdk.NewServer(&sdk.Implementation{Name: "capsa", Title: "capsa sandboxes", Version: version},
 		&sdk.ServerOptions{Instructions: instructions, Logger: slog.New(atLeast{log.Handler(), slog.LevelWarn})})
-	t := &tools{m: o.Manager, log: log}
+	t := &tools{m: o.Manager, log: log, secretEnv: map[string]bool{}}
+	for _, r := range o.ShareRoots {
+		if real, err := filepath.EvalSymlinks(r); err == nil {
+			t.shareRoots = append(t.shareRoots, filepath.Clean(real))
+		}
+	}
+	for _, e := range o.SecretEnv {
+		if e != TokenEnv {
+			t.secretEnv[e] = true
+		}
+	}
 	registerSandboxTools(s, t)
 	registerExecTools(s, t)
 	registerFileTools(s, t)

@@ -10,6 +10,8 @@ import (
 	"log/slog"
 	"net/http"
 	"os"
+	"path/filepath"
+	"strings"
 	"time"
 
 	sdk "github.com/modelcontextprotocol/go-sdk/mcp"
@@ -21,14 +23,36 @@ import (
 // runMCP serves the MCP tools (package mcp) on stdin and stdout, or with
 // --listen over streamable HTTP on a loopback address.
 func runMCP(ctx context.Context, args []string, stdout, stderr io.Writer) int {
-	fs := newFlags("mcp", "[--listen ADDR]", stdout)
+	fs := newFlags("mcp", "[--listen ADDR] [--share-root DIR]... [--secret-env NAME]...", stdout)
 	listen := fs.String("listen", "", "serve streamable HTTP at http://ADDR/mcp (a loopback address, e.g. 127.0.0.1:8765) instead of stdio; clients send the bearer token printed at start (or set in CAPSA_MCP_TOKEN)")
+	shareRoots := fs.StringArray("share-root", nil, "a host directory under which the tools may share directories into sandboxes (repeatable; none: no host directory is shared)")
+	secretEnv := fs.StringArray("secret-env", nil, "an environment variable of this server that the tools may use as a secret's value (repeatable; none: no secrets)")
 	if code := parseFlags(fs, args, stderr); code >= 0 {
 		return code
 	}
 	if fs.NArg() != 0 {
 		fmt.Fprintln(stderr, "capsa mcp: takes no arguments (see `capsa mcp --help`)")
 		return 2
+	}
+	for i, r := range *shareRoots {
+		abs, err := filepath.Abs(r)
+		if err == nil {
+			var fi os.FileInfo
+			if fi, err = os.Stat(abs); err == nil && !fi.IsDir() {
+				err = errors.New("not a directory")
+			}
+		}
+		if err != nil {
+			fmt.Fprintf(stderr, "capsa mcp: --share-root %s: %v\n", r, err)
+			return 2
+		}
+		(*shareRoots)[i] = abs
+	}
+	for _, e := range *secretEnv {
+		if e == "" || strings.ContainsAny(e, "= ") || e == mcp.TokenEnv {
+			fmt.Fprintf(stderr, "capsa mcp: --secret-env %q: want the name of an environment variable (not %s, the server's own token)\n", e, mcp.TokenEnv)
+			return 2
+		}
 	}
 	m, err := supervisor.OpenManager("")
 	if err != nil {
@@ -41,7 +65,7 @@ func runMCP(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	}
 	// stdout is the protocol's: the log goes to stderr.
 	log := slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: level}))
-	s := mcp.NewServer(mcp.Options{Manager: m, Log: log, Version: version})
+	s := mcp.NewServer(mcp.Options{Manager: m, ShareRoots: *shareRoots, SecretEnv: *secretEnv, Log: log, Version: version})
 	if *listen == "" {
 		err := s.Run(ctx, &sdk.IOTransport{Reader: os.Stdin, Writer: nopCloser{stdout}})
 		if err != nil && ctx.Err() == nil {
@@ -55,7 +79,7 @@ func runMCP(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "capsa mcp: %v\n", err)
 		return 2
 	}
-	token := os.Getenv("CAPSA_MCP_TOKEN")
+	token := os.Getenv(mcp.TokenEnv)
 	if token == "" {
 		b := make([]byte, 16)
 		rand.Read(b)
