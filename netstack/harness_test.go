@@ -184,6 +184,27 @@ func (g *guest) resolver(server netip.AddrPort, forceTCP bool) *net.Resolver {
 	}
 }
 
+// hostServer is a TCP server on the host's loopback that runs serve for
+// each connection (in its own goroutine) until the test ends.
+func hostServer(t testing.TB, serve func(net.Conn)) net.Listener {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { l.Close() })
+	go func() {
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			go serve(c)
+		}
+	}()
+	return l
+}
+
 func gatewayPort(g *guest, port int) netip.AddrPort {
 	return netip.AddrPortFrom(g.nat.Addrs().Gateway, uint16(port))
 }

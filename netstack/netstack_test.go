@@ -578,20 +578,7 @@ func TestConfigErrors(t *testing.T) {
 // After Close every goroutine the NAT started is gone, including those of
 // forwarded connections still open at Close.
 func TestCloseReleasesGoroutines(t *testing.T) {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Close()
-	go func() {
-		for {
-			c, err := l.Accept()
-			if err != nil {
-				return
-			}
-			go func() { io.Copy(io.Discard, c); c.Close() }()
-		}
-	}()
+	l := hostServer(t, func(c net.Conn) { io.Copy(io.Discard, c); c.Close() })
 	echo := startUDPEcho(t)
 	runtime.GC()
 	before := runtime.NumGoroutine()
@@ -676,21 +663,7 @@ func TestTCPBuffersAreBounded(t *testing.T) {
 // SYN without an answer, so the guest's request hung (about one in a
 // thousand new connections under load, as the guest reused ports).
 func TestPortReuseAfterServerClose(t *testing.T) {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Close()
-	go func() {
-		for {
-			c, err := l.Accept()
-			if err != nil {
-				return
-			}
-			c.Write([]byte("bye"))
-			c.Close()
-		}
-	}()
+	l := hostServer(t, func(c net.Conn) { c.Write([]byte("bye")); c.Close() })
 	g := newTestNAT(t, Config{Policy: AllowAll()})
 	server := g.fullAddr(gatewayPort(g, loopbackPort(t, l.Addr())))
 	local := tcpip.FullAddress{NIC: 1, Addr: toTCPIP(g.nat.Addrs().GuestIP.Addr()), Port: 40000}
