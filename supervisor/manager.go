@@ -134,6 +134,9 @@ func (m *Manager) Fork(ctx context.Context, name string, count int) ([]string, [
 // Logs writes the sandbox name's log file (MainLog or ConsoleLog) to w:
 // its last lines (all: negative), then more as it comes with follow.
 func (m *Manager) Logs(ctx context.Context, name, file string, lines int, follow bool, w io.Writer) error {
+	if _, err := m.st.Get(name); err != nil {
+		return err
+	}
 	return Logs(ctx, m.st, name, file, lines, follow, w)
 }
 
@@ -192,6 +195,9 @@ func (m *Manager) Supervise(ctx context.Context, name string, lock, ready *os.Fi
 // NetLogs writes the sandbox name's audit log of intercepted HTTPS
 // requests to w, as Logs does.
 func (m *Manager) NetLogs(ctx context.Context, name string, lines int, follow bool, w io.Writer) error {
+	if _, err := m.st.Get(name); err != nil {
+		return err
+	}
 	return NetLogs(ctx, m.st, name, lines, follow, w)
 }
 

@@ -15,7 +15,6 @@ package supervisor
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -25,7 +24,6 @@ import (
 	"os/signal"
 	"path/filepath"
 	"runtime/debug"
-	"strings"
 	"sync"
 	"syscall"
 	"time"
@@ -35,7 +33,6 @@ import (
 	"github.com/capsa-sandbox/capsa/internal/selfpages"
 	"github.com/capsa-sandbox/capsa/sandbox"
 	"github.com/capsa-sandbox/capsa/store"
-	"github.com/capsa-sandbox/capsa/virtio/vsock"
 )
 
 // Files in a sandbox's directory.
@@ -512,169 +509,3 @@ func (c *control) setPaused(ctx context.Context, pause bool, log *slog.Logger) e
 // within it, or the sandbox runs on and the pause fails.
 const pauseTimeout = 30 * time.Second
 
-// Pause pauses the running detached sandbox name (sandbox.Sandbox.Pause)
-// through its supervisor; its record says paused until Resume.
-func Pause(ctx context.Context, st *store.Store, name string) error {
-	return callLive(ctx, st, name, opPause, noBody{})
-}
-
-// Resume runs the paused detached sandbox name again (sandbox.Sandbox.Resume).
-func Resume(ctx context.Context, st *store.Store, name string) error {
-	return callLive(ctx, st, name, opResume, noBody{})
-}
-
-// Snapshot writes the running detached sandbox name to the snapshot
-// directory dir (sandbox.Sandbox.Snapshot), through its supervisor.
-func Snapshot(ctx context.Context, st *store.Store, name, dir string) error {
-	abs, err := filepath.Abs(dir)
-	if err != nil {
-		return err
-	}
-	return callLive(ctx, st, name, opSnapshot, snapshotBody{Dir: abs})
-}
-
-// Stop ends the detached sandbox name as `capsa stop` does: SIGTERM to the
-// main process, SIGKILL after timeout (at once with kill), then the VM
-// stops; a paused one is resumed first. It returns once the supervisor has
-// recorded the end, or ctx ends.
-func Stop(ctx context.Context, st *store.Store, name string, timeout time.Duration, kill bool) error {
-	if err := callLive(ctx, st, name, opStop, stopBody{Timeout: timeout, Kill: kill}); err != nil {
-		return err
-	}
-	return waitEnded(ctx, st, name)
-}
-
-// callLive makes the control operation op with req on the live sandbox
-// name and says what failed: the operation, the sandbox, and its end if
-// it has ended.
-func callLive[Req, Resp any](ctx context.Context, st *store.Store, name string, op controlOp[Req, Resp], req Req) error {
-	rec, err := st.Get(name)
-	if err != nil {
-		return err
-	}
-	if !rec.Alive() {
-		return fmt.Errorf("supervisor: %s %s: %w (%s)", op.name, name, ErrNotRunning, describeEnd(rec))
-	}
-	_, err = op.call(ctx, controlClient(filepath.Join(st.SandboxDir(name), ControlSocket)), req)
-	if err == nil {
-		return nil
-	}
-	err = fmt.Errorf("supervisor: %s %s: %w", op.name, name, err)
-	var te *transportError
-	if errors.As(err, &te) {
-		if rec, gerr := st.Get(name); gerr == nil && !rec.Alive() {
-			err = fmt.Errorf("sandbox %s ended (%s): %w", name, describeEnd(rec), err)
-		}
-	}
-	return err
-}
-
-// Handle is a running detached sandbox, reached by name: its guest
-// operations (Exec, Stream, files, Info) are sandbox.Guest's, the same as
-// an in-process Sandbox's.
-type Handle struct {
-	*sandbox.Guest
-	Name  string
-	store *store.Store
-	http  *http.Client
-}
-
-// ErrNotRunning is wrapped when a sandbox exists but does not run.
-var ErrNotRunning = errors.New("the sandbox is not running")
-
-// ErrPaused is wrapped when a sandbox's guest is paused.
-var ErrPaused = errors.New("the sandbox is paused")
-
-// Open returns a handle to the running sandbox name.
-func Open(ctx context.Context, st *store.Store, name string) (*Handle, error) {
-	rec, err := st.Get(name)
-	if err != nil {
-		return nil, err
-	}
-	if rec.State == store.Paused {
-		return nil, fmt.Errorf("supervisor: %s: %w (capsa resume %s runs it again)", name, ErrPaused, name)
-	}
-	if rec.State != store.Running {
-		return nil, fmt.Errorf("supervisor: %s: %w (%s)", name, ErrNotRunning, describeEnd(rec))
-	}
-	dir := st.SandboxDir(name)
-	agentPath := filepath.Join(dir, AgentSocket)
-	h := &Handle{Name: name, store: st, http: controlClient(filepath.Join(dir, ControlSocket))}
-	client := &agent.Client{Name: "capsa", Dial: func(ctx context.Context) (net.Conn, error) {
-		return dialAgent(ctx, agentPath)
-	}}
-	h.Guest = sandbox.NewGuest(client, rec.Env, rec.Dir, rec.Spec.OutputLimit, h.explain)
-	return h, nil
-}
-
-// explain adds the sandbox's end to an error, if it has ended.
-func (h *Handle) explain(err error) error {
-	if err == nil {
-		return nil
-	}
-	if rec, gerr := h.store.Get(h.Name); gerr == nil && !rec.Alive() {
-		return fmt.Errorf("sandbox %s ended (%s): %w", h.Name, describeEnd(rec), err)
-	}
-	return err
-}
-
-// describeEnd says how a sandbox that is not running got there.
-func describeEnd(r *store.Record) string {
-	var b strings.Builder
-	b.WriteString(string(r.State))
-	if r.ExitCode != nil {
-		fmt.Fprintf(&b, ", exit code %d", *r.ExitCode)
-	}
-	if r.Reason != "" {
-		b.WriteString(": " + r.Reason)
-	}
-	return b.String()
-}
-
-// Stop ends the sandbox: see the package's Stop.
-func (h *Handle) Stop(ctx context.Context, timeout time.Duration, kill bool) error {
-	return Stop(ctx, h.store, h.Name, timeout, kill)
-}
-
-// Stats reports what the sandbox has used so far (sandbox.Stats), asked
-// of its supervisor.
-func (h *Handle) Stats(ctx context.Context) (*sandbox.Stats, error) {
-	st, err := opStats.call(ctx, h.http, noBody{})
-	if err != nil {
-		err = fmt.Errorf("supervisor: stats of %s: %w", h.Name, err)
-		var te *transportError
-		if errors.As(err, &te) {
-			err = h.explain(err)
-		}
-		return nil, err
-	}
-	return st, nil
-}
-
-// WaitEnded waits until the sandbox's record says it no longer runs.
-func (h *Handle) WaitEnded(ctx context.Context) error { return waitEnded(ctx, h.store, h.Name) }
-
-func waitEnded(ctx context.Context, st *store.Store, name string) error {
-	tick := time.NewTicker(100 * time.Millisecond)
-	defer tick.Stop()
-	for {
-		rec, err := st.Get(name)
-		if err != nil {
-			return err
-		}
-		if !rec.Alive() {
-			return nil
-		}
-		select {
-		case <-ctx.Done():
-			return fmt.Errorf("supervisor: %s still runs: %w", name, ctx.Err())
-		case <-tick.C:
-		}
-	}
-}
-
-// dialAgent reaches the guest agent through the supervisor's hybrid-vsock
-// socket.
-func dialAgent(ctx context.Context, path string) (net.Conn, error) {
-	return vsock.DialHybrid(ctx, path, agent.Port)
-}

@@ -438,10 +438,6 @@ func runLogs(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		return 1
 	}
 	name := fs.Arg(0)
-	if _, err := m.Get(name); err != nil {
-		fmt.Fprintf(stderr, "capsa logs: %v\n", err)
-		return 1
-	}
 	file := supervisor.MainLog
 	if *console {
 		file = supervisor.ConsoleLog

@@ -1,0 +1,129 @@
+package supervisor
+
+import (
+	"context"
+	"errors"
+	"io"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/capsa-sandbox/capsa/sandbox"
+)
+
+func newManager(t *testing.T) *Manager {
+	t.Helper()
+	m, err := OpenManager(t.TempDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	return m
+}
+
+// TestManagerUnknownNames: every operation on a name the state directory
+// does not hold is an error naming it, as ErrNotFound, before anything is
+// started or signalled; a bad name is refused as such.
+func TestManagerUnknownNames(t *testing.T) {
+	m := newManager(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	for op, call := range map[string]func() error{
+		"Get":    func() error { _, err := m.Get("nosuch"); return err },
+		"Open":   func() error { _, err := m.Open(ctx, "nosuch"); return err },
+		"Stop":   func() error { return m.Stop(ctx, "nosuch", time.Second, false) },
+		"Remove": func() error { return m.Remove(ctx, "nosuch") },
+		"Pause":  func() error { return m.Pause(ctx, "nosuch") },
+		"Resume": func() error { return m.Resume(ctx, "nosuch") },
+		"Start":  func() error { return m.Start(ctx, "nosuch") },
+		"Logs":   func() error { return m.Logs(ctx, "nosuch", MainLog, -1, false, io.Discard) },
+		"SaveSnapshot": func() error {
+			_, err := m.SaveSnapshot(ctx, "nosuch", "snap")
+			return err
+		},
+		"Fork": func() error { _, _, err := m.Fork(ctx, "nosuch", 1); return err },
+	} {
+		if err := call(); !errors.Is(err, ErrNotFound) || !strings.Contains(err.Error(), "nosuch") {
+			t.Errorf("%s(nosuch) = %v; want ErrNotFound naming it", op, err)
+		}
+	}
+	if _, err := m.Get("no/slash"); err == nil || !strings.Contains(err.Error(), "no/slash") {
+		t.Errorf("Get(no/slash) = %v; want the name refused", err)
+	}
+}
+
+// TestManagerCreateAndStart: Create records a sandbox in state Created
+// without starting anything; a second one of the name is ErrExists; only
+// a created sandbox starts.
+func TestManagerCreateAndStart(t *testing.T) {
+	m := newManager(t)
+	spec := sandbox.Spec{CPUs: 1, MemoryMiB: 256, Main: sandbox.ProcessSpec{Argv: []string{"true"}}}
+	name, err := m.Create(&Record{Name: "c", Spec: spec}, nil)
+	if err != nil || name != "c" {
+		t.Fatalf("Create = %q, %v", name, err)
+	}
+	if r, err := m.Get("c"); err != nil || r.State != Created {
+		t.Fatalf("Get(c) = %+v, %v; want state created", r, err)
+	}
+	if _, err := m.Create(&Record{Name: "c", Spec: spec}, nil); !errors.Is(err, ErrExists) {
+		t.Errorf("Create of a taken name = %v; want ErrExists", err)
+	}
+	named, err := m.Create(&Record{Spec: spec}, nil)
+	if err != nil || CheckName(named) != nil {
+		t.Errorf("Create without a name = %q, %v; want a new valid name", named, err)
+	}
+	recs, err := m.List()
+	if err != nil || len(recs) != 2 {
+		t.Errorf("List = %d records, %v; want 2", len(recs), err)
+	}
+	// An exited sandbox does not start again (the store refuses before
+	// any supervisor is spawned).
+	if err := m.st.Update("c", func(r *Record) error { r.State = Exited; return nil }); err != nil {
+		t.Fatal(err)
+	}
+	if err := m.Start(context.Background(), "c"); err == nil || !strings.Contains(err.Error(), "only a created sandbox starts") {
+		t.Errorf("Start of an exited sandbox = %v", err)
+	}
+}
+
+// TestManagerSnapshotCatalog: the catalog lists only snapshot
+// directories, with why one cannot be read; names are checked, a path is
+// taken only where allowed, and removing a missing snapshot says so.
+func TestManagerSnapshotCatalog(t *testing.T) {
+	m := newManager(t)
+	if infos, err := m.Snapshots(); err != nil || len(infos) != 0 {
+		t.Errorf("Snapshots of a new directory = %v, %v; want none", infos, err)
+	}
+	if _, err := m.SnapshotDir("../x", false); err == nil {
+		t.Error("SnapshotDir(../x) = nil error")
+	}
+	if _, err := m.SnapshotDir("/some/dir", false); err == nil {
+		t.Error("SnapshotDir(a path) where only names are allowed = nil error")
+	}
+	if d, err := m.SnapshotDir("rel/dir", true); err != nil || !filepath.IsAbs(d) {
+		t.Errorf("SnapshotDir(rel/dir, paths allowed) = %q, %v; want an absolute path", d, err)
+	}
+	d, err := m.SnapshotDir("s1", false)
+	if err != nil || filepath.Dir(d) != filepath.Join(m.Dir(), "snapshots") {
+		t.Fatalf("SnapshotDir(s1) = %q, %v; want it in the state directory's snapshots", d, err)
+	}
+	os.MkdirAll(d, 0o700)
+	os.MkdirAll(filepath.Join(m.Dir(), "snapshots", ".fork-tmp"), 0o700)
+	infos, err := m.Snapshots()
+	if err != nil || len(infos) != 1 || infos[0].Name != "s1" || infos[0].Err == "" {
+		t.Errorf("Snapshots = %+v, %v; want s1, unreadable, and no hidden directory", infos, err)
+	}
+	if _, err := m.InspectSnapshot(d, false); err == nil {
+		t.Error("InspectSnapshot of an empty directory = nil error")
+	}
+	if err := m.RemoveSnapshot("nosuch"); err == nil || !strings.Contains(err.Error(), "no snapshot called nosuch") {
+		t.Errorf("RemoveSnapshot(nosuch) = %v", err)
+	}
+	if _, err := m.Restore(context.Background(), "../x", "", "", false, nil); err == nil {
+		t.Error("Restore of a bad snapshot name = nil error")
+	}
+	if _, err := m.Restore(context.Background(), "s1", "bad name", "", false, nil); err == nil || !strings.Contains(err.Error(), "bad name") {
+		t.Errorf("Restore as a bad sandbox name = %v", err)
+	}
+}
