@@ -2,10 +2,13 @@ package e2e
 
 import (
 	"encoding/json"
+	"fmt"
 	"io"
 	"net/http"
 	"os"
 	"path/filepath"
+	"slices"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -54,9 +57,12 @@ func TestConfinement(t *testing.T) {
 		t.Errorf("confinement = %s; want seccomp and rlimits on", l)
 	}
 	landlock := strings.HasPrefix(l.Landlock, "on")
-	if !landlock {
-		t.Logf("this host has no Landlock (%s): the file check is skipped", l.Landlock)
+	if !landlock && hostHasLSM("landlock") {
+		t.Errorf("confinement = %s; this kernel runs Landlock, want the layer on", l)
+	} else if !landlock {
+		t.Logf("this kernel has no Landlock (%s): the file check is skipped", l.Landlock)
 	}
+	checkCgroup(t, l, rec.PID, 512)
 	probe := probeLine(t, dir, "c")
 	for _, want := range []string{`execve="operation not permitted"`, `ptrace="operation not permitted"`} {
 		if !strings.Contains(probe, want) {
@@ -159,5 +165,47 @@ func checkNATAndPort(t *testing.T, cli func(time.Duration, ...string) result, na
 	}
 	if page != body {
 		t.Errorf("the published port %s, %s: %q", addr, how, page)
+	}
+}
+
+// hostHasLSM says whether the running kernel has the security module
+// name active (/sys/kernel/security/lsm).
+func hostHasLSM(name string) bool {
+	b, err := os.ReadFile("/sys/kernel/security/lsm")
+	return err == nil && slices.Contains(strings.Split(strings.TrimSpace(string(b)), ","), name)
+}
+
+// checkCgroup: where this host delegates cgroup v2's memory and pids
+// controllers to the test's cgroup's children, the confined VMM process
+// pid must be in a cgroup of its own (capsa-NAME-PID) whose memory.max is
+// its guest's memory (memMiB) plus supervisor.VMMOverhead and whose
+// pids.max is confine.DefaultPids, as docs/security.md says.
+func checkCgroup(t *testing.T, l *confine.Layers, pid, memMiB int) {
+	t.Helper()
+	ctl, err := os.ReadFile("/sys/fs/cgroup/cgroup.subtree_control")
+	if err != nil || !strings.Contains(string(ctl), "memory") || !strings.Contains(string(ctl), "pids") {
+		t.Logf("this host delegates no cgroup v2 memory and pids controllers (%v): the cgroup check is skipped", err)
+		return
+	}
+	if !strings.HasPrefix(l.Cgroup, "on") {
+		t.Errorf("confinement = %s; this host delegates cgroup v2, want the cgroup layer on", l)
+		return
+	}
+	self, err := os.ReadFile(fmt.Sprintf("/proc/%d/cgroup", pid))
+	if err != nil {
+		t.Fatalf("the VMM's cgroup: %v", err)
+	}
+	rel, _ := strings.CutPrefix(strings.TrimSpace(string(self)), "0::")
+	if !strings.Contains(filepath.Base(rel), fmt.Sprintf("-%d", pid)) || !strings.HasPrefix(filepath.Base(rel), "capsa-") {
+		t.Errorf("the VMM %d is in cgroup %q; want one of its own, capsa-NAME-%d", pid, rel, pid)
+	}
+	dir := filepath.Join("/sys/fs/cgroup", rel)
+	for file, want := range map[string]string{
+		"memory.max": strconv.FormatInt(int64(memMiB)<<20+supervisor.VMMOverhead, 10),
+		"pids.max":   strconv.Itoa(confine.DefaultPids),
+	} {
+		if b, err := os.ReadFile(filepath.Join(dir, file)); err != nil || strings.TrimSpace(string(b)) != want {
+			t.Errorf("the VMM's cgroup's %s = %q, %v; want %s", file, b, err, want)
+		}
 	}
 }
