@@ -89,6 +89,11 @@ func TestJail(t *testing.T) {
 	if !strings.HasPrefix(l.Namespaces, "on (mount namespace") || !strings.HasSuffix(l.Namespaces, "uid 65534 gid 65534)") {
 		t.Errorf("the namespaces layer = %q, want on, as uid 65534 gid 65534", l.Namespaces)
 	}
+	// The jail pivots its root away, as on every host whose root is a
+	// real file system; only on an initial ramfs does it move over it.
+	if initramfs := rootIsInitramfs(t); initramfs != strings.Contains(l.Namespaces, "moved over the initial ramfs") {
+		t.Errorf("the namespaces layer = %q on a host whose root is the initial ramfs: %v", l.Namespaces, initramfs)
+	}
 	pid := rec.PID
 	status, err := os.ReadFile(filepath.Join("/proc", strconv.Itoa(pid), "status"))
 	if err != nil {
@@ -164,4 +169,22 @@ func first(p string) string {
 	p = strings.TrimPrefix(filepath.Clean(p), "/")
 	f, _, _ := strings.Cut(p, "/")
 	return f
+}
+
+// rootIsInitramfs says whether this host's root is the initial ramfs
+// (rootfs in /proc/self/mountinfo), which pivot_root cannot move.
+func rootIsInitramfs(t *testing.T) bool {
+	t.Helper()
+	b, err := os.ReadFile("/proc/self/mountinfo")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		f := strings.Fields(line)
+		if len(f) > 4 && f[4] == "/" {
+			_, post, _ := strings.Cut(line, " - ")
+			return strings.HasPrefix(post, "rootfs ")
+		}
+	}
+	return false
 }

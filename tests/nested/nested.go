@@ -289,6 +289,17 @@ func shellQuote(s string) string {
 // lines that carry a per-job nonce, so no output of the job can forge them.
 const initScript = `#!/bin/busybox sh
 /bin/busybox --install -s /bin
+# The root moves from the initial ramfs, which pivot_root cannot take
+# away, to a tmpfs, as an initramfs's /init hands over to a real root: the
+# jail then takes the pivot_root path every real host takes.
+if [ ! -e /.capsa-root ]; then
+	mkdir -p /newroot && mount -t tmpfs -o size=75% tmpfs /newroot
+	for d in /*; do
+		case $d in /newroot | /proc | /sys | /dev) ;; *) cp -a "$d" /newroot/ ;; esac
+	done
+	mkdir -p /newroot/proc /newroot/sys /newroot/dev && touch /newroot/.capsa-root
+	exec switch_root /newroot /init
+fi
 mkdir -p /proc /sys /dev /tmp
 mount -t proc proc /proc
 mount -t sysfs sysfs /sys
