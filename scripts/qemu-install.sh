@@ -20,7 +20,10 @@ sudo=""
 if [ "${VERSION_CODENAME:-}" = bookworm ]; then
 	src=/etc/apt/sources.list.d/capsa-bookworm-backports.sources
 	if ! grep -rqs "bookworm-backports" /etc/apt/sources.list /etc/apt/sources.list.d/; then
-		printf 'Types: deb\nURIs: http://deb.debian.org/debian\nSuites: bookworm-backports\nComponents: main\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n' | $sudo tee "$src" >/dev/null
+		# The backports of the mirror this machine takes bookworm from.
+		uri=$(apt-get indextargets --format '$(REPO_URI) $(CODENAME)' 2>/dev/null | awk '$2 == "bookworm" {print $1; exit}')
+		[ -n "$uri" ] || { echo "qemu-install: no apt source of this machine serves bookworm" >&2; exit 1; }
+		printf 'Types: deb\nURIs: %s\nSuites: bookworm-backports\nComponents: main\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n' "$uri" | $sudo tee "$src" >/dev/null
 	fi
 	$sudo apt-get update -qq
 	DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends -t bookworm-backports qemu-system-x86 >/dev/null
