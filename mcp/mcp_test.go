@@ -291,10 +291,10 @@ func TestListenLoopback(t *testing.T) {
 	}
 }
 
-// bearer adds a token to every request.
-type bearer struct{ token string }
+// withToken adds a bearer token to every request.
+type withToken struct{ token string }
 
-func (b bearer) RoundTrip(r *http.Request) (*http.Response, error) {
+func (b withToken) RoundTrip(r *http.Request) (*http.Response, error) {
 	r = r.Clone(r.Context())
 	r.Header.Set("Authorization", "Bearer "+b.token)
 	return http.DefaultTransport.RoundTrip(r)
@@ -318,7 +318,7 @@ func TestHTTP(t *testing.T) {
 	client := sdk.NewClient(&sdk.Implementation{Name: "test-client", Version: "1"}, nil)
 
 	for _, token := range []string{"", "wrong"} {
-		tr := &sdk.StreamableClientTransport{Endpoint: srv.URL + HTTPPath, HTTPClient: &http.Client{Transport: bearer{token}}, MaxRetries: -1}
+		tr := &sdk.StreamableClientTransport{Endpoint: srv.URL + HTTPPath, HTTPClient: &http.Client{Transport: withToken{token}}, MaxRetries: -1}
 		if cs, err := client.Connect(ctx, tr, nil); err == nil {
 			cs.Close()
 			t.Errorf("Connect with token %q = nil error; want it refused", token)
@@ -329,7 +329,7 @@ func TestHTTP(t *testing.T) {
 		t.Errorf("POST %s without a token = %v, %v; want 401", HTTPPath, resp, err)
 	}
 
-	tr := &sdk.StreamableClientTransport{Endpoint: srv.URL + HTTPPath, HTTPClient: &http.Client{Transport: bearer{"sesame"}}}
+	tr := &sdk.StreamableClientTransport{Endpoint: srv.URL + HTTPPath, HTTPClient: &http.Client{Transport: withToken{"sesame"}}}
 	cs, err := client.Connect(ctx, tr, nil)
 	if err != nil {
 		t.Fatalf("Connect with the token = %v", err)

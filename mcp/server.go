@@ -18,18 +18,17 @@ package mcp
 
 import (
 	"context"
-	"crypto/subtle"
 	"fmt"
 	"log/slog"
 	"net"
 	"net/http"
 	"path/filepath"
 	"runtime/debug"
-	"strings"
 	"time"
 
 	sdk "github.com/modelcontextprotocol/go-sdk/mcp"
 
+	"github.com/capsa-sandbox/capsa/internal/bearer"
 	"github.com/capsa-sandbox/capsa/supervisor"
 )
 
@@ -159,15 +158,7 @@ func HTTPHandler(s *sdk.Server, token string, log *slog.Logger) http.Handler {
 	h := sdk.NewStreamableHTTPHandler(func(*http.Request) *sdk.Server { return s }, &sdk.StreamableHTTPOptions{Logger: log})
 	mux := http.NewServeMux()
 	mux.Handle(HTTPPath, http.NewCrossOriginProtection().Handler(h))
-	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		got, ok := strings.CutPrefix(r.Header.Get("Authorization"), "Bearer ")
-		if !ok || subtle.ConstantTimeCompare([]byte(got), []byte(token)) != 1 {
-			w.Header().Set("WWW-Authenticate", `Bearer realm="capsa mcp"`)
-			http.Error(w, "capsa mcp: want the bearer token capsa mcp printed (or was given in CAPSA_MCP_TOKEN)", http.StatusUnauthorized)
-			return
-		}
-		mux.ServeHTTP(w, r)
-	})
+	return bearer.Guard(mux, token, "capsa mcp", "capsa mcp: want the bearer token capsa mcp printed (or was given in CAPSA_MCP_TOKEN)")
 }
 
 // ListenLoopback listens for TCP on addr (HOST:PORT), refusing any host

@@ -2,8 +2,6 @@ package main
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"errors"
 	"fmt"
 	"io"
@@ -16,6 +14,7 @@ import (
 
 	sdk "github.com/modelcontextprotocol/go-sdk/mcp"
 
+	"github.com/capsa-sandbox/capsa/internal/bearer"
 	"github.com/capsa-sandbox/capsa/mcp"
 	"github.com/capsa-sandbox/capsa/supervisor"
 )
@@ -81,9 +80,7 @@ func runMCP(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	}
 	token := os.Getenv(mcp.TokenEnv)
 	if token == "" {
-		b := make([]byte, 16)
-		rand.Read(b)
-		token = hex.EncodeToString(b)
+		token = bearer.NewToken()
 		fmt.Fprintf(stderr, "capsa mcp: serving http://%s%s (header Authorization: Bearer %s)\n", l.Addr(), mcp.HTTPPath, token)
 	} else {
 		fmt.Fprintf(stderr, "capsa mcp: serving http://%s%s (the bearer token is CAPSA_MCP_TOKEN's)\n", l.Addr(), mcp.HTTPPath)

@@ -9,15 +9,21 @@ import (
 	"math"
 	"net"
 	"net/http"
+	"os"
 	"slices"
 	"strconv"
 	"strings"
 	"sync"
 	"time"
 
+	"github.com/capsa-sandbox/capsa/internal/bearer"
 	"github.com/capsa-sandbox/capsa/sandbox"
 	"github.com/capsa-sandbox/capsa/supervisor"
 )
+
+// metricsTokenEnv gives `capsa metrics` its bearer token (else it makes
+// one and prints it).
+const metricsTokenEnv = "CAPSA_METRICS_TOKEN"
 
 // runMetrics serves every detached sandbox's use as Prometheus metrics,
 // labelled by sandbox name, measured at each scrape.
@@ -27,7 +33,7 @@ import (
 // the 25 MB it may weigh) for fifteen series.
 func runMetrics(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	fs := newFlags("metrics", "[flags]", stdout)
-	listen := fs.String("listen", "127.0.0.1:9464", "serve /metrics on this address (port 0: any free port)")
+	listen := fs.String("listen", "127.0.0.1:9464", "serve /metrics on this TCP address (port 0: any free port), for clients with the bearer token it prints (or CAPSA_METRICS_TOKEN's); or unix:PATH, a socket only this user may open")
 	if code := parseFlags(fs, args, stderr); code >= 0 {
 		return code
 	}
@@ -41,15 +47,43 @@ func runMetrics(ctx context.Context, args []string, stdout, stderr io.Writer) in
 		return 1
 	}
 	c := newSandboxCollector(ctx, m)
-	l, err := net.Listen("tcp", *listen)
-	if err != nil {
-		fmt.Fprintf(stderr, "capsa metrics: --listen: %v\n", err)
-		return 2
-	}
 	mux := http.NewServeMux()
 	mux.Handle("/metrics", c.handler(slog.New(slog.NewTextHandler(stderr, nil))))
-	srv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
-	fmt.Fprintf(stdout, "capsa metrics: serving http://%s/metrics\n", l.Addr())
+	var handler http.Handler = mux
+	var l net.Listener
+	if path, ok := strings.CutPrefix(*listen, "unix:"); ok {
+		// The socket's mode is what guards it: this user's only.
+		os.Remove(path)
+		if l, err = net.Listen("unix", path); err == nil {
+			if err = os.Chmod(path, 0o600); err != nil {
+				l.Close()
+			}
+		}
+		if err != nil {
+			fmt.Fprintf(stderr, "capsa metrics: --listen: %v\n", err)
+			return 2
+		}
+		fmt.Fprintf(stdout, "capsa metrics: serving unix:%s /metrics\n", path)
+	} else {
+		// A TCP port is open to every local user and, through the NAT's
+		// gateway, to a guest allowed everything: only the token's
+		// holder reads the sandboxes' use.
+		if l, err = net.Listen("tcp", *listen); err != nil {
+			fmt.Fprintf(stderr, "capsa metrics: --listen: %v\n", err)
+			return 2
+		}
+		token, given := os.LookupEnv(metricsTokenEnv)
+		if !given || token == "" {
+			token = bearer.NewToken()
+		}
+		handler = bearer.Guard(mux, token, "capsa metrics", "capsa metrics: want the bearer token capsa metrics printed (or was given in "+metricsTokenEnv+")")
+		if given {
+			fmt.Fprintf(stdout, "capsa metrics: serving http://%s/metrics (the bearer token is %s's)\n", l.Addr(), metricsTokenEnv)
+		} else {
+			fmt.Fprintf(stdout, "capsa metrics: serving http://%s/metrics (header Authorization: Bearer %s)\n", l.Addr(), token)
+		}
+	}
+	srv := &http.Server{Handler: handler, ReadHeaderTimeout: 10 * time.Second}
 	go func() {
 		<-ctx.Done()
 		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)

@@ -28,7 +28,7 @@ func TestProcessOutlivesExec(t *testing.T) {
 	}
 	const script = "echo begun; sleep 5; echo finished > /tmp/done; echo out; exit 7"
 	cmd := exec.Command(artifact(t, "capsa"), "exec", "p", "--", "sh", "-c", script)
-	cmd.Env = append(os.Environ(), "CAPSA_STATE="+dir)
+	cmd.Env = append(os.Environ(), "CAPSA_STATE="+dir, "CAPSA_METRICS_TOKEN=metrics-test-token")
 	stdout, err := cmd.StdoutPipe()
 	if err != nil {
 		t.Fatal(err)
@@ -80,7 +80,7 @@ func TestProcessOutlivesExec(t *testing.T) {
 // Prometheus, labelled by name.
 func checkMetrics(t *testing.T, dir, name string) {
 	cmd := exec.Command(artifact(t, "capsa"), "metrics", "--listen", "127.0.0.1:0")
-	cmd.Env = append(os.Environ(), "CAPSA_STATE="+dir)
+	cmd.Env = append(os.Environ(), "CAPSA_STATE="+dir, "CAPSA_METRICS_TOKEN=metrics-test-token")
 	stdout, err := cmd.StdoutPipe()
 	if err != nil {
 		t.Fatal(err)
@@ -98,11 +98,21 @@ func checkMetrics(t *testing.T, dir, name string) {
 		}
 	}()
 	line, err := bufio.NewReader(stdout).ReadString('\n')
-	url, ok := strings.CutPrefix(strings.TrimSpace(line), "capsa metrics: serving ")
+	rest, ok := strings.CutPrefix(strings.TrimSpace(line), "capsa metrics: serving ")
+	url, _, _ := strings.Cut(rest, " ")
 	if err != nil || !ok {
 		t.Fatalf("capsa metrics printed %q, %v; want where it serves", line, err)
 	}
-	resp, err := http.Get(url)
+	// Only the token's holder reads them (a guest allowed everything
+	// reaches the host's loopback through the NAT's gateway).
+	if resp, err := http.Get(url); err != nil || resp.StatusCode != http.StatusUnauthorized {
+		t.Errorf("GET %s without the token = %v, %v; want 401", url, resp, err)
+	} else {
+		resp.Body.Close()
+	}
+	req, _ := http.NewRequest("GET", url, nil)
+	req.Header.Set("Authorization", "Bearer metrics-test-token")
+	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
 		t.Fatalf("GET %s: %v", url, err)
 	}
