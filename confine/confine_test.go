@@ -88,6 +88,16 @@ func calls(dir string) []attempt {
 			unix.Close(fd)
 			return err
 		}},
+		{"udp socket, as Go's net makes it", func() error {
+			fd, err := unix.Socket(unix.AF_INET6, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC|unix.SOCK_NONBLOCK, 0)
+			unix.Close(fd)
+			return err
+		}},
+		{"netlink route socket (the host's addresses)", func() error {
+			fd, err := unix.Socket(unix.AF_NETLINK, unix.SOCK_RAW|unix.SOCK_CLOEXEC, unix.NETLINK_ROUTE)
+			unix.Close(fd)
+			return err
+		}},
 		{"signal to itself", func() error { return unix.Tgkill(os.Getpid(), unix.Gettid(), 0) }},
 		{"mmap rw", func() error {
 			b, err := unix.Mmap(-1, 0, 4096, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANON)
@@ -143,6 +153,18 @@ func calls(dir string) []attempt {
 		}},
 		{"packet socket", func() error {
 			_, err := unix.Socket(unix.AF_PACKET, unix.SOCK_RAW, 0)
+			return err
+		}},
+		{"raw IPv4 socket", func() error {
+			_, err := unix.Socket(unix.AF_INET, unix.SOCK_RAW|unix.SOCK_CLOEXEC, unix.IPPROTO_ICMP)
+			return err
+		}},
+		{"raw IPv6 socket", func() error {
+			_, err := unix.Socket(unix.AF_INET6, unix.SOCK_RAW, unix.IPPROTO_RAW)
+			return err
+		}},
+		{"netlink socket of another protocol", func() error {
+			_, err := unix.Socket(unix.AF_NETLINK, unix.SOCK_RAW|unix.SOCK_CLOEXEC, unix.NETLINK_AUDIT)
 			return err
 		}},
 		{"KVM_CREATE_VM", sys(unix.SYS_IOCTL, 0, 0xAE01)},
@@ -220,7 +242,7 @@ func TestSeccompAllowlist(t *testing.T) {
 		t.Skip("no seccomp on this host")
 	}
 	got := runChild(t, "seccomp")
-	allowed := []string{"getpid", "file write and read", "rename across directories", "tcp socket", "mmap rw", "new threads", "KVM_RUN on a file", "KVM_GET_CLOCK on a file", "unix socket", "signal to itself"}
+	allowed := []string{"getpid", "file write and read", "rename across directories", "tcp socket", "mmap rw", "new threads", "KVM_RUN on a file", "KVM_GET_CLOCK on a file", "unix socket", "udp socket, as Go's net makes it", "netlink route socket (the host's addresses)", "signal to itself"}
 	for _, name := range allowed {
 		if got[name] != "ok" {
 			t.Errorf("confined %s = %q, want ok", name, got[name])

@@ -96,11 +96,19 @@ func conditional(pid int, terminal bool) []seccomp.NameWithConditions {
 	// process's own threads; kill(getpid()) is how it raises a signal.
 	add("tgkill", eq(0, uint64(pid)))
 	add("kill", eq(0, uint64(pid)))
-	// Sockets: Unix (hybrid vsock, control, the terminal's peers), IPv4
-	// and IPv6 (the NAT and published ports), netlink (the host's
-	// addresses, which the NAT refuses to reach).
-	for _, fam := range []uint64{unix.AF_UNIX, unix.AF_INET, unix.AF_INET6, unix.AF_NETLINK} {
-		add("socket", eq(0, fam))
+	// Sockets: Unix of any type (hybrid vsock, control, the terminal's
+	// peers); IPv4 and IPv6 streams and datagrams only (the NAT and
+	// published ports: no raw socket, which could forge packets); and
+	// netlink's route protocol only (the host's addresses, which the NAT
+	// refuses to reach). Each type with any of its creation flags.
+	add("socket", eq(0, unix.AF_UNIX))
+	for _, flags := range []uint64{0, unix.SOCK_CLOEXEC, unix.SOCK_NONBLOCK, unix.SOCK_CLOEXEC | unix.SOCK_NONBLOCK} {
+		for _, fam := range []uint64{unix.AF_INET, unix.AF_INET6} {
+			add("socket", eq(0, fam), eq(1, unix.SOCK_STREAM|flags))
+			add("socket", eq(0, fam), eq(1, unix.SOCK_DGRAM|flags))
+		}
+		add("socket", eq(0, unix.AF_NETLINK), eq(1, unix.SOCK_RAW|flags), eq(2, unix.NETLINK_ROUTE))
+		add("socket", eq(0, unix.AF_NETLINK), eq(1, unix.SOCK_DGRAM|flags), eq(2, unix.NETLINK_ROUTE))
 	}
 	add("socketpair", eq(0, unix.AF_UNIX))
 	// prlimit64 reads limits (the runtime and os) and sets none.
