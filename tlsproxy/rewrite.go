@@ -5,11 +5,13 @@ import (
 	"crypto/rand"
 	"encoding/base64"
 	"encoding/hex"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
 	"net/http"
 	"net/netip"
+	"net/url"
 	"slices"
 	"strings"
 
@@ -285,11 +287,28 @@ func (p *plan) rewriteBody(secrets, subst []*secret, body io.Reader, max int64) 
 }
 
 // scrubber replaces secrets' values by their placeholders in what a host
-// sends back.
+// sends back: each value as it is and in the encodings a server commonly
+// reflects it in (percent-encoding, a JSON string's escapes, base64), each
+// by the placeholder in the same encoding.
 type scrubber struct {
-	secrets []*secret
-	rep     *strings.Replacer
-	hold    int // the longest value less one: what a stream holds back
+	forms []form
+	rep   *strings.Replacer
+	hold  int // the longest form less one: what a stream holds back
+}
+
+// form is one encoding of a secret's value and of its placeholder.
+type form struct{ value, placeholder []byte }
+
+// encodings are the forms a value is scrubbed in, beside itself.
+var encodings = []func(string) string{
+	url.QueryEscape,
+	url.PathEscape,
+	func(v string) string { b, _ := json.Marshal(v); return string(b[1 : len(b)-1]) },
+	b64(base64.StdEncoding), b64(base64.RawStdEncoding), b64(base64.URLEncoding), b64(base64.RawURLEncoding),
+}
+
+func b64(e *base64.Encoding) func(string) string {
+	return func(v string) string { return e.EncodeToString([]byte(v)) }
 }
 
 // newScrubber scrubs the values of the secrets keep takes (for a host,
@@ -297,21 +316,32 @@ type scrubber struct {
 // are none.
 func newScrubber(secrets []*secret, keep func(*secret) bool) *scrubber {
 	var sc scrubber
-	var pairs []string
-	for _, s := range secrets {
-		if keep(s) {
-			sc.secrets = append(sc.secrets, s)
-			sc.hold = max(sc.hold, len(s.Value)-1)
+	seen := map[string]bool{}
+	add := func(v, p string) {
+		if v != "" && !seen[v] {
+			seen[v] = true
+			sc.forms = append(sc.forms, form{[]byte(v), []byte(p)})
+			sc.hold = max(sc.hold, len(v)-1)
 		}
 	}
-	// The longest value first: where two start at one place (one a
-	// prefix of the other), the Replacer takes the first given.
-	slices.SortStableFunc(sc.secrets, func(a, b *secret) int { return len(b.value) - len(a.value) })
-	for _, s := range sc.secrets {
-		pairs = append(pairs, s.Value, s.Placeholder)
+	for _, s := range secrets {
+		if !keep(s) {
+			continue
+		}
+		add(s.Value, s.Placeholder)
+		for _, enc := range encodings {
+			add(enc(s.Value), enc(s.Placeholder))
+		}
 	}
-	if len(pairs) == 0 {
+	if len(sc.forms) == 0 {
 		return nil
+	}
+	// The longest form first: where two start at one place (one a
+	// prefix of the other), the Replacer takes the first given.
+	slices.SortStableFunc(sc.forms, func(a, b form) int { return len(b.value) - len(a.value) })
+	var pairs []string
+	for _, f := range sc.forms {
+		pairs = append(pairs, string(f.value), string(f.placeholder))
 	}
 	sc.rep = strings.NewReplacer(pairs...)
 	return &sc
@@ -339,8 +369,8 @@ func (sc *scrubber) header(h http.Header) {
 
 // bytes scrubs b.
 func (sc *scrubber) bytes(b []byte) []byte {
-	for _, s := range sc.secrets {
-		b = bytes.ReplaceAll(b, s.value, s.placeholder)
+	for _, f := range sc.forms {
+		b = bytes.ReplaceAll(b, f.value, f.placeholder)
 	}
 	return b
 }
@@ -382,14 +412,14 @@ func (s *scrubReader) Read(p []byte) (int, error) {
 // end, everything.
 func (s *scrubReader) release(end bool) {
 	for {
-		i, sec := s.first()
+		i, f := s.first()
 		// A longer value could still match there once more comes.
-		if sec == nil || !end && len(s.pending)-i <= s.sc.hold {
+		if f == nil || !end && len(s.pending)-i <= s.sc.hold {
 			break
 		}
 		s.out = append(s.out, s.pending[:i]...)
-		s.out = append(s.out, sec.placeholder...)
-		s.pending = s.pending[i+len(sec.value):]
+		s.out = append(s.out, f.placeholder...)
+		s.pending = s.pending[i+len(f.value):]
 	}
 	keep := min(s.sc.hold, len(s.pending))
 	if end {
@@ -399,13 +429,14 @@ func (s *scrubReader) release(end bool) {
 	s.pending = append(s.pending[:0], s.pending[len(s.pending)-keep:]...)
 }
 
-// first finds the earliest value in pending (the longest at one place).
-func (s *scrubReader) first() (int, *secret) {
-	at, found := -1, (*secret)(nil)
-	for _, sec := range s.sc.secrets {
-		i := bytes.Index(s.pending, sec.value)
-		if i >= 0 && (at < 0 || i < at || i == at && len(sec.value) > len(found.value)) {
-			at, found = i, sec
+// first finds the earliest form in pending (the longest at one place).
+func (s *scrubReader) first() (int, *form) {
+	at, found := -1, (*form)(nil)
+	for i := range s.sc.forms {
+		f := &s.sc.forms[i]
+		j := bytes.Index(s.pending, f.value)
+		if j >= 0 && (at < 0 || j < at || j == at && len(f.value) > len(found.value)) {
+			at, found = j, f
 		}
 	}
 	return at, found

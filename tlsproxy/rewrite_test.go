@@ -56,6 +56,27 @@ func TestScrubReader(t *testing.T) {
 	}
 }
 
+// TestScrubEncodings: a host that reflects a secret percent-encoded,
+// JSON-escaped or in base64 sends the guest the placeholder in that
+// encoding, never the value, in a streamed body and in a string.
+func TestScrubEncodings(t *testing.T) {
+	value := `s3cr3t/va+lue"with\specials=`
+	secrets := mustSecrets(t, Secret{Name: "K", Placeholder: testPlaceholder, Value: value, Hosts: []string{"a.test"}})
+	for _, enc := range encodings {
+		in := "echo: " + enc(value) + " end"
+		want := "echo: " + enc(testPlaceholder) + " end"
+		for _, chunk := range []int{1, 7, 4096} {
+			if got := string(scrubAll(secrets, []byte(in), chunk)); got != want {
+				t.Errorf("scrub(%q) in %d-byte reads = %q, want %q", in, chunk, got, want)
+			}
+		}
+		sc := newScrubber(secrets, func(*secret) bool { return true })
+		if got := sc.String(in); got != want {
+			t.Errorf("String(%q) = %q, want %q", in, got, want)
+		}
+	}
+}
+
 func TestCheckSecrets(t *testing.T) {
 	ok := Secret{Name: "K", Placeholder: testPlaceholder, Value: "v4lue", Hosts: []string{"api.test"}}
 	for _, tc := range []struct {
