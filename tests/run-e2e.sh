@@ -12,10 +12,11 @@
 # diagnostics the test prints. The tier ends with how many tests passed,
 # failed and skipped; a skip not in tests/e2e/expected-skips.txt fails it,
 # as does a test with no result. The only re-run is for the layer below
-# capsa, is counted, and hides nothing: L1's kernel oopses, panics or stalls, which
-# capsa-nested sees on L1's console and answers by running the job again
-# in a fresh L1 (--l1-retries); a test that failed in any attempt has
-# failed, and more than one L1 crash in a run fails it. A guest state that L1 replaced with its own
+# capsa, is counted, and hides nothing: L1's kernel oopses, panics or
+# stalls, which capsa-nested sees on L1's console and stops the session
+# (--l1-retries 0); then only the tests that had not finished run again,
+# in a fresh L1, while a test that finished keeps its result (a failure
+# stays one), and more than one L1 crash in a run fails it. A guest state that L1 replaced with its own
 # ("impossible state:", docs/testing.md, "Guest stalls") is no longer re-run: its
 # cause, a race in QEMU's TCG (tests/nested/qemu/fpu-clear-ignne-race.patch),
 # is fixed, so seeing it again is a finding to chase, not noise.
@@ -60,17 +61,14 @@ run() {
 		done
 	done
 	echo "=== run-e2e: $*"
-	"$nested" --timeout 30m "${session[@]}" -- ./e2e.test -test.v -test.run "^($re)\$" -test.timeout 25m 2>&1 | tee "$log"
+	# --l1-retries 0: an L1 crash is handled here, so that only the tests
+	# it cut short run again.
+	"$nested" --timeout 30m --l1-retries 0 "${session[@]}" -- ./e2e.test -test.v -test.run "^($re)\$" -test.timeout 25m 2>&1 | tee "$log"
 	local st=${PIPESTATUS[0]}
-	# A re-run covers only L1's own crash and hides nothing: a test that
-	# failed in any attempt has failed, and every re-run is counted.
-	local again
-	again=$(grep -c '^capsa-nested: running the job again' "$log")
-	if [ "$again" -gt 0 ]; then
-		crashes=$((crashes + again))
-		rerun="$rerun $*(L1 crashed $again time(s); its console tail is above)"
+	local crashed=0 left=() result
+	if grep -q 'the nested L1 host kernel crashed' "$log"; then
+		crashed=1 crashes=$((crashes + 1))
 	fi
-	local result
 	for t in "$@"; do
 		if grep -q "^--- FAIL: $t " "$log"; then
 			result=failed
@@ -90,9 +88,28 @@ run() {
 				failed="$failed $t(skipped,not-expected)"
 			fi ;;
 		failed) nfailed=$((nfailed + 1)) failed="$failed $t" ;;
-		none) nfailed=$((nfailed + 1)) failed="$failed $t(no-result)" ;;
+		none)
+			if [ "$crashed" = 1 ]; then
+				left+=("$t") # cut short by L1's crash, not by capsa
+			else
+				nfailed=$((nfailed + 1)) failed="$failed $t(no-result)"
+			fi ;;
 		esac
 	done
+	if [ "$crashed" = 1 ]; then
+		# A test that finished keeps its result (a failure stays one);
+		# those L1's crash cut short run again, once more at most in
+		# the whole run.
+		rerun="$rerun ${left[*]:-(none)}(L1 crashed during: $*; its console tail is above)"
+		if [ ${#left[@]} -gt 0 ] && [ "$crashes" -le 1 ]; then
+			run "${left[@]}"
+		else
+			for t in "${left[@]}"; do
+				nfailed=$((nfailed + 1)) failed="$failed $t(no-result,L1-crashed)"
+			done
+		fi
+		return
+	fi
 	if [ "$st" != 0 ] && ! grep -q '^--- FAIL: ' "$log"; then
 		# The session failed with no test saying so: name them all.
 		case "$failed" in *"(no-result)"*) ;; *) nfailed=$((nfailed + 1)) failed="$failed $*(session-exit-$st)" ;; esac
