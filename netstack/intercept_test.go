@@ -15,21 +15,7 @@ import (
 // startTCPEcho echoes every connection on loopback until it half-closes.
 func startTCPEcho(t *testing.T) net.Listener {
 	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { l.Close() })
-	go func() {
-		for {
-			c, err := l.Accept()
-			if err != nil {
-				return
-			}
-			go func() { io.Copy(c, c); c.Close() }()
-		}
-	}()
-	return l
+	return hostServer(t, func(c net.Conn) { io.Copy(c, c); c.Close() })
 }
 
 // lineInterceptor serves connections whose first byte is 'I' itself: it
