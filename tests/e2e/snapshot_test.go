@@ -268,8 +268,13 @@ func TestRestoresShareMemory(t *testing.T) {
 	}
 	grew := pssMiB(t) - before
 	t.Logf("%d restored sandboxes of %d MiB: the host's proportional set size grew by %d MiB", n, guestMiB, grew)
-	if grew > n*guestMiB/4 {
-		t.Errorf("%d restores grew the host's memory by %d MiB, want well below %d MiB (pages shared)", n, grew, n*guestMiB)
+	// Measured in the nested host: 92 to 95 MiB in every make test on
+	// 2026-11-27 (each copy also reads the 32 MiB file, which the
+	// snapshot benchmark's 34 MiB does not); the bound leaves a third
+	// more for noise. Eight guests of their own would hold 2,048 MiB.
+	const bound = 128
+	if grew > bound {
+		t.Errorf("%d restores grew the host's memory by %d MiB, want at most %d MiB of the %d their guests have (pages shared)", n, grew, bound, n*guestMiB)
 	}
 }
 
