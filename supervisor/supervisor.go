@@ -508,4 +508,3 @@ func (c *control) setPaused(ctx context.Context, pause bool, log *slog.Logger) e
 // pauseTimeout bounds a pause: the devices finish the requests they hold
 // within it, or the sandbox runs on and the pause fails.
 const pauseTimeout = 30 * time.Second
-
