@@ -239,11 +239,8 @@ func (c *converter) count(n int64) error {
 
 // keep returns what the conversion holds of h until its end: h without
 // the PAX records it does not use (only extended attributes are), its size
-// counted against MaxMetaBytes. A link's target is bounded as a path is.
+// counted against MaxMetaBytes.
 func (c *converter) keep(h *tar.Header) (*tar.Header, error) {
-	if len(h.Linkname) > maxPathLen {
-		return nil, fmt.Errorf("image: layer entry %.64q: a link target of %d bytes, longer than %d", h.Name, len(h.Linkname), maxPathLen)
-	}
 	// Strings are copied: archive/tar cuts names and records out of the
 	// whole PAX block, which a kept substring would keep alive.
 	k := *h
@@ -294,9 +291,23 @@ func (c *converter) add(h *tar.Header, data io.Reader) error {
 	if err != nil {
 		return err
 	}
+	// A link's target is bounded as a path is, whatever the entry.
+	if len(h.Linkname) > maxPathLen {
+		what := "link"
+		if h.Typeflag == tar.TypeSymlink {
+			what = "symlink"
+		}
+		return fmt.Errorf("image: layer entry %s: a %s target of %d bytes, longer than %d", p, what, len(h.Linkname), maxPathLen)
+	}
 	if p == "/" {
 		if h.Typeflag == tar.TypeDir {
-			c.dirs = append(c.dirs, h)
+			// Held like any directory's header: every layer may have
+			// its "./", and a layer many.
+			kh, err := c.keep(h)
+			if err != nil {
+				return err
+			}
+			c.dirs = append(c.dirs, kh)
 		}
 		return nil
 	}
@@ -336,9 +347,6 @@ func (c *converter) add(h *tar.Header, data io.Reader) error {
 			return err
 		}
 	case tar.TypeSymlink:
-		if len(h.Linkname) > maxPathLen {
-			return fmt.Errorf("image: layer entry %s: a symlink target of %d bytes, longer than %d", p, len(h.Linkname), maxPathLen)
-		}
 		if err := c.w.Symlink(h.Linkname, p); err != nil {
 			return fmt.Errorf("image: %s: %w", p, err)
 		}

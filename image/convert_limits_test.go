@@ -64,7 +64,17 @@ func TestConvertHoldsNoUnusedPAX(t *testing.T) {
 	if st.MetaBytes > 64<<10 {
 		t.Errorf("the conversion held %d bytes of metadata; want the names and the one attribute", st.MetaBytes)
 	}
+	// The root's entry ("./", in every layer, and as often as a layer
+	// likes) is held the same way.
 	c := &converter{}
+	for range 3 {
+		if err := c.add(&tar.Header{Name: "./", Typeflag: tar.TypeDir, PAXRecords: map[string]string{"comment": big}}, nil); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if len(c.dirs) != 3 || c.dirs[0].PAXRecords != nil {
+		t.Errorf("the root's headers held: %d, the first with %d PAX records; want 3, without them", len(c.dirs), len(c.dirs[0].PAXRecords))
+	}
 	k, err := c.keep(&tar.Header{Name: "a", PAXRecords: map[string]string{"comment": big, "SCHILY.xattr.user.k": "v"}})
 	if err != nil || len(k.PAXRecords) != 1 || k.PAXRecords["SCHILY.xattr.user.k"] != "v" {
 		t.Errorf("keep = %v, %v; want only the attribute's record", k.PAXRecords, err)
