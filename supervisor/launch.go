@@ -145,17 +145,28 @@ func Launch(ctx context.Context, st *store.Store, rec *store.Record) (string, er
 // name) that starts from the snapshot in dir instead of booting, its guest
 // taking hostname ("": the snapshot's); rm removes it when it ends. Give
 // it to Launch.
+// A snapshot that cannot be read is an error wrapping ErrBadSnapshot.
 func RestoreRecord(dir, name, hostname string, rm bool) (*store.Record, error) {
 	s, err := snapshot.Open(dir)
 	if err != nil {
-		return nil, err
+		return nil, badSnapshot{err}
 	}
 	var spec sandbox.Spec
 	if err := json.Unmarshal(s.Manifest.Spec, &spec); err != nil {
-		return nil, fmt.Errorf("snapshot %s: spec: %w", dir, err)
+		return nil, badSnapshot{fmt.Errorf("snapshot %s: spec: %w", dir, err)}
 	}
 	return &store.Record{Name: name, Spec: spec, AutoRemove: rm, RestoreFrom: dir, Hostname: hostname}, nil
 }
+
+// ErrBadSnapshot is wrapped by a restore's error when the snapshot cannot
+// be read (RestoreRecord): the user's input, not a failed start.
+var ErrBadSnapshot = errors.New("the snapshot cannot be read")
+
+// badSnapshot is err, as it says, wrapping ErrBadSnapshot too.
+type badSnapshot struct{ err error }
+
+func (e badSnapshot) Error() string   { return e.err.Error() }
+func (e badSnapshot) Unwrap() []error { return []error{e.err, ErrBadSnapshot} }
 
 // ErrSnapshotExists is wrapped by SaveSnapshot's error when the snapshot's
 // name is taken.

@@ -117,6 +117,9 @@ func TestManagerSnapshotCatalog(t *testing.T) {
 	if _, err := m.InspectSnapshot(d, false); err == nil {
 		t.Error("InspectSnapshot of an empty directory = nil error")
 	}
+	if _, err := m.RestoreDir(context.Background(), d, "", "", false, nil); !errors.Is(err, ErrBadSnapshot) {
+		t.Errorf("RestoreDir of an empty directory = %v; want ErrBadSnapshot", err)
+	}
 	if err := m.RemoveSnapshot("nosuch"); err == nil || !strings.Contains(err.Error(), "no snapshot called nosuch") {
 		t.Errorf("RemoveSnapshot(nosuch) = %v", err)
 	}

@@ -85,11 +85,11 @@ func snapshotCreate(ctx context.Context, args []string, stdout, stderr io.Writer
 // snapshot in dir and starts its supervisor; it prints the name. A
 // snapshot that cannot be read is exit 1, a failed start 125.
 func restoreDetached(ctx context.Context, cmdName string, m *supervisor.Manager, dir, name, hostname string, rm bool, secrets map[string]string, stdout, stderr io.Writer) int {
-	if _, err := m.InspectSnapshot(dir, false); err != nil {
+	name, err := m.RestoreDir(ctx, dir, name, hostname, rm, secrets)
+	if errors.Is(err, supervisor.ErrBadSnapshot) {
 		fmt.Fprintf(stderr, "capsa %s: %v\n", cmdName, err)
 		return 1
 	}
-	name, err := m.RestoreDir(ctx, dir, name, hostname, rm, secrets)
 	return launched(cmdName, name, err, stdout, stderr)
 }
 
