@@ -54,6 +54,9 @@ type Config struct {
 	MemoryBytes int64
 	// Pids is the cgroup's pids.max (threads count); 0: DefaultPids.
 	Pids int
+	// CPUs is the cgroup's cpu.max in CPUs (1.5: 150 ms of CPU time each
+	// 100 ms), where the host delegates the cpu controller. 0: no limit.
+	CPUs float64
 	// User, Own and Shared are for the jail (JailConfig), which a process
 	// running as root in a mount namespace of its own enters: the user
 	// and group it drops to (nil: it stays root), and capsa's files the
@@ -112,7 +115,7 @@ func Apply(c Config, log *slog.Logger) (Layers, error) {
 		pids = DefaultPids
 	}
 	var err error
-	d, e := joinCgroup(c.Name, c.MemoryBytes, pids)
+	d, e := joinCgroup(c.Name, c.MemoryBytes, pids, c.CPUs)
 	if l.Cgroup, err = status("cgroup", d, e); err != nil {
 		return l, err
 	}

@@ -53,12 +53,14 @@ func limitString(v uint64) string {
 const cgroupRoot = "/sys/fs/cgroup"
 
 // joinCgroup moves the process into a cgroup of its own, named name,
-// below its current one, with memory.max = memory (when not 0) and
-// pids.max = pids, where cgroup v2 is delegated to it: its current
-// cgroup's subtree_control already gives children the memory and pids
-// controllers, and it may make a child there. Otherwise it returns
-// errUnavailable, saying why.
-func joinCgroup(name string, memory int64, pids int) (string, error) {
+// below its current one, with memory.max = memory (when not 0), pids.max
+// = pids and, when cpus is not 0, cpu.max = cpus CPUs' time a period,
+// where cgroup v2 is delegated to it: its current cgroup's
+// subtree_control already gives children the memory and pids controllers,
+// and it may make a child there. Otherwise it returns errUnavailable,
+// saying why. Without the cpu controller delegated the cgroup has no
+// cpu.max, and the report says so.
+func joinCgroup(name string, memory int64, pids int, cpus float64) (string, error) {
 	var fs unix.Statfs_t
 	if err := unix.Statfs(cgroupRoot, &fs); err != nil || fs.Type != unix.CGROUP2_SUPER_MAGIC {
 		return "", fmt.Errorf("%w: no cgroup v2 at %s", errUnavailable, cgroupRoot)
@@ -96,6 +98,16 @@ func joinCgroup(name string, memory int64, pids int) (string, error) {
 	if err == nil && memory > 0 {
 		err = write("memory.max", strconv.FormatInt(memory, 10))
 	}
+	cpu := "cpu.max none"
+	switch {
+	case cpus <= 0:
+	case !slices.Contains(have, "cpu"):
+		cpu = "cpu.max off: " + parent + " does not delegate the cpu controller"
+	case err == nil:
+		v := cpuMax(cpus)
+		err = write("cpu.max", v)
+		cpu = "cpu.max " + v
+	}
 	if err == nil {
 		err = write("cgroup.procs", strconv.Itoa(os.Getpid()))
 	}
@@ -103,7 +115,16 @@ func joinCgroup(name string, memory int64, pids int) (string, error) {
 		os.Remove(dir)
 		return "", fmt.Errorf("%w: %v", errUnavailable, err)
 	}
-	return fmt.Sprintf("%s (memory.max %d, pids.max %d)", dir, memory, pids), nil
+	return fmt.Sprintf("%s (memory.max %d, pids.max %d, %s)", dir, memory, pids, cpu), nil
+}
+
+// cpuPeriod is cpu.max's period, in microseconds (the kernel's default).
+const cpuPeriod = 100000
+
+// cpuMax is cpu.max's value for cpus CPUs: "QUOTA PERIOD", the quota at
+// least the kernel's least, 1 ms.
+func cpuMax(cpus float64) string {
+	return fmt.Sprintf("%d %d", max(int64(cpus*cpuPeriod+0.5), 1000), cpuPeriod)
 }
 
 // errUnavailable marks a layer the host cannot give (an old kernel, no

@@ -81,6 +81,13 @@ type Config struct {
 	// Proxy intercepts TLS with it). The Stack does not close it.
 	Intercept Interceptor
 
+	// Audit, when not nil, receives the egress audit log: a Flow for each
+	// DNS query, and for each TCP connection and UDP flow the guest opens
+	// or is refused, and its close (package doc, "Audit"). It is called
+	// from many goroutines and must not block for long; refusals past
+	// auditRefusals a second are summarised, not passed on one by one.
+	Audit func(Flow)
+
 	// Logger receives diagnostics. nil = discard.
 	Logger *slog.Logger
 }

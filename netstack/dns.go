@@ -69,7 +69,7 @@ func (s *Stack) serveDNSUDP(pc *gonet.UDPConn) {
 		q := append([]byte(nil), buf[:n]...)
 		if !s.goroutine(func() {
 			defer func() { <-sem }()
-			if resp := s.answerDNS(q, dnsUDPSize); resp != nil {
+			if resp := s.answerDNS(q, dnsUDPSize, from.String(), s.dnsAddr()); resp != nil {
 				_, _ = pc.WriteTo(resp, from)
 			}
 		}) {
@@ -97,7 +97,7 @@ func (s *Stack) serveDNSTCP(l *gonet.TCPListener) {
 			defer s.tcpConns.Add(-1)
 			defer s.untrack(c)
 			defer c.Close()
-			s.serveDNSStream(c)
+			s.serveDNSStream(c, c.RemoteAddr().String(), s.dnsAddr())
 		}) {
 			s.tcpConns.Add(-1)
 			return
@@ -105,7 +105,7 @@ func (s *Stack) serveDNSTCP(l *gonet.TCPListener) {
 	}
 }
 
-func (s *Stack) serveDNSStream(c net.Conn) {
+func (s *Stack) serveDNSStream(c net.Conn, src, dst string) {
 	var lenBuf [2]byte
 	for {
 		_ = c.SetReadDeadline(time.Now().Add(dnsTCPIdle))
@@ -116,7 +116,7 @@ func (s *Stack) serveDNSStream(c net.Conn) {
 		if _, err := io.ReadFull(c, q); err != nil {
 			return
 		}
-		resp := s.answerDNS(q, 65535)
+		resp := s.answerDNS(q, 65535, src, dst)
 		if resp == nil {
 			return
 		}
@@ -140,14 +140,16 @@ func (s *Stack) serveDNSFlow(c net.Conn) {
 		if err != nil {
 			return
 		}
-		if resp := s.answerDNS(buf[:n], dnsUDPSize); resp != nil {
+		if resp := s.answerDNS(buf[:n], dnsUDPSize, c.RemoteAddr().String(), c.LocalAddr().String()); resp != nil {
 			_, _ = c.Write(resp)
 		}
 	}
 }
 
-// answerDNS builds the answer to one query; nil means drop it.
-func (s *Stack) answerDNS(query []byte, maxSize int) []byte {
+// answerDNS builds the answer to one query from the guest's src to the
+// server dst (both "IP:port"), and logs it (Config.Audit); nil means drop
+// it.
+func (s *Stack) answerDNS(query []byte, maxSize int, src, dst string) []byte {
 	var p dnsmessage.Parser
 	h, err := p.Start(query)
 	if err != nil || h.Response {
@@ -190,31 +192,55 @@ func (s *Stack) answerDNS(query []byte, maxSize int) []byte {
 		}
 		return msg
 	}
+	rec := Flow{Kind: "dns", Event: "answer", Src: src, Dst: dst}
+	// answer logs the reply, as Event says (refusals rate limited), and
+	// builds it.
+	answer := func(rcode dnsmessage.RCode, q *dnsmessage.Question, ips []netip.Addr) []byte {
+		rec.RCode = strings.TrimPrefix(rcode.String(), "RCode")
+		for _, ip := range ips {
+			rec.Answers = append(rec.Answers, ip.String())
+		}
+		if rec.Event == "answer" {
+			s.audit.log(rec)
+		} else {
+			s.audit.refused(rec)
+		}
+		return reply(rcode, q, ips)
+	}
 	if h.OpCode != 0 {
-		return reply(dnsmessage.RCodeNotImplemented, nil, nil)
+		rec.Event, rec.Reason = "refused", "not a standard query"
+		return answer(dnsmessage.RCodeNotImplemented, nil, nil)
 	}
 	qs, err := p.AllQuestions()
 	if err != nil || len(qs) != 1 {
-		return reply(dnsmessage.RCodeFormatError, nil, nil)
+		rec.Event, rec.Reason = "refused", "malformed, or not one question"
+		return answer(dnsmessage.RCodeFormatError, nil, nil)
 	}
 	q := qs[0]
 	name := strings.ToLower(strings.TrimSuffix(q.Name.String(), "."))
+	rec.Name, rec.QType = name, strings.TrimPrefix(q.Type.String(), "Type")
 	if q.Class != dnsmessage.ClassINET || name == "" {
-		return reply(dnsmessage.RCodeRefused, &q, nil)
+		rec.Event, rec.Reason = "refused", "not an Internet-class name"
+		return answer(dnsmessage.RCodeRefused, &q, nil)
 	}
-	if refused, why := s.cfg.Policy.nameRefused(name); refused {
+	refused, v := s.cfg.Policy.nameRefused(name)
+	rec.Rule = v.Rule
+	if refused {
 		s.stats.dnsRefused.Add(1)
-		s.logDenied("DNS query refused", "name", name, "reason", why)
-		return reply(dnsmessage.RCodeNameError, &q, nil)
+		s.audit.count("dns", false, v.Rule)
+		s.logDenied("DNS query refused", "name", name, "reason", v.Reason)
+		rec.Event, rec.Reason = "refused", v.Reason
+		return answer(dnsmessage.RCodeNameError, &q, nil)
 	}
+	s.audit.count("dns", true, v.Rule)
 	switch q.Type {
 	case dnsmessage.TypeA:
 	case dnsmessage.TypeAAAA:
 		// The guest network is IPv4 only: the name may exist, it just has
 		// no address the guest can use (NODATA).
-		return reply(dnsmessage.RCodeSuccess, &q, nil)
+		return answer(dnsmessage.RCodeSuccess, &q, nil)
 	default:
-		return reply(dnsmessage.RCodeNotImplemented, &q, nil)
+		return answer(dnsmessage.RCodeNotImplemented, &q, nil)
 	}
 
 	ctx, cancel := context.WithTimeout(s.ctx, dnsQueryTimeout)
@@ -224,12 +250,13 @@ func (s *Stack) answerDNS(query []byte, maxSize int) []byte {
 	if err != nil {
 		var de *net.DNSError
 		if errors.As(err, &de) && de.IsNotFound {
-			return reply(dnsmessage.RCodeNameError, &q, nil)
+			return answer(dnsmessage.RCodeNameError, &q, nil)
 		}
 		s.log.Debug("DNS lookup failed", "name", name, "err", err)
-		return reply(dnsmessage.RCodeServerFailure, &q, nil)
+		rec.Event, rec.Error = "failed", err.Error()
+		return answer(dnsmessage.RCodeServerFailure, &q, nil)
 	}
-	kept := ips[:0]
+	kept, dropped := ips[:0], 0
 	for _, ip := range ips {
 		ip = ip.Unmap()
 		if !ip.Is4() {
@@ -237,6 +264,7 @@ func (s *Stack) answerDNS(query []byte, maxSize int) []byte {
 		}
 		if !s.cfg.Policy.answerAllowed(ip, s.hosts.contains) {
 			s.logDenied("DNS answer dropped by policy", "name", name, "addr", ip)
+			dropped++
 			continue
 		}
 		kept = append(kept, ip)
@@ -244,9 +272,15 @@ func (s *Stack) answerDNS(query []byte, maxSize int) []byte {
 			break
 		}
 	}
+	if dropped > 0 {
+		rec.Reason = fmt.Sprintf("%d addresses left out of the answer by the policy (not public, or denied)", dropped)
+	}
 	s.names.record(name, kept, time.Now())
-	return reply(dnsmessage.RCodeSuccess, &q, kept)
+	return answer(dnsmessage.RCodeSuccess, &q, kept)
 }
+
+// dnsAddr is the NAT's DNS server's address, as a Flow gives it.
+func (s *Stack) dnsAddr() string { return netip.AddrPortFrom(s.cfg.DNS, dnsPort).String() }
 
 // nameCache remembers which names the guest resolved to which addresses, so
 // domain rules can be applied when it connects.

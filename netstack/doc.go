@@ -82,6 +82,18 @@
 // answer. Each answer records name→address so that domain rules apply when
 // the guest connects; the connect-time check is the authoritative one.
 //
+// # Audit
+//
+// With Config.Audit, every egress decision is on record as a Flow: each DNS
+// query with its answer (the addresses given, and how many the policy left
+// out) or its refusal; each TCP connection and UDP flow refused (with the
+// rule that refused it: Verdict.Rule), failed (the host's side could not be
+// reached), opened, and closed (bytes each way and duration). A DNS query
+// the guest sends to any other server is answered here and logged the
+// same way. Refusals past 50 a second are left out and counted; a summary
+// line a second later says how many. Stack.FlowCounts sums the flows each
+// rule allowed and refused, whether or not there is a log.
+//
 // # Limits
 //
 // Config.MaxConns and Config.MaxUDPFlows bound host sockets, Config.TCPBuffer

@@ -108,7 +108,11 @@ type rule struct {
 }
 
 func (r *rule) isDomain() bool { return r.domain != "" }
-func (r *rule) isAddr() bool   { return r.prefix.IsValid() }
+
+// name is the rule as a Verdict names it: kind ("allow" or "deny") and
+// its text.
+func (r *rule) name(kind string) string { return kind + " " + strconv.Quote(r.text) }
+func (r *rule) isAddr() bool            { return r.prefix.IsValid() }
 
 // unrestricted reports whether the rule applies to every protocol and port.
 func (r *rule) unrestricted() bool { return r.proto == "" && r.portLo == 0 }
@@ -419,7 +423,11 @@ type request struct {
 // Verdict is the outcome of a policy check.
 type Verdict struct {
 	Allowed bool
-	Reason  string
+	// Rule names what decided: `allow "RULE"` or `deny "RULE"` for a
+	// rule, or the policy's mode ("public-only", "allow-all",
+	// "deny-all") where no rule did.
+	Rule   string
+	Reason string
 }
 
 // Check evaluates a connection to dst over proto ("tcp" or "udp") whose
@@ -434,52 +442,54 @@ func (p *Policy) Check(proto string, dst netip.AddrPort, names ...string) Verdic
 func (p *Policy) check(q *request, isHost func(netip.Addr) bool) Verdict {
 	for i := range p.deny {
 		if p.deny[i].matches(q) {
-			return Verdict{false, "denied by rule " + strconv.Quote(p.deny[i].text)}
+			return Verdict{false, p.deny[i].name("deny"), "denied by rule " + strconv.Quote(p.deny[i].text)}
 		}
 	}
 	for i := range p.allow {
 		if r := &p.allow[i]; r.isAddr() && r.matches(q) {
-			return Verdict{true, "allowed by rule " + strconv.Quote(r.text)}
+			return Verdict{true, r.name("allow"), "allowed by rule " + strconv.Quote(r.text)}
 		}
 	}
+	mode := p.mode.String()
 	if p.mode == ModeAllowAll {
-		return Verdict{true, "allow-all"}
+		return Verdict{true, mode, "allow-all"}
 	}
 	if why := nonPublic(q.addr, isHost); why != "" {
-		return Verdict{false, why + " address refused by " + p.mode.String() + " policy"}
+		return Verdict{false, mode, why + " address refused by " + mode + " policy"}
 	}
 	if p.mode == ModePublicOnly {
-		return Verdict{true, "public address"}
+		return Verdict{true, mode, "public address"}
 	}
 	for i := range p.allow {
 		if r := &p.allow[i]; !r.isAddr() && r.matches(q) {
-			return Verdict{true, "allowed by rule " + strconv.Quote(r.text)}
+			return Verdict{true, r.name("allow"), "allowed by rule " + strconv.Quote(r.text)}
 		}
 	}
 	if len(q.names) == 0 {
-		return Verdict{false, "no allow rule matches (deny-all; names resolved through this stack: none)"}
+		return Verdict{false, mode, "no allow rule matches (deny-all; names resolved through this stack: none)"}
 	}
-	return Verdict{false, "no allow rule matches (deny-all; names: " + strings.Join(q.names, ",") + ")"}
+	return Verdict{false, mode, "no allow rule matches (deny-all; names: " + strings.Join(q.names, ",") + ")"}
 }
 
 // nameRefused reports whether the DNS server should answer NXDOMAIN for name
 // without resolving it: a deny rule for every protocol and port matches it,
-// or under deny-all no allow rule could ever admit it.
-func (p *Policy) nameRefused(name string) (bool, string) {
+// or under deny-all no allow rule could ever admit it. The verdict's Rule
+// names what decided, whichever way.
+func (p *Policy) nameRefused(name string) (bool, Verdict) {
 	for i := range p.deny {
 		if r := &p.deny[i]; r.unrestricted() && (r.anyDst || r.matchesName(name)) {
-			return true, "denied by rule " + strconv.Quote(r.text)
+			return true, Verdict{false, r.name("deny"), "denied by rule " + strconv.Quote(r.text)}
 		}
 	}
 	if p.mode != ModeDenyAll {
-		return false, ""
+		return false, Verdict{true, p.mode.String(), ""}
 	}
 	for i := range p.allow {
 		if r := &p.allow[i]; r.anyDst || r.matchesName(name) {
-			return false, ""
+			return false, Verdict{true, r.name("allow"), ""}
 		}
 	}
-	return true, "no allow rule matches the name (deny-all)"
+	return true, Verdict{false, p.mode.String(), "no allow rule matches the name (deny-all)"}
 }
 
 // answerAllowed reports whether the DNS server may hand addr to the guest:

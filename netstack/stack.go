@@ -41,6 +41,7 @@ type Stack struct {
 	names  *nameCache
 	hosts  *hostAddrs
 	denLog logLimiter
+	audit  *auditor
 
 	ctx    context.Context
 	cancel context.CancelFunc
@@ -94,6 +95,7 @@ func New(ctx context.Context, c Config) (*Stack, error) {
 		log:     cfg.Logger.With("component", "netstack"),
 		names:   newNameCache(4096),
 		hosts:   newHostAddrs(),
+		audit:   newAuditor(cfg.Audit),
 		closers: make(map[io.Closer]struct{}),
 	}
 	s.ctx, s.cancel = context.WithCancel(ctx)
@@ -115,6 +117,9 @@ func New(ctx context.Context, c Config) (*Stack, error) {
 	if err := s.startPublish(); err != nil {
 		s.Close()
 		return nil, err
+	}
+	if cfg.Audit != nil {
+		s.goroutine(s.flushAudit)
 	}
 	s.log.Info("netstack up", "guest", netip.PrefixFrom(cfg.GuestIP, cfg.Subnet.Bits()),
 		"gateway", cfg.Gateway, "dns", cfg.DNS, "mtu", cfg.MTU, "policy", cfg.Policy.String())

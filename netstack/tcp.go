@@ -8,6 +8,7 @@ import (
 	"net"
 	"net/netip"
 	"sync"
+	"time"
 
 	"gvisor.dev/gvisor/pkg/tcpip/adapters/gonet"
 	"gvisor.dev/gvisor/pkg/tcpip/transport/tcp"
@@ -30,31 +31,44 @@ func (s *Stack) handleTCP(r *tcp.ForwarderRequest) {
 	id := r.ID()
 	dst, port := fromTCPIP(id.LocalAddress), id.LocalPort
 	src := fromTCPIP(id.RemoteAddress)
-	refuse := func() {
+	if src != s.cfg.GuestIP {
 		s.stats.tcpRefused.Add(1)
 		r.Complete(true)
-	}
-	if src != s.cfg.GuestIP {
-		refuse()
 		return
+	}
+	dstAP, srcAP := netip.AddrPortFrom(dst, port), netip.AddrPortFrom(src, id.RemotePort)
+	// refuse answers the SYN with RST, logging why: rule (a Verdict's, or
+	// a bound's name) decided, or err failed.
+	refuse := func(rec Flow, rule, reason string, err error) {
+		s.stats.tcpRefused.Add(1)
+		r.Complete(true)
+		rec.Event, rec.Rule, rec.Reason = "refused", rule, reason
+		// A flow that failed was allowed: its host's side could not be
+		// reached.
+		s.audit.count("tcp", err != nil, rule)
+		if err != nil {
+			rec.Event, rec.Error = "failed", err.Error()
+		}
+		s.audit.refused(rec)
 	}
 	host, ok := s.hostTarget(dst)
 	if !ok {
-		s.logDenied("TCP connection refused", "dst", netip.AddrPortFrom(dst, port), "reason", "no host-side destination")
-		refuse()
+		s.logDenied("TCP connection refused", "dst", dstAP, "reason", "no host-side destination")
+		refuse(flowRecord("tcp", srcAP, dstAP, netip.Addr{}, nil), "no host-side destination", "the address is in the guest's subnet or not unicast", nil)
 		return
 	}
 	v, names := s.decide("tcp", dst, host, port)
+	rec := flowRecord("tcp", srcAP, dstAP, host, names)
 	if !v.Allowed {
-		s.logDenied("TCP connection refused by policy", "dst", netip.AddrPortFrom(dst, port),
+		s.logDenied("TCP connection refused by policy", "dst", dstAP,
 			"host", host, "names", names, "reason", v.Reason)
-		refuse()
+		refuse(rec, v.Rule, v.Reason, nil)
 		return
 	}
 	if s.tcpConns.Add(1) > int64(s.cfg.MaxConns) {
 		s.tcpConns.Add(-1)
-		s.logDenied("TCP connection refused", "dst", netip.AddrPortFrom(dst, port), "reason", "connection limit reached")
-		refuse()
+		s.logDenied("TCP connection refused", "dst", dstAP, "reason", "connection limit reached")
+		refuse(rec, "connection limit", fmt.Sprintf("%d connections open, the most a sandbox may have", s.cfg.MaxConns), nil)
 		return
 	}
 	defer s.tcpConns.Add(-1)
@@ -65,7 +79,7 @@ func (s *Stack) handleTCP(r *tcp.ForwarderRequest) {
 	cancel()
 	if err != nil {
 		s.log.Debug("TCP dial failed", "addr", hostAddr, "err", err)
-		refuse()
+		refuse(rec, v.Rule, v.Reason, err)
 		return
 	}
 
@@ -74,16 +88,28 @@ func (s *Stack) handleTCP(r *tcp.ForwarderRequest) {
 	r.Complete(false)
 	if terr != nil {
 		// The guest gave up or the handshake failed; gVisor has answered.
-		s.log.Debug("TCP accept from guest failed", "addr", hostAddr, "err", tcpipErr("create endpoint", terr))
+		err := tcpipErr("create endpoint", terr)
+		s.log.Debug("TCP accept from guest failed", "addr", hostAddr, "err", err)
 		hc.Close()
 		s.stats.tcpRefused.Add(1)
+		s.audit.count("tcp", true, v.Rule)
+		rec.Event, rec.Rule, rec.Error = "failed", v.Rule, err.Error()
+		s.audit.refused(rec)
 		return
 	}
 	s.stats.tcpForwarded.Add(1)
-	s.log.Debug("TCP forwarded", "dst", netip.AddrPortFrom(dst, port), "host", hostAddr, "names", names)
-	var guest net.Conn = gonet.NewTCPConn(&wq, ep)
+	s.audit.count("tcp", true, v.Rule)
+	rec.Rule, rec.Reason = v.Rule, v.Reason
+	open := rec
+	open.Event = "open"
+	s.audit.log(open)
+	start := time.Now()
+	s.log.Debug("TCP forwarded", "dst", dstAP, "host", hostAddr, "names", names)
+	counted := &countingConn{Conn: gonet.NewTCPConn(&wq, ep)}
+	defer func() { s.audit.log(rec.closed(start, counted)) }()
+	var guest net.Conn = counted
 	if ic := s.cfg.Intercept; ic != nil {
-		if guest = s.intercept(ic, guest, hc, netip.AddrPortFrom(dst, port), hostAddr); guest == nil {
+		if guest = s.intercept(ic, guest, hc, dstAP, hostAddr); guest == nil {
 			return
 		}
 	}

@@ -3,6 +3,7 @@ package netstack
 import (
 	"context"
 	"errors"
+	"fmt"
 	"net"
 	"net/netip"
 	"sync/atomic"
@@ -31,32 +32,45 @@ func (s *Stack) handleUDP(r *udp.ForwarderRequest) bool {
 		// Plain DNS to any server is answered by our DNS server, so the
 		// policy's domain rules and rebinding protection apply to it.
 		c := s.createUDPFlow(r)
-		if c != nil && !s.goroutine(func() { s.serveDNSFlow(c) }) {
+		if c == nil {
+			s.stats.udpRefused.Add(1)
+		} else if !s.goroutine(func() { s.serveDNSFlow(c) }) {
 			s.udpFlows.Add(-1)
 			s.untrack(c)
 			c.Close()
 		}
 		return true
 	}
+	dstAP, srcAP := netip.AddrPortFrom(dst, port), netip.AddrPortFrom(fromTCPIP(id.RemoteAddress), id.RemotePort)
+	refuse := func(rec Flow, rule, reason string) {
+		s.stats.udpRefused.Add(1)
+		s.audit.count("udp", false, rule)
+		rec.Event, rec.Rule, rec.Reason = "refused", rule, reason
+		s.audit.refused(rec)
+	}
 	host, ok := s.hostTarget(dst)
 	if !ok {
-		s.stats.udpRefused.Add(1)
+		refuse(flowRecord("udp", srcAP, dstAP, netip.Addr{}, nil), "no host-side destination", "the address is in the guest's subnet or not unicast")
 		return false
 	}
 	v, names := s.decide("udp", dst, host, port)
+	rec := flowRecord("udp", srcAP, dstAP, host, names)
+	rec.Rule, rec.Reason = v.Rule, v.Reason
 	if !v.Allowed {
-		s.stats.udpRefused.Add(1)
-		s.logDenied("UDP flow refused by policy", "dst", netip.AddrPortFrom(dst, port),
+		s.logDenied("UDP flow refused by policy", "dst", dstAP,
 			"host", host, "names", names, "reason", v.Reason)
+		refuse(rec, v.Rule, v.Reason)
 		return false
 	}
 	c := s.createUDPFlow(r)
 	if c == nil {
+		refuse(rec, "flow limit", fmt.Sprintf("%d UDP flows open, the most a sandbox may have, or the guest's side failed", s.cfg.MaxUDPFlows))
 		return true
 	}
 	s.stats.udpForwarded.Add(1)
+	s.audit.count("udp", true, v.Rule)
 	hostAddr := netip.AddrPortFrom(host, port).String()
-	if !s.goroutine(func() { s.relayUDPFlow(c, hostAddr) }) {
+	if !s.goroutine(func() { s.relayUDPFlow(c, hostAddr, rec) }) {
 		s.udpFlows.Add(-1)
 		s.untrack(c)
 		c.Close()
@@ -69,7 +83,6 @@ func (s *Stack) handleUDP(r *udp.ForwarderRequest) bool {
 func (s *Stack) createUDPFlow(r *udp.ForwarderRequest) *gonet.UDPConn {
 	if s.udpFlows.Add(1) > int64(s.cfg.MaxUDPFlows) {
 		s.udpFlows.Add(-1)
-		s.stats.udpRefused.Add(1)
 		s.logDenied("UDP flow dropped", "reason", "flow limit reached")
 		return nil
 	}
@@ -88,7 +101,9 @@ func (s *Stack) createUDPFlow(r *udp.ForwarderRequest) *gonet.UDPConn {
 	return c
 }
 
-func (s *Stack) relayUDPFlow(gc *gonet.UDPConn, hostAddr string) {
+// relayUDPFlow relays the flow whose record is rec (Rule set) until it
+// goes idle, logging its open and close.
+func (s *Stack) relayUDPFlow(gc *gonet.UDPConn, hostAddr string, rec Flow) {
 	defer s.udpFlows.Add(-1)
 	defer s.untrack(gc)
 	defer gc.Close()
@@ -98,6 +113,8 @@ func (s *Stack) relayUDPFlow(gc *gonet.UDPConn, hostAddr string) {
 	cancel()
 	if err != nil {
 		s.log.Debug("UDP dial failed", "addr", hostAddr, "err", err)
+		rec.Event, rec.Error = "failed", err.Error()
+		s.audit.refused(rec)
 		return
 	}
 	if !s.track(hc) {
@@ -105,7 +122,13 @@ func (s *Stack) relayUDPFlow(gc *gonet.UDPConn, hostAddr string) {
 	}
 	defer s.untrack(hc)
 	defer hc.Close()
-	relayDatagrams(gc, hc, s.cfg.UDPIdleTimeout)
+	open := rec
+	open.Event = "open"
+	s.audit.log(open)
+	start := time.Now()
+	counted := &countingConn{Conn: gc}
+	defer func() { s.audit.log(rec.closed(start, counted)) }()
+	relayDatagrams(counted, hc, s.cfg.UDPIdleTimeout)
 }
 
 // relayDatagrams copies datagrams both ways between two connected sockets

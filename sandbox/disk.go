@@ -69,10 +69,10 @@ func ParseDisk(s string) (string, ShareMode, error) {
 }
 
 // diskDevices opens and locks each disk and makes its device.
-func diskDevices(disks []DiskSpec, c config) ([]*virtioblk.Device, error) {
+func diskDevices(disks []DiskSpec, c config, lim *limiters) ([]*virtioblk.Device, error) {
 	var specs []diskSpec
 	for i, d := range disks {
-		specs = append(specs, diskSpec{d.Path, virtioblk.Options{ReadOnly: d.Mode == ReadOnly, ID: diskSerial(i)}})
+		specs = append(specs, diskSpec{d.Path, virtioblk.Options{ReadOnly: d.Mode == ReadOnly, ID: diskSerial(i), Limit: lim.disk()}})
 	}
 	return openDisks(specs, c)
 }

@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 
 	"github.com/capsa-sandbox/capsa/image"
+	"github.com/capsa-sandbox/capsa/ratelimit"
 	virtioblk "github.com/capsa-sandbox/capsa/virtio/blk"
 )
 
@@ -170,11 +171,12 @@ func newRootfs(c config, store *image.Store, img *image.Image, makeUpper func(pa
 
 // devices opens the image (read-only, shared) and the writable layer as
 // the first two disks, vda and vdb, with the serials the guest's init
-// looks for.
-func (r *rootfs) devices(c config) ([]*virtioblk.Device, error) {
+// looks for. Both wait on lim: the image's root is one disk to its
+// limits.
+func (r *rootfs) devices(c config, lim *ratelimit.Limiter) ([]*virtioblk.Device, error) {
 	return openDisks([]diskSpec{
-		{r.erofs, virtioblk.Options{ReadOnly: true, ID: rootSerials[0]}},
-		{r.upperPath, virtioblk.Options{ID: rootSerials[1]}},
+		{r.erofs, virtioblk.Options{ReadOnly: true, ID: rootSerials[0], Limit: lim}},
+		{r.upperPath, virtioblk.Options{ID: rootSerials[1], Limit: lim}},
 	}, c)
 }
 

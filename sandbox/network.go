@@ -4,10 +4,12 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"net"
 	"net/netip"
 
+	"github.com/capsa-sandbox/capsa/internal/auditlog"
 	"github.com/capsa-sandbox/capsa/netstack"
 	virtionet "github.com/capsa-sandbox/capsa/virtio/net"
 )
@@ -76,6 +78,8 @@ type network struct {
 	stack     *netstack.Stack
 	nic       *virtionet.Device
 	intercept *interception
+	flows     *auditlog.Log[netstack.Flow] // the latest of the NAT's audit records
+	done      chan struct{}                // closed at close: limited frames stop waiting
 }
 
 // interception is the network's TLS proxy; nil without one.
@@ -86,9 +90,15 @@ func (n *network) interception() *interception {
 	return n.intercept
 }
 
-func startNetwork(ctx context.Context, c config, log *slog.Logger) (_ *network, _ string, err error) {
+func startNetwork(ctx context.Context, c config, lim *limiters, log *slog.Logger) (_ *network, _ string, err error) {
 	nc := c.Network
-	in, err := startInterception(c, log)
+	// The audit log's two sources, the NAT's flows and the TLS proxy's
+	// requests, write whole lines to one writer.
+	var audit io.Writer
+	if c.netAudit != nil {
+		audit = &auditlog.SyncWriter{W: c.netAudit}
+	}
+	in, err := startInterception(c, audit, log)
 	if err != nil {
 		return nil, "", err
 	}
@@ -97,7 +107,8 @@ func startNetwork(ctx context.Context, c config, log *slog.Logger) (_ *network, 
 			in.close()
 		}
 	}()
-	cfg := netstack.Config{GuestMAC: guestMAC, Policy: nc.Policy, Logger: log}
+	flows := auditlog.New[netstack.Flow](auditKeep, audit)
+	cfg := netstack.Config{GuestMAC: guestMAC, Policy: nc.Policy, Logger: log, Audit: flows.Add}
 	if in != nil {
 		cfg.Intercept = in.proxy
 	}
@@ -120,7 +131,8 @@ func startNetwork(ctx context.Context, c config, log *slog.Logger) (_ *network, 
 		return nil, "", fmt.Errorf("sandbox: network: %w", err)
 	}
 	a := st.Addrs()
-	nic, err := virtionet.New(guestMAC, uint16(a.MTU), st, log)
+	done := make(chan struct{})
+	nic, err := virtionet.New(guestMAC, uint16(a.MTU), &limitedBackend{Backend: st, rx: lim.netRx, tx: lim.netTx, done: done}, log)
 	if err != nil {
 		st.Close()
 		return nil, "", fmt.Errorf("sandbox: network: %w", err)
@@ -129,14 +141,26 @@ func startNetwork(ctx context.Context, c config, log *slog.Logger) (_ *network, 
 	// ip=CLIENT::GATEWAY:NETMASK:HOSTNAME:DEVICE:AUTOCONF:DNS.
 	mask := net.IP(net.CIDRMask(a.GuestIP.Bits(), 32)).String()
 	arg := fmt.Sprintf("ip=%s::%s:%s::eth0:off:%s", a.GuestIP.Addr(), a.Gateway, mask, a.DNS)
-	return &network{stack: st, nic: nic, intercept: in}, arg, nil
+	return &network{stack: st, nic: nic, intercept: in, flows: flows, done: done}, arg, nil
 }
 
 func (n *network) close() error {
 	if n == nil {
 		return nil
 	}
+	close(n.done)
 	return errors.Join(n.nic.Close(), n.stack.Close(), n.intercept.close())
+}
+
+// NetFlows returns the last records of the sandbox's egress audit log
+// (at most 1000), oldest first: its DNS queries and the TCP connections
+// and UDP flows it opened or was refused (package netstack, "Audit"); nil
+// without a network. Workload.NetAudit receives every one as it happens.
+func (s *Sandbox) NetFlows() []netstack.Flow {
+	if s.net == nil {
+		return nil
+	}
+	return s.net.flows.Records()
 }
 
 // Published lists the sandbox's published ports with the host addresses

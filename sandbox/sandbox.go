@@ -73,6 +73,32 @@ func (b *Builder) CPUs(n int) *Builder {
 	return b
 }
 
+// MaxCPUQuota bounds Builder.CPUQuota.
+const MaxCPUQuota = 4096
+
+// CPUQuota sets the most host CPUs the sandbox's VMM process may use, its
+// vCPUs and its own threads (device I/O, the NAT) together: 1.5 is one
+// and a half CPUs' time. It is its cgroup's cpu.max, set where the VMM
+// confines itself (capsa run and detached sandboxes, package confine),
+// not by a program that runs sandboxes in its own process. Default: the
+// vCPU count.
+func (b *Builder) CPUQuota(cpus float64) *Builder {
+	if !(cpus >= 0.01 && cpus <= MaxCPUQuota) {
+		b.c.errs = append(b.c.errs, fmt.Errorf("sandbox: a CPU quota of %g CPUs: must be between 0.01 and %d", cpus, MaxCPUQuota))
+	}
+	b.c.CPUQuota = cpus
+	return b
+}
+
+// EffectiveCPUQuota is the quota of a sandbox of s: its CPUQuota, else
+// its vCPU count (1 when unset).
+func (s Spec) EffectiveCPUQuota() float64 {
+	if s.CPUQuota > 0 {
+		return s.CPUQuota
+	}
+	return float64(max(s.CPUs, 1))
+}
+
 // Memory sets the guest memory in MiB (at least 64).
 func (b *Builder) Memory(mib int) *Builder {
 	if mib < 64 || mib > 1<<20 {
@@ -208,6 +234,7 @@ type Sandbox struct {
 	disks   []*virtioblk.Device
 	rootfs  *rootfs
 	net     *network
+	lim     *limiters // the devices' I/O limits
 
 	resumeErr error // a restored guest's agent's answer to being resumed
 
@@ -326,7 +353,7 @@ func boot(ctx context.Context, c config, root *rootfs, snap *snapshot.Snapshot, 
 		defer release()
 	}
 	log := c.logger()
-	s := &Sandbox{c: c, vmDone: make(chan struct{}), ready: make(chan struct{}), started: start, rootfs: root}
+	s := &Sandbox{c: c, vmDone: make(chan struct{}), ready: make(chan struct{}), started: start, rootfs: root, lim: newLimiters(c.Limits)}
 	s.Guest = Guest{env: c.Env, limit: c.OutputLimit, explain: s.vmErr}
 	if root != nil {
 		s.env = image.MergeEnv(root.img.Env(), c.Env)
@@ -360,7 +387,7 @@ func boot(ctx context.Context, c config, root *rootfs, snap *snapshot.Snapshot, 
 	if root != nil {
 		// The image and its writable layer are the first disks (vda,
 		// vdb); init finds them by serial.
-		devs, err := root.devices(c)
+		devs, err := root.devices(c, s.lim.disk())
 		if err != nil {
 			return nil, err
 		}
@@ -372,13 +399,13 @@ func boot(ctx context.Context, c config, root *rootfs, snap *snapshot.Snapshot, 
 	}
 	if c.Network != nil {
 		var ipArg string
-		if s.net, ipArg, err = startNetwork(context.WithoutCancel(ctx), c, log); err != nil {
+		if s.net, ipArg, err = startNetwork(context.WithoutCancel(ctx), c, s.lim, log); err != nil {
 			return nil, err
 		}
 		cmdline = append(cmdline, ipArg)
 		devices = append(devices, vmm.Device{ID: "net0", Device: s.net.nic})
 	}
-	if s.shares, err = shareDevices(c.Shares, log); err != nil {
+	if s.shares, err = shareDevices(c.Shares, s.lim, log); err != nil {
 		return nil, err
 	}
 	for i, d := range s.shares {
@@ -387,7 +414,7 @@ func boot(ctx context.Context, c config, root *rootfs, snap *snapshot.Snapshot, 
 	}
 	// Volumes are shares too, numbered after them (in this order at a
 	// restore as at a boot), and closed with them.
-	vols, err := volumeDevices(c.Volumes, len(c.Shares), log)
+	vols, err := volumeDevices(c.Volumes, len(c.Shares), s.lim, log)
 	s.shares = append(s.shares, vols...)
 	if err != nil {
 		return nil, err
@@ -396,7 +423,7 @@ func boot(ctx context.Context, c config, root *rootfs, snap *snapshot.Snapshot, 
 		cmdline = append(cmdline, volumeArg(len(c.Shares)+i, c.Volumes[i]))
 		devices = append(devices, vmm.Device{ID: "9p:" + c.Volumes[i].Guest, Device: d})
 	}
-	userDisks, err := diskDevices(c.Disks, c)
+	userDisks, err := diskDevices(c.Disks, c, s.lim)
 	if err != nil {
 		return nil, err
 	}

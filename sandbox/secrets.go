@@ -201,8 +201,11 @@ func (w *Workload) Secrets(values map[string]string) *Workload {
 // the Spec, or anywhere it goes.
 func (w *Workload) SecretValues() map[string]string { return maps.Clone(w.c.secrets) }
 
-// NetAudit receives the audit log of intercepted requests, a JSON line
-// each (tlsproxy.Record). Sandbox.NetAudit keeps the last ones too.
+// NetAudit receives the sandbox's egress audit log as it happens, a JSON
+// line each: its DNS queries, TCP connections and UDP flows (netstack.Flow,
+// "kind" dns, tcp, udp or summary) and its intercepted requests
+// (tlsproxy.Record, "kind" http). Sandbox.NetFlows and Sandbox.NetAudit
+// keep the last ones too.
 func (w *Workload) NetAudit(out io.Writer) *Workload { w.c.netAudit = out; return w }
 
 // interception is a running sandbox's TLS proxy.
@@ -212,13 +215,14 @@ type interception struct {
 	ca    *tlsproxy.CA
 }
 
-// auditKeep is how many audit records a sandbox keeps in memory.
+// auditKeep is how many audit records of each kind (flows, intercepted
+// requests) a sandbox keeps in memory.
 const auditKeep = 1000
 
 // startInterception makes the sandbox's TLS proxy, if it intercepts
 // anything: its CA (c.ca, a snapshot's, or a new one), the secrets with
 // their values, the upstream trust.
-func startInterception(c config, log *slog.Logger) (*interception, error) {
+func startInterception(c config, audit io.Writer, log *slog.Logger) (*interception, error) {
 	nc := c.Network
 	if len(nc.Intercept) == 0 && len(nc.Secrets) == 0 {
 		return nil, nil
@@ -250,7 +254,7 @@ func startInterception(c config, log *slog.Logger) (*interception, error) {
 			return nil, fmt.Errorf("sandbox: %w", err)
 		}
 	}
-	in := &interception{audit: tlsproxy.NewAuditLog(auditKeep, c.netAudit), ca: cfg.CA}
+	in := &interception{audit: tlsproxy.NewAuditLog(auditKeep, audit), ca: cfg.CA}
 	cfg.Audit = in.audit.Add
 	if in.proxy, err = tlsproxy.New(cfg); err != nil {
 		return nil, fmt.Errorf("sandbox: %w", err)

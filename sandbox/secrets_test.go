@@ -47,10 +47,10 @@ func TestSecretNeverInSpec(t *testing.T) {
 		t.Fatalf("FromSpec(JSON(spec)).Spec() = %+v, %v; want %+v", back, err, spec)
 	}
 	again := FromSpec(back)
-	if _, err := startInterception(again.c, nil); err == nil || !strings.Contains(err.Error(), "API_KEY has no value") {
+	if _, err := startInterception(again.c, nil, nil); err == nil || !strings.Contains(err.Error(), "API_KEY has no value") {
 		t.Errorf("starting the interception of a spec without values: %v, want an error naming API_KEY", err)
 	}
-	in, err := startInterception(again.Secrets(w.SecretValues()).c, nil)
+	in, err := startInterception(again.Secrets(w.SecretValues()).c, nil, nil)
 	if err != nil {
 		t.Fatalf("startInterception with the values = %v", err)
 	}

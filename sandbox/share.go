@@ -159,14 +159,14 @@ func shareArg(i int, sh ShareSpec) string {
 
 // shareDevices makes each share's confined file server and device. On
 // error it returns the devices made so far, for the caller to close.
-func shareDevices(shares []ShareSpec, log *slog.Logger) ([]*ninep.Device, error) {
+func shareDevices(shares []ShareSpec, lim *limiters, log *slog.Logger) ([]*ninep.Device, error) {
 	var devs []*ninep.Device
 	for i, sh := range shares {
 		a, err := p9fs.New(sh.Host, p9fs.Options{ReadOnly: sh.Mode == ReadOnly, Logger: log})
 		if err != nil {
 			return devs, fmt.Errorf("sandbox: share %s: %w", sh.Host, err)
 		}
-		d, err := ninep.New(shareTag(i), a, ninep.Options{ReadOnly: sh.Mode == ReadOnly}, log)
+		d, err := ninep.New(shareTag(i), a, ninep.Options{ReadOnly: sh.Mode == ReadOnly, Limit: lim.share()}, log)
 		if err != nil {
 			return devs, fmt.Errorf("sandbox: share %s: %w", sh.Host, err)
 		}

@@ -9,6 +9,7 @@ import (
 
 	"github.com/capsa-sandbox/capsa/image"
 	"github.com/capsa-sandbox/capsa/netstack"
+	"github.com/capsa-sandbox/capsa/ratelimit"
 )
 
 // Spec is a sandbox's description as data: what the builder fills, what
@@ -20,11 +21,17 @@ import (
 // A Spec is checked when it becomes a Workload (FromSpec), by the same
 // builder methods, so a bad one gets the same errors before anything boots.
 type Spec struct {
-	CPUs      int      `json:"cpus"`
-	MemoryMiB int      `json:"memory_mib"`
-	Env       []string `json:"env,omitempty"`    // KEY=VALUE for every process
-	Kernel    string   `json:"kernel,omitempty"` // empty: the built-in kernel
-	Initrd    string   `json:"initrd,omitempty"` // empty: the built-in initramfs
+	CPUs      int `json:"cpus"`
+	MemoryMiB int `json:"memory_mib"`
+	// CPUQuota is the most host CPUs the sandbox's VMM process may use,
+	// its vCPUs and its own threads together (Builder.CPUQuota); 0: as
+	// many as it has vCPUs.
+	CPUQuota float64 `json:"cpu_quota,omitempty"`
+	// Limits are the sandbox's I/O limits (Builder.Limits); zero: none.
+	Limits ratelimit.Limits `json:"limits,omitzero"`
+	Env    []string         `json:"env,omitempty"`    // KEY=VALUE for every process
+	Kernel string           `json:"kernel,omitempty"` // empty: the built-in kernel
+	Initrd string           `json:"initrd,omitempty"` // empty: the built-in initramfs
 
 	ReadyTimeout time.Duration `json:"ready_timeout_ns,omitempty"`
 	Watchdog     time.Duration `json:"watchdog_ns,omitempty"`
@@ -161,6 +168,12 @@ func FromSpec(s Spec) *Workload {
 	}
 	if s.MemoryMiB != 0 {
 		b.Memory(s.MemoryMiB)
+	}
+	if s.CPUQuota != 0 {
+		b.CPUQuota(s.CPUQuota)
+	}
+	if s.Limits != (ratelimit.Limits{}) {
+		b.Limits(s.Limits)
 	}
 	b.Env(s.Env...).Kernel(s.Kernel).Initrd(s.Initrd)
 	if s.ReadyTimeout != 0 {

@@ -3,6 +3,9 @@ package sandbox
 import (
 	"fmt"
 	"time"
+
+	"github.com/capsa-sandbox/capsa/netstack"
+	"golang.org/x/sys/unix"
 )
 
 // Stats is what a sandbox has used since it started: what `capsa stats`
@@ -33,6 +36,15 @@ type Stats struct {
 	DiskWrites     uint64 `json:"disk_writes"`
 	// Exits counts the VM exits to capsa.
 	Exits uint64 `json:"exits"`
+	// VMMCPUTime is the CPU time of the process's threads other than the
+	// vCPUs: device I/O, the NAT, the agent's connection. A detached
+	// sandbox has a process of its own; a program that runs several
+	// sandboxes through this package counts all of theirs here.
+	VMMCPUTime time.Duration `json:"vmm_cpu_time_ns"`
+	// NetFlows is how many DNS queries, TCP connections and UDP flows each
+	// rule of the network policy allowed and refused (none without a
+	// network).
+	NetFlows []netstack.FlowCount `json:"net_flows,omitempty"`
 }
 
 // Stats reports what the sandbox has used so far.
@@ -49,6 +61,12 @@ func (s *Sandbox) Stats() (*Stats, error) {
 	if s.net != nil {
 		n := s.net.nic.Stats()
 		st.NetRxBytes, st.NetRxPackets, st.NetTxBytes, st.NetTxPackets = n.RxBytes, n.RxFrames, n.TxBytes, n.TxFrames
+		st.NetFlows = s.net.stack.FlowCounts()
+	}
+	var ru unix.Rusage
+	if err := unix.Getrusage(unix.RUSAGE_SELF, &ru); err == nil {
+		proc := time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+		st.VMMCPUTime = max(proc-vs.CPUTime, 0)
 	}
 	for _, d := range s.disks {
 		b := d.Stats()
@@ -63,14 +81,23 @@ func (s *Sandbox) Stats() (*Stats, error) {
 // CPUPercent is the CPU use between two Stats of one sandbox, as `docker
 // stats` shows it: 100 is one vCPU busy all the time.
 func CPUPercent(prev, cur *Stats) float64 {
+	return cpuPercent(prev, cur, func(s *Stats) time.Duration { return s.CPUTime })
+}
+
+// VMMCPUPercent is CPUPercent for the VMM's own threads (Stats.VMMCPUTime).
+func VMMCPUPercent(prev, cur *Stats) float64 {
+	return cpuPercent(prev, cur, func(s *Stats) time.Duration { return s.VMMCPUTime })
+}
+
+func cpuPercent(prev, cur *Stats, of func(*Stats) time.Duration) float64 {
 	if prev == nil || cur == nil {
 		return 0
 	}
 	wall := cur.Taken.Sub(prev.Taken)
-	if wall <= 0 || cur.CPUTime < prev.CPUTime {
+	if wall <= 0 || of(cur) < of(prev) {
 		return 0
 	}
-	return 100 * float64(cur.CPUTime-prev.CPUTime) / float64(wall)
+	return 100 * float64(of(cur)-of(prev)) / float64(wall)
 }
 
 // IdleSince says since when nobody has been connected to the sandbox's

@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 
 	"github.com/capsa-sandbox/capsa/p9fs"
+	"github.com/capsa-sandbox/capsa/virtio"
 	"github.com/capsa-sandbox/capsa/virtio/ninep"
 	"github.com/capsa-sandbox/capsa/volume"
 	"github.com/hugelgupf/p9/p9"
@@ -97,10 +98,10 @@ func (v mountedVolume) Close() error {
 // volumeDevices mounts each volume and makes its file server and device,
 // tagged after the shares (first is the number of shares). On error it
 // returns the devices made so far, for the caller to close.
-func volumeDevices(vols []VolumeSpec, first int, log *slog.Logger) ([]*ninep.Device, error) {
+func volumeDevices(vols []VolumeSpec, first int, lim *limiters, log *slog.Logger) ([]*ninep.Device, error) {
 	var devs []*ninep.Device
 	for i, v := range vols {
-		d, err := volumeDevice(v, shareTag(first+i), log)
+		d, err := volumeDevice(v, shareTag(first+i), lim.share(), log)
 		if err != nil {
 			return devs, fmt.Errorf("sandbox: volume %s: %w", v.Name, err)
 		}
@@ -109,7 +110,7 @@ func volumeDevices(vols []VolumeSpec, first int, log *slog.Logger) ([]*ninep.Dev
 	return devs, nil
 }
 
-func volumeDevice(v VolumeSpec, tag string, log *slog.Logger) (*ninep.Device, error) {
+func volumeDevice(v VolumeSpec, tag string, lim virtio.Limiter, log *slog.Logger) (*ninep.Device, error) {
 	r, err := volume.Open(v.Dir)
 	if err != nil {
 		return nil, err
@@ -128,7 +129,7 @@ func volumeDevice(v VolumeSpec, tag string, log *slog.Logger) (*ninep.Device, er
 		return nil, err
 	}
 	mv := mountedVolume{Attacher: a, m: m}
-	d, err := ninep.New(tag, mv, ninep.Options{ReadOnly: ro}, log)
+	d, err := ninep.New(tag, mv, ninep.Options{ReadOnly: ro, Limit: lim}, log)
 	if err != nil {
 		mv.Close()
 		return nil, err

@@ -5,6 +5,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/capsa-sandbox/capsa/ratelimit"
 	"github.com/capsa-sandbox/capsa/volume"
 )
 
@@ -97,7 +98,7 @@ func TestVolumeDevicesHoldTheVolume(t *testing.T) {
 	if _, err := r.Create("v", 1<<20); err != nil {
 		t.Fatal(err)
 	}
-	devs, err := volumeDevices([]VolumeSpec{{Name: "v", Guest: "/v", Dir: vdir}, {Name: "v", Guest: "/w", Mode: ReadOnly, Dir: vdir}}, 3, nil)
+	devs, err := volumeDevices([]VolumeSpec{{Name: "v", Guest: "/v", Dir: vdir}, {Name: "v", Guest: "/w", Mode: ReadOnly, Dir: vdir}}, 3, newLimiters(ratelimit.Limits{}), nil)
 	if err != nil {
 		t.Fatalf("volumeDevices = %v", err)
 	}
@@ -115,7 +116,7 @@ func TestVolumeDevicesHoldTheVolume(t *testing.T) {
 	if err := r.Remove("v", false); err != nil {
 		t.Errorf("Remove(v) after the devices closed = %v", err)
 	}
-	if _, err := volumeDevices([]VolumeSpec{{Name: "v", Guest: "/v", Dir: vdir}}, 0, nil); err == nil || !strings.Contains(err.Error(), "no such volume") {
+	if _, err := volumeDevices([]VolumeSpec{{Name: "v", Guest: "/v", Dir: vdir}}, 0, newLimiters(ratelimit.Limits{}), nil); err == nil || !strings.Contains(err.Error(), "no such volume") {
 		t.Errorf("volumeDevices of a removed volume = %v", err)
 	}
 }

@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/capsa-sandbox/capsa/agent"
+	"github.com/capsa-sandbox/capsa/ratelimit"
 	"github.com/capsa-sandbox/capsa/sandbox"
 	"github.com/capsa-sandbox/capsa/store"
 	"github.com/capsa-sandbox/capsa/virtio/vsock"
@@ -25,6 +26,13 @@ import (
 // through its supervisor; its record says paused until Resume.
 func Pause(ctx context.Context, st *store.Store, name string) error {
 	return callLive(ctx, st, name, opPause, noBody{})
+}
+
+// SetLimits changes the running detached sandbox name's I/O limits
+// (sandbox.Sandbox.SetLimits), through its supervisor; its record is the
+// caller's to change (Manager.UpdateLimits does both).
+func SetLimits(ctx context.Context, st *store.Store, name string, l ratelimit.Limits) error {
+	return callLive(ctx, st, name, opLimits, l)
 }
 
 // Resume runs the paused detached sandbox name again (sandbox.Sandbox.Resume).

@@ -12,6 +12,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/capsa-sandbox/capsa/ratelimit"
 	"github.com/capsa-sandbox/capsa/sandbox"
 )
 
@@ -53,6 +54,7 @@ var (
 	opResume   = controlOp[noBody, noBody]{"resume", http.MethodPost, http.StatusNoContent}
 	opSnapshot = controlOp[snapshotBody, noBody]{"snapshot", http.MethodPost, http.StatusNoContent}
 	opStats    = controlOp[noBody, sandbox.Stats]{"stats", http.MethodGet, http.StatusOK}
+	opLimits   = controlOp[ratelimit.Limits, ratelimit.Limits]{"limits", http.MethodPut, http.StatusOK}
 )
 
 // controlRoute is what the table says of an operation, whatever its types.
@@ -65,7 +67,7 @@ type controlRoute interface {
 }
 
 // controlOps is the protocol's table.
-var controlOps = []controlRoute{opStop, opPause, opResume, opSnapshot, opStats}
+var controlOps = []controlRoute{opStop, opPause, opResume, opSnapshot, opStats, opLimits}
 
 func (o controlOp[Req, Resp]) opName() string  { return o.name }
 func (o controlOp[Req, Resp]) path() string    { return "/v1/" + o.name }

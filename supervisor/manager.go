@@ -8,6 +8,7 @@ import (
 	"os"
 	"time"
 
+	"github.com/capsa-sandbox/capsa/ratelimit"
 	"github.com/capsa-sandbox/capsa/store"
 )
 
@@ -192,8 +193,32 @@ func (m *Manager) Supervise(ctx context.Context, name string, lock, ready *os.Fi
 	return err
 }
 
-// NetLogs writes the sandbox name's audit log of intercepted HTTPS
-// requests to w, as Logs does.
+// UpdateLimits changes the sandbox name's I/O limits by spec, written as
+// `capsa run --limit` takes them (ratelimit.ParseLimits), on top of those
+// it has: at once if it runs, and in its record for its next start. It
+// returns the limits it has now, as ratelimit.Limits.String writes them.
+func (m *Manager) UpdateLimits(ctx context.Context, name, spec string) (string, error) {
+	rec, err := m.st.Get(name)
+	if err != nil {
+		return "", err
+	}
+	l, err := ratelimit.ParseLimits(spec, rec.Spec.Limits)
+	if err != nil {
+		return "", fmt.Errorf("supervisor: update %s: %w", name, err)
+	}
+	if rec.Alive() {
+		if err := SetLimits(ctx, m.st, name, l); err != nil {
+			return "", err
+		}
+	}
+	if err := m.st.Update(name, func(r *Record) error { r.Spec.Limits = l; return nil }); err != nil {
+		return "", fmt.Errorf("supervisor: update %s: %w", name, err)
+	}
+	return l.String(), nil
+}
+
+// NetLogs writes the sandbox name's egress audit log (its DNS queries,
+// flows and intercepted requests) to w, as Logs does.
 func (m *Manager) NetLogs(ctx context.Context, name string, lines int, follow bool, w io.Writer) error {
 	if _, err := m.st.Get(name); err != nil {
 		return err

@@ -25,8 +25,9 @@ import (
 const (
 	// SecretsFile holds the values of the sandbox's secrets by name (JSON).
 	SecretsFile = "secrets.json"
-	// NetLog is the audit log of the sandbox's intercepted requests, JSON
-	// lines (tlsproxy.Record), bounded like the other logs.
+	// NetLog is the sandbox's egress audit log, JSON lines (netstack.Flow
+	// and tlsproxy.Record, told apart by "kind"), bounded like the other
+	// logs.
 	NetLog = "net.log"
 )
 
@@ -102,30 +103,28 @@ func CreateSecrets(st *store.Store, rec *store.Record, values map[string]string)
 	return lock, nil
 }
 
-// intercepts reports whether a sandbox of spec has an audit log.
-func intercepts(spec sandbox.Spec) bool {
-	n := spec.Network
-	return n != nil && (len(n.Intercept) > 0 || len(n.Secrets) > 0)
-}
+// hasNetwork reports whether a sandbox of spec has a network, and so an
+// egress audit log.
+func hasNetwork(spec sandbox.Spec) bool { return spec.Network != nil }
 
-// openNetLog opens the audit log of a sandbox of spec in dir, if it
-// intercepts anything (nil otherwise).
+// openNetLog opens the egress audit log of a sandbox of spec in dir, if
+// it has a network (nil otherwise).
 func openNetLog(dir string, spec sandbox.Spec, limit int64) (*rotatingLog, error) {
-	if !intercepts(spec) {
+	if !hasNetwork(spec) {
 		return nil, nil
 	}
 	return newRotatingLog(filepath.Join(dir, NetLog), limit)
 }
 
-// NetLogs writes the audit log of the detached sandbox name's
-// intercepted requests to w, as Logs does for its other logs.
+// NetLogs writes the egress audit log of the detached sandbox name to w,
+// as Logs does for its other logs.
 func NetLogs(ctx context.Context, st *store.Store, name string, lines int, follow bool, w io.Writer) error {
 	rec, err := st.Get(name)
 	if err != nil {
 		return err
 	}
-	if !intercepts(rec.Spec) {
-		return fmt.Errorf("supervisor: %s intercepts no TLS (it has no --secret or --tls-intercept): no network audit log", name)
+	if !hasNetwork(rec.Spec) {
+		return fmt.Errorf("supervisor: %s has no network (it was started without --net): no network audit log", name)
 	}
 	return Logs(ctx, st, name, NetLog, lines, follow, w)
 }

@@ -31,6 +31,7 @@ import (
 	"github.com/capsa-sandbox/capsa/agent"
 	"github.com/capsa-sandbox/capsa/confine"
 	"github.com/capsa-sandbox/capsa/internal/selfpages"
+	"github.com/capsa-sandbox/capsa/ratelimit"
 	"github.com/capsa-sandbox/capsa/sandbox"
 	"github.com/capsa-sandbox/capsa/store"
 )
@@ -79,8 +80,8 @@ func confineSelf(st *store.Store, rec *store.Record, sb *sandbox.Sandbox, spec s
 	write = append(write, st.SandboxDir(rec.Name), db, snaps)
 	return confine.Apply(confine.Config{
 		Read: read, Write: write, Name: rec.Name,
-		MemoryBytes: int64(spec.MemoryMiB)<<20 + VMMOverhead,
-		User:        rec.JailUser, Own: []string{st.SandboxDir(rec.Name)},
+		MemoryBytes: int64(spec.MemoryMiB)<<20 + VMMOverhead, CPUs: spec.EffectiveCPUQuota(),
+		User: rec.JailUser, Own: []string{st.SandboxDir(rec.Name)},
 		Shared: append(SharedFiles(st.Dir(), write), db, snaps),
 	}, log)
 }
@@ -464,6 +465,16 @@ func (c *control) mux(log *slog.Logger) *http.ServeMux {
 		}
 		log.Info("supervisor: snapshot written", "dir", req.Dir)
 		return noBody{}, nil
+	})
+	opLimits.register(mux, func(_ context.Context, l ratelimit.Limits) (ratelimit.Limits, error) {
+		if err := l.Check(); err != nil {
+			return ratelimit.Limits{}, badRequest("bad limits: %v", err)
+		}
+		if err := c.sb.SetLimits(l); err != nil {
+			return ratelimit.Limits{}, err
+		}
+		log.Info("supervisor: I/O limits set", "limits", l.String())
+		return c.sb.Limits(), nil
 	})
 	opStats.register(mux, func(context.Context, noBody) (sandbox.Stats, error) {
 		st, err := c.sb.Stats()

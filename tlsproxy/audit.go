@@ -1,10 +1,10 @@
 package tlsproxy
 
 import (
-	"encoding/json"
 	"io"
-	"sync"
 	"time"
+
+	"github.com/capsa-sandbox/capsa/internal/auditlog"
 )
 
 // Record is one line of the audit log: an intercepted request, or an
@@ -12,17 +12,19 @@ import (
 // never holds a secret's value: Path is the guest's own (placeholders,
 // not values), errors are scrubbed.
 type Record struct {
-	Time          time.Time `json:"time"`
-	Host          string    `json:"host"` // the TLS server name
-	Method        string    `json:"method,omitempty"`
-	Path          string    `json:"path,omitempty"` // without the query
-	Proto         string    `json:"proto,omitempty"`
-	Status        int       `json:"status,omitempty"`
-	RequestBytes  int64     `json:"request_bytes"`  // body bytes from the guest
-	ResponseBytes int64     `json:"response_bytes"` // body bytes to the guest
-	Substituted   []string  `json:"substituted,omitempty"`
-	Blocked       bool      `json:"blocked,omitempty"`
-	Reason        string    `json:"reason,omitempty"`
+	Time time.Time `json:"time"`
+	// Kind is "http": the NAT's flows share the log (netstack.Flow).
+	Kind          string   `json:"kind"`
+	Host          string   `json:"host"` // the TLS server name
+	Method        string   `json:"method,omitempty"`
+	Path          string   `json:"path,omitempty"` // without the query
+	Proto         string   `json:"proto,omitempty"`
+	Status        int      `json:"status,omitempty"`
+	RequestBytes  int64    `json:"request_bytes"`  // body bytes from the guest
+	ResponseBytes int64    `json:"response_bytes"` // body bytes to the guest
+	Substituted   []string `json:"substituted,omitempty"`
+	Blocked       bool     `json:"blocked,omitempty"`
+	Reason        string   `json:"reason,omitempty"`
 }
 
 // maxAuditPath bounds Record.Path: a guest cannot make the log's lines
@@ -39,39 +41,8 @@ func truncate(s string, n int) string {
 // AuditLog keeps the last records in memory and writes each as a JSON line
 // to a writer, if it has one (a write error is dropped: the log must never
 // stop the proxy). Its Add is a Config.Audit.
-type AuditLog struct {
-	mu   sync.Mutex
-	w    io.Writer
-	ring []Record
-	next int
-	full bool
-}
+type AuditLog = auditlog.Log[Record]
 
 // NewAuditLog keeps the last keep records and writes every record to w
 // (nil: none).
-func NewAuditLog(keep int, w io.Writer) *AuditLog {
-	return &AuditLog{w: w, ring: make([]Record, max(keep, 1))}
-}
-
-// Add records r.
-func (l *AuditLog) Add(r Record) {
-	b, _ := json.Marshal(r)
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	l.ring[l.next] = r
-	l.next = (l.next + 1) % len(l.ring)
-	l.full = l.full || l.next == 0
-	if l.w != nil {
-		l.w.Write(append(b, '\n'))
-	}
-}
-
-// Records returns the records kept, oldest first.
-func (l *AuditLog) Records() []Record {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	if !l.full {
-		return append([]Record(nil), l.ring[:l.next]...)
-	}
-	return append(append([]Record(nil), l.ring[l.next:]...), l.ring[:l.next]...)
-}
+func NewAuditLog(keep int, w io.Writer) *AuditLog { return auditlog.New[Record](keep, w) }

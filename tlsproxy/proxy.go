@@ -295,6 +295,7 @@ func (p *Proxy) refuse(host, reason string) {
 }
 
 func (p *Proxy) audit(r Record) {
+	r.Kind = "http"
 	if p.cfg.Audit != nil {
 		p.cfg.Audit(r)
 	}

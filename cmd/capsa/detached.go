@@ -401,11 +401,17 @@ func runInspect(ctx context.Context, args []string, stdout, stderr io.Writer) in
 	if code := parseFlags(fs, args, stderr); code >= 0 {
 		return code
 	}
-	var recs []*supervisor.Record
+	// Each record, and its I/O limits in words ("none" when it has
+	// none).
+	type inspected struct {
+		*supervisor.Record
+		Limits string `json:"limits"`
+	}
+	var recs []inspected
 	code := eachName(ctx, "inspect", fs.Args(), stderr, func(m *supervisor.Manager, name string) error {
 		r, err := m.Get(name)
 		if err == nil {
-			recs = append(recs, r)
+			recs = append(recs, inspected{r, r.Spec.Limits.String()})
 		}
 		return err
 	})
@@ -415,12 +421,33 @@ func runInspect(ctx context.Context, args []string, stdout, stderr io.Writer) in
 	return code
 }
 
+// runUpdate changes sandboxes' I/O limits, as docker update does their
+// resources: at once where they run, and in their records.
+func runUpdate(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	fs := newFlags("update", "--limit KEY=RATE[,...] NAME...", stdout)
+	limits := fs.StringArray("limit", nil, "I/O limits to set, as capsa run --limit takes them, on top of those the sandbox has (a rate of 0 removes one; repeatable)")
+	if code := parseFlags(fs, args, stderr); code >= 0 {
+		return code
+	}
+	if len(*limits) == 0 {
+		fmt.Fprintln(stderr, "capsa update: nothing to change: give --limit")
+		return 2
+	}
+	return eachName(ctx, "update", fs.Args(), stderr, func(m *supervisor.Manager, name string) error {
+		now, err := m.UpdateLimits(ctx, name, strings.Join(*limits, ","))
+		if err == nil {
+			fmt.Fprintf(stdout, "%s: %s\n", name, now)
+		}
+		return err
+	})
+}
+
 func runLogs(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	fs := newFlags("logs", "[flags] NAME", stdout)
 	follow := fs.BoolP("follow", "f", false, "keep printing output as it comes, until the sandbox ends")
 	lines := fs.Int("tail", -1, "print only the last N lines first (-1: all that is kept)")
 	console := fs.Bool("console", false, "the guest's serial console instead of the main process's output")
-	netLog := fs.Bool("net", false, "the audit log of intercepted HTTPS requests (--secret, --tls-intercept), a JSON line each")
+	netLog := fs.Bool("net", false, "the network's audit log, a JSON line each: DNS queries, connections and flows opened, refused and closed, intercepted HTTPS requests")
 	if code := parseFlags(fs, args, stderr); code >= 0 {
 		return code
 	}

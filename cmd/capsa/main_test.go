@@ -50,6 +50,12 @@ func TestCLIErrors(t *testing.T) {
 		{[]string{"run", "-v", "/tmp:/proc/x", "--", "true"}, 2, "inside /proc"},
 		{[]string{"run", "-v", "/tmp:/a", "-v", "/:/a/", "--", "true"}, 2, "guest path /a is already shared"},
 		{[]string{"run", "--timeout", "soon", "--", "true"}, 2, "invalid argument"},
+		{[]string{"run", "--cpu-quota", "0", "--", "true"}, 2, "--cpu-quota 0: must be between 0.01"},
+		{[]string{"run", "--limit", "net=fast", "--", "true"}, 2, `limit net=fast: "fast" is not an amount`},
+		{[]string{"run", "--limit", "disk=1KB", "--", "true"}, 2, "disk: 1000 bytes a second: want 0 (no limit) or 65536"},
+		{[]string{"run", "--limit", "cpu=1", "--", "true"}, 2, `limit "cpu=1": want KEY=RATE[:BURST]`},
+		{[]string{"update", "x"}, 2, "nothing to change: give --limit"},
+		{[]string{"update", "--limit", "net=1MB"}, 2, "want at least one NAME"},
 	} {
 		var out, errb bytes.Buffer
 		code := dispatch(context.Background(), tc.args, &out, &errb)

@@ -130,6 +130,8 @@ type family struct {
 type sample struct {
 	label string
 	value float64
+	// more is further labels, written out: `,kind="tcp"` (escaped).
+	more string
 }
 
 var (
@@ -166,6 +168,8 @@ var (
 	sandboxUp = family{name: "capsa_sandbox_up", help: "1 if the running sandbox could be measured at this scrape.",
 		kind: "gauge", label: "sandbox"}
 	sandboxesByState = family{name: "capsa_sandboxes", help: "Detached sandboxes recorded, by state.", kind: "gauge", label: "state"}
+	sandboxFlows     = family{name: "capsa_sandbox_net_flows_total", help: "DNS queries, TCP connections and UDP flows of the sandbox, by kind, verdict and the network policy's rule that decided.",
+		kind: "counter", label: "sandbox"}
 )
 
 // scrapeTimeout bounds one sandbox's measurement.
@@ -201,9 +205,9 @@ func (c *sandboxCollector) collect() ([]family, error) {
 	}
 	sandboxes := sandboxesByState
 	for s, n := range states {
-		sandboxes.samples = append(sandboxes.samples, sample{string(s), float64(n)})
+		sandboxes.samples = append(sandboxes.samples, sample{label: string(s), value: float64(n)})
 	}
-	up := sandboxUp
+	up, flows := sandboxUp, sandboxFlows
 	per := make([]family, len(sandboxMetrics))
 	for i, m := range sandboxMetrics {
 		per[i] = m.family
@@ -216,15 +220,23 @@ func (c *sandboxCollector) collect() ([]family, error) {
 		s, err := c.handles.stats(ctx, name)
 		cancel()
 		if err != nil {
-			up.samples = append(up.samples, sample{name, 0})
+			up.samples = append(up.samples, sample{label: name, value: 0})
 			continue
 		}
-		up.samples = append(up.samples, sample{name, 1})
+		up.samples = append(up.samples, sample{label: name, value: 1})
 		for i, m := range sandboxMetrics {
-			per[i].samples = append(per[i].samples, sample{name, m.value(s)})
+			per[i].samples = append(per[i].samples, sample{label: name, value: m.value(s)})
+		}
+		for _, f := range s.NetFlows {
+			verdict := "refused"
+			if f.Allowed {
+				verdict = "allowed"
+			}
+			more := fmt.Sprintf(`,kind="%s",verdict="%s",rule="%s"`, labelEscaper.Replace(f.Kind), verdict, labelEscaper.Replace(f.Rule))
+			flows.samples = append(flows.samples, sample{label: name, value: float64(f.Count), more: more})
 		}
 	}
-	return append([]family{sandboxes, up}, per...), nil
+	return append(append([]family{sandboxes, up}, per...), flows), nil
 }
 
 // writeExposition writes fams in the text format, samples in label order;
@@ -235,10 +247,10 @@ func writeExposition(w io.Writer, fams []family) error {
 		if len(f.samples) == 0 {
 			continue
 		}
-		slices.SortFunc(f.samples, func(a, b sample) int { return strings.Compare(a.label, b.label) })
+		slices.SortFunc(f.samples, func(a, b sample) int { return strings.Compare(a.label+a.more, b.label+b.more) })
 		fmt.Fprintf(&b, "# HELP %s %s\n# TYPE %s %s\n", f.name, helpEscaper.Replace(f.help), f.name, f.kind)
 		for _, s := range f.samples {
-			fmt.Fprintf(&b, "%s{%s=\"%s\"} %s\n", f.name, f.label, labelEscaper.Replace(s.label), formatValue(s.value))
+			fmt.Fprintf(&b, "%s{%s=\"%s\"%s} %s\n", f.name, f.label, labelEscaper.Replace(s.label), s.more, formatValue(s.value))
 		}
 	}
 	_, err := io.WriteString(w, b.String())

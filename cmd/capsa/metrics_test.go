@@ -29,12 +29,41 @@ func parseExposition(t *testing.T, text string) map[string]*dto.MetricFamily {
 	return fams
 }
 
+// TestExpositionMoreLabels: a family's samples may carry further labels
+// (the flows' kind, verdict and rule), escaped, each series its own.
+func TestExpositionMoreLabels(t *testing.T) {
+	rule := `allow "a\b"`
+	fams := []family{{name: "f_total", help: "Flows.", kind: "counter", label: "sandbox", samples: []sample{
+		{label: "s", value: 3, more: `,kind="tcp",rule="` + labelEscaper.Replace(rule) + `"`},
+		{label: "s", value: 1, more: `,kind="dns",rule="public-only"`},
+	}}}
+	var b strings.Builder
+	if err := writeExposition(&b, fams); err != nil {
+		t.Fatal(err)
+	}
+	f := parseExposition(t, b.String())["f_total"]
+	if f == nil || len(f.Metric) != 2 {
+		t.Fatalf("f_total = %v; want two series", f)
+	}
+	got := map[string]float64{}
+	for _, m := range f.Metric {
+		l := map[string]string{}
+		for _, p := range m.GetLabel() {
+			l[p.GetName()] = p.GetValue()
+		}
+		got[l["sandbox"]+"|"+l["kind"]+"|"+l["rule"]] = m.GetCounter().GetValue()
+	}
+	if got["s|tcp|"+rule] != 3 || got["s|dns|public-only"] != 1 {
+		t.Errorf("series %v; want s|tcp|%s 3 and s|dns|public-only 1", got, rule)
+	}
+}
+
 func TestWriteExposition(t *testing.T) {
 	fams := []family{
 		{name: "x_total", help: "A \\ help\nover two lines.", kind: "counter", label: "sandbox",
-			samples: []sample{{`b "quoted" \ name` + "\n", 2}, {"a", 1.5e20}}},
+			samples: []sample{{label: `b "quoted" \ name` + "\n", value: 2}, {label: "a", value: 1.5e20}}},
 		{name: "y", help: "Odd values.", kind: "gauge", label: "state",
-			samples: []sample{{"inf", math.Inf(1)}, {"minf", math.Inf(-1)}, {"nan", math.NaN()}, {"small", 1e-7}}},
+			samples: []sample{{label: "inf", value: math.Inf(1)}, {label: "minf", value: math.Inf(-1)}, {label: "nan", value: math.NaN()}, {label: "small", value: 1e-7}}},
 		{name: "empty", help: "No samples.", kind: "gauge", label: "sandbox"},
 	}
 	var b strings.Builder

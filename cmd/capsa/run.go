@@ -40,6 +40,8 @@ func runCreate(ctx context.Context, args []string, stdout, stderr io.Writer) int
 func runOrCreate(ctx context.Context, cmdName string, args []string, stdout, stderr io.Writer) int {
 	fs := newFlags(cmdName, "[flags] -- CMD [ARGS...]", stdout)
 	cpus := fs.Int("cpus", 1, "number of vCPUs")
+	limits := fs.StringArray("limit", nil, "I/O limits, KEY=RATE[:BURST] comma separated (repeatable): net, net-rx, net-tx (bytes a second: 10MB, 512KiB), net-pps, net-rx-pps, net-tx-pps, disk (each disk, the image's root included), disk-iops, share (each share); see capsa update")
+	cpuQuota := fs.Float64("cpu-quota", 0, "the most host CPUs the sandbox may use, vCPUs and the VMM's own threads together (e.g. 0.5, 2); default: --cpus")
 	memory := fs.String("memory", "512M", "guest memory (e.g. 512M, 2G)")
 	env := fs.StringArrayP("env", "e", nil, "set K=V in the command's environment (repeatable)")
 	dir := fs.StringP("workdir", "w", "", "working directory in the guest")
@@ -137,6 +139,9 @@ func runOrCreate(ctx context.Context, cmdName string, args []string, stdout, std
 	if *cpus < 1 || *cpus > vmm.MaxCPUs {
 		return fail("--cpus %d: must be between 1 and %d", *cpus, vmm.MaxCPUs)
 	}
+	if fs.Changed("cpu-quota") && !(*cpuQuota >= 0.01 && *cpuQuota <= sandbox.MaxCPUQuota) {
+		return fail("--cpu-quota %g: must be between 0.01 and %d CPUs", *cpuQuota, sandbox.MaxCPUQuota)
+	}
 	mem, err := parseSize(*memory)
 	if err != nil {
 		return fail("--memory: %v", err)
@@ -164,6 +169,12 @@ func runOrCreate(ctx context.Context, cmdName string, args []string, stdout, std
 		*env = append([]string{"TERM=" + termName()}, *env...)
 	}
 	b := sandbox.New().CPUs(*cpus).Memory(int(mem >> 20)).Env(*env...).Watchdog(*watchdog)
+	if fs.Changed("cpu-quota") {
+		b.CPUQuota(*cpuQuota)
+	}
+	for _, l := range *limits {
+		b.LimitString(l)
+	}
 	switch {
 	case *netMode != "none":
 		policy, err := netstack.ParsePolicy(*netMode, *allow, *deny)
@@ -183,7 +194,7 @@ func runOrCreate(ctx context.Context, cmdName string, args []string, stdout, std
 	if secrets.used() {
 		switch {
 		case *netMode == "none":
-			return fail("--secret, --tls-intercept and the other secret flags need a network: add --net")
+			return fail("--secret, --tls-intercept, --net-log and the other secret flags need a network: add --net")
 		case *detach && *secrets.netLog != "":
 			return fail("--net-log and -d do not go together: see capsa logs --net")
 		}
@@ -286,7 +297,7 @@ func runOrCreate(ctx context.Context, cmdName string, args []string, stdout, std
 	if !*noConfine {
 		read, write := sb.HostPaths()
 		c := confine.Config{Read: read, Write: write, Terminal: term != nil, Name: "run",
-			MemoryBytes: int64(mem) + supervisor.VMMOverhead, User: jailAs}
+			MemoryBytes: int64(mem) + supervisor.VMMOverhead, CPUs: sandbox.Spec{CPUs: *cpus, CPUQuota: *cpuQuota}.EffectiveCPUQuota(), User: jailAs}
 		if jailTmp != "" {
 			c.Own = []string{jailTmp}
 		}

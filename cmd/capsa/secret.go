@@ -27,7 +27,7 @@ func addSecretFlags(fs *pflag.FlagSet) *secretFlags {
 		body:        fs.StringArray("secret-body", nil, "substitute secret NAME in request bodies too, not only in URLs and headers (repeatable)"),
 		intercept:   fs.StringArray("tls-intercept", nil, "intercept HTTPS to DOMAIN or *.DOMAIN (beside every secret's hosts): the guest trusts a CA of the sandbox's own, requests are audited (repeatable)"),
 		upstreamCAs: fs.StringArray("tls-upstream-ca", nil, "with interception, trust this PEM file's CAs for the real servers too, beside the host's (repeatable)"),
-		netLog:      fs.String("net-log", "", "write the audit log of intercepted requests to this file, a JSON line each (detached sandboxes: capsa logs --net)"),
+		netLog:      fs.String("net-log", "", "write the network's audit log to this file, a JSON line each: DNS queries, connections and flows opened, refused and closed, intercepted requests (detached sandboxes: capsa logs --net)"),
 	}
 }
 

@@ -19,6 +19,9 @@ import (
 type statsRow struct {
 	Name       string  `json:"name"`
 	CPUPercent float64 `json:"cpu_percent"`
+	// VMMCPUPercent is the VMM's own threads' (I/O, NAT), beside the
+	// vCPUs'.
+	VMMCPUPercent float64 `json:"vmm_cpu_percent"`
 	*sandbox.Stats
 	Err string `json:"error,omitempty"`
 }
@@ -92,6 +95,7 @@ func runStats(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 				delete(prev, n)
 			} else {
 				row.CPUPercent = sandbox.CPUPercent(prev[n], row.Stats)
+				row.VMMCPUPercent = sandbox.VMMCPUPercent(prev[n], row.Stats)
 				prev[n] = row.Stats
 			}
 			rows = append(rows, row)
@@ -177,7 +181,7 @@ func printStats(w io.Writer, rows []statsRow, format string, clear bool) int {
 		fmt.Fprint(w, "\033[2J\033[H")
 	}
 	tw := tabwriter.NewWriter(w, 0, 8, 2, ' ', 0)
-	fmt.Fprintln(tw, "NAME\tCPU %\tMEM USAGE / LIMIT\tMEM %\tNET I/O\tBLOCK I/O\tUPTIME")
+	fmt.Fprintln(tw, "NAME\tCPU %\tVMM CPU %\tMEM USAGE / LIMIT\tMEM %\tNET I/O\tBLOCK I/O\tUPTIME")
 	for _, r := range rows {
 		if r.Err != "" {
 			fmt.Fprintf(tw, "%s\t%s\n", r.Name, r.Err)
@@ -188,7 +192,7 @@ func printStats(w io.Writer, rows []statsRow, format string, clear bool) int {
 		if s.MemoryBytes > 0 {
 			memPct = 100 * float64(s.MemoryResident) / float64(s.MemoryBytes)
 		}
-		fmt.Fprintf(tw, "%s\t%.1f%%\t%s / %s\t%.1f%%\t%s / %s\t%s / %s\t%s\n", r.Name, r.CPUPercent,
+		fmt.Fprintf(tw, "%s\t%.1f%%\t%.1f%%\t%s / %s\t%.1f%%\t%s / %s\t%s / %s\t%s\n", r.Name, r.CPUPercent, r.VMMCPUPercent,
 			humanBytes(s.MemoryResident), humanBytes(s.MemoryBytes), memPct,
 			humanBytes(s.NetRxBytes), humanBytes(s.NetTxBytes),
 			humanBytes(s.DiskReadBytes), humanBytes(s.DiskWriteBytes), s.Uptime.Round(time.Second))

@@ -179,7 +179,9 @@ func hostHasLSM(name string) bool {
 // controllers to the test's cgroup's children, the confined VMM process
 // pid must be in a cgroup of its own (capsa-NAME-PID) whose memory.max is
 // its guest's memory (memMiB) plus supervisor.VMMOverhead and whose
-// pids.max is confine.DefaultPids, as docs/security.md says.
+// pids.max is confine.DefaultPids, and, where the cpu controller is
+// delegated too, whose cpu.max is one CPU (its one vCPU), as
+// docs/security.md says.
 func checkCgroup(t *testing.T, l *confine.Layers, pid, memMiB int) {
 	t.Helper()
 	ctl, err := os.ReadFile("/sys/fs/cgroup/cgroup.subtree_control")
@@ -200,10 +202,14 @@ func checkCgroup(t *testing.T, l *confine.Layers, pid, memMiB int) {
 		t.Errorf("the VMM %d is in cgroup %q; want one of its own, capsa-NAME-%d", pid, rel, pid)
 	}
 	dir := filepath.Join("/sys/fs/cgroup", rel)
-	for file, want := range map[string]string{
+	want := map[string]string{
 		"memory.max": strconv.FormatInt(int64(memMiB)<<20+supervisor.VMMOverhead, 10),
 		"pids.max":   strconv.Itoa(confine.DefaultPids),
-	} {
+	}
+	if slices.Contains(strings.Fields(string(ctl)), "cpu") {
+		want["cpu.max"] = "100000 100000" // one vCPU: one CPU's time
+	}
+	for file, want := range want {
 		if b, err := os.ReadFile(filepath.Join(dir, file)); err != nil || strings.TrimSpace(string(b)) != want {
 			t.Errorf("the VMM's cgroup's %s = %q, %v; want %s", file, b, err, want)
 		}

@@ -68,6 +68,12 @@ func netBenchClient(job string) error {
 	if len(f) == 4 && f[0] == "get" {
 		return netGets(f[1], f[2], f[3])
 	}
+	if len(f) >= 2 && (f[0] == "lookup" || f[0] == "dial" || f[0] == "udp") {
+		return netProbe(f)
+	}
+	if len(f) >= 2 && (f[0] == "rate" || f[0] == "diskwrite") {
+		return rateProbe(f)
+	}
 	if len(f) != 3 && !(len(f) == 2 && f[0] == "recv") {
 		return fmt.Errorf("%s=%q: bad job", netBenchEnv, job)
 	}
@@ -115,6 +121,92 @@ func netBenchClient(job string) error {
 		return nil
 	}
 	return fmt.Errorf("%s=%q: bad job", netBenchEnv, job)
+}
+
+// netProbe does one of the egress audit test's steps and prints what
+// came of it (its exit is 0 whatever that was): "lookup NAME" resolves
+// NAME, "dial ADDR" opens and closes a TCP connection, "udp ADDR MSG"
+// sends MSG and waits 10 s for a reply.
+func netProbe(f []string) error {
+	switch {
+	case f[0] == "lookup" && len(f) == 2:
+		addrs, err := net.LookupHost(f[1])
+		if err != nil {
+			fmt.Println("lookup failed:", err)
+			return nil
+		}
+		fmt.Println("addresses:", strings.Join(addrs, " "))
+	case f[0] == "dial" && len(f) == 2:
+		c, err := net.DialTimeout("tcp", f[1], 20*time.Second)
+		if err != nil {
+			fmt.Println("dial failed:", err)
+			return nil
+		}
+		c.Close()
+		fmt.Println("connected")
+	case f[0] == "udp" && len(f) == 3:
+		c, err := net.Dial("udp", f[1])
+		if err != nil {
+			return err
+		}
+		defer c.Close()
+		if _, err := c.Write([]byte(f[2])); err != nil {
+			return err
+		}
+		c.SetReadDeadline(time.Now().Add(10 * time.Second))
+		buf := make([]byte, 1500)
+		n, err := c.Read(buf)
+		if err != nil {
+			fmt.Println("no reply:", err)
+			return nil
+		}
+		fmt.Printf("reply: %s\n", buf[:n])
+	default:
+		return fmt.Errorf("%s=%q: bad job", netBenchEnv, strings.Join(f, " "))
+	}
+	return nil
+}
+
+// rateProbe measures a rate in the guest and prints "N bytes in S
+// seconds": "rate ADDR" reads a TCP connection to ADDR to its end,
+// "diskwrite PATH BYTES" writes BYTES to PATH (a disk) in 256 KiB
+// synchronous writes.
+func rateProbe(f []string) error {
+	start := time.Now()
+	var n int64
+	switch {
+	case f[0] == "rate" && len(f) == 2:
+		c, err := net.Dial("tcp", f[1])
+		if err != nil {
+			return err
+		}
+		defer c.Close()
+		if n, err = io.Copy(io.Discard, c); err != nil {
+			return err
+		}
+	case f[0] == "diskwrite" && len(f) == 3:
+		total, err := strconv.ParseInt(f[2], 10, 64)
+		if err != nil {
+			return err
+		}
+		d, err := os.OpenFile(f[1], os.O_WRONLY|os.O_SYNC, 0)
+		if err != nil {
+			return err
+		}
+		defer d.Close()
+		buf := make([]byte, 256<<10)
+		for n < total {
+			k, err := d.Write(buf[:min(int64(len(buf)), total-n)])
+			if err != nil {
+				return err
+			}
+			n += int64(k)
+		}
+	default:
+		return fmt.Errorf("%s=%q: bad job", netBenchEnv, strings.Join(f, " "))
+	}
+	fmt.Printf("%d bytes in %.3f seconds\n", n, time.Since(start).Seconds())
+	return nil
 }
 
 // netGets makes n GETs of url, each on a new connection, from workers

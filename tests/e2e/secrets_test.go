@@ -411,11 +411,22 @@ func TestSecrets(t *testing.T) {
 	if log := serverLog(t, logPath); !strings.HasSuffix(log, "api.example.test /v1/cli Bearer "+value+"\n") {
 		t.Errorf("from the detached sandbox the server got:\n%s", log)
 	}
+	// The audit log: the NAT's flows (DNS, the connection) and the one
+	// intercepted request.
 	r = capsaWith(t, time.Minute, env, "logs", "--net", "sec")
-	var rec tlsproxy.Record
-	if err := json.Unmarshal([]byte(r.stdout), &rec); r.code != 0 || err != nil || rec.Path != "/v1/cli" || rec.Status != 200 ||
-		len(rec.Substituted) != 1 || rec.Substituted[0] != "API_KEY" {
-		t.Errorf("capsa logs --net sec: exit %d %q %s (%v)", r.code, r.stdout, r.stderr, err)
+	var reqs []tlsproxy.Record
+	for line := range strings.Lines(r.stdout) {
+		var rec tlsproxy.Record
+		if err := json.Unmarshal([]byte(line), &rec); err != nil {
+			t.Errorf("capsa logs --net sec: %q is not JSON: %v", line, err)
+		}
+		if rec.Kind == "http" {
+			reqs = append(reqs, rec)
+		}
+	}
+	if r.code != 0 || len(reqs) != 1 || reqs[0].Path != "/v1/cli" || reqs[0].Status != 200 ||
+		len(reqs[0].Substituted) != 1 || reqs[0].Substituted[0] != "API_KEY" {
+		t.Errorf("capsa logs --net sec: exit %d %q %s; want one intercepted request, /v1/cli, API_KEY substituted", r.code, r.stdout, r.stderr)
 	}
 	if files := treeHolds(t, state, []byte(value), "secrets.json"); len(files) != 0 {
 		t.Errorf("the state directory's %v hold the value", files)

@@ -307,12 +307,12 @@ mount -t devtmpfs devtmpfs /dev
 mkdir -p /dev/pts
 mount -t devpts -o ptmxmode=0666 devpts /dev/pts
 mount -t tmpfs tmpfs /tmp
-# cgroup v2 with the memory and pids controllers given to the root's
+# cgroup v2 with the memory, pids and cpu controllers given to the root's
 # children, as a systemd host delegates them: a VMM's confinement joins
 # a cgroup of its own here, so the tests exercise that layer.
 mkdir -p /sys/fs/cgroup
-mount -t cgroup2 cgroup2 /sys/fs/cgroup && echo "+memory +pids" >/sys/fs/cgroup/cgroup.subtree_control ||
-	echo "nested: no cgroup v2 with memory and pids controllers" >/dev/ttyS1
+mount -t cgroup2 cgroup2 /sys/fs/cgroup && echo "+memory +pids +cpu" >/sys/fs/cgroup/cgroup.subtree_control ||
+	echo "nested: no cgroup v2 with memory, pids and cpu controllers" >/dev/ttyS1
 ip link set lo up
 stty -F /dev/ttyS1 raw -echo
 exec 3>/dev/ttyS1

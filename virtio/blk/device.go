@@ -97,6 +97,9 @@ type Options struct {
 	// ID is the serial the guest reads with GET_ID (at most 20 bytes;
 	// Linux shows it as /sys/block/vdX/serial).
 	ID string
+	// Limit, when not nil, is waited on before each request: one
+	// operation, and the bytes it reads or writes.
+	Limit virtio.Limiter
 }
 
 // Stats counts the requests the device served.
@@ -116,6 +119,7 @@ type Device struct {
 	sectors  uint64
 	readOnly bool
 	id       [idLen]byte
+	limit    virtio.Limiter // nil: none
 	log      *slog.Logger
 
 	mu      sync.Mutex
@@ -200,7 +204,7 @@ func New(f *os.File, opts Options, log *slog.Logger) (*Device, error) {
 	}
 	d := &Device{
 		f: f, fd: int(f.Fd()), sectors: uint64(fi.Size()) / SectorSize, readOnly: opts.ReadOnly,
-		log: log.With("dev", "blk", "disk", f.Name()),
+		limit: opts.Limit, log: log.With("dev", "blk", "disk", f.Name()),
 	}
 	copy(d.id[:], opts.ID)
 	if fi.Size()%SectorSize != 0 {
@@ -355,6 +359,12 @@ func (d *Device) worker(r *run) {
 			}
 			if c == nil {
 				break
+			}
+			if d.limit != nil {
+				// The data's length: what the guest writes after the
+				// header, what it reads before the status byte.
+				n := max(c.ReadableLen()-hdrLen, 0) + max(c.WritableLen()-1, 0)
+				d.limit.Wait(r.stop, 1, n)
 			}
 			d.serve(r, c)
 			d.mu.Lock()

@@ -65,6 +65,7 @@ const (
 	txattrwalk   = 30
 	txattrcreate = 32
 	tread        = 116
+	twrite       = 118
 	treaddir     = 40
 	tclunk       = 120
 	tremove      = 122
@@ -87,6 +88,10 @@ type Options struct {
 	// they reach the server (the p9 server buffers their values itself;
 	// the file server refuses every other mutation of a read-only share).
 	ReadOnly bool
+	// Limit, when not nil, is waited on before the server gets each
+	// request: one operation, and the bytes a Tread asks for or a Twrite
+	// carries.
+	Limit virtio.Limiter
 }
 
 // Device is a virtio-9p device serving one p9.Attacher under a mount tag.
@@ -811,6 +816,9 @@ func (r *requestStream) Read(p []byte) (int, error) {
 		select {
 		case m := <-r.s.requests:
 			r.cur = m
+			if lim := r.s.dev.opts.Limit; lim != nil {
+				lim.Wait(r.s.done, 1, ioBytes(m))
+			}
 		case <-r.s.done:
 			return 0, io.EOF
 		}
@@ -821,6 +829,15 @@ func (r *requestStream) Read(p []byte) (int, error) {
 }
 
 func (r *requestStream) Close() error { r.s.close(); return nil }
+
+// ioBytes is the data a request moves: a Tread's or Twrite's count
+// (fid[4] offset[8] count[4], checked when admitted), 0 for the rest.
+func ioBytes(m []byte) int {
+	if t := m[4]; (t == tread || t == twrite) && len(m) >= headerLen+16 {
+		return int(binary.LittleEndian.Uint32(m[headerLen+12:]))
+	}
+	return 0
+}
 
 // replyStream is the server's output. The server writes each reply whole
 // (under its send lock) but in several pieces, so pieces are gathered

@@ -8,10 +8,7 @@ import (
 	"testing"
 )
 
-const (
-	tgetattr = 24
-	twrite   = 118
-)
+const tgetattr = 24
 
 // TestStateCarriesOpenFiles: a session's fids, saved and restored on a
 // new device over the same share, are the same files: the root fid walks,
