@@ -101,7 +101,7 @@ test-unit: deps
 # Fuzzing runs on Go 1.27.1 (fetched through the module proxy): Go 1.26's
 # fuzz coordinator can fail a target with a bare "context deadline exceeded"
 # when -fuzztime runs out (golang/go#75804, fixed in 1.27), which it did here.
-FUZZTIME ?= 10s
+FUZZTIME ?= 5s
 FUZZ_GO ?= GOTOOLCHAIN=go1.27.1 $(GO)
 fuzz: deps
 	@set -e; for f in $$(grep -rl --include='*_test.go' '^func Fuzz' --exclude-dir=initramfs .); do \

@@ -83,9 +83,11 @@ func NewPool(dir string, size int, o RestoreOptions) (*Pool, error) {
 	if size < 1 {
 		return nil, fmt.Errorf("sandbox: pool of %d: want at least 1", size)
 	}
-	if _, err := snapshot.Open(dir); err != nil {
+	snap, err := snapshot.Open(dir)
+	if err != nil {
 		return nil, fmt.Errorf("sandbox: pool: %w", err)
 	}
+	snap.Close()
 	p := &Pool{dir: dir, o: o, ready: make(chan *Sandbox, size), errc: make(chan error, 1),
 		stop: make(chan struct{}), done: make(chan struct{})}
 	go p.fill()

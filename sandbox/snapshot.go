@@ -9,7 +9,6 @@ import (
 	"io"
 	"log/slog"
 	"os"
-	"path/filepath"
 	"slices"
 	"time"
 
@@ -141,6 +140,7 @@ func Restore(ctx context.Context, dir string, o RestoreOptions) (*Sandbox, error
 	if err != nil {
 		return nil, fmt.Errorf("sandbox: restore: %w", err)
 	}
+	defer snap.Close() // the memory stays mapped, the root disk copied
 	var spec Spec
 	if err := json.Unmarshal(snap.Manifest.Spec, &spec); err != nil {
 		return nil, fmt.Errorf("sandbox: restore: snapshot %s: spec: %w", dir, err)
@@ -178,7 +178,13 @@ func Restore(ctx context.Context, dir string, o RestoreOptions) (*Sandbox, error
 	w := FromSpec(spec).Secrets(o.Secrets).NetAudit(o.NetAudit)
 	w.c.log, w.c.console = o.Logger, o.Console
 	if n := spec.Network; n != nil && (len(n.Intercept) > 0 || len(n.Secrets) > 0) {
-		b, err := os.ReadFile(filepath.Join(dir, snapshotCAFile))
+		var b []byte
+		f := snap.File(snapshotCAFile)
+		if f == nil {
+			err = errors.New("not in the snapshot")
+		} else {
+			b, err = io.ReadAll(io.NewSectionReader(f, 0, 1<<20))
+		}
 		if err == nil {
 			w.c.ca, err = tlsproxy.ParseCA(b)
 		}
@@ -194,7 +200,7 @@ func Restore(ctx context.Context, dir string, o RestoreOptions) (*Sandbox, error
 	}
 	var root *rootfs
 	if spec.Image != nil {
-		if root, err = restoreRootfs(w.c, dir, snap.Manifest.ImageDigest); err != nil {
+		if root, err = restoreRootfs(w.c, snap); err != nil {
 			return nil, fmt.Errorf("sandbox: restore: %w", err)
 		}
 	}
@@ -221,7 +227,8 @@ func Restore(ctx context.Context, dir string, o RestoreOptions) (*Sandbox, error
 
 // restoreRootfs gives a restored image sandbox the snapshot's image, from
 // the image store, and a copy of its writable root disk of its own.
-func restoreRootfs(c config, dir, digest string) (*rootfs, error) {
+func restoreRootfs(c config, snap *snapshot.Snapshot) (*rootfs, error) {
+	digest := snap.Manifest.ImageDigest
 	store, err := openImageStore(c)
 	if err != nil {
 		return nil, err
@@ -231,7 +238,7 @@ func restoreRootfs(c config, dir, digest string) (*rootfs, error) {
 		return nil, fmt.Errorf("the snapshot's image %s (%s): %w", c.Image.Ref, digest, err)
 	}
 	return newRootfs(c, store, img, func(path string) error {
-		return snapshot.CloneFile(filepath.Join(dir, snapshot.RootDiskFile), path)
+		return snapshot.CloneFrom(snap.File(snapshot.RootDiskFile), path)
 	})
 }
 

@@ -14,12 +14,18 @@ import (
 // btrfs, XFS and others) where it can, otherwise a copy of src's data
 // segments that leaves its holes as holes (SEEK_DATA, SEEK_HOLE), so a
 // sparse disk stays sparse.
-func CloneFile(src, dst string) (err error) {
+func CloneFile(src, dst string) error {
 	in, err := os.Open(src)
 	if err != nil {
 		return err
 	}
 	defer in.Close()
+	return CloneFrom(in, dst)
+}
+
+// CloneFrom is CloneFile from a file already open (a Snapshot's File).
+func CloneFrom(in *os.File, dst string) (err error) {
+	src := in.Name()
 	out, err := os.OpenFile(dst, os.O_CREATE|os.O_EXCL|os.O_WRONLY, 0o600)
 	if err != nil {
 		return err

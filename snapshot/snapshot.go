@@ -7,7 +7,14 @@
 //
 // Everything read back is untrusted: the manifest and state are size-
 // bounded, checksummed and decoded strictly, and vmm.Restore checks the
-// state again as it checks a guest. Firecracker's snapshot files (a
+// state again as it checks a guest. Open opens every file once, never
+// through a symbolic link, checks it with fstat (a regular file of the
+// size the manifest says, owned by the user restoring and writable by no
+// one else) and hands out that descriptor: a file swapped after Open, or
+// a FIFO, is never read. The checksums (manifest.sha256 for the manifest,
+// the manifest's for the rest) find damage, not forgery: whoever can
+// write a snapshot can write its checksums too, which is why everything
+// is checked as untrusted anyway. Firecracker's snapshot files (a
 // versioned state beside a memory file mapped on restore) are the model.
 package snapshot
 
@@ -17,7 +24,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"github.com/capsa-sandbox/capsa/internal/strictjson"
 	"hash"
 	"hash/crc32"
 	"io"
@@ -27,21 +33,26 @@ import (
 	"strings"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/capsa-sandbox/capsa/guestmem"
+	"github.com/capsa-sandbox/capsa/internal/strictjson"
 	"github.com/capsa-sandbox/capsa/vmm"
 )
 
 // Format and Version name the layout this package writes and reads.
 const (
 	Format  = "capsa-snapshot"
-	Version = 1
+	Version = 2 // 2: manifest.sha256
 )
 
 // The files of a snapshot directory.
 const (
 	ManifestFile = "manifest.json"
-	StateFile    = "state.json"
-	MemoryFile   = "memory"
+	// ManifestSumFile holds the manifest's SHA-256, in hex.
+	ManifestSumFile = "manifest.sha256"
+	StateFile       = "state.json"
+	MemoryFile      = "memory"
 	// RootDiskFile is an image sandbox's writable root disk.
 	RootDiskFile = "rootfs.ext4"
 )
@@ -85,11 +96,26 @@ type File struct {
 	CRC32C string `json:"crc32c,omitempty"`
 }
 
-// Snapshot is a snapshot read back by Open.
+// Snapshot is a snapshot read back by Open, holding its files open.
 type Snapshot struct {
 	Dir      string
 	Manifest Manifest
 	State    *vmm.State
+	files    map[string]*os.File // every file the manifest names, opened and checked once
+}
+
+// File is the snapshot's file name as Open opened and checked it (nil
+// if the manifest names none): read it through this, never by its path.
+func (s *Snapshot) File(name string) *os.File { return s.files[name] }
+
+// Close closes the snapshot's files (a memory mapped from one stays).
+func (s *Snapshot) Close() error {
+	var errs []error
+	for _, f := range s.files {
+		errs = append(errs, f.Close())
+	}
+	s.files = nil
+	return errors.Join(errs...)
 }
 
 // Extra writes one more file of the snapshot at path (a root disk's
@@ -157,7 +183,12 @@ func Write(dir string, m Manifest, st *vmm.State, mem *guestmem.Memory, extra ma
 	if err != nil {
 		return fmt.Errorf("snapshot: manifest: %w", err)
 	}
-	if err := os.WriteFile(filepath.Join(tmp, ManifestFile), append(mb, '\n'), 0o600); err != nil {
+	mb = append(mb, '\n')
+	if err := os.WriteFile(filepath.Join(tmp, ManifestFile), mb, 0o600); err != nil {
+		return fmt.Errorf("snapshot: %w", err)
+	}
+	msum := sha256.Sum256(mb)
+	if err := os.WriteFile(filepath.Join(tmp, ManifestSumFile), []byte(hex.EncodeToString(msum[:])+"\n"), 0o600); err != nil {
 		return fmt.Errorf("snapshot: %w", err)
 	}
 	if err := os.Rename(tmp, dir); err != nil {
@@ -179,41 +210,119 @@ func capsaVersion() string {
 }
 
 // Open reads the snapshot in dir: its manifest and state, checked against
-// their sizes and checksums and decoded strictly, and the presence and
-// size of every file the manifest names. The memory's own checksum is
-// left to Verify (it reads every page).
-func Open(dir string) (*Snapshot, error) {
-	mb, err := readBounded(filepath.Join(dir, ManifestFile), maxManifest)
-	if err != nil {
-		return nil, fmt.Errorf("snapshot %s: %w", dir, err)
-	}
-	s := &Snapshot{Dir: dir}
-	if err := ParseManifest(mb, &s.Manifest); err != nil {
-		return nil, fmt.Errorf("snapshot %s: %w", dir, err)
-	}
-	for name, f := range s.Manifest.Files {
-		fi, err := os.Lstat(filepath.Join(dir, name))
+// their sizes and checksums and decoded strictly, and every file the
+// manifest names, each opened once (never through a symbolic link) and
+// checked (see the package doc). The memory's own checksum is left to
+// Verify (it reads every page). Close the snapshot when done.
+func Open(dir string) (_ *Snapshot, err error) {
+	s := &Snapshot{Dir: dir, files: map[string]*os.File{}}
+	defer func() {
 		if err != nil {
-			return nil, fmt.Errorf("snapshot %s: %w", dir, err)
+			s.Close()
+			err = fmt.Errorf("snapshot %s: %w", dir, err)
 		}
-		if !fi.Mode().IsRegular() || fi.Size() != f.Size {
-			return nil, fmt.Errorf("snapshot %s: %s is %d bytes (%v), the manifest says %d: truncated or replaced", dir, name, fi.Size(), fi.Mode().Type(), f.Size)
+	}()
+	d, err := openChecked(unix.AT_FDCWD, dir, true)
+	if err != nil {
+		return nil, err
+	}
+	defer d.Close()
+	dfd := int(d.Fd())
+	mf, err := openChecked(dfd, ManifestFile, false)
+	if err != nil {
+		return nil, err
+	}
+	mb, err := readBounded(mf, maxManifest)
+	mf.Close()
+	if err != nil {
+		return nil, err
+	}
+	sf, err := openChecked(dfd, ManifestSumFile, false)
+	if err != nil {
+		return nil, err
+	}
+	sum, err := readBounded(sf, 128)
+	sf.Close()
+	if err != nil {
+		return nil, err
+	}
+	if ms := sha256.Sum256(mb); strings.TrimSpace(string(sum)) != hex.EncodeToString(ms[:]) {
+		return nil, fmt.Errorf("%s does not match %s: corrupted", ManifestFile, ManifestSumFile)
+	}
+	if err := ParseManifest(mb, &s.Manifest); err != nil {
+		return nil, err
+	}
+	for name, want := range s.Manifest.Files {
+		f, err := openChecked(dfd, name, false)
+		if err != nil {
+			return nil, err
+		}
+		s.files[name] = f
+		if fi, err := f.Stat(); err != nil || fi.Size() != want.Size {
+			return nil, fmt.Errorf("%s is %d bytes, the manifest says %d: truncated or replaced (%v)", name, fi.Size(), want.Size, err)
 		}
 	}
-	sb, err := readBounded(filepath.Join(dir, StateFile), maxState)
+	sb, err := readBounded(s.files[StateFile], maxState)
 	if err != nil {
-		return nil, fmt.Errorf("snapshot %s: %w", dir, err)
+		return nil, err
 	}
 	if sum := sha256.Sum256(sb); hex.EncodeToString(sum[:]) != s.Manifest.Files[StateFile].SHA256 {
-		return nil, fmt.Errorf("snapshot %s: %s does not match its checksum: corrupted", dir, StateFile)
+		return nil, fmt.Errorf("%s does not match its checksum: corrupted", StateFile)
 	}
 	if s.State, err = ParseState(sb); err != nil {
-		return nil, fmt.Errorf("snapshot %s: %w", dir, err)
+		return nil, err
 	}
 	if s.State.CPUs != s.Manifest.CPUs || s.State.MemoryBytes != s.Manifest.MemoryBytes {
-		return nil, fmt.Errorf("snapshot %s: the state is of %d vCPUs and %d bytes, the manifest says %d and %d", dir, s.State.CPUs, s.State.MemoryBytes, s.Manifest.CPUs, s.Manifest.MemoryBytes)
+		return nil, fmt.Errorf("the state is of %d vCPUs and %d bytes, the manifest says %d and %d", s.State.CPUs, s.State.MemoryBytes, s.Manifest.CPUs, s.Manifest.MemoryBytes)
 	}
 	return s, nil
+}
+
+// openChecked opens name beneath the directory dirfd (AT_FDCWD: from the
+// working directory), never following a symbolic link in its last
+// component and never blocking (a FIFO), and checks what it got: a
+// directory (dir) or a regular file, owned by the user opening it (root
+// may open anyone's: a fork's snapshot is its jailed supervisor's) and
+// writable by no other.
+func openChecked(dirfd int, name string, dir bool) (*os.File, error) {
+	flags := unix.O_RDONLY | unix.O_NOFOLLOW | unix.O_NONBLOCK | unix.O_CLOEXEC
+	if dir {
+		flags |= unix.O_DIRECTORY
+	}
+	fd, err := unix.Openat(dirfd, name, flags, 0)
+	if err != nil {
+		switch {
+		case errors.Is(err, unix.ELOOP):
+			return nil, fmt.Errorf("%s is a symbolic link: refused", name)
+		case dir && errors.Is(err, unix.ENOTDIR):
+			return nil, fmt.Errorf("%s is a symbolic link, or not a directory: refused", name)
+		}
+		return nil, fmt.Errorf("open %s: %w", name, err)
+	}
+	f := os.NewFile(uintptr(fd), name)
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		f.Close()
+		return nil, fmt.Errorf("stat %s: %w", name, err)
+	}
+	typ := uint32(unix.S_IFREG)
+	if dir {
+		typ = unix.S_IFDIR
+	}
+	euid := os.Geteuid()
+	switch {
+	case st.Mode&unix.S_IFMT != typ:
+		err = fmt.Errorf("%s is not a regular %s: refused", name, map[bool]string{true: "directory", false: "file"}[dir])
+	case euid != 0 && int(st.Uid) != euid:
+		err = fmt.Errorf("%s belongs to user %d, not to the user restoring it (%d): refused", name, st.Uid, euid)
+	case st.Mode&0o022 != 0:
+		err = fmt.Errorf("%s is writable by others (mode %04o): refused", name, st.Mode&0o7777)
+	}
+	if err != nil {
+		f.Close()
+		return nil, err
+	}
+	return f, nil
 }
 
 // ParseManifest decodes and checks a manifest.
@@ -239,7 +348,7 @@ func ParseManifest(b []byte, m *Manifest) error {
 		}
 	}
 	for name, f := range m.Files {
-		if !validName(name) || name == ManifestFile || f.Size < 0 {
+		if !validName(name) || name == ManifestFile || name == ManifestSumFile || f.Size < 0 {
 			return fmt.Errorf("manifest: file %q of %d bytes", name, f.Size)
 		}
 	}
@@ -264,18 +373,14 @@ func ParseState(b []byte) (*vmm.State, error) {
 	return &st, nil
 }
 
-func readBounded(path string, limit int64) ([]byte, error) {
-	f, err := os.Open(path)
-	if err != nil {
-		return nil, err
-	}
-	defer f.Close()
-	b, err := io.ReadAll(io.LimitReader(f, limit+1))
+// readBounded reads f from its start, refusing more than limit bytes.
+func readBounded(f *os.File, limit int64) ([]byte, error) {
+	b, err := io.ReadAll(io.NewSectionReader(f, 0, limit+1))
 	if err != nil {
 		return nil, err
 	}
 	if int64(len(b)) > limit {
-		return nil, fmt.Errorf("%s is larger than %d bytes", filepath.Base(path), limit)
+		return nil, fmt.Errorf("%s is larger than %d bytes", filepath.Base(f.Name()), limit)
 	}
 	return b, nil
 }
@@ -283,11 +388,10 @@ func readBounded(path string, limit int64) ([]byte, error) {
 // MapMemory maps the snapshot's memory copy-on-write (guestmem.Map): every
 // sandbox restored from it shares the pages it has not written.
 func (s *Snapshot) MapMemory() (*guestmem.Memory, error) {
-	f, err := os.Open(filepath.Join(s.Dir, MemoryFile))
-	if err != nil {
-		return nil, fmt.Errorf("snapshot %s: %w", s.Dir, err)
+	f := s.files[MemoryFile]
+	if f == nil {
+		return nil, fmt.Errorf("snapshot %s: closed", s.Dir)
 	}
-	defer f.Close() // the mapping outlives the descriptor
 	m, err := guestmem.Map(f, s.Manifest.MemoryBytes)
 	if err != nil {
 		return nil, fmt.Errorf("snapshot %s: %w", s.Dir, err)
@@ -302,6 +406,7 @@ func Verify(dir string) error {
 	if err != nil {
 		return err
 	}
+	defer s.Close()
 	for name, f := range s.Manifest.Files {
 		if name == StateFile { // checked by Open
 			continue
@@ -327,13 +432,8 @@ func Verify(dir string) error {
 				return fmt.Errorf("snapshot %s: %w", dir, err)
 			}
 		} else {
-			fh, err := os.Open(filepath.Join(dir, name))
-			if err != nil {
-				return fmt.Errorf("snapshot %s: %w", dir, err)
-			}
-			_, err = io.Copy(h, fh)
-			fh.Close()
-			if err != nil {
+			fh := s.files[name]
+			if _, err := io.Copy(h, io.NewSectionReader(fh, 0, f.Size)); err != nil {
 				return fmt.Errorf("snapshot %s: %w", dir, err)
 			}
 		}

@@ -2,6 +2,8 @@ package snapshot
 
 import (
 	"bytes"
+	"crypto/sha256"
+	"encoding/hex"
 	"encoding/json"
 	"os"
 	"path/filepath"
@@ -81,6 +83,10 @@ func TestBadSnapshots(t *testing.T) {
 			fn(v)
 			b, _ = json.Marshal(v)
 			os.WriteFile(p, b, 0o600)
+			if name == ManifestFile { // its checksum follows: the parser is what is tested
+				sum := sha256.Sum256(b)
+				os.WriteFile(filepath.Join(dir, ManifestSumFile), []byte(hex.EncodeToString(sum[:])), 0o600)
+			}
 		}
 	}
 	for _, tc := range []struct {
@@ -92,6 +98,28 @@ func TestBadSnapshots(t *testing.T) {
 		{"truncated memory", func(d string) { os.Truncate(filepath.Join(d, MemoryFile), memBytes/2) }, "truncated", false},
 		{"missing memory", func(d string) { os.Remove(filepath.Join(d, MemoryFile)) }, "no such file", false},
 		{"missing manifest", func(d string) { os.Remove(filepath.Join(d, ManifestFile)) }, "no such file", false},
+		{"missing manifest checksum", func(d string) { os.Remove(filepath.Join(d, ManifestSumFile)) }, "no such file", false},
+		{"edited manifest", func(d string) {
+			p := filepath.Join(d, ManifestFile)
+			b, _ := os.ReadFile(p)
+			os.WriteFile(p, bytes.Replace(b, []byte(`"cpus": 1`), []byte(`"cpus": 2`), 1), 0o600)
+		}, "does not match manifest.sha256", false},
+		{"symlinked memory", func(d string) {
+			p := filepath.Join(d, MemoryFile)
+			os.Rename(p, p+"-real")
+			os.Symlink(p+"-real", p)
+		}, "memory is a symbolic link", false},
+		{"FIFO for memory", func(d string) {
+			p := filepath.Join(d, MemoryFile)
+			os.Remove(p)
+			syscall.Mkfifo(p, 0o600)
+		}, "memory is not a regular file", false},
+		{"memory writable by others", func(d string) { os.Chmod(filepath.Join(d, MemoryFile), 0o666) }, "memory is writable by others", false},
+		{"directory writable by others", func(d string) { os.Chmod(d, 0o777) }, "writable by others", false},
+		{"symlinked directory", func(d string) {
+			os.Rename(d, d+"-real")
+			os.Symlink(d+"-real", d)
+		}, "is a symbolic link, or not a directory", false},
 		{"corrupted state", func(d string) {
 			p := filepath.Join(d, StateFile)
 			b, _ := os.ReadFile(p)
@@ -113,7 +141,10 @@ func TestBadSnapshots(t *testing.T) {
 	} {
 		dir := writeTest(t)
 		tc.damage(dir)
-		_, err := Open(dir)
+		s, err := Open(dir)
+		if err == nil {
+			s.Close()
+		}
 		if tc.verify {
 			if err != nil {
 				t.Errorf("%s: Open() = %v, want it to pass (only Verify reads the memory)", tc.name, err)
@@ -123,6 +154,30 @@ func TestBadSnapshots(t *testing.T) {
 		if err == nil || !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("%s: error %v, want one containing %q", tc.name, err, tc.want)
 		}
+	}
+}
+
+// TestOpenReadsWhatItChecked: a file replaced after Open is not what a
+// restore reads: it goes on with the file Open checked.
+func TestOpenReadsWhatItChecked(t *testing.T) {
+	dir := writeTest(t)
+	s, err := Open(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	p := filepath.Join(dir, MemoryFile)
+	os.Rename(p, p+"-old")
+	if err := os.WriteFile(p, bytes.Repeat([]byte("X"), memBytes), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	mem, err := s.MapMemory()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer mem.Close()
+	if b, _ := mem.Slice(0x200000, 6); string(b) != "in use" {
+		t.Errorf("the memory mapped after its file was replaced: %q, want the snapshot's", b)
 	}
 }
 

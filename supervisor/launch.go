@@ -151,6 +151,7 @@ func RestoreRecord(dir, name, hostname string, rm bool) (*store.Record, error) {
 	if err != nil {
 		return nil, badSnapshot{err}
 	}
+	s.Close()
 	var spec sandbox.Spec
 	if err := json.Unmarshal(s.Manifest.Spec, &spec); err != nil {
 		return nil, badSnapshot{fmt.Errorf("snapshot %s: spec: %w", dir, err)}

@@ -64,6 +64,7 @@ func (m *Manager) Snapshots() ([]SnapshotInfo, error) {
 		if s, err := snapshot.Open(dir); err != nil {
 			info.Err = err.Error()
 		} else {
+			s.Close()
 			mf := s.Manifest
 			info.Created, info.CPUs, info.MemoryBytes = mf.Created, mf.CPUs, mf.MemoryBytes
 			var spec sandbox.Spec
@@ -95,11 +96,14 @@ func diskUsage(dir string) int64 {
 // manifest; with verify it also reads every file and checks its checksum.
 func (m *Manager) InspectSnapshot(dir string, verify bool) (*SnapshotManifest, error) {
 	s, err := snapshot.Open(dir)
-	if err == nil && verify {
-		err = snapshot.Verify(dir)
-	}
 	if err != nil {
 		return nil, err
+	}
+	s.Close()
+	if verify {
+		if err := snapshot.Verify(dir); err != nil {
+			return nil, err
+		}
 	}
 	return &s.Manifest, nil
 }

@@ -11,14 +11,17 @@ import (
 	"net"
 	"net/http"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
 	"github.com/capsa-sandbox/capsa/netstack"
 	"github.com/capsa-sandbox/capsa/sandbox"
+	"github.com/capsa-sandbox/capsa/snapshot"
 	"github.com/capsa-sandbox/capsa/volume"
 )
 
@@ -528,6 +531,7 @@ func TestSnapshotCLI(t *testing.T) {
 	if r := cli(time.Minute, "snapshot", "restore", "snap2"); r.code == 0 || !strings.Contains(r.stderr, "truncated") {
 		t.Errorf("capsa snapshot restore of a truncated snapshot = exit %d, stderr %q; want a refusal naming it", r.code, r.stderr)
 	}
+	tamperedCopies(t, cli, filepath.Join(dir, "snapshots", "snap1"))
 	if r := cli(time.Minute, "snapshot", "rm", "snap1", "snap2"); r.code != 0 {
 		t.Errorf("capsa snapshot rm = exit %d, stderr %q", r.code, r.stderr)
 	}
@@ -592,5 +596,93 @@ func TestSnapshotKeepsSharesApart(t *testing.T) {
 	}
 	if got, err := os.ReadFile(filepath.Join(vdir, "v", "data", "new")); err != nil || string(got) != "V" {
 		t.Errorf("the volume reads %q, %v from the restored guest's write", got, err)
+	}
+}
+
+// tamperedCopies restores copies of the snapshot in src that someone
+// other than the restoring user could have changed, or that point
+// elsewhere: each is refused, naming why, and none hangs.
+func tamperedCopies(t *testing.T, cli func(time.Duration, ...string) result, src string) {
+	t.Helper()
+	// A directory every user may pass through.
+	passable := func() string {
+		t.Helper()
+		d, err := os.MkdirTemp("", "capsa-e2e-")
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { os.RemoveAll(d) })
+		os.Chmod(d, 0o755)
+		return d
+	}
+	copyOf := func(mode os.FileMode) string {
+		t.Helper()
+		dst := filepath.Join(passable(), "copy")
+		if err := os.Mkdir(dst, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		entries, err := os.ReadDir(src)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, e := range entries {
+			from, to := filepath.Join(src, e.Name()), filepath.Join(dst, e.Name())
+			if e.Name() == snapshot.MemoryFile {
+				// Its size is what Open checks before any refusal
+				// here: a hole of that size, not a copy (L1's /tmp
+				// is small).
+				fi, err := os.Stat(from)
+				if err == nil {
+					err = os.WriteFile(to, nil, mode)
+				}
+				if err == nil {
+					err = os.Truncate(to, fi.Size())
+				}
+				if err != nil {
+					t.Fatal(err)
+				}
+			} else if err := snapshot.CloneFile(from, to); err != nil {
+				t.Fatal(err)
+			}
+			os.Chmod(to, mode)
+		}
+		return dst
+	}
+	for _, tc := range []struct {
+		name, want string
+		tamper     func(dir string)
+	}{
+		{"a memory file that is a symbolic link", "memory is a symbolic link", func(d string) {
+			p := filepath.Join(d, "memory")
+			os.Rename(p, p+".real")
+			os.Symlink(p+".real", p)
+		}},
+		{"a FIFO for the memory", "memory is not a regular file", func(d string) {
+			p := filepath.Join(d, "memory")
+			os.Remove(p)
+			syscall.Mkfifo(p, 0o600)
+		}},
+		{"a state file anyone may write", "state.json is writable by others", func(d string) { os.Chmod(filepath.Join(d, "state.json"), 0o666) }},
+	} {
+		d := copyOf(0o600)
+		tc.tamper(d)
+		if r := cli(time.Minute, "snapshot", "restore", d); r.code == 0 || !strings.Contains(r.stderr, tc.want) {
+			t.Errorf("capsa snapshot restore of %s: exit %d, stderr %q; want a refusal saying %q", tc.name, r.code, r.stderr, tc.want)
+		}
+	}
+	// Another user's snapshot, readable by all: refused to a user who
+	// does not own it, before anything boots.
+	d := copyOf(0o644)
+	state := filepath.Join(passable(), "state")
+	if err := os.Mkdir(state, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	os.Chown(state, 1000, 1000)
+	asUser := func(c *exec.Cmd) {
+		c.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: 1000, Gid: 1000}}
+		c.Env = []string{"CAPSA_STATE=" + state, "HOME=/tmp"}
+	}
+	if r := capsaWith(t, time.Minute, asUser, "snapshot", "restore", d); r.code == 0 || !strings.Contains(r.stderr, "belongs to user 0, not to the user restoring it (1000)") {
+		t.Errorf("capsa snapshot restore of root's snapshot as uid 1000: exit %d, stderr %q; want a refusal naming the owner", r.code, r.stderr)
 	}
 }
