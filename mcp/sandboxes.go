@@ -47,22 +47,29 @@ type secretArg struct {
 }
 
 type createArgs struct {
-	Name               string      `json:"name,omitempty" jsonschema:"the sandbox's name: 1 to 63 letters, digits, '_', '.' or '-'; default: a new one (sb-XXXXXX)"`
-	Image              string      `json:"image,omitempty" jsonschema:"an OCI image for the root filesystem (e.g. python:3.12-slim), pulled if not cached; its environment and working directory apply to sandbox_exec; default: capsa's small built-in Linux with busybox-style tools"`
-	Command            []string    `json:"command,omitempty" jsonschema:"the main process (argv); the sandbox ends when it does. Default: a sleep that keeps the sandbox up until sandbox_destroy or its TTL (with an image, in place of the image's entrypoint and command, so the image needs sleep)"`
-	CPUs               int         `json:"cpus,omitempty" jsonschema:"vCPUs (default 1)"`
-	MemoryMiB          int         `json:"memory_mib,omitempty" jsonschema:"guest memory in MiB (default 512)"`
-	Env                []string    `json:"env,omitempty" jsonschema:"environment entries (KEY=VALUE) for every process"`
-	Network            string      `json:"network,omitempty" jsonschema:"none (the default: no network interface), public-only (the internet, not the host's or private networks), allow-all or deny-all"`
-	Allow              []string    `json:"allow,omitempty" jsonschema:"with a network: destinations to allow (CIDR, IP, [udp/]HOST[:PORT[-PORT]], DOMAIN or *.DOMAIN)"`
-	Deny               []string    `json:"deny,omitempty" jsonschema:"with a network: destinations to deny, as allow; deny beats allow"`
-	Shares             []shareArg  `json:"shares,omitempty" jsonschema:"host directories shared into the guest"`
-	Volumes            []volumeArg `json:"volumes,omitempty" jsonschema:"named volumes mounted into the guest: shared with the other sandboxes that mount them, kept after this one ends, bounded by their quota"`
-	Secrets            []secretArg `json:"secrets,omitempty" jsonschema:"API keys the sandbox's code may use but never read: the guest sees a placeholder, and the network swaps the value in on HTTPS requests to the given hosts only (needs a network); the values come from the server's environment"`
-	Mailbox            []string    `json:"mailbox,omitempty" jsonschema:"mailbox topics the sandbox may publish to and subscribe to from inside (capsa mailbox ...): a topic, or PREFIX* for every topic starting with PREFIX"`
-	KV                 []string    `json:"kv,omitempty" jsonschema:"key prefixes of the shared key-value store the sandbox may read and change from inside (capsa kv ...)"`
-	TTLSeconds         int         `json:"ttl_seconds,omitempty" jsonschema:"stop the sandbox this many seconds after it started (default 0: never)"`
-	IdleTimeoutSeconds int         `json:"idle_timeout_seconds,omitempty" jsonschema:"stop the sandbox once no exec or file operation has reached it for this many seconds (default 0: never)"`
+	Name      string   `json:"name,omitempty" jsonschema:"the sandbox's name: 1 to 63 letters, digits, '_', '.' or '-'; default: a new one (sb-XXXXXX)"`
+	Image     string   `json:"image,omitempty" jsonschema:"an OCI image for the root filesystem (e.g. python:3.12-slim), pulled if not cached; its environment and working directory apply to sandbox_exec; default: capsa's small built-in Linux with busybox-style tools"`
+	Command   []string `json:"command,omitempty" jsonschema:"the main process (argv); the sandbox ends when it does. Default: a sleep that keeps the sandbox up until sandbox_destroy or its TTL (with an image, in place of the image's entrypoint and command, so the image needs sleep)"`
+	CPUs      int      `json:"cpus,omitempty" jsonschema:"vCPUs (default 1)"`
+	MemoryMiB int      `json:"memory_mib,omitempty" jsonschema:"guest memory in MiB (default 512)"`
+	Env       []string `json:"env,omitempty" jsonschema:"environment entries (KEY=VALUE) for every process"`
+	hostArgs
+	TTLSeconds         int `json:"ttl_seconds,omitempty" jsonschema:"stop the sandbox this many seconds after it started (default 0: never)"`
+	IdleTimeoutSeconds int `json:"idle_timeout_seconds,omitempty" jsonschema:"stop the sandbox once no exec or file operation has reached it for this many seconds (default 0: never)"`
+}
+
+// hostArgs are a sandbox's host-facing settings: what it may reach on the
+// host and the network. sandbox_create and snapshot_restore both take them
+// (a restore never takes them from the snapshot).
+type hostArgs struct {
+	Network string      `json:"network,omitempty" jsonschema:"none (the default: no network interface), public-only (the internet, not the host's or private networks), allow-all or deny-all"`
+	Allow   []string    `json:"allow,omitempty" jsonschema:"with a network: destinations to allow (CIDR, IP, [udp/]HOST[:PORT[-PORT]], DOMAIN or *.DOMAIN)"`
+	Deny    []string    `json:"deny,omitempty" jsonschema:"with a network: destinations to deny, as allow; deny beats allow"`
+	Shares  []shareArg  `json:"shares,omitempty" jsonschema:"host directories shared into the guest"`
+	Volumes []volumeArg `json:"volumes,omitempty" jsonschema:"named volumes mounted into the guest: shared with the other sandboxes that mount them, kept after this one ends, bounded by their quota"`
+	Secrets []secretArg `json:"secrets,omitempty" jsonschema:"API keys the sandbox's code may use but never read: the guest sees a placeholder, and the network swaps the value in on HTTPS requests to the given hosts only (needs a network); the values come from the server's environment"`
+	Mailbox []string    `json:"mailbox,omitempty" jsonschema:"mailbox topics the sandbox may publish to and subscribe to from inside (capsa mailbox ...): a topic, or PREFIX* for every topic starting with PREFIX"`
+	KV      []string    `json:"kv,omitempty" jsonschema:"key prefixes of the shared key-value store the sandbox may read and change from inside (capsa kv ...)"`
 }
 
 type createResult struct {
@@ -137,53 +144,9 @@ func (t *tools) create(ctx context.Context, a createArgs) (createResult, error) 
 	if a.MemoryMiB != 0 {
 		b.Memory(a.MemoryMiB)
 	}
-	switch {
-	case a.Network != "" && a.Network != "none":
-		policy, err := netstack.ParsePolicy(a.Network, a.Allow, a.Deny)
-		if err != nil {
-			return createResult{}, fmt.Errorf("network: %w", err)
-		}
-		b.Network(policy)
-	case len(a.Allow) > 0 || len(a.Deny) > 0:
-		return createResult{}, errors.New("allow and deny need a network (network: public-only, allow-all or deny-all)")
+	if err := t.applyHost(b, a.hostArgs); err != nil {
+		return createResult{}, err
 	}
-	for _, sh := range a.Shares {
-		// Relative to what? The server's working directory is the
-		// client's choice, not the agent's.
-		if !filepath.IsAbs(sh.Host) {
-			return createResult{}, fmt.Errorf("shares: host %q: want an absolute host path", sh.Host)
-		}
-		if err := t.mayShare(sh.Host); err != nil {
-			return createResult{}, err
-		}
-		mode := sandbox.ReadWrite
-		if sh.ReadOnly {
-			mode = sandbox.ReadOnly
-		}
-		b.Share(sh.Host, sh.Guest, mode)
-	}
-	for _, v := range a.Volumes {
-		mode := sandbox.ReadWrite
-		if v.ReadOnly {
-			mode = sandbox.ReadOnly
-		}
-		b.Volume(v.Name, v.Guest, mode)
-	}
-	for _, sec := range a.Secrets {
-		env := sec.Env
-		if env == "" {
-			env = sec.Name
-		}
-		if !t.secretEnv[env] {
-			return createResult{}, fmt.Errorf("secrets: %s: this server may not use its environment variable %s as a secret (capsa mcp --secret-env %s allows it)", sec.Name, env, env)
-		}
-		value, ok := os.LookupEnv(env)
-		if !ok || value == "" {
-			return createResult{}, fmt.Errorf("secrets: %s: the capsa mcp server's environment has no %s (set it where the server starts, e.g. in the MCP client's server config)", sec.Name, env)
-		}
-		b.Secret(sec.Name, value, sec.Hosts...)
-	}
-	b.Mailbox(a.Mailbox...).KV(a.KV...)
 	var w *sandbox.Workload
 	switch {
 	case a.Image != "" && len(a.Command) == 0:
@@ -206,6 +169,59 @@ func (t *tools) create(ctx context.Context, a createArgs) (createResult, error) 
 		return createResult{}, failedLaunch(name, err)
 	}
 	return createResult{Name: name, State: string(supervisor.Running)}, nil
+}
+
+// applyHost gives b the host-facing settings a asks for, within what
+// this server allows (its share roots and secret variables).
+func (t *tools) applyHost(b *sandbox.Builder, a hostArgs) error {
+	switch {
+	case a.Network != "" && a.Network != "none":
+		policy, err := netstack.ParsePolicy(a.Network, a.Allow, a.Deny)
+		if err != nil {
+			return fmt.Errorf("network: %w", err)
+		}
+		b.Network(policy)
+	case len(a.Allow) > 0 || len(a.Deny) > 0:
+		return errors.New("allow and deny need a network (network: public-only, allow-all or deny-all)")
+	}
+	for _, sh := range a.Shares {
+		// Relative to what? The server's working directory is the
+		// client's choice, not the agent's.
+		if !filepath.IsAbs(sh.Host) {
+			return fmt.Errorf("shares: host %q: want an absolute host path", sh.Host)
+		}
+		if err := t.mayShare(sh.Host); err != nil {
+			return err
+		}
+		mode := sandbox.ReadWrite
+		if sh.ReadOnly {
+			mode = sandbox.ReadOnly
+		}
+		b.Share(sh.Host, sh.Guest, mode)
+	}
+	for _, v := range a.Volumes {
+		mode := sandbox.ReadWrite
+		if v.ReadOnly {
+			mode = sandbox.ReadOnly
+		}
+		b.Volume(v.Name, v.Guest, mode)
+	}
+	for _, sec := range a.Secrets {
+		env := sec.Env
+		if env == "" {
+			env = sec.Name
+		}
+		if !t.secretEnv[env] {
+			return fmt.Errorf("secrets: %s: this server may not use its environment variable %s as a secret (capsa mcp --secret-env %s allows it)", sec.Name, env, env)
+		}
+		value, ok := os.LookupEnv(env)
+		if !ok || value == "" {
+			return fmt.Errorf("secrets: %s: the capsa mcp server's environment has no %s (set it where the server starts, e.g. in the MCP client's server config)", sec.Name, env)
+		}
+		b.Secret(sec.Name, value, sec.Hosts...)
+	}
+	b.Mailbox(a.Mailbox...).KV(a.KV...)
+	return nil
 }
 
 // failedLaunch says, of a sandbox that was recorded but did not start,

@@ -7,6 +7,7 @@ import (
 
 	sdk "github.com/modelcontextprotocol/go-sdk/mcp"
 
+	"github.com/capsa-sandbox/capsa/sandbox"
 	"github.com/capsa-sandbox/capsa/supervisor"
 )
 
@@ -26,6 +27,10 @@ type snapshotResult struct {
 type restoreArgs struct {
 	Snapshot string `json:"snapshot" jsonschema:"the snapshot's name (from snapshot_create or capsa snapshot ls)"`
 	Name     string `json:"name,omitempty" jsonschema:"the restored sandbox's name; default: a new one"`
+	// What it may reach comes from here, never from the snapshot: a
+	// snapshot with shares or volumes needs them given again, by guest
+	// path; its network is deny-all unless given.
+	hostArgs
 }
 
 type forkArgs struct {
@@ -46,7 +51,7 @@ func registerSnapshotTools(s *sdk.Server, t *tools) {
 		Annotations: &sdk.ToolAnnotations{DestructiveHint: boolPtr(false)},
 	}, t.snapshot)
 	addTool(s, t, &sdk.Tool{Name: "snapshot_restore", Title: "Restore a snapshot",
-		Description: "Start a new sandbox from a snapshot: its processes go on where they were. Returns its name.",
+		Description: "Start a new sandbox from a snapshot: its processes go on where they were. What it may reach on the host and the network is given here, as for sandbox_create, never taken from the snapshot: a snapshot of a sandbox with shares or volumes needs them again (same guest paths); without network arguments it reaches nothing. Returns its name.",
 		Annotations: &sdk.ToolAnnotations{DestructiveHint: boolPtr(false)},
 	}, t.restore)
 	addTool(s, t, &sdk.Tool{Name: "sandbox_fork", Title: "Fork a sandbox",
@@ -64,7 +69,16 @@ func (t *tools) snapshot(ctx context.Context, a snapshotArgs) (snapshotResult, e
 }
 
 func (t *tools) restore(ctx context.Context, a restoreArgs) (createResult, error) {
-	name, err := t.m.Restore(ctx, a.Snapshot, a.Name, "", false, nil)
+	b := sandbox.New()
+	if err := t.applyHost(b, a.hostArgs); err != nil {
+		return createResult{}, err
+	}
+	w := b.Run("true")
+	settings, err := w.Spec()
+	if err != nil {
+		return createResult{}, err
+	}
+	name, err := t.m.Restore(ctx, a.Snapshot, a.Name, "", false, &settings, w.SecretValues())
 	if err != nil {
 		return createResult{}, failedLaunch(name, err)
 	}

@@ -77,6 +77,9 @@ func PublicOnly() *Policy { return &Policy{mode: ModePublicOnly} }
 // AllowAll returns a policy allowing every destination.
 func AllowAll() *Policy { return &Policy{mode: ModeAllowAll} }
 
+// DenyAll returns a policy that allows nothing: no rules, deny-all.
+func DenyAll() *Policy { return &Policy{mode: ModeDenyAll} }
+
 // Mode reports the policy's default mode.
 func (p *Policy) Mode() Mode { return p.mode }
 

@@ -18,6 +18,8 @@ import (
 // (the sandbox's, suffixed -1, -2...) and reseeded random numbers. The
 // copies' main processes' output goes to o.Stdout and o.Stderr. The
 // snapshot is removed once the copies run: they keep its memory mapped.
+// The copies have the sandbox's own host-facing settings (its shares,
+// network, grants) unless o.Settings gives others.
 func (s *Sandbox) Fork(ctx context.Context, n int, o RestoreOptions) ([]*Sandbox, error) {
 	if n < 1 {
 		return nil, fmt.Errorf("sandbox: fork: %d copies: want at least 1", n)
@@ -43,6 +45,10 @@ func (s *Sandbox) Fork(ctx context.Context, n int, o RestoreOptions) ([]*Sandbox
 		go func() {
 			defer wg.Done()
 			co := o
+			if co.Settings == nil { // the source's own
+				own := s.c.Spec
+				co.Settings = &own
+			}
 			co.Hostname = fmt.Sprintf("%s-%d", info.Hostname, i+1)
 			if co.Secrets == nil {
 				co.Secrets = s.c.secrets

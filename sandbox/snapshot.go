@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/capsa-sandbox/capsa/agent"
+	"github.com/capsa-sandbox/capsa/netstack"
 	"github.com/capsa-sandbox/capsa/snapshot"
 	"github.com/capsa-sandbox/capsa/tlsproxy"
 )
@@ -100,19 +101,17 @@ type RestoreOptions struct {
 	// VsockSocket serves the guest's vsock ports on a Unix socket
 	// (Builder.VsockSocket); the snapshot's own is not reused.
 	VsockSocket string
-	// Network, when not nil, replaces the snapshot's network policy,
-	// published ports, DNS server and upstream CAs (when it names any).
-	// The guest's addresses stay, and so do the interception and the
-	// secrets (the guest holds their placeholders and trusts the CA); a
-	// sandbox snapshotted without a network cannot gain one.
-	Network *NetworkSpec
+	// Settings are the restored sandbox's host-facing settings, from
+	// whoever restores it, never from the snapshot, whose manifest anyone
+	// who can write a file can edit (RestoredSpec says what a restore
+	// takes from each). nil: none, the safe default: no shares or volumes
+	// (a snapshot that has one is refused, naming what to give), a NIC
+	// that reaches nothing (deny-all) where the snapshot has one, no hub
+	// grants, no limits. Fork gives its source's own.
+	Settings *Spec
 	// Hostname, when not empty, renames the guest (a fork's copies each
 	// get their own).
 	Hostname string
-	// ShareHosts moves shares to other host directories, by the guest
-	// path they are mounted on. The guest finds its files there by path,
-	// so the new directory should hold what the old one did.
-	ShareHosts map[string]string
 	// Identity, when not empty, is the restored sandbox's name in the
 	// hub (HubSpec.Identity): a restore or a fork is not the sandbox it
 	// was taken from, and must not publish as it.
@@ -141,39 +140,16 @@ func Restore(ctx context.Context, dir string, o RestoreOptions) (*Sandbox, error
 		return nil, fmt.Errorf("sandbox: restore: %w", err)
 	}
 	defer snap.Close() // the memory stays mapped, the root disk copied
-	var spec Spec
-	if err := json.Unmarshal(snap.Manifest.Spec, &spec); err != nil {
-		return nil, fmt.Errorf("sandbox: restore: snapshot %s: spec: %w", dir, err)
-	}
-	if len(spec.Disks) > 0 || (spec.Image != nil) != (snap.Manifest.ImageDigest != "") {
-		return nil, fmt.Errorf("sandbox: restore: snapshot %s: its spec has disks or an image it does not carry", dir)
+	spec, err := restoredSpec(snap, o.Settings)
+	if err != nil {
+		return nil, fmt.Errorf("sandbox: restore: snapshot %s: %w", dir, err)
 	}
 	spec.VsockSocket = o.VsockSocket
-	for guest, host := range o.ShareHosts {
-		i := slices.IndexFunc(spec.Shares, func(sh ShareSpec) bool { return sh.Guest == guest })
-		if i < 0 {
-			return nil, fmt.Errorf("sandbox: restore: snapshot %s has no share on %s to move to %s", dir, guest, host)
-		}
-		spec.Shares[i].Host = host
-	}
 	if o.Identity != "" {
 		if spec.Hub == nil {
 			spec.Hub = &HubSpec{}
 		}
 		spec.Hub.Identity = o.Identity
-	}
-	if o.Network != nil {
-		if spec.Network == nil {
-			return nil, fmt.Errorf("sandbox: restore: snapshot %s was taken without a network; a restore cannot add one", dir)
-		}
-		// The guest holds the placeholders and trusts the CA: what is
-		// intercepted stays the snapshot's.
-		n := *o.Network
-		n.Intercept, n.Secrets = spec.Network.Intercept, spec.Network.Secrets
-		if n.UpstreamCAs == nil {
-			n.UpstreamCAs = spec.Network.UpstreamCAs
-		}
-		spec.Network = &n
 	}
 	w := FromSpec(spec).Secrets(o.Secrets).NetAudit(o.NetAudit)
 	w.c.log, w.c.console = o.Logger, o.Console
@@ -223,6 +199,111 @@ func Restore(ctx context.Context, dir string, o RestoreOptions) (*Sandbox, error
 	}
 	s.running(main)
 	return s, nil
+}
+
+// RestoredSpec is the description of a sandbox restored from the snapshot
+// in dir with settings (RestoreOptions.Settings; nil: none): what the
+// snapshot's guest already is, from its manifest, and every host-facing
+// setting from settings, never from the file. From the snapshot: vCPUs,
+// memory, the environment, the main process, the image (its reference
+// and arguments, not its store), the guest paths that have a share or a
+// volume, whether there is a NIC, the secrets' placeholders. From
+// settings: each share's host directory and mode and each volume's name,
+// by guest path; the network's policy, published ports, DNS server,
+// secrets' hosts (of the snapshot's secrets, by name), interception and
+// upstream CAs; hub grants; limits, CPU quota, timeouts and output limit;
+// the image store. Settings that do not fit the snapshot (a share it has
+// none on, a network it has no NIC for) are refused, naming what.
+func RestoredSpec(dir string, settings *Spec) (Spec, error) {
+	snap, err := snapshot.Open(dir)
+	if err != nil {
+		return Spec{}, err
+	}
+	defer snap.Close()
+	spec, err := restoredSpec(snap, settings)
+	if err != nil {
+		return Spec{}, fmt.Errorf("snapshot %s: %w", dir, err)
+	}
+	return spec, nil
+}
+
+func restoredSpec(snap *snapshot.Snapshot, settings *Spec) (Spec, error) {
+	var saved Spec
+	if err := json.Unmarshal(snap.Manifest.Spec, &saved); err != nil {
+		return Spec{}, fmt.Errorf("spec: %w", err)
+	}
+	if len(saved.Disks) > 0 || (saved.Image != nil) != (snap.Manifest.ImageDigest != "") {
+		return Spec{}, errors.New("its spec has disks or an image it does not carry")
+	}
+	r := settings
+	if r == nil {
+		r = &Spec{}
+	}
+	spec := Spec{
+		CPUs: saved.CPUs, MemoryMiB: saved.MemoryMiB, Env: saved.Env, Main: saved.Main,
+		CPUQuota: r.CPUQuota, Limits: r.Limits, ReadyTimeout: r.ReadyTimeout, Watchdog: r.Watchdog, OutputLimit: r.OutputLimit,
+	}
+	if r.Hub != nil {
+		h := *r.Hub
+		spec.Hub = &h
+	}
+	if saved.Image != nil {
+		img := ImageSpec{Ref: saved.Image.Ref, Args: saved.Image.Args, Entrypoint: saved.Image.Entrypoint, RootfsSize: saved.Image.RootfsSize}
+		if r.Image != nil {
+			img.Store = r.Image.Store
+		}
+		spec.Image = &img
+	}
+	// Shares and volumes, each by the guest path the snapshot has it on.
+	for _, sh := range saved.Shares {
+		i := slices.IndexFunc(r.Shares, func(g ShareSpec) bool { return g.Guest == sh.Guest })
+		if i < 0 {
+			return Spec{}, fmt.Errorf("it has a share on %s: give its host directory (-v HOST:%s)", sh.Guest, sh.Guest)
+		}
+		spec.Shares = append(spec.Shares, ShareSpec{Host: r.Shares[i].Host, Guest: sh.Guest, Mode: r.Shares[i].Mode})
+	}
+	for _, g := range r.Shares {
+		if !slices.ContainsFunc(saved.Shares, func(sh ShareSpec) bool { return sh.Guest == g.Guest }) {
+			return Spec{}, fmt.Errorf("it has no share on %s: a restore cannot add one", g.Guest)
+		}
+	}
+	for _, v := range saved.Volumes {
+		i := slices.IndexFunc(r.Volumes, func(g VolumeSpec) bool { return g.Guest == v.Guest })
+		if i < 0 {
+			return Spec{}, fmt.Errorf("it has a volume on %s: give one (-v NAME:%s)", v.Guest, v.Guest)
+		}
+		g := r.Volumes[i]
+		spec.Volumes = append(spec.Volumes, VolumeSpec{Name: g.Name, Guest: v.Guest, Mode: g.Mode, Dir: g.Dir})
+	}
+	for _, g := range r.Volumes {
+		if !slices.ContainsFunc(saved.Volumes, func(v VolumeSpec) bool { return v.Guest == g.Guest }) {
+			return Spec{}, fmt.Errorf("it has no volume on %s: a restore cannot add one", g.Guest)
+		}
+	}
+	switch {
+	case saved.Network == nil && r.Network != nil:
+		return Spec{}, errors.New("it was taken without a network: a restore cannot add one")
+	case saved.Network != nil:
+		n := NetworkSpec{Policy: netstack.DenyAll()}
+		if r.Network != nil {
+			n = *r.Network
+			n.Secrets = nil
+		}
+		// The guest holds the snapshot's placeholders; where each
+		// secret may go is the restorer's to say.
+		if r.Network != nil {
+			for _, sec := range r.Network.Secrets {
+				i := slices.IndexFunc(saved.Network.Secrets, func(s SecretSpec) bool { return s.Name == sec.Name })
+				if i < 0 {
+					return Spec{}, fmt.Errorf("it has no secret %s", sec.Name)
+				}
+				sec.Placeholder = saved.Network.Secrets[i].Placeholder
+				n.Secrets = append(n.Secrets, sec)
+			}
+		}
+		spec.Network = &n
+	}
+	return spec, nil
 }
 
 // restoreRootfs gives a restored image sandbox the snapshot's image, from

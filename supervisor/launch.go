@@ -8,7 +8,6 @@ package supervisor
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -21,7 +20,6 @@ import (
 	"time"
 
 	"github.com/capsa-sandbox/capsa/sandbox"
-	"github.com/capsa-sandbox/capsa/snapshot"
 	"github.com/capsa-sandbox/capsa/store"
 )
 
@@ -143,18 +141,15 @@ func Launch(ctx context.Context, st *store.Store, rec *store.Record) (string, er
 
 // RestoreRecord is the record of a detached sandbox named name ("": a new
 // name) that starts from the snapshot in dir instead of booting, its guest
-// taking hostname ("": the snapshot's); rm removes it when it ends. Give
-// it to Launch.
-// A snapshot that cannot be read is an error wrapping ErrBadSnapshot.
-func RestoreRecord(dir, name, hostname string, rm bool) (*store.Record, error) {
-	s, err := snapshot.Open(dir)
+// taking hostname ("": the snapshot's), with the host-facing settings
+// given (nil: none; sandbox.RestoredSpec: never the snapshot's own); rm
+// removes it when it ends. Give it to Launch. A snapshot that cannot be
+// read, or settings that do not fit it, are an error wrapping
+// ErrBadSnapshot.
+func RestoreRecord(dir, name, hostname string, rm bool, settings *sandbox.Spec) (*store.Record, error) {
+	spec, err := sandbox.RestoredSpec(dir, settings)
 	if err != nil {
 		return nil, badSnapshot{err}
-	}
-	s.Close()
-	var spec sandbox.Spec
-	if err := json.Unmarshal(s.Manifest.Spec, &spec); err != nil {
-		return nil, badSnapshot{fmt.Errorf("snapshot %s: spec: %w", dir, err)}
 	}
 	return &store.Record{Name: name, Spec: spec, AutoRemove: rm, RestoreFrom: dir, Hostname: hostname}, nil
 }
@@ -249,7 +244,7 @@ func Fork(ctx context.Context, st *store.Store, name string, count int) (names [
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			rec, err := RestoreRecord(dir, n, n, false)
+			rec, err := RestoreRecord(dir, n, n, false, &src.Spec) // the source's own settings
 			if err == nil {
 				_, err = LaunchSecrets(ctx, st, rec, secrets)
 			}

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/capsa-sandbox/capsa/ratelimit"
+	"github.com/capsa-sandbox/capsa/sandbox"
 	"github.com/capsa-sandbox/capsa/store"
 )
 
@@ -119,12 +120,12 @@ func (m *Manager) SaveSnapshot(ctx context.Context, name, snap string) (string, 
 
 // Restore starts a sandbox named name ("": a new name) from the state
 // directory's snapshot snap, as RestoreDir does.
-func (m *Manager) Restore(ctx context.Context, snap, name, hostname string, rm bool, secrets map[string]string) (string, error) {
+func (m *Manager) Restore(ctx context.Context, snap, name, hostname string, rm bool, settings *sandbox.Spec, secrets map[string]string) (string, error) {
 	dir, err := m.SnapshotDir(snap, false)
 	if err != nil {
 		return "", err
 	}
-	return m.RestoreDir(ctx, dir, name, hostname, rm, secrets)
+	return m.RestoreDir(ctx, dir, name, hostname, rm, settings, secrets)
 }
 
 // Fork makes count running copies of the running sandbox name (see Fork).

@@ -117,16 +117,16 @@ func TestManagerSnapshotCatalog(t *testing.T) {
 	if _, err := m.InspectSnapshot(d, false); err == nil {
 		t.Error("InspectSnapshot of an empty directory = nil error")
 	}
-	if _, err := m.RestoreDir(context.Background(), d, "", "", false, nil); !errors.Is(err, ErrBadSnapshot) {
+	if _, err := m.RestoreDir(context.Background(), d, "", "", false, nil, nil); !errors.Is(err, ErrBadSnapshot) {
 		t.Errorf("RestoreDir of an empty directory = %v; want ErrBadSnapshot", err)
 	}
 	if err := m.RemoveSnapshot("nosuch"); err == nil || !strings.Contains(err.Error(), "no snapshot called nosuch") {
 		t.Errorf("RemoveSnapshot(nosuch) = %v", err)
 	}
-	if _, err := m.Restore(context.Background(), "../x", "", "", false, nil); err == nil {
+	if _, err := m.Restore(context.Background(), "../x", "", "", false, nil, nil); err == nil {
 		t.Error("Restore of a bad snapshot name = nil error")
 	}
-	if _, err := m.Restore(context.Background(), "s1", "bad name", "", false, nil); err == nil || !strings.Contains(err.Error(), "bad name") {
+	if _, err := m.Restore(context.Background(), "s1", "bad name", "", false, nil, nil); err == nil || !strings.Contains(err.Error(), "bad name") {
 		t.Errorf("Restore as a bad sandbox name = %v", err)
 	}
 }

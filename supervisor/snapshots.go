@@ -125,15 +125,16 @@ func (m *Manager) RemoveSnapshot(name string) error {
 
 // RestoreDir starts a sandbox named name ("": a new name) from the
 // snapshot in dir, its guest taking hostname ("": the snapshot's), with
-// its secrets' values (nil: none); rm removes it when it ends. It returns
-// the sandbox's name.
-func (m *Manager) RestoreDir(ctx context.Context, dir, name, hostname string, rm bool, secrets map[string]string) (string, error) {
+// the host-facing settings given (nil: none; see sandbox.RestoredSpec)
+// and its secrets' values (nil: none); rm removes it when it ends. It
+// returns the sandbox's name.
+func (m *Manager) RestoreDir(ctx context.Context, dir, name, hostname string, rm bool, settings *sandbox.Spec, secrets map[string]string) (string, error) {
 	if name != "" {
 		if err := CheckName(name); err != nil {
 			return "", err
 		}
 	}
-	rec, err := RestoreRecord(dir, name, hostname, rm)
+	rec, err := RestoreRecord(dir, name, hostname, rm, settings)
 	if err != nil {
 		return "", err
 	}

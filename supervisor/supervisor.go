@@ -193,7 +193,7 @@ func Run(ctx context.Context, o Options) error {
 	if rec.RestoreFrom != "" {
 		sb, err = sandbox.Restore(ctx, rec.RestoreFrom, sandbox.RestoreOptions{
 			Logger: log, Console: consoleLog, Stdout: mainLog, Stderr: mainLog,
-			VsockSocket: spec.VsockSocket, Network: spec.Network, Hostname: rec.Hostname,
+			VsockSocket: spec.VsockSocket, Settings: &spec, Hostname: rec.Hostname,
 			Identity: o.Name, Secrets: secrets, NetAudit: netAudit,
 		})
 	} else {

@@ -11,7 +11,6 @@ import (
 
 	"github.com/capsa-sandbox/capsa/agent"
 	"github.com/capsa-sandbox/capsa/confine"
-	"github.com/capsa-sandbox/capsa/netstack"
 	"github.com/capsa-sandbox/capsa/sandbox"
 	"github.com/capsa-sandbox/capsa/supervisor"
 	"github.com/capsa-sandbox/capsa/vmm"
@@ -40,8 +39,6 @@ func runCreate(ctx context.Context, args []string, stdout, stderr io.Writer) int
 func runOrCreate(ctx context.Context, cmdName string, args []string, stdout, stderr io.Writer) int {
 	fs := newFlags(cmdName, "[flags] -- CMD [ARGS...]", stdout)
 	cpus := fs.Int("cpus", 1, "number of vCPUs")
-	limits := fs.StringArray("limit", nil, "I/O limits, KEY=RATE[:BURST] comma separated (repeatable): net, net-rx, net-tx (bytes a second: 10MB, 512KiB), net-pps, net-rx-pps, net-tx-pps, disk (each disk, the image's root included), disk-iops, share (each share); see capsa update")
-	cpuQuota := fs.Float64("cpu-quota", 0, "the most host CPUs the sandbox may use, vCPUs and the VMM's own threads together (e.g. 0.5, 2); default: --cpus")
 	memory := fs.String("memory", "512M", "guest memory (e.g. 512M, 2G)")
 	env := fs.StringArrayP("env", "e", nil, "set K=V in the command's environment (repeatable)")
 	dir := fs.StringP("workdir", "w", "", "working directory in the guest")
@@ -50,7 +47,6 @@ func runOrCreate(ctx context.Context, cmdName string, args []string, stdout, std
 	timeout := fs.Duration("timeout", 0, "kill the command after this long (e.g. 30s); exit 124")
 	kernel := fs.String("kernel", "", "use this kernel instead of the built-in one")
 	initrd := fs.String("initrd", "", "use this initramfs instead of the built-in one")
-	volumes := fs.StringArrayP("volume", "v", nil, "share a host directory, HOST:GUEST[:ro], or mount a named volume (capsa volume create), NAME:GUEST[:ro]; a NAME has no slash (repeatable)")
 	copies := fs.StringArray("copy", nil, "copy a host file or directory into the guest before the command starts: HOST:GUEST (repeatable; in an image, into the sandbox's own layer)")
 	imageRef := fs.String("image", "", "run in this OCI image: its root filesystem, ENTRYPOINT, CMD (replaced by ARGS), ENV, WORKDIR and USER")
 	pull := fs.String("pull", "missing", "with --image: pull always, missing (when not cached) or never")
@@ -59,15 +55,7 @@ func runOrCreate(ctx context.Context, cmdName string, args []string, stdout, std
 	insecure := fs.StringArray("insecure-registry", nil, "with --image: reach this registry (host[:port]) over plain HTTP (repeatable)")
 	userFlag := fs.StringP("user", "u", "", "run as USER, UID, USER:GROUP or UID:GID (in an image: resolved in its /etc/passwd)")
 	disks := fs.StringArray("disk", nil, "attach a host file as a block device, /dev/vda, /dev/vdb... in order: PATH[:ro] (repeatable)")
-	netMode := fs.String("net", "none", "network: none (no NIC), public-only, allow-all or deny-all; --net alone is public-only")
-	fs.Lookup("net").NoOptDefVal = "public-only"
-	allow := fs.StringArray("allow", nil, "allow destinations: CIDR, IP, [udp/]HOST[:PORT[-PORT]], DOMAIN or *.DOMAIN (repeatable)")
-	deny := fs.StringArray("deny", nil, "deny destinations, same syntax as --allow; deny beats allow (repeatable)")
-	publish := fs.StringArrayP("publish", "p", nil, "publish a guest port: [HOSTIP:]HOSTPORT:GUESTPORT[/udp], on 127.0.0.1 by default (repeatable)")
-	dnsServer := fs.String("dns-server", "", "resolve the guest's DNS queries through this IP:PORT instead of the host's resolver")
-	secrets := addSecretFlags(fs)
-	mailbox := fs.StringArray("mailbox", nil, "let the guest publish and subscribe to this mailbox topic, or to every topic starting with PREFIX given as PREFIX* (repeatable; inside: capsa mailbox)")
-	kv := fs.StringArray("kv", nil, "let the guest read and change the keys starting with this prefix in the key-value store (repeatable; inside: capsa kv)")
+	host := addHostFlags(fs)
 	noConfine := fs.Bool("no-confine", false, "do not confine the VMM process once the sandbox runs (seccomp, Landlock, the jail, cgroup, rlimits: see docs/security.md)")
 	jailUser := fs.String("jail-user", "", "as root: the VMM process, jailed, runs as this user and group once the sandbox runs, UID[:GID] (numbers; GID defaults to UID)")
 	verbose := fs.Bool("verbose", false, "log VMM events and the guest console to stderr")
@@ -139,9 +127,6 @@ func runOrCreate(ctx context.Context, cmdName string, args []string, stdout, std
 	if *cpus < 1 || *cpus > vmm.MaxCPUs {
 		return fail("--cpus %d: must be between 1 and %d", *cpus, vmm.MaxCPUs)
 	}
-	if fs.Changed("cpu-quota") && !(*cpuQuota >= 0.01 && *cpuQuota <= sandbox.MaxCPUQuota) {
-		return fail("--cpu-quota %g: must be between 0.01 and %d CPUs", *cpuQuota, sandbox.MaxCPUQuota)
-	}
 	mem, err := parseSize(*memory)
 	if err != nil {
 		return fail("--memory: %v", err)
@@ -169,51 +154,9 @@ func runOrCreate(ctx context.Context, cmdName string, args []string, stdout, std
 		*env = append([]string{"TERM=" + termName()}, *env...)
 	}
 	b := sandbox.New().CPUs(*cpus).Memory(int(mem >> 20)).Env(*env...).Watchdog(*watchdog)
-	if fs.Changed("cpu-quota") {
-		b.CPUQuota(*cpuQuota)
+	if err := host.apply(fs, b, *detach); err != nil {
+		return fail("%v", err)
 	}
-	for _, l := range *limits {
-		b.LimitString(l)
-	}
-	switch {
-	case *netMode != "none":
-		policy, err := netstack.ParsePolicy(*netMode, *allow, *deny)
-		if err != nil {
-			return fail("--net: %v", err)
-		}
-		b.Network(policy)
-	case len(*allow) > 0 || len(*deny) > 0 || len(*publish) > 0 || *dnsServer != "":
-		return fail("--allow, --deny, --publish and --dns-server need a network: add --net")
-	}
-	for _, p := range *publish {
-		b.Publish(p)
-	}
-	if *dnsServer != "" {
-		b.DNSServer(*dnsServer)
-	}
-	if secrets.used() {
-		switch {
-		case *netMode == "none":
-			return fail("--secret, --tls-intercept, --net-log and the other secret flags need a network: add --net")
-		case *detach && *secrets.netLog != "":
-			return fail("--net-log and -d do not go together: see capsa logs --net")
-		}
-		if err := secrets.apply(b); err != nil {
-			return fail("%v", err)
-		}
-	}
-	for _, v := range *volumes {
-		host, guest, mode, err := sandbox.ParseShare(v)
-		if err != nil {
-			return fail("-v: %v", err)
-		}
-		if strings.Contains(host, "/") {
-			b.Share(host, guest, mode)
-		} else {
-			b.Volume(host, guest, mode)
-		}
-	}
-	b.Mailbox(*mailbox...).KV(*kv...)
 	for _, c := range *copies {
 		host, guest, ok := strings.Cut(c, ":")
 		if !ok || host == "" || guest == "" {
@@ -278,8 +221,8 @@ func runOrCreate(ctx context.Context, cmdName string, args []string, stdout, std
 		w.TTY(window)
 	}
 	w.Stdout(stdout).Stderr(stderr)
-	if *secrets.netLog != "" {
-		f, err := os.OpenFile(*secrets.netLog, os.O_WRONLY|os.O_CREATE|os.O_APPEND, 0o600)
+	if *host.secrets.netLog != "" {
+		f, err := os.OpenFile(*host.secrets.netLog, os.O_WRONLY|os.O_CREATE|os.O_APPEND, 0o600)
 		if err != nil {
 			return fail("--net-log: %v", err)
 		}
@@ -297,7 +240,7 @@ func runOrCreate(ctx context.Context, cmdName string, args []string, stdout, std
 	if !*noConfine {
 		read, write := sb.HostPaths()
 		c := confine.Config{Read: read, Write: write, Terminal: term != nil, Name: "run",
-			MemoryBytes: int64(mem) + supervisor.VMMOverhead, CPUs: sandbox.Spec{CPUs: *cpus, CPUQuota: *cpuQuota}.EffectiveCPUQuota(), User: jailAs}
+			MemoryBytes: int64(mem) + supervisor.VMMOverhead, CPUs: sandbox.Spec{CPUs: *cpus, CPUQuota: *host.cpuQuota}.EffectiveCPUQuota(), User: jailAs}
 		if jailTmp != "" {
 			c.Own = []string{jailTmp}
 		}

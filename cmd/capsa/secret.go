@@ -85,36 +85,6 @@ func readValue(flag, spec string) (name, value string, err error) {
 	return name, arg, nil
 }
 
-// restoreSecretFlags give a restore the values of its snapshot's secrets
-// (a snapshot holds none): where they may go is the snapshot's.
-type restoreSecretFlags struct{ literal, fromEnv, fromFile *[]string }
-
-func addRestoreSecretFlags(fs *pflag.FlagSet) *restoreSecretFlags {
-	return &restoreSecretFlags{
-		literal:  fs.StringArray("secret", nil, "the value of the snapshot's secret NAME: NAME=VALUE (repeatable; a snapshot holds no values)"),
-		fromEnv:  fs.StringArray("secret-env", nil, "a secret's value from this host's environment variable VAR (default NAME): NAME[=VAR] (repeatable)"),
-		fromFile: fs.StringArray("secret-file", nil, "a secret's value from a host file: NAME=PATH (repeatable)"),
-	}
-}
-
-// values reads the values given, by name.
-func (f *restoreSecretFlags) values() (map[string]string, error) {
-	out := map[string]string{}
-	for _, src := range []struct {
-		flag string
-		list []string
-	}{{"--secret", *f.literal}, {"--secret-env", *f.fromEnv}, {"--secret-file", *f.fromFile}} {
-		for _, s := range src.list {
-			name, value, err := readValue(src.flag, s)
-			if err != nil {
-				return nil, err
-			}
-			out[name] = value
-		}
-	}
-	return out, nil
-}
-
 // splitHosts splits SPEC@HOST[,HOST...] at the last @ (a value may hold
 // one; a host does not).
 func splitHosts(flag, s string) (string, []string, error) {

@@ -78,16 +78,3 @@ func TestSecretFlagErrors(t *testing.T) {
 		t.Errorf("redact = %q", got)
 	}
 }
-
-func TestRestoreSecretFlags(t *testing.T) {
-	t.Setenv("CAPSA_TEST_TOKEN", "from-the-env")
-	fs := pflag.NewFlagSet("t", pflag.ContinueOnError)
-	f := addRestoreSecretFlags(fs)
-	if err := fs.Parse([]string{"--secret", "A=v@lue=x", "--secret-env", "CAPSA_TEST_TOKEN"}); err != nil {
-		t.Fatal(err)
-	}
-	got, err := f.values()
-	if err != nil || got["A"] != "v@lue=x" || got["CAPSA_TEST_TOKEN"] != "from-the-env" || len(got) != 2 {
-		t.Errorf("values() = %v, %v", got, err)
-	}
-}

@@ -10,6 +10,7 @@ import (
 	"text/tabwriter"
 	"time"
 
+	"github.com/capsa-sandbox/capsa/sandbox"
 	"github.com/capsa-sandbox/capsa/supervisor"
 )
 
@@ -84,8 +85,8 @@ func snapshotCreate(ctx context.Context, args []string, stdout, stderr io.Writer
 // restoreDetached records a detached sandbox that starts from the
 // snapshot in dir and starts its supervisor; it prints the name. A
 // snapshot that cannot be read is exit 1, a failed start 125.
-func restoreDetached(ctx context.Context, cmdName string, m *supervisor.Manager, dir, name, hostname string, rm bool, secrets map[string]string, stdout, stderr io.Writer) int {
-	name, err := m.RestoreDir(ctx, dir, name, hostname, rm, secrets)
+func restoreDetached(ctx context.Context, cmdName string, m *supervisor.Manager, dir, name, hostname string, rm bool, settings *sandbox.Spec, secrets map[string]string, stdout, stderr io.Writer) int {
+	name, err := m.RestoreDir(ctx, dir, name, hostname, rm, settings, secrets)
 	if errors.Is(err, supervisor.ErrBadSnapshot) {
 		fmt.Fprintf(stderr, "capsa %s: %v\n", cmdName, err)
 		return 1
@@ -98,7 +99,10 @@ func snapshotRestore(ctx context.Context, args []string, stdout, stderr io.Write
 	fs := newFlags("snapshot restore", "[flags] SNAP", stdout)
 	name := fs.String("name", "", "the restored sandbox's name (default: a new one)")
 	rm := fs.Bool("rm", false, "remove the sandbox's record when it ends")
-	secretFlags := addRestoreSecretFlags(fs)
+	// What the sandbox may reach: from these flags, never from the
+	// snapshot (sandbox.RestoredSpec).
+	host := addHostFlags(fs)
+	fs.MarkHidden("net-log")
 	if code := parseFlags(fs, args, stderr); code >= 0 {
 		return code
 	}
@@ -106,7 +110,13 @@ func snapshotRestore(ctx context.Context, args []string, stdout, stderr io.Write
 		fmt.Fprintln(stderr, "capsa snapshot restore: want SNAP")
 		return 2
 	}
-	secrets, err := secretFlags.values()
+	b := sandbox.New()
+	if err := host.apply(fs, b, true); err != nil {
+		fmt.Fprintf(stderr, "capsa snapshot restore: %v\n", err)
+		return 2
+	}
+	w := b.Run("true")
+	settings, err := w.Spec()
 	if err != nil {
 		fmt.Fprintf(stderr, "capsa snapshot restore: %v\n", err)
 		return 2
@@ -129,7 +139,7 @@ func snapshotRestore(ctx context.Context, args []string, stdout, stderr io.Write
 		fmt.Fprintf(stderr, "capsa snapshot restore: %v\n", err)
 		return 2
 	}
-	return restoreDetached(ctx, "snapshot restore", m, dir, *name, "", *rm, secrets, stdout, stderr)
+	return restoreDetached(ctx, "snapshot restore", m, dir, *name, "", *rm, &settings, w.SecretValues(), stdout, stderr)
 }
 
 func snapshotList(ctx context.Context, args []string, stdout, stderr io.Writer) int {

@@ -87,7 +87,8 @@ func TestConfinement(t *testing.T) {
 	checkNATAndPort(t, cli, "c", rec.Ports, "served confined\n", "confined")
 	if r := cli(3*time.Minute, "snapshot", "create", "c", "csnap"); r.code != 0 {
 		t.Errorf("capsa snapshot create of a confined sandbox = exit %d, stderr %q", r.code, r.stderr)
-	} else if r := cli(3*time.Minute, "snapshot", "restore", "csnap", "--name", "c2"); r.code != 0 {
+	} else if r := cli(3*time.Minute, "snapshot", "restore", "csnap", "--name", "c2", // what it reaches, given again
+		"-v", share+":/mnt/share", "-v", "cv:/vol", "-v", filepath.Dir(self)+":/probe:ro", "--net", "--dns-server", w.dns); r.code != 0 {
 		t.Errorf("capsa snapshot restore = exit %d, stderr %q", r.code, r.stderr)
 	} else if r := cli(time.Minute, "exec", "c2", "--", "cat", "/mnt/share/in.txt"); r.code != 0 || r.stdout != "from the host" {
 		t.Errorf("the restored sandbox's share, confined: exit %d, %q (stderr %q)", r.code, r.stdout, r.stderr)

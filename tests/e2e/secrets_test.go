@@ -371,10 +371,15 @@ func TestSecrets(t *testing.T) {
 	if fi, err := os.Stat(filepath.Join(snap, "tls-ca.pem")); err != nil || fi.Mode().Perm() != 0o600 {
 		t.Errorf("the snapshot's CA: %v, %v; want a 0600 file", fi, err)
 	}
-	if _, err := sandbox.Restore(ctx, snap, sandbox.RestoreOptions{}); err == nil || !strings.Contains(err.Error(), "API_KEY") {
+	// Where the secret may go, the network and the image store are the
+	// restorer's to give (the snapshot's are never used): the spec the
+	// sandbox was made from, as a fork's come from its source's record.
+	settings := sandbox.RestoreOptions{Settings: &spec}
+	if _, err := sandbox.Restore(ctx, snap, settings); err == nil || !strings.Contains(err.Error(), "API_KEY") {
 		t.Errorf("restoring without the value: %v, want an error naming API_KEY", err)
 	}
-	restored, err := sandbox.Restore(ctx, snap, sandbox.RestoreOptions{Secrets: map[string]string{"API_KEY": value}})
+	settings.Secrets = map[string]string{"API_KEY": value}
+	restored, err := sandbox.Restore(ctx, snap, settings)
 	if err != nil {
 		t.Fatal(err)
 	}

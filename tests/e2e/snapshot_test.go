@@ -3,6 +3,9 @@ package e2e
 import (
 	"bytes"
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -308,8 +311,8 @@ func parsePss(s string) int {
 }
 
 // TestSnapshotNetwork: a restored sandbox's network is a new NAT with the
-// guest's old addresses, on which new connections work; a restore may
-// give it another policy, which then applies.
+// guest's old addresses, on which new connections work, with the policy
+// the restore gives, never the snapshot's: none given, it reaches nothing.
 func TestSnapshotNetwork(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
@@ -328,13 +331,17 @@ func TestSnapshotNetwork(t *testing.T) {
 	if err := sb.Snapshot(ctx, dir); err != nil {
 		t.Fatal(err)
 	}
-	r := restoreSandbox(t, ctx, dir, sandbox.RestoreOptions{})
+	r := restoreSandbox(t, ctx, dir, sandbox.RestoreOptions{Settings: &sandbox.Spec{Network: &sandbox.NetworkSpec{Policy: netstack.AllowAll()}}})
 	if page, ok := fetch(t, ctx, r, url); !ok || page != "from the host" {
-		t.Errorf("restored: fetch %s = %q, %v; want the page through the new NAT", url, page, ok)
+		t.Errorf("restored with allow-all: fetch %s = %q, %v; want the page through the new NAT", url, page, ok)
 	}
-	strict := restoreSandbox(t, ctx, dir, sandbox.RestoreOptions{Network: &sandbox.NetworkSpec{Policy: netstack.PublicOnly()}})
+	strict := restoreSandbox(t, ctx, dir, sandbox.RestoreOptions{Settings: &sandbox.Spec{Network: &sandbox.NetworkSpec{Policy: netstack.PublicOnly()}}})
 	if page, ok := fetch(t, ctx, strict, url); ok {
 		t.Errorf("restored with public-only: fetch of the host's loopback = %q, want it refused", page)
+	}
+	none := restoreSandbox(t, ctx, dir, sandbox.RestoreOptions{})
+	if page, ok := fetch(t, ctx, none, url); ok {
+		t.Errorf("restored with no network given: fetch = %q, want it refused (deny-all)", page)
 	}
 }
 
@@ -433,7 +440,15 @@ func TestSnapshotShares(t *testing.T) {
 	if err := sb.Snapshot(ctx, snap); err != nil {
 		t.Fatalf("Snapshot() of a sandbox with a share = %v", err)
 	}
-	r := restoreSandbox(t, ctx, snap, sandbox.RestoreOptions{})
+	// A restore gets no share it was not given: the snapshot names
+	// the guest path, the restorer the host directory.
+	if _, err := sandbox.Restore(ctx, snap, sandbox.RestoreOptions{}); err == nil || !strings.Contains(err.Error(), "has a share on /mnt/share: give its host directory") {
+		t.Errorf("Restore() without the share = %v; want a refusal naming /mnt/share", err)
+	}
+	shareAt := func(host string) sandbox.RestoreOptions {
+		return sandbox.RestoreOptions{Settings: &sandbox.Spec{Shares: []sandbox.ShareSpec{{Host: host, Guest: "/mnt/share", Mode: sandbox.ReadWrite}}}}
+	}
+	r := restoreSandbox(t, ctx, snap, shareAt(dir))
 	if err := r.WriteFile(ctx, "/tmp/out.go", nil, 0o644); err != nil {
 		t.Fatal(err)
 	}
@@ -449,7 +464,7 @@ func TestSnapshotShares(t *testing.T) {
 	if err := os.WriteFile(filepath.Join(moved, "in"), []byte("line one\nline two\n"), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	m := restoreSandbox(t, ctx, snap, sandbox.RestoreOptions{ShareHosts: map[string]string{"/mnt/share": moved}})
+	m := restoreSandbox(t, ctx, snap, shareAt(moved))
 	if err := m.WriteFile(ctx, "/tmp/out.go", nil, 0o644); err != nil {
 		t.Fatal(err)
 	}
@@ -460,8 +475,10 @@ func TestSnapshotShares(t *testing.T) {
 	if b, err := os.ReadFile(filepath.Join(moved, "where")); err != nil || string(b) != "moved\n" {
 		t.Errorf("the moved share's host directory reads %q, %v", b, err)
 	}
-	if _, err := sandbox.Restore(ctx, snap, sandbox.RestoreOptions{ShareHosts: map[string]string{"/nowhere": moved}}); err == nil || !strings.Contains(err.Error(), "/nowhere") {
-		t.Errorf("Restore() moving a share it does not have = %v, want an error naming it", err)
+	extra := shareAt(moved)
+	extra.Settings.Shares = append(extra.Settings.Shares, sandbox.ShareSpec{Host: moved, Guest: "/nowhere", Mode: sandbox.ReadWrite})
+	if _, err := sandbox.Restore(ctx, snap, extra); err == nil || !strings.Contains(err.Error(), "no share on /nowhere") {
+		t.Errorf("Restore() adding a share the snapshot does not have = %v, want an error naming it", err)
 	}
 }
 
@@ -583,7 +600,13 @@ func TestSnapshotKeepsSharesApart(t *testing.T) {
 	}
 	sb.Close()
 
-	r := restoreSandbox(t, ctx, snap, sandbox.RestoreOptions{})
+	// The same shares and volume, given again by the restorer.
+	settings, err := sandbox.New().Share(a, "/mnt/a", sandbox.ReadWrite).Share(b, "/mnt/b", sandbox.ReadOnly).
+		VolumeIn(vdir, "v", "/mnt/v", sandbox.ReadWrite).Run("true").Spec()
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := restoreSandbox(t, ctx, snap, sandbox.RestoreOptions{Settings: &settings})
 	out, err := r.Exec(ctx, sandbox.Shell("cat /mnt/a/which /mnt/b/which /mnt/v/which && printf A > /mnt/a/new && printf V > /mnt/v/new && ! touch /mnt/b/new 2>/dev/null"))
 	if err != nil || out.Code != 0 || string(out.Stdout) != "abv" {
 		t.Fatalf("the restored mounts: %+v, %v; want \"abv\" read and the writes made", out, err)
@@ -684,5 +707,86 @@ func tamperedCopies(t *testing.T, cli func(time.Duration, ...string) result, src
 	}
 	if r := capsaWith(t, time.Minute, asUser, "snapshot", "restore", d); r.code == 0 || !strings.Contains(r.stderr, "belongs to user 0, not to the user restoring it (1000)") {
 		t.Errorf("capsa snapshot restore of root's snapshot as uid 1000: exit %d, stderr %q; want a refusal naming the owner", r.code, r.stderr)
+	}
+}
+
+// TestForgedSnapshot: a snapshot's manifest edited to share another host
+// directory, grant the whole hub, open the network and publish a port on
+// every address (its checksum fixed, as a forger would) gets none of it:
+// a restore takes what the sandbox may reach from the person restoring,
+// and refuses a share it was not given.
+func TestForgedSnapshot(t *testing.T) {
+	dir, cli := detachedState(t)
+	share, victim := t.TempDir(), t.TempDir()
+	if err := os.WriteFile(filepath.Join(share, "which"), []byte("the share"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(victim, "which"), []byte("the victim's"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if r := cli(3*time.Minute, "run", "-d", "--name", "f", "--net", "-v", share+":/mnt/share", "--", "sleep", "100000"); r.code != 0 {
+		t.Fatalf("capsa run -d --name f = exit %d, stderr %q", r.code, r.stderr)
+	}
+	if r := cli(2*time.Minute, "snapshot", "create", "f", "fsnap"); r.code != 0 {
+		t.Fatalf("capsa snapshot create = exit %d, stderr %q", r.code, r.stderr)
+	}
+	snap := filepath.Join(dir, "snapshots", "fsnap")
+	mpath := filepath.Join(snap, snapshot.ManifestFile)
+	b, err := os.ReadFile(mpath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var m map[string]any
+	if err := json.Unmarshal(b, &m); err != nil {
+		t.Fatal(err)
+	}
+	spec := m["spec"].(map[string]any)
+	spec["shares"].([]any)[0].(map[string]any)["host"] = victim
+	spec["hub"] = map[string]any{"topics": []any{"*"}, "prefixes": []any{""}}
+	spec["network"].(map[string]any)["policy"] = map[string]any{"mode": "allow-all"}
+	spec["network"].(map[string]any)["publish"] = []any{"0.0.0.0:0:22"}
+	if b, err = json.Marshal(m); err != nil {
+		t.Fatal(err)
+	}
+	sum := sha256.Sum256(b)
+	if err := os.WriteFile(mpath, b, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(snap, snapshot.ManifestSumFile), []byte(hex.EncodeToString(sum[:])), 0o600); err != nil {
+		t.Fatal(err)
+	}
+
+	if r := cli(time.Minute, "snapshot", "restore", "fsnap", "--name", "f1"); r.code == 0 || !strings.Contains(r.stderr, "has a share on /mnt/share: give its host directory") {
+		t.Errorf("capsa snapshot restore of the forged snapshot with no -v: exit %d, stderr %q; want a refusal naming the share", r.code, r.stderr)
+	}
+	if r := cli(3*time.Minute, "snapshot", "restore", "fsnap", "--name", "f2", "-v", share+":/mnt/share"); r.code != 0 {
+		t.Fatalf("capsa snapshot restore fsnap -v SHARE:/mnt/share = exit %d, stderr %q", r.code, r.stderr)
+	}
+	if r := cli(time.Minute, "exec", "f2", "--", "cat", "/mnt/share/which"); r.code != 0 || r.stdout != "the share" {
+		t.Errorf("the restored guest's /mnt/share: exit %d, %q (stderr %q); want the share the restorer gave", r.code, r.stdout, r.stderr)
+	}
+	r := cli(time.Minute, "inspect", "f2")
+	var recs []struct {
+		Spec  sandbox.Spec `json:"spec"`
+		Ports []string     `json:"ports"`
+	}
+	if err := json.Unmarshal([]byte(r.stdout), &recs); err != nil || len(recs) != 1 {
+		t.Fatalf("capsa inspect f2: %q, %v", r.stdout, err)
+	}
+	got := recs[0]
+	if len(got.Spec.Shares) != 1 || got.Spec.Shares[0].Host != share {
+		t.Errorf("the restored sandbox's shares: %+v; want only %s", got.Spec.Shares, share)
+	}
+	if h := got.Spec.Hub; h != nil && (len(h.Topics) > 0 || len(h.Prefixes) > 0) {
+		t.Errorf("the restored sandbox's hub grants: %+v; want none", h)
+	}
+	if n := got.Spec.Network; n == nil || n.Policy == nil || n.Policy.Mode() != netstack.ModeDenyAll || len(n.Publish) != 0 || len(got.Ports) != 0 {
+		t.Errorf("the restored sandbox's network: %+v, ports %v; want deny-all, nothing published", n, got.Ports)
+	}
+	if b, err := os.ReadFile(filepath.Join(victim, "which")); err != nil || string(b) != "the victim's" {
+		t.Errorf("the victim's directory: %q, %v", b, err)
+	}
+	if entries, _ := os.ReadDir(victim); len(entries) != 1 {
+		t.Errorf("the victim's directory holds %d entries, want its one file", len(entries))
 	}
 }

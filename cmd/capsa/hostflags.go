@@ -1,0 +1,94 @@
+package main
+
+import (
+	"fmt"
+	"strings"
+
+	"github.com/spf13/pflag"
+
+	"github.com/capsa-sandbox/capsa/netstack"
+	"github.com/capsa-sandbox/capsa/sandbox"
+)
+
+// hostFlags are a sandbox's host-facing settings on the command line: the
+// host directories, volumes and network it may reach, its grants in the
+// hub, its limits. capsa run and create take them, and so does capsa
+// snapshot restore: a restore never takes them from the snapshot.
+type hostFlags struct {
+	volumes, allow, deny, publish, mailbox, kv, limits *[]string
+	netMode, dnsServer                                 *string
+	cpuQuota                                           *float64
+	secrets                                            *secretFlags
+}
+
+func addHostFlags(fs *pflag.FlagSet) *hostFlags {
+	h := &hostFlags{
+		limits:   fs.StringArray("limit", nil, "I/O limits, KEY=RATE[:BURST] comma separated (repeatable): net, net-rx, net-tx (bytes a second: 10MB, 512KiB), net-pps, net-rx-pps, net-tx-pps, disk (each disk, the image's root included), disk-iops, share (each share); see capsa update"),
+		cpuQuota: fs.Float64("cpu-quota", 0, "the most host CPUs the sandbox may use, vCPUs and the VMM's own threads together (e.g. 0.5, 2); default: --cpus"),
+		volumes:  fs.StringArrayP("volume", "v", nil, "share a host directory, HOST:GUEST[:ro], or mount a named volume (capsa volume create), NAME:GUEST[:ro]; a NAME has no slash (repeatable)"),
+		netMode:  fs.String("net", "none", "network: none (no NIC), public-only, allow-all or deny-all; --net alone is public-only"),
+	}
+	fs.Lookup("net").NoOptDefVal = "public-only"
+	h.allow = fs.StringArray("allow", nil, "allow destinations: CIDR, IP, [udp/]HOST[:PORT[-PORT]], DOMAIN or *.DOMAIN (repeatable)")
+	h.deny = fs.StringArray("deny", nil, "deny destinations, same syntax as --allow; deny beats allow (repeatable)")
+	h.publish = fs.StringArrayP("publish", "p", nil, "publish a guest port: [HOSTIP:]HOSTPORT:GUESTPORT[/udp], on 127.0.0.1 by default (repeatable)")
+	h.dnsServer = fs.String("dns-server", "", "resolve the guest's DNS queries through this IP:PORT instead of the host's resolver")
+	h.secrets = addSecretFlags(fs)
+	h.mailbox = fs.StringArray("mailbox", nil, "let the guest publish and subscribe to this mailbox topic, or to every topic starting with PREFIX given as PREFIX* (repeatable; inside: capsa mailbox)")
+	h.kv = fs.StringArray("kv", nil, "let the guest read and change the keys starting with this prefix in the key-value store (repeatable; inside: capsa kv)")
+	return h
+}
+
+// apply gives b the settings; an error names the flag. detach says the
+// sandbox runs detached (where --net-log has no place).
+func (h *hostFlags) apply(fs *pflag.FlagSet, b *sandbox.Builder, detach bool) error {
+	if fs.Changed("cpu-quota") {
+		if !(*h.cpuQuota >= 0.01 && *h.cpuQuota <= sandbox.MaxCPUQuota) {
+			return fmt.Errorf("--cpu-quota %g: must be between 0.01 and %d CPUs", *h.cpuQuota, sandbox.MaxCPUQuota)
+		}
+		b.CPUQuota(*h.cpuQuota)
+	}
+	for _, l := range *h.limits {
+		b.LimitString(l)
+	}
+	switch {
+	case *h.netMode != "none":
+		policy, err := netstack.ParsePolicy(*h.netMode, *h.allow, *h.deny)
+		if err != nil {
+			return fmt.Errorf("--net: %v", err)
+		}
+		b.Network(policy)
+	case len(*h.allow) > 0 || len(*h.deny) > 0 || len(*h.publish) > 0 || *h.dnsServer != "":
+		return fmt.Errorf("--allow, --deny, --publish and --dns-server need a network: add --net")
+	}
+	for _, p := range *h.publish {
+		b.Publish(p)
+	}
+	if *h.dnsServer != "" {
+		b.DNSServer(*h.dnsServer)
+	}
+	if h.secrets.used() {
+		switch {
+		case *h.netMode == "none":
+			return fmt.Errorf("--secret, --tls-intercept, --net-log and the other secret flags need a network: add --net")
+		case detach && *h.secrets.netLog != "":
+			return fmt.Errorf("--net-log and -d do not go together: see capsa logs --net")
+		}
+		if err := h.secrets.apply(b); err != nil {
+			return err
+		}
+	}
+	for _, v := range *h.volumes {
+		host, guest, mode, err := sandbox.ParseShare(v)
+		if err != nil {
+			return fmt.Errorf("-v: %v", err)
+		}
+		if strings.Contains(host, "/") {
+			b.Share(host, guest, mode)
+		} else {
+			b.Volume(host, guest, mode)
+		}
+	}
+	b.Mailbox(*h.mailbox...).KV(*h.kv...)
+	return nil
+}
