@@ -52,19 +52,21 @@ func newLimiters(l ratelimit.Limits) *limiters {
 
 // disk is a new disk's buckets.
 func (ls *limiters) disk() *ratelimit.Limiter {
-	ls.mu.Lock()
-	defer ls.mu.Unlock()
-	l := ratelimit.New(ls.cur.Disk)
-	ls.disks = append(ls.disks, l)
-	return l
+	return ls.add(&ls.disks, func(l ratelimit.Limits) ratelimit.Limit { return l.Disk })
 }
 
 // share is a new share's bucket.
 func (ls *limiters) share() *ratelimit.Limiter {
+	return ls.add(&ls.shares, func(l ratelimit.Limits) ratelimit.Limit { return l.Share })
+}
+
+// add makes a device's buckets with its part of the current limits, kept
+// in list for set.
+func (ls *limiters) add(list *[]*ratelimit.Limiter, part func(ratelimit.Limits) ratelimit.Limit) *ratelimit.Limiter {
 	ls.mu.Lock()
 	defer ls.mu.Unlock()
-	l := ratelimit.New(ls.cur.Share)
-	ls.shares = append(ls.shares, l)
+	l := ratelimit.New(part(ls.cur))
+	*list = append(*list, l)
 	return l
 }
 

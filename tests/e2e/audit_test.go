@@ -43,22 +43,7 @@ func TestEgressAudit(t *testing.T) {
 		"secure.example.test.":  publicIP,
 	})
 	// A UDP echo server on the host's loopback, allowed by a rule.
-	pc, err := net.ListenPacket("udp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { pc.Close() })
-	go func() {
-		buf := make([]byte, 1500)
-		for {
-			n, from, err := pc.ReadFrom(buf)
-			if err != nil {
-				return
-			}
-			pc.WriteTo(append([]byte("echo:"), buf[:n]...), from)
-		}
-	}()
-	udpPort := pc.LocalAddr().(*net.UDPAddr).Port
+	udpPort := udpServer(t, func(b []byte) []byte { return append([]byte("echo:"), b...) }).Port
 	udpRule := fmt.Sprintf("udp/127.0.0.1:%d", udpPort)
 
 	self, err := os.Executable()

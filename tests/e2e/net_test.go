@@ -406,8 +406,10 @@ func waitHTTP(t *testing.T, url, want string) {
 	t.Fatalf("%s: %v", url, last)
 }
 
-// startDNS serves A records for names on a loopback UDP port.
-func startDNS(t *testing.T, names map[string]string) string {
+// udpServer answers each datagram to a loopback UDP port with what answer
+// makes of it (nil: nothing), until the test ends, and returns its
+// address.
+func udpServer(t *testing.T, answer func([]byte) []byte) *net.UDPAddr {
 	t.Helper()
 	pc, err := net.ListenPacket("udp", "127.0.0.1:0")
 	if err != nil {
@@ -421,34 +423,43 @@ func startDNS(t *testing.T, names map[string]string) string {
 			if err != nil {
 				return
 			}
-			var p dnsmessage.Parser
-			h, err := p.Start(buf[:n])
-			if err != nil {
-				continue
-			}
-			q, err := p.Question()
-			if err != nil {
-				continue
-			}
-			rh := dnsmessage.Header{ID: h.ID, Response: true, Authoritative: true}
-			ip, ok := names[strings.ToLower(q.Name.String())]
-			if !ok {
-				rh.RCode = dnsmessage.RCodeNameError
-			}
-			b := dnsmessage.NewBuilder(nil, rh)
-			b.StartQuestions()
-			b.Question(q)
-			b.StartAnswers()
-			if ok && q.Type == dnsmessage.TypeA {
-				b.AResource(dnsmessage.ResourceHeader{Name: q.Name, Class: dnsmessage.ClassINET, TTL: 60},
-					dnsmessage.AResource{A: netip.MustParseAddr(ip).As4()})
-			}
-			if msg, err := b.Finish(); err == nil {
+			if msg := answer(buf[:n]); msg != nil {
 				pc.WriteTo(msg, from)
 			}
 		}
 	}()
-	return pc.LocalAddr().String()
+	return pc.LocalAddr().(*net.UDPAddr)
+}
+
+// startDNS serves A records for names on a loopback UDP port.
+func startDNS(t *testing.T, names map[string]string) string {
+	t.Helper()
+	return udpServer(t, func(query []byte) []byte {
+		var p dnsmessage.Parser
+		h, err := p.Start(query)
+		if err != nil {
+			return nil
+		}
+		q, err := p.Question()
+		if err != nil {
+			return nil
+		}
+		rh := dnsmessage.Header{ID: h.ID, Response: true, Authoritative: true}
+		ip, ok := names[strings.ToLower(q.Name.String())]
+		if !ok {
+			rh.RCode = dnsmessage.RCodeNameError
+		}
+		b := dnsmessage.NewBuilder(nil, rh)
+		b.StartQuestions()
+		b.Question(q)
+		b.StartAnswers()
+		if ok && q.Type == dnsmessage.TypeA {
+			b.AResource(dnsmessage.ResourceHeader{Name: q.Name, Class: dnsmessage.ClassINET, TTL: 60},
+				dnsmessage.AResource{A: netip.MustParseAddr(ip).As4()})
+		}
+		msg, _ := b.Finish()
+		return msg
+	}).String()
 }
 
 // netSandbox starts a sandbox with the given network setup.
