@@ -173,16 +173,18 @@ stress: capsa testinitrd nested-deps qemu-bundle $(NESTED)
 	set -o pipefail; $(BUILD)/stress/stress-summary -fail-if-worse capsa,qemu-microvm $(BUILD)/stress/session-*.log | tee $(BUILD)/stress/results.txt
 
 # The leak soak at full size: 200 sandboxes created, used and destroyed in
-# one process (`make test` runs TestSoak's 20); and 50,000 new connections
-# through the NAT, every one answered (`make test` makes 2,000).
+# one process (`make test` runs TestSoak's 20); and 50,000 new plain
+# connections through the NAT and 5,000 over TLS each passed through and
+# intercepted, every one answered (`make test` makes 2,000 and 500).
 SOAK_CYCLES ?= 200
 SOAK_NAT_CONNS ?= 50000
+SOAK_NAT_TLS_CONNS ?= 5000
 soak: capsa testinitrd nested-deps qemu-bundle $(NESTED)
 	@rm -rf $(BUILD)/soak && mkdir -p $(BUILD)/soak
 	CGO_ENABLED=0 $(GO) test -c -o $(BUILD)/soak/e2e.test ./tests/e2e
 	set -o pipefail; $(NESTED) --timeout 80m -f $(BUILD)/soak/e2e.test $(patsubst %,-f %,$(E2E_FILES)) -- \
 		./e2e.test -test.run '^(TestSoak|TestNATConnectionLoad)$$' -test.v -test.timeout 75m -soak.cycles $(SOAK_CYCLES) \
-		-nat.conns $(SOAK_NAT_CONNS) | tee $(BUILD)/soak/results.txt
+		-nat.conns $(SOAK_NAT_CONNS) -nat.tls-conns $(SOAK_NAT_TLS_CONNS) | tee $(BUILD)/soak/results.txt
 
 # The workspace's third-party tier in full: TestWorkspacePrograms with pip
 # and npm too, beside the POSIX suite and the file system probe (about 25

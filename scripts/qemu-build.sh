@@ -9,8 +9,9 @@
 # emulator is built, with no optional features; the firmware comes from
 # Debian's qemu-system-data, installed with qemu-system-x86.
 #
-# The result is cached outside the checkout, keyed by a hash of this script
-# and the patches:
+# The result is cached outside the checkout, keyed by a hash of what the
+# build is made of (the source's version and checksum, the configure flags
+# and the patches), so an edit elsewhere in this script rebuilds nothing:
 #   $CAPSA_CACHE/qemu/<key>/bin/qemu-system-x86_64, and qemu/current -> <key>
 # About 6 minutes on 2 cores the first time; instant afterwards.
 set -euo pipefail
@@ -19,13 +20,15 @@ cache=${CAPSA_CACHE:-$HOME/.cache/capsa}
 jobs=${JOBS:-$(nproc)}
 version=10.0.2
 tarball=qemu_${version}+ds.orig.tar.xz
-url=http://deb.debian.org/debian/pool/main/q/qemu/$tarball
 sha256=0901da33844a331bf8b3602b9c1fbd178e60b737c8e3ade678255bd090c9b9f1
+configure=(--target-list=x86_64-softmmu --python=/usr/bin/python3 --without-default-features --enable-fdt=system
+	--disable-download --disable-install-blobs --disable-docs --disable-werror
+	--firmwarepath=/usr/share/qemu:/usr/share/seabios:/usr/lib/ipxe/qemu)
 
 log() { printf 'qemu-build: %s\n' "$*" >&2; }
 
 patches=("$here"/tests/nested/qemu/*.patch)
-key=$(cat "$0" "${patches[@]}" | sha256sum | cut -c1-16)
+key=$({ echo "$version $sha256 ${configure[*]}"; cat "${patches[@]}"; } | sha256sum | cut -c1-16)
 dest=$cache/qemu/$key
 if [ -x "$dest/bin/qemu-system-x86_64" ]; then
 	ln -sfn "$key" "$cache/qemu/current"
@@ -56,6 +59,11 @@ mkdir -p "$work"
 trap 'rm -rf "$work"' EXIT
 dl=$cache/qemu/$tarball
 if [ ! -f "$dl" ] || ! echo "$sha256  $dl" | sha256sum -c --quiet 2>/dev/null; then
+	# From the mirror this machine's apt takes Debian from (its pool
+	# holds the source package's orig tarball), checked by its hash.
+	uri=$(apt-get indextargets --format '$(REPO_URI) $(LABEL)' 2>/dev/null | awk '$2 == "Debian" && NF == 2 {print $1; exit}')
+	[ -n "$uri" ] || { log "no apt source of this machine serves Debian"; exit 1; }
+	url=${uri%/}/pool/main/q/qemu/$tarball
 	log "downloading $url"
 	curl -fsS -o "$dl.tmp" "$url" || { log "cannot download $url"; exit 1; }
 	echo "$sha256  $dl.tmp" | sha256sum -c --quiet || { log "$tarball: sha256 mismatch"; exit 1; }
@@ -74,9 +82,7 @@ for f in $(sed -n "s/^ *'\(edk2-[a-z0-9_-]*\.fd\)',\$/\1/p" "$src/pc-bios/meson.
 done
 log "configuring"
 mkdir -p "$src/build"
-(cd "$src/build" && ../configure --prefix="$dest.tmp" --target-list=x86_64-softmmu \
-	--python=/usr/bin/python3 --without-default-features --enable-fdt=system --disable-download --disable-install-blobs --disable-docs --disable-werror \
-	--firmwarepath=/usr/share/qemu:/usr/share/seabios:/usr/lib/ipxe/qemu >configure.log 2>&1) ||
+(cd "$src/build" && ../configure --prefix="$dest.tmp" "${configure[@]}" >configure.log 2>&1) ||
 	{ tail -30 "$src/build/configure.log" >&2; exit 1; }
 log "building with $jobs jobs"
 ninja -C "$src/build" -j"$jobs" qemu-system-x86_64 >"$work/build.log" 2>&1 ||

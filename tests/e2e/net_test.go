@@ -257,45 +257,97 @@ func netGets(url, n, workers string) error {
 	return nil
 }
 
-// natConns is how many connections TestNATConnectionLoad makes: make test's
-// 2,000; make soak's 50,000.
-var natConns = flag.Int("nat.conns", 2000, "new connections TestNATConnectionLoad makes through the NAT")
+// natConns and natTLSConns are how many connections TestNATConnectionLoad
+// makes, plain and over TLS (each of its two TLS variants; a handshake
+// costs the nested host about three plain connections): make test's 2,000
+// and 500, make soak's 50,000 and 5,000.
+var (
+	natConns    = flag.Int("nat.conns", 2000, "new plain connections TestNATConnectionLoad makes through the NAT")
+	natTLSConns = flag.Int("nat.tls-conns", 500, "new TLS connections each TLS variant of TestNATConnectionLoad makes through the NAT")
+)
 
 // TestNATConnectionLoad: thousands of new connections from a guest through
-// the NAT, from four workers, each answered. The guest's ports are held to
-// a range of 1,000, so each is used again within the minute, as a busy
-// guest's are: before the NAT kept no TIME_WAIT of its own, a SYN from a
-// port whose last connection the server had closed first got no answer
-// (netstack.TestPortReuseAfterServerClose is the unit test).
+// the NAT, from four workers, each answered: plain HTTP, HTTPS passed
+// through (the guest trusts the server's CA), and HTTPS intercepted (the
+// NAT terminates the guest's TLS with the sandbox's CA and opens its own to
+// the server). The guest's ports are held to a range of 1,000, so each is
+// used again within the minute, as a busy guest's are: before the NAT kept
+// no TIME_WAIT of its own, a SYN from a port whose last connection the
+// server had closed first got no answer (netstack.TestPortReuseAfterServerClose
+// is the unit test).
 func TestNATConnectionLoad(t *testing.T) {
 	artifact(t, "vmlinux")
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Minute)
-	defer cancel()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	var served atomic.Int64
-	hs := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		served.Add(1)
-		io.WriteString(w, "answer\n")
-	})}
-	go hs.Serve(l)
-	t.Cleanup(func() { hs.Close() })
-	sb := netSandbox(t, ctx, func(b *sandbox.Builder) { b.Network(netstack.AllowAll()) })
-	copySelf(t, ctx, sb, "/tmp/netbench")
-	if r, err := sb.Exec(ctx, sandbox.Shell("echo 40000 40999 > /proc/sys/net/ipv4/ip_local_port_range")); err != nil || r.Code != 0 {
-		t.Fatalf("narrow the guest's port range: %+v, %v", r, err)
-	}
-	job := fmt.Sprintf("get http://10.0.2.2:%d/ %d 4", l.Addr().(*net.TCPAddr).Port, *natConns)
-	start := time.Now()
-	r, err := sb.Exec(ctx, sandbox.ExecOptions{Argv: []string{"/tmp/netbench"}, Env: []string{netBenchEnv + "=" + job}, Timeout: 25 * time.Minute})
-	if err != nil || r.Code != 0 {
-		t.Fatalf("the guest's GETs: %+v, %v\nthe sandbox's state:\n%s", r, err, sb.Debug(ctx))
-	}
-	t.Logf("%s in %v; the host served %d", strings.TrimSpace(string(r.Stdout)), time.Since(start).Round(time.Millisecond), served.Load())
-	if want := fmt.Sprintf("answered %d of %d\n", *natConns, *natConns); string(r.Stdout) != want {
-		t.Errorf("the guest's GETs through the NAT: %q; want every one answered", r.Stdout)
+	dir := t.TempDir()
+	pki := newTestPKI(t, dir, "load.example.test")
+	dns := startDNS(t, map[string]string{"load.example.test.": "10.0.2.2"}) // the host's loopback
+	for _, tc := range []struct {
+		name      string
+		tls       bool
+		intercept bool
+	}{{"plain", false, false}, {"tls", true, false}, {"tls-intercepted", true, true}} {
+		t.Run(tc.name, func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Minute)
+			defer cancel()
+			// Interception looks at port 443 alone (tlsproxy.Port).
+			addr := "127.0.0.1:0"
+			if tc.intercept {
+				addr = "127.0.0.1:443"
+			}
+			l, err := net.Listen("tcp", addr)
+			if err != nil {
+				t.Fatal(err)
+			}
+			var served atomic.Int64
+			hs := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				served.Add(1)
+				io.WriteString(w, "answer\n")
+			})}
+			scheme := "http"
+			if tc.tls {
+				scheme = "https"
+				go hs.ServeTLS(l, pki.certFile, pki.keyFile)
+			} else {
+				go hs.Serve(l)
+			}
+			t.Cleanup(func() { hs.Close() })
+			sb := netSandbox(t, ctx, func(b *sandbox.Builder) {
+				b.Network(netstack.AllowAll()).DNSServer(dns)
+				if tc.intercept {
+					b.TLSIntercept("load.example.test").UpstreamCA(pki.caFile)
+				}
+			})
+			copySelf(t, ctx, sb, "/tmp/netbench")
+			if r, err := sb.Exec(ctx, sandbox.Shell("echo 40000 40999 > /proc/sys/net/ipv4/ip_local_port_range")); err != nil || r.Code != 0 {
+				t.Fatalf("narrow the guest's port range: %+v, %v", r, err)
+			}
+			conns := *natConns
+			if tc.tls {
+				conns = *natTLSConns
+			}
+			env := []string{netBenchEnv + "=" + fmt.Sprintf("get %s://load.example.test:%d/ %d 4", scheme, l.Addr().(*net.TCPAddr).Port, conns)}
+			if tc.tls && !tc.intercept {
+				// Passed through: the guest checks the server's own
+				// certificate.
+				if err := sb.WriteFile(ctx, "/tmp/upstream-ca.pem", mustRead(t, pki.caFile), 0o644); err != nil {
+					t.Fatal(err)
+				}
+				env = append(env, "SSL_CERT_FILE=/tmp/upstream-ca.pem")
+			}
+			start := time.Now()
+			r, err := sb.Exec(ctx, sandbox.ExecOptions{Argv: []string{"/tmp/netbench"}, Env: env, Timeout: 25 * time.Minute})
+			if err != nil || r.Code != 0 {
+				t.Fatalf("the guest's GETs: %+v, %v\nthe sandbox's state:\n%s", r, err, sb.Debug(ctx))
+			}
+			t.Logf("%s in %v; the host served %d", strings.TrimSpace(string(r.Stdout)), time.Since(start).Round(time.Millisecond), served.Load())
+			if want := fmt.Sprintf("answered %d of %d\n", conns, conns); string(r.Stdout) != want {
+				t.Errorf("the guest's GETs through the NAT: %q; want every one answered", r.Stdout)
+			}
+			if tc.intercept {
+				if st, ok := sb.InterceptStats(); !ok || st.Requests < uint64(conns) {
+					t.Errorf("the NAT's interception: %+v, %v; want every request intercepted", st, ok)
+				}
+			}
+		})
 	}
 }
 
