@@ -53,6 +53,7 @@ type config struct {
 	secrets  map[string]string // the values of Network.Secrets, by name
 	netAudit io.Writer         // the audit log of intercepted requests
 	ca       *tlsproxy.CA      // a restored sandbox's CA
+	start    time.Time         // when a restore began (zero: at boot), for the timeline
 }
 
 // Builder configures a sandbox. Choose its workload with Run to get a
@@ -340,6 +341,9 @@ func readOr(path string, builtinData func() ([]byte, error)) (data []byte, relea
 // take their state from it.
 func boot(ctx context.Context, c config, root *rootfs, snap *snapshot.Snapshot, hostname string) (_ *Sandbox, err error) {
 	start := time.Now()
+	if !c.start.IsZero() {
+		start = c.start
+	}
 	var kernel, initrd []byte
 	if snap == nil {
 		var release func()
@@ -367,6 +371,15 @@ func boot(ctx context.Context, c config, root *rootfs, snap *snapshot.Snapshot, 
 	}()
 	if s.dev, err = vsock.New(guestCID, log); err != nil {
 		return nil, err
+	}
+	if snap != nil {
+		s.dev.OnResetHandled(func(handled bool) {
+			if handled {
+				s.vm.Mark("guest: vsock transport reset handled (seen at the host's next send)")
+			} else {
+				s.vm.Mark("vsock: transport reset not acknowledged in time")
+			}
+		})
 	}
 	readyL, err := s.dev.Listen(agent.ReadyPort)
 	if err != nil {

@@ -16,6 +16,7 @@ import (
 	"github.com/capsa-sandbox/capsa/netstack"
 	"github.com/capsa-sandbox/capsa/snapshot"
 	"github.com/capsa-sandbox/capsa/tlsproxy"
+	"github.com/capsa-sandbox/capsa/vmm"
 )
 
 // Snapshot writes the sandbox to dir (which must not exist; see package
@@ -135,11 +136,15 @@ type RestoreOptions struct {
 // agent is reached afresh), network flows are reset by a new NAT with the
 // same addresses.
 func Restore(ctx context.Context, dir string, o RestoreOptions) (*Sandbox, error) {
+	start := time.Now()
+	var marks []vmm.Mark // steps before the VM is made, for its timeline
+	mark := func(what string) { marks = append(marks, vmm.Mark{What: what, At: time.Since(start)}) }
 	snap, err := snapshot.Open(dir)
 	if err != nil {
 		return nil, fmt.Errorf("sandbox: restore: %w", err)
 	}
 	defer snap.Close() // the memory stays mapped, the root disk copied
+	mark("sandbox: snapshot opened and checked (manifest, state, files)")
 	spec, err := restoredSpec(snap, o.Settings)
 	if err != nil {
 		return nil, fmt.Errorf("sandbox: restore: snapshot %s: %w", dir, err)
@@ -179,10 +184,15 @@ func Restore(ctx context.Context, dir string, o RestoreOptions) (*Sandbox, error
 		if root, err = restoreRootfs(w.c, snap); err != nil {
 			return nil, fmt.Errorf("sandbox: restore: %w", err)
 		}
+		mark("sandbox: writable root disk copied")
 	}
+	w.c.start = start
 	s, err := startVM(ctx, w.c, root, snap, o.Hostname)
 	if err != nil {
 		return nil, err
+	}
+	for _, m := range marks {
+		s.vm.MarkAt(m.What, m.At)
 	}
 	if err := s.resumeErr; err != nil {
 		err = fmt.Errorf("sandbox: restore: %w", s.vmErr(err))
@@ -197,6 +207,7 @@ func Restore(ctx context.Context, dir string, o RestoreOptions) (*Sandbox, error
 			return nil, err
 		}
 	}
+	s.vm.Mark("sandbox: restored, the main process attached")
 	s.running(main)
 	return s, nil
 }
@@ -325,27 +336,38 @@ func restoreRootfs(c config, snap *snapshot.Snapshot) (*rootfs, error) {
 
 // awaitAgent tells the restored guest it runs again (its clock, a fresh
 // seed for its random numbers, hostname if not empty) and marks the
-// sandbox ready once the agent has taken it, asking every 100 ms until
-// timeout: a restored agent does not announce itself again. An error
-// from the agent itself (not a lost connection) is kept in resumeErr.
+// sandbox ready once the agent has taken it, asking again until timeout:
+// a restored agent does not announce itself again. An error from the
+// agent itself (not a lost connection) is kept in resumeErr.
 func (s *Sandbox) awaitAgent(timeout time.Duration, hostname string) {
 	seed := make([]byte, 64)
 	rand.Read(seed)
 	deadline := time.Now().Add(timeout)
-	for time.Now().Before(deadline) {
+	for attempt := 1; time.Now().Before(deadline); attempt++ {
 		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
 		err := s.client.Resumed(ctx, agent.Resumed{TimeNs: time.Now().UnixNano(), Seed: seed, Hostname: hostname})
 		cancel()
 		var re *agent.RemoteError
 		if err == nil || errors.As(err, &re) {
+			s.vm.Mark("agent: first answer (resumed: clock, seed, hostname set)")
 			s.resumeErr = err
 			close(s.ready)
 			return
 		}
+		if attempt <= 3 { // the timeline shows what a restore waited on
+			s.vm.Mark(fmt.Sprintf("agent: no answer to attempt %d: %v", attempt, err))
+		}
+		// Often refused once, while the guest's vsock settles after the
+		// transport reset (the timeline shows it): asked again soon,
+		// then less often.
+		wait := 10 * time.Millisecond
+		if attempt > 20 {
+			wait = 100 * time.Millisecond
+		}
 		select {
 		case <-s.vmDone:
 			return
-		case <-time.After(100 * time.Millisecond):
+		case <-time.After(wait):
 		}
 	}
 }

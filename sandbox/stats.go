@@ -5,6 +5,7 @@ import (
 	"time"
 
 	"github.com/capsa-sandbox/capsa/netstack"
+	"github.com/capsa-sandbox/capsa/vmm"
 	"golang.org/x/sys/unix"
 )
 
@@ -77,6 +78,12 @@ func (s *Sandbox) Stats() (*Stats, error) {
 	}
 	return st, nil
 }
+
+// Timeline is where the sandbox's start went so far, a boot's or a
+// restore's: each step of capsa's and each milestone of the guest's it can
+// see, as the time since the start, and the VM exits by reason (capsa vm
+// --boot-time prints a boot's).
+func (s *Sandbox) Timeline() vmm.Timeline { return s.vm.Timeline() }
 
 // CPUPercent is the CPU use between two Stats of one sandbox, as `docker
 // stats` shows it: 100 is one vCPU busy all the time.

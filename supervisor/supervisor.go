@@ -204,6 +204,7 @@ func Run(ctx context.Context, o Options) error {
 		return fail(err)
 	}
 	defer sb.Close()
+	log.Info("supervisor: the sandbox runs", "restored", rec.RestoreFrom != "", "timeline", sb.Timeline().String())
 
 	c := &control{sb: sb, st: st, name: o.Name, stopc: make(chan stopRequest, 1), started: time.Now()}
 	srv, err := c.serve(filepath.Join(dir, ControlSocket), log)

@@ -42,6 +42,7 @@ type timeline struct {
 	// virtioSeen makes the per-exit check of the first virtio access a
 	// load once it is marked.
 	virtioSeen atomic.Bool
+	exitSeen   atomic.Bool // the same for the guest's first exit
 }
 
 func (t *timeline) mark(what string) {
@@ -59,6 +60,18 @@ func (t *timeline) mark(what string) {
 // Mark records a step of the VM's start seen by a later layer (the
 // sandbox's agent ready), once per name.
 func (m *Machine) Mark(what string) { m.timeline.mark(what) }
+
+// MarkAt records a step at a time after Config.Start that a caller
+// measured itself, before the Machine existed (a restore's reading of its
+// snapshot).
+func (m *Machine) MarkAt(what string, at time.Duration) {
+	t := &m.timeline
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if !slices.ContainsFunc(t.marks, func(mk Mark) bool { return mk.What == what }) {
+		t.marks = append(t.marks, Mark{What: what, At: at})
+	}
+}
 
 // virtioNames name the device types capsa attaches.
 var virtioNames = map[uint32]string{1: "net", 2: "block", 9: "9p", 19: "vsock"}
@@ -137,7 +150,7 @@ var timelineCounters = []string{
 
 func (tl Timeline) String() string {
 	var b strings.Builder
-	b.WriteString("boot timeline, ms after the VMM started:\n")
+	b.WriteString("timeline, ms after the start:\n")
 	var prev time.Duration
 	for _, mk := range tl.Marks {
 		fmt.Fprintf(&b, "  %9.1f  (+%7.1f)  %s\n", ms(mk.At), ms(mk.At-prev), mk.What)

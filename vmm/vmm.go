@@ -532,6 +532,9 @@ func (m *Machine) interrupted(i int) bool {
 func (m *Machine) handleExit(i int, v *kvm.VCPU, t *vcpuTrack) bool {
 	reason := v.ExitReason()
 	t.enter(reason, 0)
+	if !m.timeline.exitSeen.Load() && reason != kvm.ExitIntr && !m.timeline.exitSeen.Swap(true) {
+		m.timeline.mark("guest: first exit to the VMM (" + reason.String() + ")")
+	}
 	switch reason {
 	case kvm.ExitIO:
 		io, err := v.IO()

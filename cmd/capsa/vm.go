@@ -124,7 +124,7 @@ func runVM(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		if exit.BootTime > 0 {
 			fmt.Fprintf(stderr, "capsa vm: boot time: guest userspace reached after %.1f ms\n", float64(exit.BootTime.Microseconds())/1000)
 			if booted {
-				fmt.Fprintf(stderr, "capsa vm: %s", bootTL)
+				fmt.Fprintf(stderr, "capsa vm: boot %s", bootTL)
 			}
 		} else {
 			fmt.Fprintf(stderr, "capsa vm: boot time: the guest never signalled userspace (port %#x)\n", 0x3f0)

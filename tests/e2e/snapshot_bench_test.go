@@ -71,13 +71,18 @@ func BenchmarkSnapshot(b *testing.B) {
 		}
 		snaps[mib] = dir
 		b.Run(fmt.Sprintf("restore-%dM", mib), func(b *testing.B) {
+			var last string
 			timed(b, func() {
 				r, err := sandbox.Restore(ctx, dir, sandbox.RestoreOptions{})
 				if err != nil {
 					b.Fatal(err)
 				}
+				last = r.Timeline().String()
 				r.Close()
 			})
+			// Where a restore goes (docs/performance.md), whole: the
+			// testing package cuts a benchmark's log to ten lines.
+			fmt.Printf("%s: the last restore's %s", b.Name(), last)
 		})
 		b.Run(fmt.Sprintf("restore-to-exec-%dM", mib), func(b *testing.B) {
 			timed(b, func() {

@@ -16,6 +16,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -25,6 +26,7 @@ import (
 	"github.com/capsa-sandbox/capsa/netstack"
 	"github.com/capsa-sandbox/capsa/sandbox"
 	"github.com/capsa-sandbox/capsa/snapshot"
+	"github.com/capsa-sandbox/capsa/vmm"
 	"github.com/capsa-sandbox/capsa/volume"
 )
 
@@ -101,7 +103,14 @@ func TestSnapshotRollback(t *testing.T) {
 
 	start = time.Now()
 	r := restoreSandbox(t, ctx, dir, sandbox.RestoreOptions{})
-	t.Logf("Restore() took %v", time.Since(start).Round(time.Millisecond))
+	tl := r.Timeline()
+	t.Logf("Restore() took %v; its %s", time.Since(start).Round(time.Millisecond), tl)
+	for _, want := range []string{"sandbox: snapshot opened and checked", "vmm: guest memory mapped", "vmm: state restored",
+		"vmm: vCPUs started", "guest: first exit to the VMM", "agent: first answer", "sandbox: restored, the main process attached"} {
+		if !slices.ContainsFunc(tl.Marks, func(m vmm.Mark) bool { return strings.HasPrefix(m.What, want) }) {
+			t.Errorf("the restore's timeline has no %q step", want)
+		}
+	}
 	if b, err := r.ReadFile(ctx, "/tmp/data"); err != nil || string(b) != "prepared" {
 		t.Errorf("restored /tmp/data = %q, %v; want the prepared file back", b, err)
 	}

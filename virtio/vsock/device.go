@@ -60,7 +60,8 @@ type Device struct {
 	// buffer again (or then), nothing goes to it, since a connection
 	// request it took before the reset would be reset with the others.
 	resetUntil time.Time
-	resetAvail uint16 // the event queue's available index after the reset
+	onReset    func(handled bool) // OnResetHandled's, or nil
+	resetAvail uint16             // the event queue's available index after the reset
 	// fallback, when set, is offered guest connections to ports nobody
 	// listens on (the hybrid-vsock Unix socket uses it). It is called with
 	// mu held and must not block; false refuses the connection.
@@ -152,7 +153,19 @@ func (d *Device) resetDone() bool {
 		return false
 	}
 	d.resetUntil = time.Time{}
+	if f := d.onReset; f != nil {
+		f(err == nil && idx != d.resetAvail)
+	}
 	return true
+}
+
+// OnResetHandled has f called once the guest has handled a restore's
+// transport reset (handled), or the time allowed for it passed (not),
+// for the restore's timeline. Set it before the device runs.
+func (d *Device) OnResetHandled(f func(handled bool)) {
+	d.mu.Lock()
+	d.onReset = f
+	d.mu.Unlock()
 }
 
 // wake makes the worker run; d.mu is held.
