@@ -62,14 +62,16 @@ type createArgs struct {
 // host and the network. sandbox_create and snapshot_restore both take them
 // (a restore never takes them from the snapshot).
 type hostArgs struct {
-	Network string      `json:"network,omitempty" jsonschema:"none (the default: no network interface), public-only (the internet, not the host's or private networks), allow-all or deny-all"`
-	Allow   []string    `json:"allow,omitempty" jsonschema:"with a network: destinations to allow (CIDR, IP, [udp/]HOST[:PORT[-PORT]], DOMAIN or *.DOMAIN)"`
-	Deny    []string    `json:"deny,omitempty" jsonschema:"with a network: destinations to deny, as allow; deny beats allow"`
-	Shares  []shareArg  `json:"shares,omitempty" jsonschema:"host directories shared into the guest"`
-	Volumes []volumeArg `json:"volumes,omitempty" jsonschema:"named volumes mounted into the guest: shared with the other sandboxes that mount them, kept after this one ends, bounded by their quota"`
-	Secrets []secretArg `json:"secrets,omitempty" jsonschema:"API keys the sandbox's code may use but never read: the guest sees a placeholder, and the network swaps the value in on HTTPS requests to the given hosts only (needs a network); the values come from the server's environment"`
-	Mailbox []string    `json:"mailbox,omitempty" jsonschema:"mailbox topics the sandbox may publish to and subscribe to from inside (capsa mailbox ...): a topic, or PREFIX* for every topic starting with PREFIX"`
-	KV      []string    `json:"kv,omitempty" jsonschema:"key prefixes of the shared key-value store the sandbox may read and change from inside (capsa kv ...)"`
+	Network  string      `json:"network,omitempty" jsonschema:"none (the default: no network interface), public-only (the internet, not the host's or private networks), allow-all or deny-all"`
+	Allow    []string    `json:"allow,omitempty" jsonschema:"with a network: destinations to allow (CIDR, IP, [udp/]HOST[:PORT[-PORT]], DOMAIN or *.DOMAIN)"`
+	Deny     []string    `json:"deny,omitempty" jsonschema:"with a network: destinations to deny, as allow; deny beats allow"`
+	Shares   []shareArg  `json:"shares,omitempty" jsonschema:"host directories shared into the guest"`
+	Volumes  []volumeArg `json:"volumes,omitempty" jsonschema:"named volumes mounted into the guest: shared with the other sandboxes that mount them, kept after this one ends, bounded by their quota"`
+	Secrets  []secretArg `json:"secrets,omitempty" jsonschema:"API keys the sandbox's code may use but never read: the guest sees a placeholder, and the network swaps the value in on HTTPS requests to the given hosts only (needs a network); the values come from the server's environment"`
+	Mailbox  []string    `json:"mailbox,omitempty" jsonschema:"mailbox topics the sandbox may publish to and subscribe to from inside (capsa mailbox ...): a topic, or PREFIX* for every topic starting with PREFIX"`
+	KV       []string    `json:"kv,omitempty" jsonschema:"key prefixes of the shared key-value store the sandbox may read and change from inside (capsa kv ...)"`
+	Limits   string      `json:"limits,omitempty" jsonschema:"I/O limits as capsa run --limit takes them, KEY=RATE[:BURST] comma separated: net, net-rx, net-tx (bytes a second: 10MB, 512KiB), net-pps, disk, disk-iops, share; a guest past one is slowed, never failed"`
+	CPUQuota float64     `json:"cpu_quota,omitempty" jsonschema:"the most host CPUs the sandbox may use, its vCPUs and its VMM's own threads together (e.g. 0.5); default: its vCPU count"`
 }
 
 type createResult struct {
@@ -221,6 +223,12 @@ func (t *tools) applyHost(b *sandbox.Builder, a hostArgs) error {
 		b.Secret(sec.Name, value, sec.Hosts...)
 	}
 	b.Mailbox(a.Mailbox...).KV(a.KV...)
+	if a.Limits != "" {
+		b.LimitString(a.Limits)
+	}
+	if a.CPUQuota != 0 {
+		b.CPUQuota(a.CPUQuota)
+	}
 	return nil
 }
 
