@@ -389,6 +389,18 @@ func setupNetWorld(t *testing.T) *netWorld {
 		t.Fatalf("start the public server: %v", err)
 	}
 	t.Cleanup(func() { srv.Process.Kill(); srv.Wait() })
+	// unshare makes its namespace after it starts: a link moved to its
+	// pid before that stays in this one (seen once in make test).
+	self, _ := os.Readlink("/proc/self/ns/net")
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(5 * time.Millisecond) {
+		ns, err := os.Readlink(fmt.Sprintf("/proc/%d/ns/net", srv.Process.Pid))
+		if err == nil && ns != self {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the public server's process has no network namespace of its own after 10 s (%s, %v)", ns, err)
+		}
+	}
 	host := fmt.Sprintf("capsapub%d", os.Getpid()%1000)
 	run("ip", "link", "add", host, "type", "veth")
 	t.Cleanup(func() { exec.Command("ip", "link", "del", host).Run() })
