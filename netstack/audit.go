@@ -205,12 +205,21 @@ func flowRecord(kind string, src, dst netip.AddrPort, host netip.Addr, names []s
 	return f
 }
 
-// closed completes f, a flow that began at start, as its close record.
-func (f Flow) closed(start time.Time, c *countingConn) Flow {
-	f.Event, f.Time = "close", time.Time{}
-	f.BytesOut, f.BytesIn = c.out.Load(), c.in.Load()
-	f.DurationMS = time.Since(start).Milliseconds()
-	return f
+// opened logs rec's flow as open and returns the guest's side of it,
+// counting its bytes, and the func that logs its close with them and the
+// flow's duration.
+func (a *auditor) opened(rec Flow, guest net.Conn) (*countingConn, func()) {
+	open := rec
+	open.Event = "open"
+	a.log(open)
+	start := time.Now()
+	c := &countingConn{Conn: guest}
+	return c, func() {
+		rec.Event = "close"
+		rec.BytesOut, rec.BytesIn = c.out.Load(), c.in.Load()
+		rec.DurationMS = time.Since(start).Milliseconds()
+		a.log(rec)
+	}
 }
 
 // countingConn counts the bytes read from (the guest sent: out) and

@@ -8,7 +8,6 @@ import (
 	"net"
 	"net/netip"
 	"sync"
-	"time"
 
 	"gvisor.dev/gvisor/pkg/tcpip/adapters/gonet"
 	"gvisor.dev/gvisor/pkg/tcpip/transport/tcp"
@@ -100,13 +99,9 @@ func (s *Stack) handleTCP(r *tcp.ForwarderRequest) {
 	s.stats.tcpForwarded.Add(1)
 	s.audit.count("tcp", true, v.Rule)
 	rec.Rule, rec.Reason = v.Rule, v.Reason
-	open := rec
-	open.Event = "open"
-	s.audit.log(open)
-	start := time.Now()
 	s.log.Debug("TCP forwarded", "dst", dstAP, "host", hostAddr, "names", names)
-	counted := &countingConn{Conn: gonet.NewTCPConn(&wq, ep)}
-	defer func() { s.audit.log(rec.closed(start, counted)) }()
+	counted, closed := s.audit.opened(rec, gonet.NewTCPConn(&wq, ep))
+	defer closed()
 	var guest net.Conn = counted
 	if ic := s.cfg.Intercept; ic != nil {
 		if guest = s.intercept(ic, guest, hc, dstAP, hostAddr); guest == nil {

@@ -122,12 +122,8 @@ func (s *Stack) relayUDPFlow(gc *gonet.UDPConn, hostAddr string, rec Flow) {
 	}
 	defer s.untrack(hc)
 	defer hc.Close()
-	open := rec
-	open.Event = "open"
-	s.audit.log(open)
-	start := time.Now()
-	counted := &countingConn{Conn: gc}
-	defer func() { s.audit.log(rec.closed(start, counted)) }()
+	counted, closed := s.audit.opened(rec, gc)
+	defer closed()
 	relayDatagrams(counted, hc, s.cfg.UDPIdleTimeout)
 }
 
