@@ -48,13 +48,15 @@ type timeline struct {
 func (t *timeline) mark(what string) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	at := time.Since(t.start) // under the lock: marks from several goroutines stay in order
-	for _, m := range t.marks {
-		if m.What == what {
-			return
-		}
+	t.addLocked(what, time.Since(t.start)) // under the lock: marks from several goroutines stay in order
+}
+
+// addLocked records what at at, unless it is recorded already; t.mu is
+// held.
+func (t *timeline) addLocked(what string, at time.Duration) {
+	if !slices.ContainsFunc(t.marks, func(mk Mark) bool { return mk.What == what }) {
+		t.marks = append(t.marks, Mark{What: what, At: at})
 	}
-	t.marks = append(t.marks, Mark{What: what, At: at})
 }
 
 // Mark records a step of the VM's start seen by a later layer (the
@@ -68,9 +70,7 @@ func (m *Machine) MarkAt(what string, at time.Duration) {
 	t := &m.timeline
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	if !slices.ContainsFunc(t.marks, func(mk Mark) bool { return mk.What == what }) {
-		t.marks = append(t.marks, Mark{What: what, At: at})
-	}
+	t.addLocked(what, at)
 }
 
 // virtioNames name the device types capsa attaches.
