@@ -73,12 +73,11 @@ func (t *tools) restore(ctx context.Context, a restoreArgs) (createResult, error
 	if err := t.applyHost(b, a.hostArgs); err != nil {
 		return createResult{}, err
 	}
-	w := b.Run("true")
-	settings, err := w.Spec()
+	settings, secrets, err := b.Settings()
 	if err != nil {
 		return createResult{}, err
 	}
-	name, err := t.m.Restore(ctx, a.Snapshot, a.Name, "", false, &settings, w.SecretValues())
+	name, err := t.m.Restore(ctx, a.Snapshot, a.Name, "", false, settings, secrets)
 	if err != nil {
 		return createResult{}, failedLaunch(name, err)
 	}

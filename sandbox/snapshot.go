@@ -159,13 +159,7 @@ func Restore(ctx context.Context, dir string, o RestoreOptions) (*Sandbox, error
 	w := FromSpec(spec).Secrets(o.Secrets).NetAudit(o.NetAudit)
 	w.c.log, w.c.console = o.Logger, o.Console
 	if n := spec.Network; n != nil && (len(n.Intercept) > 0 || len(n.Secrets) > 0) {
-		var b []byte
-		f := snap.File(snapshotCAFile)
-		if f == nil {
-			err = errors.New("not in the snapshot")
-		} else {
-			b, err = io.ReadAll(io.NewSectionReader(f, 0, 1<<20))
-		}
+		b, err := snap.ReadFile(snapshotCAFile, 1<<20)
 		if err == nil {
 			w.c.ca, err = tlsproxy.ParseCA(b)
 		}
@@ -210,6 +204,19 @@ func Restore(ctx context.Context, dir string, o RestoreOptions) (*Sandbox, error
 	s.vm.Mark("sandbox: restored, the main process attached")
 	s.running(main)
 	return s, nil
+}
+
+// Settings returns what the builder holds as a restore's host-facing
+// settings (RestoreOptions.Settings) and its secrets' values, or what is
+// wrong with them: a restore's are built and checked by the same methods
+// as a boot's.
+func (b *Builder) Settings() (*Spec, map[string]string, error) {
+	w := &Workload{c: b.c}
+	s, err := w.Spec()
+	if err != nil {
+		return nil, nil, err
+	}
+	return &s, w.SecretValues(), nil
 }
 
 // RestoredSpec is the description of a sandbox restored from the snapshot
@@ -266,55 +273,57 @@ func restoredSpec(snap *snapshot.Snapshot, settings *Spec) (Spec, error) {
 		spec.Image = &img
 	}
 	// Shares and volumes, each by the guest path the snapshot has it on.
-	for _, sh := range saved.Shares {
-		i := slices.IndexFunc(r.Shares, func(g ShareSpec) bool { return g.Guest == sh.Guest })
-		if i < 0 {
-			return Spec{}, fmt.Errorf("it has a share on %s: give its host directory (-v HOST:%s)", sh.Guest, sh.Guest)
-		}
-		spec.Shares = append(spec.Shares, ShareSpec{Host: r.Shares[i].Host, Guest: sh.Guest, Mode: r.Shares[i].Mode})
+	var err error
+	shareGuest := func(sh ShareSpec) string { return sh.Guest }
+	if spec.Shares, err = byGuestPath(saved.Shares, r.Shares, shareGuest, "share", "give its host directory (-v HOST:%s)"); err != nil {
+		return Spec{}, err
 	}
-	for _, g := range r.Shares {
-		if !slices.ContainsFunc(saved.Shares, func(sh ShareSpec) bool { return sh.Guest == g.Guest }) {
-			return Spec{}, fmt.Errorf("it has no share on %s: a restore cannot add one", g.Guest)
-		}
-	}
-	for _, v := range saved.Volumes {
-		i := slices.IndexFunc(r.Volumes, func(g VolumeSpec) bool { return g.Guest == v.Guest })
-		if i < 0 {
-			return Spec{}, fmt.Errorf("it has a volume on %s: give one (-v NAME:%s)", v.Guest, v.Guest)
-		}
-		g := r.Volumes[i]
-		spec.Volumes = append(spec.Volumes, VolumeSpec{Name: g.Name, Guest: v.Guest, Mode: g.Mode, Dir: g.Dir})
-	}
-	for _, g := range r.Volumes {
-		if !slices.ContainsFunc(saved.Volumes, func(v VolumeSpec) bool { return v.Guest == g.Guest }) {
-			return Spec{}, fmt.Errorf("it has no volume on %s: a restore cannot add one", g.Guest)
-		}
+	volumeGuest := func(v VolumeSpec) string { return v.Guest }
+	if spec.Volumes, err = byGuestPath(saved.Volumes, r.Volumes, volumeGuest, "volume", "give one (-v NAME:%s)"); err != nil {
+		return Spec{}, err
 	}
 	switch {
 	case saved.Network == nil && r.Network != nil:
 		return Spec{}, errors.New("it was taken without a network: a restore cannot add one")
+	case saved.Network != nil && r.Network == nil:
+		spec.Network = &NetworkSpec{Policy: netstack.DenyAll()}
 	case saved.Network != nil:
-		n := NetworkSpec{Policy: netstack.DenyAll()}
-		if r.Network != nil {
-			n = *r.Network
-			n.Secrets = nil
-		}
+		n := *r.Network
 		// The guest holds the snapshot's placeholders; where each
 		// secret may go is the restorer's to say.
-		if r.Network != nil {
-			for _, sec := range r.Network.Secrets {
-				i := slices.IndexFunc(saved.Network.Secrets, func(s SecretSpec) bool { return s.Name == sec.Name })
-				if i < 0 {
-					return Spec{}, fmt.Errorf("it has no secret %s", sec.Name)
-				}
-				sec.Placeholder = saved.Network.Secrets[i].Placeholder
-				n.Secrets = append(n.Secrets, sec)
+		n.Secrets = nil
+		for _, sec := range r.Network.Secrets {
+			i := slices.IndexFunc(saved.Network.Secrets, func(s SecretSpec) bool { return s.Name == sec.Name })
+			if i < 0 {
+				return Spec{}, fmt.Errorf("it has no secret %s", sec.Name)
 			}
+			sec.Placeholder = saved.Network.Secrets[i].Placeholder
+			n.Secrets = append(n.Secrets, sec)
 		}
 		spec.Network = &n
 	}
 	return spec, nil
+}
+
+// byGuestPath is given, the restorer's shares or volumes (kind), in the
+// order the snapshot saved has them, matched by guest path: each the
+// snapshot has must be given (else the error says how, give with the
+// guest path for its %s), and none it lacks can be.
+func byGuestPath[T any](saved, given []T, guest func(T) string, kind, give string) ([]T, error) {
+	var out []T
+	for _, sv := range saved {
+		i := slices.IndexFunc(given, func(g T) bool { return guest(g) == guest(sv) })
+		if i < 0 {
+			return nil, fmt.Errorf("it has a %s on %s: "+give, kind, guest(sv), guest(sv))
+		}
+		out = append(out, given[i])
+	}
+	for _, g := range given {
+		if !slices.ContainsFunc(saved, func(sv T) bool { return guest(sv) == guest(g) }) {
+			return nil, fmt.Errorf("it has no %s on %s: a restore cannot add one", kind, guest(g))
+		}
+	}
+	return out, nil
 }
 
 // restoreRootfs gives a restored image sandbox the snapshot's image, from

@@ -228,21 +228,11 @@ func Open(dir string) (_ *Snapshot, err error) {
 	}
 	defer d.Close()
 	dfd := int(d.Fd())
-	mf, err := openChecked(dfd, ManifestFile, false)
+	mb, err := readChecked(dfd, ManifestFile, maxManifest)
 	if err != nil {
 		return nil, err
 	}
-	mb, err := readBounded(mf, maxManifest)
-	mf.Close()
-	if err != nil {
-		return nil, err
-	}
-	sf, err := openChecked(dfd, ManifestSumFile, false)
-	if err != nil {
-		return nil, err
-	}
-	sum, err := readBounded(sf, 128)
-	sf.Close()
+	sum, err := readChecked(dfd, ManifestSumFile, 128)
 	if err != nil {
 		return nil, err
 	}
@@ -258,11 +248,15 @@ func Open(dir string) (_ *Snapshot, err error) {
 			return nil, err
 		}
 		s.files[name] = f
-		if fi, err := f.Stat(); err != nil || fi.Size() != want.Size {
-			return nil, fmt.Errorf("%s is %d bytes, the manifest says %d: truncated or replaced (%v)", name, fi.Size(), want.Size, err)
+		fi, err := f.Stat()
+		if err != nil {
+			return nil, err
+		}
+		if fi.Size() != want.Size {
+			return nil, fmt.Errorf("%s is %d bytes, the manifest says %d: truncated or replaced", name, fi.Size(), want.Size)
 		}
 	}
-	sb, err := readBounded(s.files[StateFile], maxState)
+	sb, err := s.ReadFile(StateFile, maxState)
 	if err != nil {
 		return nil, err
 	}
@@ -276,6 +270,27 @@ func Open(dir string) (_ *Snapshot, err error) {
 		return nil, fmt.Errorf("the state is of %d vCPUs and %d bytes, the manifest says %d and %d", s.State.CPUs, s.State.MemoryBytes, s.Manifest.CPUs, s.Manifest.MemoryBytes)
 	}
 	return s, nil
+}
+
+// readChecked reads the file name beneath dirfd, opened by openChecked,
+// refusing more than limit bytes.
+func readChecked(dirfd int, name string, limit int64) ([]byte, error) {
+	f, err := openChecked(dirfd, name, false)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	return readBounded(f, limit)
+}
+
+// ReadFile reads the snapshot's file name, through the descriptor Open
+// checked, refusing more than limit bytes.
+func (s *Snapshot) ReadFile(name string, limit int64) ([]byte, error) {
+	f := s.files[name]
+	if f == nil {
+		return nil, fmt.Errorf("%s: not in the snapshot", name)
+	}
+	return readBounded(f, limit)
 }
 
 // openChecked opens name beneath the directory dirfd (AT_FDCWD: from the

@@ -115,8 +115,7 @@ func snapshotRestore(ctx context.Context, args []string, stdout, stderr io.Write
 		fmt.Fprintf(stderr, "capsa snapshot restore: %v\n", err)
 		return 2
 	}
-	w := b.Run("true")
-	settings, err := w.Spec()
+	settings, secrets, err := b.Settings()
 	if err != nil {
 		fmt.Fprintf(stderr, "capsa snapshot restore: %v\n", err)
 		return 2
@@ -139,7 +138,7 @@ func snapshotRestore(ctx context.Context, args []string, stdout, stderr io.Write
 		fmt.Fprintf(stderr, "capsa snapshot restore: %v\n", err)
 		return 2
 	}
-	return restoreDetached(ctx, "snapshot restore", m, dir, *name, "", *rm, &settings, w.SecretValues(), stdout, stderr)
+	return restoreDetached(ctx, "snapshot restore", m, dir, *name, "", *rm, settings, secrets, stdout, stderr)
 }
 
 func snapshotList(ctx context.Context, args []string, stdout, stderr io.Writer) int {

@@ -610,12 +610,12 @@ func TestSnapshotKeepsSharesApart(t *testing.T) {
 	sb.Close()
 
 	// The same shares and volume, given again by the restorer.
-	settings, err := sandbox.New().Share(a, "/mnt/a", sandbox.ReadWrite).Share(b, "/mnt/b", sandbox.ReadOnly).
-		VolumeIn(vdir, "v", "/mnt/v", sandbox.ReadWrite).Run("true").Spec()
+	settings, _, err := sandbox.New().Share(a, "/mnt/a", sandbox.ReadWrite).Share(b, "/mnt/b", sandbox.ReadOnly).
+		VolumeIn(vdir, "v", "/mnt/v", sandbox.ReadWrite).Settings()
 	if err != nil {
 		t.Fatal(err)
 	}
-	r := restoreSandbox(t, ctx, snap, sandbox.RestoreOptions{Settings: &settings})
+	r := restoreSandbox(t, ctx, snap, sandbox.RestoreOptions{Settings: settings})
 	out, err := r.Exec(ctx, sandbox.Shell("cat /mnt/a/which /mnt/b/which /mnt/v/which && printf A > /mnt/a/new && printf V > /mnt/v/new && ! touch /mnt/b/new 2>/dev/null"))
 	if err != nil || out.Code != 0 || string(out.Stdout) != "abv" {
 		t.Fatalf("the restored mounts: %+v, %v; want \"abv\" read and the writes made", out, err)
