@@ -41,11 +41,25 @@ for f in "$@"; do
 	fi
 done
 failed="" rerun="" n=0 passed=0 skipped=0 nfailed=0 crashes=0
-log=$(mktemp)
-trap 'rm -f "$log"' EXIT
+log=$(mktemp) digest=$(mktemp)
+trap 'rm -f "$log" "$digest"' EXIT
 # The skips expected on this machine: "TestName: why" lines (# comments),
 # none on the nested host. A skip not listed fails the tier.
 expected_skips=$(dirname "$0")/e2e/expected-skips.txt
+
+# failure_digest TEST: TEST's own lines in this session's log (its t.Log
+# and t.Error lines, the first line of each, cut at 400 characters; not the
+# files a failed test dumps), so that the end of the tier's output says why
+# each test failed, however long the dumps above it are.
+failure_digest() {
+	echo "--- $1:"
+	awk -v t="$1" '
+		/^=== (RUN|CONT|NAME) / { cur = $3; next }
+		/^(---|===) / { next }
+		(cur == t || index(cur, t "/") == 1) && /^ +[A-Za-z0-9_]+_test\.go:[0-9]+: / && !/(console|supervisor)\.log:$/ {
+			print substr($0, 1, 400); if (++n >= 40) { print "    (more in the log above)"; exit }
+		}' "$log"
+}
 
 # run NAMES...: one session running the named tests.
 run() {
@@ -87,7 +101,9 @@ run() {
 				nfailed=$((nfailed + 1))
 				failed="$failed $t(skipped,not-expected)"
 			fi ;;
-		failed) nfailed=$((nfailed + 1)) failed="$failed $t" ;;
+		failed)
+			nfailed=$((nfailed + 1)) failed="$failed $t"
+			failure_digest "$t" >>"$digest" ;;
 		none)
 			if [ "$crashed" = 1 ]; then
 				left+=("$t") # cut short by L1's crash, not by capsa
@@ -136,6 +152,10 @@ if [ "$crashes" -gt 1 ]; then
 	failed="$failed (L1 crashed $crashes times: more than once in one run)"
 fi
 if [ -n "$failed" ]; then
+	if [ -s "$digest" ]; then
+		echo "run-e2e: what each failed test logged (its own lines; the full output is above):"
+		cat "$digest"
+	fi
 	echo "run-e2e: FAILED:$failed"
 	exit 1
 fi

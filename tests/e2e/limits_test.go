@@ -61,11 +61,18 @@ func bulkServer(t *testing.T, size int) int {
 	return l.Addr().(*net.TCPAddr).Port
 }
 
-// TestIOLimits: a sandbox limited to 2 MB/s receives at that rate while
-// another on the same host, unlimited, copies as fast as it did when
-// neither was limited; a disk limit holds writes to it, and `capsa update`
-// raises it on the running sandbox, which then writes at the new rate.
-// The rates are measured in the guest.
+// TestIOLimits: a sandbox limited to 1 MB/s receives at that rate while
+// another on the same host, unlimited, goes on receiving well above it; a
+// disk limit holds writes to it, and `capsa update` raises it on the
+// running sandbox, which then writes faster, up to the new rate. The rates
+// are measured in the guest.
+//
+// What a limiter guarantees is an upper bound, so that is what the test
+// holds tightly. How fast the nested host moves bytes when nothing holds
+// them back varies from run to run (3.8 to 7.7 MB/s on the network here),
+// so the limits sit well below that and the lower bounds ask only what any
+// run's host gives: the limited sandbox near its limit, the other clearly
+// above it, and after the raise clearly above the old limit.
 func TestIOLimits(t *testing.T) {
 	dir, cli := detachedState(t)
 	bin := artifact(t, "capsa")
@@ -73,7 +80,10 @@ func TestIOLimits(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	const size = 16 << 20
+	const (
+		size    = 8 << 20
+		netRate = 1e6 // net-rx=1MB/s
+	)
 	port := bulkServer(t, size)
 	disk := filepath.Join(t.TempDir(), "disk.img")
 	if err := os.WriteFile(disk, nil, 0o600); err != nil {
@@ -86,7 +96,7 @@ func TestIOLimits(t *testing.T) {
 	for _, n := range []string{"l", "u"} {
 		args := []string{"run", "-d", "--name", n, "--net", "--allow", allow, "-v", filepath.Dir(self) + ":/probe:ro"}
 		if n == "l" {
-			args = append(args, "--disk", disk, "--limit", "disk=2MB/s:256KB")
+			args = append(args, "--disk", disk, "--limit", "disk=1MB/s:256KB")
 		}
 		if r := cli(3*time.Minute, append(args, "--", "sleep", "100000")...); r.code != 0 {
 			t.Fatalf("capsa run -d --name %s: exit %d, stderr %q", n, r.code, r.stderr)
@@ -129,46 +139,53 @@ func TestIOLimits(t *testing.T) {
 	}
 	l0, u0 := both()
 	t.Logf("no network limit: %.2f and %.2f MB/s", l0/1e6, u0/1e6)
-	if r := cli(time.Minute, "update", "--limit", "net-rx=2MB/s:256KB", "l"); r.code != 0 || !strings.Contains(r.stdout, "net-rx=2MB/s:256KB") {
-		t.Fatalf("capsa update --limit net-rx=2MB/s:256KB l: exit %d, %q, %q", r.code, r.stdout, r.stderr)
+	// Below twice the limit, a run could not tell the limit from the
+	// host's own speed.
+	if min(l0, u0) < 2*netRate {
+		t.Fatalf("unlimited, they received at %.2f and %.2f MB/s: too slow to show a %.0f MB/s limit", l0/1e6, u0/1e6, netRate/1e6)
 	}
-	// Twice: the two transfers start a moment apart (two execs), which
-	// moves the unlimited one's rate run to run in the nested host.
-	var u1 float64
+	if r := cli(time.Minute, "update", "--limit", "net-rx=1MB/s:256KB", "l"); r.code != 0 || !strings.Contains(r.stdout, "net-rx=1MB/s:256KB") {
+		t.Fatalf("capsa update --limit net-rx=1MB/s:256KB l: exit %d, %q, %q", r.code, r.stdout, r.stderr)
+	}
+	// Twice: the two transfers start a moment apart (two execs).
 	for i := range 2 {
 		l, u := both()
-		t.Logf("l limited to 2 MB/s (frames, so about 1.91 MB/s of TCP payload): %.2f and %.2f MB/s", l/1e6, u/1e6)
-		if l < 1.8e6 || l > 2.2e6 {
-			t.Errorf("run %d: the sandbox limited to 2 MB/s received at %.2f MB/s; want within 10%%", i, l/1e6)
+		t.Logf("l limited to 1 MB/s (frames, so about 0.96 MB/s of TCP payload): %.2f and %.2f MB/s", l/1e6, u/1e6)
+		// The limit counts frames, headers included, and lets a
+		// 256 KB burst through first: 8 MB at 1 MB/s less headers
+		// plus the burst is at most 1.04 MB/s of payload.
+		if l > 1.05*netRate {
+			t.Errorf("run %d: the sandbox limited to 1 MB/s received at %.2f MB/s: over its limit", i, l/1e6)
 		}
-		u1 = max(u1, u)
+		if l < 0.85*netRate {
+			t.Errorf("run %d: the sandbox limited to 1 MB/s received at only %.2f MB/s (%.2f unlimited): the limiter held it below its rate", i, l/1e6, l0/1e6)
+		}
+		// The other is not held to its neighbour's limit.
+		if u < 1.5*netRate {
+			t.Errorf("run %d: the unlimited sandbox received at %.2f MB/s beside the limited one (%.2f when neither was): held back", i, u/1e6, u0/1e6)
+		}
 	}
-	if min(l0, u0) < 3e6 {
-		t.Errorf("unlimited, they received at %.2f and %.2f MB/s: too slow to show the limit", l0/1e6, u0/1e6)
-	}
-	// The other is not held back: at least what the two had on average
-	// unlimited (it shares the host with one that now moves less).
-	if mean := (l0 + u0) / 2; u1 < 0.75*mean {
-		t.Errorf("the unlimited sandbox received at %.2f MB/s at best beside the limited one, against %.2f MB/s when neither was", u1/1e6, mean/1e6)
-	}
-	if got := rec("l"); !strings.Contains(got, "net-rx=2MB/s:256KB") || !strings.Contains(got, "disk=2MB/s:256KB") {
+	if got := rec("l"); !strings.Contains(got, "net-rx=1MB/s:256KB") || !strings.Contains(got, "disk=1MB/s:256KB") {
 		t.Errorf("capsa inspect l: limits %q; want the network's and the disk's", got)
 	}
 
-	// The disk.
-	write := "diskwrite /dev/vda " + fmt.Sprint(6<<20)
-	d0 := one(write)
-	t.Logf("disk limited to 2 MB/s: %.2f MB/s", d0/1e6)
-	if d0 < 1.6e6 || d0 > 2.4e6 {
-		t.Errorf("writes to a disk limited to 2 MB/s went at %.2f MB/s; want within 20%%", d0/1e6)
+	// The disk: 3 MB at 1 MB/s, then 9 MB after raising it to 3 MB/s
+	// (about three seconds each).
+	d0 := one("diskwrite /dev/vda " + fmt.Sprint(3<<20))
+	t.Logf("disk limited to 1 MB/s: %.2f MB/s", d0/1e6)
+	if d0 < 0.8e6 || d0 > 1.2e6 {
+		t.Errorf("writes to a disk limited to 1 MB/s went at %.2f MB/s; want within 20%%", d0/1e6)
 	}
-	if r := cli(time.Minute, "update", "--limit", "disk=6MB/s:256KB", "l"); r.code != 0 {
-		t.Fatalf("capsa update --limit disk=6MB/s:256KB l: exit %d, %q", r.code, r.stderr)
+	if r := cli(time.Minute, "update", "--limit", "disk=3MB/s:256KB", "l"); r.code != 0 {
+		t.Fatalf("capsa update --limit disk=3MB/s:256KB l: exit %d, %q", r.code, r.stderr)
 	}
-	d1 := one("diskwrite /dev/vda " + fmt.Sprint(18<<20))
-	t.Logf("disk limit raised to 6 MB/s: %.2f MB/s", d1/1e6)
-	if d1 < 4.8e6 || d1 > 7.2e6 {
-		t.Errorf("writes after raising the disk limit to 6 MB/s went at %.2f MB/s; want within 20%%", d1/1e6)
+	d1 := one("diskwrite /dev/vda " + fmt.Sprint(9<<20))
+	t.Logf("disk limit raised to 3 MB/s: %.2f MB/s", d1/1e6)
+	if d1 > 3.6e6 {
+		t.Errorf("writes after raising the disk limit to 3 MB/s went at %.2f MB/s: over the new limit", d1/1e6)
+	}
+	if d1 < 1.5e6 {
+		t.Errorf("writes after raising the disk limit to 3 MB/s went at %.2f MB/s: the raise did not take (1 MB/s before it)", d1/1e6)
 	}
 
 	// Bad limits are refused, naming what is wrong, before anything runs.
