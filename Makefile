@@ -18,7 +18,7 @@ ASSETS_PKG := github.com/capsa-sandbox/capsa/internal/assets
 # function names and lines, from the pclntab).
 GO_LDFLAGS := -s -w -X main.version=$(VERSION) -X $(ASSETS_PKG).Prefix=$(PREFIX)
 
-.PHONY: test-programs soak fuzz all deps kernel initramfs assets install nested-deps qemu-bundle mcp-client capsa testinitrd testimages vm run test test-unit test-kvm test-e2e bench stress clean
+.PHONY: proto test-programs soak fuzz all deps kernel initramfs assets install nested-deps qemu-bundle mcp-client capsa testinitrd testimages vm run test test-unit test-kvm test-e2e bench stress clean
 
 all: capsa
 
@@ -134,6 +134,11 @@ qemu-bundle: nested-deps
 mcp-client:
 	scripts/mcp-client-bundle.sh $(BUILD)/mcp-client
 
+# proto regenerates the Go code of e2b/envd's .proto files (committed:
+# no build needs protoc).
+proto:
+	scripts/gen-proto.sh
+
 # What the end-to-end tests, `make stress` and `make bench` need in the
 # nested host, beside the test binary.
 E2E_FILES := $(BUILD)/capsa $(BUILD)/testinitrd.cpio $(BUILD)/testinit $(BUILD)/kernel/vmlinux \
@@ -146,7 +151,7 @@ test-e2e: capsa testinitrd testimages nested-deps qemu-bundle mcp-client $(NESTE
 	CGO_ENABLED=0 $(GO) build -tags capsa_builtin -o $(BUILD)/e2e/example-sandbox ./examples/sandbox
 	CGO_ENABLED=0 $(GO) build -ldflags "-X $(ASSETS_PKG).Prefix=/tmp/capsa-e2e-prefix" -o $(BUILD)/e2e/example-assets ./examples/sandbox
 	l1=$$(scripts/nested-deps.sh) && tests/run-e2e.sh $(NESTED) $(BUILD)/e2e $(E2E_FILES) $(BUILD)/e2e/example-sandbox $(BUILD)/testimages:testimages \
-		'$(BUILD)/mcp-client:mcp-client@^(TestMCP|TestWorkspacePrograms)$$' \
+		'$(BUILD)/mcp-client:mcp-client@^(TestMCP|TestWorkspacePrograms|TestE2BSDK)$$' \
 		$(BUILD)/toolsimage/tools.tar.gz:tools.tar.gz@^TestWorkspacePrograms$$ \
 		$(BUILD)/e2e/example-assets@^TestLibraryAssets$$ $(BUILD)/assets:assets@^TestLibraryAssets$$ \
 		$$(ls $$l1/boot/vmlinuz-* | head -1):vmlinuz-debian@^TestDistroKernel$$

@@ -679,3 +679,42 @@ func (cl *Client) Output(ctx context.Context, o ExecOptions) (*Output, error) {
 	}
 	return &Output{ExitStatus: *st, Stdout: out.buf, Stderr: errb.buf}, nil
 }
+
+// Rename renames from to to (both absolute), as rename(2) does.
+func (cl *Client) Rename(ctx context.Context, from, to string) error {
+	return cl.call(ctx, Request{Op: OpRename, Path: from, Target: to}, &Empty{})
+}
+
+// Watcher is a directory watch (Client.Watch).
+type Watcher struct {
+	c    *Conn
+	done func()
+	ctx  context.Context
+}
+
+// Watch watches the directory dir (and every directory below it with
+// recursive) and returns once the guest watches it; Next gives its
+// changes. It ends when ctx does or Close is called.
+func (cl *Client) Watch(ctx context.Context, dir string, recursive bool) (*Watcher, error) {
+	c, _, done, err := cl.open(ctx, Request{Op: OpWatch, Path: dir, Recursive: recursive})
+	if err != nil {
+		return nil, err
+	}
+	if err := c.ReadJSON(FrameReply, &Empty{}); err != nil {
+		done()
+		return nil, ctxErr(ctx, err)
+	}
+	return &Watcher{c: c, done: done, ctx: ctx}, nil
+}
+
+// Next waits for the watched directory's next change.
+func (w *Watcher) Next() (WatchEvent, error) {
+	var ev WatchEvent
+	if err := w.c.ReadJSON(FrameData, &ev); err != nil {
+		return ev, ctxErr(w.ctx, err)
+	}
+	return ev, nil
+}
+
+// Close ends the watch.
+func (w *Watcher) Close() error { w.done(); return nil }

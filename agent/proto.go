@@ -45,10 +45,16 @@ const (
 	// FeatureResumed: the host tells the guest it ran again after a pause
 	// or a restore (OpResumed).
 	FeatureResumed = "resumed"
+	// FeatureRename: rename a file or directory (OpRename).
+	FeatureRename = "rename"
+	// FeatureWatch: a directory's changes as they happen (OpWatch).
+	FeatureWatch = "watch"
+	// FeatureOwners: FileInfo carries the owner and group, by ID and name.
+	FeatureOwners = "owners"
 )
 
 // agentFeatures is what this package's agent announces.
-var agentFeatures = []string{FeatureProcesses, FeaturePTY, FeatureResumed}
+var agentFeatures = []string{FeatureProcesses, FeaturePTY, FeatureResumed, FeatureRename, FeatureWatch, FeatureOwners}
 
 // Port is the vsock port the agent listens on; ReadyPort is the host port
 // the agent connects to once it is listening, to announce itself.
@@ -171,6 +177,8 @@ const (
 	OpAttach    = "attach"
 	OpWait      = "wait"
 	OpResumed   = "resumed"
+	OpRename    = "rename"
+	OpWatch     = "watch"
 )
 
 // An Operation is one request a client may make: the table that the
@@ -204,6 +212,8 @@ var Operations = []Operation{
 	{Name: OpProcesses, Feature: FeatureProcesses, Doc: "list the processes the agent started: running, and the most recent that exited"},
 	{Name: OpAttach, Feature: FeatureProcesses, Doc: "replay a process's recent output, then stream it (and its input) until it exits"},
 	{Name: OpWait, Feature: FeatureProcesses, Doc: "wait for a process to exit and return its status"},
+	{Name: OpRename, Path: true, Feature: FeatureRename, Doc: "rename Path to Target (absolute), replacing a file there as rename(2) does"},
+	{Name: OpWatch, Path: true, Feature: FeatureWatch, Doc: "stream the changes in directory Path (and below it with Recursive) as WatchEvent data frames, until the client hangs up"},
 	{Name: OpResumed, Feature: FeatureResumed, Doc: "the guest runs again after a pause or a restore (Request.Resumed): set its wall clock, mix a seed into its random number generator, set its hostname"},
 }
 
@@ -238,7 +248,7 @@ type Request struct {
 	Append    bool         `json:"append,omitempty"`
 	ID        int          `json:"id,omitempty"`        // OpSignal, OpAttach, OpWait: the process's ExecStarted.ID
 	Signal    string       `json:"signal,omitempty"`    // OpSignal: the signal's name
-	Target    string       `json:"target,omitempty"`    // OpSymlink: where the link points
+	Target    string       `json:"target,omitempty"`    // OpSymlink: where the link points; OpRename: the new path
 	Owner     *Owner       `json:"owner,omitempty"`     // OpChown
 	Resumed   *Resumed     `json:"resumed,omitempty"`   // OpResumed
 	NoReplay  bool         `json:"no_replay,omitempty"` // OpAttach: only output from now on
@@ -324,7 +334,32 @@ type FileInfo struct {
 	IsDir     bool   `json:"is_dir,omitempty"`
 	IsSymlink bool   `json:"is_symlink,omitempty"`
 	Target    string `json:"target,omitempty"` // a symlink's
+	// The owner and group (FeatureOwners), by ID and by the guest's name
+	// for it ("": none in its /etc/passwd or /etc/group).
+	UID   int    `json:"uid"`
+	GID   int    `json:"gid"`
+	Owner string `json:"owner,omitempty"`
+	Group string `json:"group,omitempty"`
 }
+
+// WatchEvent is one change in a watched directory (OpWatch): Name is the
+// changed file's path relative to the watched directory, Op what happened
+// to it. Op "overflow" says that events were lost (the guest kernel's
+// queue filled); Name is then empty.
+type WatchEvent struct {
+	Name string `json:"name"`
+	Op   string `json:"op"` // create, write, remove, rename, chmod or overflow
+}
+
+// What a WatchEvent's Op says.
+const (
+	WatchCreate   = "create"
+	WatchWrite    = "write"
+	WatchRemove   = "remove"
+	WatchRename   = "rename"
+	WatchChmod    = "chmod"
+	WatchOverflow = "overflow"
+)
 
 // DirList is the reply to a list request.
 type DirList struct {

@@ -175,7 +175,7 @@ var handlers = map[string]func(s *Server, ctx context.Context, c *Conn, req *Req
 		if err != nil {
 			return opError("stat", req.Path, err)
 		}
-		return reply(c, fileInfo(req.Path, st))
+		return reply(c, newOwnerNames().fileInfo(req.Path, st))
 	},
 	OpList: func(_ *Server, _ context.Context, c *Conn, req *Request) error {
 		ents, err := os.ReadDir(req.Path)
@@ -183,9 +183,10 @@ var handlers = map[string]func(s *Server, ctx context.Context, c *Conn, req *Req
 			return opError("list", req.Path, err)
 		}
 		list := DirList{Entries: []FileInfo{}}
+		names := newOwnerNames()
 		for _, e := range ents {
 			if st, err := e.Info(); err == nil {
-				list.Entries = append(list.Entries, fileInfo(filepath.Join(req.Path, e.Name()), st))
+				list.Entries = append(list.Entries, names.fileInfo(filepath.Join(req.Path, e.Name()), st))
 			}
 		}
 		return reply(c, list)
@@ -237,6 +238,18 @@ var handlers = map[string]func(s *Server, ctx context.Context, c *Conn, req *Req
 			return opError("chown", req.Path, err)
 		}
 		return reply(c, Empty{})
+	},
+	OpRename: func(_ *Server, _ context.Context, c *Conn, req *Request) error {
+		if !filepath.IsAbs(req.Target) {
+			return fmt.Errorf("rename %s: target %q must be absolute", req.Path, req.Target)
+		}
+		if err := os.Rename(req.Path, req.Target); err != nil {
+			return opError("rename", req.Path, err)
+		}
+		return reply(c, Empty{})
+	},
+	OpWatch: func(_ *Server, ctx context.Context, c *Conn, req *Request) error {
+		return watch(ctx, c, req.Path, req.Recursive)
 	},
 	OpExists: func(_ *Server, _ context.Context, c *Conn, req *Request) error {
 		_, err := os.Lstat(req.Path)
@@ -339,8 +352,9 @@ func opError(op, path string, err error) error {
 }
 
 // fileInfo describes the file at path, which st describes; a symlink
-// says where it points.
-func fileInfo(path string, st os.FileInfo) FileInfo {
+// says where it points, and the owner and group are named as names finds
+// them (nil names: by ID only).
+func (names *ownerNames) fileInfo(path string, st os.FileInfo) FileInfo {
 	fi := FileInfo{
 		Name: st.Name(), Size: st.Size(), Mode: uint32(st.Mode()), ModTimeNs: st.ModTime().UnixNano(),
 		IsDir: st.IsDir(), IsSymlink: st.Mode()&os.ModeSymlink != 0,
@@ -348,7 +362,60 @@ func fileInfo(path string, st os.FileInfo) FileInfo {
 	if fi.IsSymlink {
 		fi.Target, _ = os.Readlink(path)
 	}
+	if sys, ok := st.Sys().(*syscall.Stat_t); ok {
+		fi.UID, fi.GID = int(sys.Uid), int(sys.Gid)
+		if names != nil {
+			fi.Owner, fi.Group = names.user(fi.UID), names.group(fi.GID)
+		}
+	}
 	return fi
+}
+
+// ownerNames names users and groups from the guest's /etc/passwd and
+// /etc/group, each read once (a listing names many files).
+type ownerNames struct {
+	users, groups map[int]string
+}
+
+func newOwnerNames() *ownerNames { return &ownerNames{} }
+
+func (n *ownerNames) user(id int) string {
+	if n.users == nil {
+		n.users = readIDNames("/etc/passwd")
+	}
+	return n.users[id]
+}
+
+func (n *ownerNames) group(id int) string {
+	if n.groups == nil {
+		n.groups = readIDNames("/etc/group")
+	}
+	return n.groups[id]
+}
+
+// readIDNames reads a passwd or group file's NAME:x:ID: lines into a map
+// from ID to name (the first name an ID has); a missing file is none. At
+// most 1 MiB of it is read: the guest's files are the guest's.
+func readIDNames(path string) map[int]string {
+	m := map[int]string{}
+	f, err := os.Open(path)
+	if err != nil {
+		return m
+	}
+	defer f.Close()
+	b, _ := io.ReadAll(io.LimitReader(f, 1<<20))
+	for line := range strings.SplitSeq(string(b), "\n") {
+		fields := strings.SplitN(line, ":", 4)
+		if len(fields) < 3 || fields[0] == "" {
+			continue
+		}
+		if id, err := strconv.Atoi(fields[2]); err == nil {
+			if _, ok := m[id]; !ok {
+				m[id] = fields[0]
+			}
+		}
+	}
+	return m
 }
 
 func guestInfo() Info {
@@ -379,7 +446,7 @@ func readFile(c *Conn, path string) error {
 	if st.IsDir() {
 		return fmt.Errorf("read %s: is a directory", path)
 	}
-	if err := c.WriteJSON(FrameReply, fileInfo(path, st)); err != nil {
+	if err := c.WriteJSON(FrameReply, (*ownerNames)(nil).fileInfo(path, st)); err != nil {
 		return nil
 	}
 	// A regular file sends at most the size it announced (the client

@@ -170,3 +170,20 @@ func (s *Guest) Info(ctx context.Context) (*agent.Info, error) {
 func (s *Guest) Defaults() (env []string, dir string) {
 	return append([]string(nil), s.env...), s.dir
 }
+
+// Rename renames a guest path (both absolute), as rename(2) does.
+func (s *Guest) Rename(ctx context.Context, from, to string) error {
+	return s.explain(s.client.Rename(ctx, from, to))
+}
+
+// Chown sets a guest path's owner and group (a symlink's own).
+func (s *Guest) Chown(ctx context.Context, path string, uid, gid int) error {
+	return s.explain(s.client.Chown(ctx, path, uid, gid))
+}
+
+// Watch watches a guest directory (and below it with recursive) until ctx
+// ends or the Watcher is closed.
+func (s *Guest) Watch(ctx context.Context, dir string, recursive bool) (*agent.Watcher, error) {
+	w, err := s.client.Watch(ctx, dir, recursive)
+	return w, s.explain(err)
+}

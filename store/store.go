@@ -88,6 +88,10 @@ type Record struct {
 	// root.
 	JailUser *confine.User `json:"jail_user,omitempty"`
 	Hostname string        `json:"hostname,omitempty"`
+	// Labels are a front end's own notes on the sandbox (the E2B API's
+	// template, metadata and access token), kept with its record and
+	// gone with it; capsa itself reads none of them.
+	Labels map[string]string `json:"labels,omitempty"`
 }
 
 // Alive reports whether the sandbox's supervisor may still be running.

@@ -39,6 +39,12 @@ type snapshotBody struct {
 	Dir string `json:"dir"`
 }
 
+// ttlBody is the TTL operation's request: the sandbox's new TTL, counted
+// from its start (0: none).
+type ttlBody struct {
+	TTL time.Duration `json:"ttl_ns"`
+}
+
 // controlOp is one operation of the control protocol, with request type
 // Req and reply type Resp (noBody for none).
 type controlOp[Req, Resp any] struct {
@@ -55,6 +61,7 @@ var (
 	opSnapshot = controlOp[snapshotBody, noBody]{"snapshot", http.MethodPost, http.StatusNoContent}
 	opStats    = controlOp[noBody, sandbox.Stats]{"stats", http.MethodGet, http.StatusOK}
 	opLimits   = controlOp[ratelimit.Limits, ratelimit.Limits]{"limits", http.MethodPut, http.StatusOK}
+	opTTL      = controlOp[ttlBody, noBody]{"ttl", http.MethodPut, http.StatusNoContent}
 )
 
 // controlRoute is what the table says of an operation, whatever its types.
@@ -67,7 +74,7 @@ type controlRoute interface {
 }
 
 // controlOps is the protocol's table.
-var controlOps = []controlRoute{opStop, opPause, opResume, opSnapshot, opStats, opLimits}
+var controlOps = []controlRoute{opStop, opPause, opResume, opSnapshot, opStats, opLimits, opTTL}
 
 func (o controlOp[Req, Resp]) opName() string  { return o.name }
 func (o controlOp[Req, Resp]) path() string    { return "/v1/" + o.name }

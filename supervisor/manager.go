@@ -218,6 +218,35 @@ func (m *Manager) UpdateLimits(ctx context.Context, name, spec string) (string, 
 	return l.String(), nil
 }
 
+// SetTTL gives the sandbox name a new TTL, counted from its start (0:
+// none): a running sandbox ends when it passes (at once if it has), and
+// the record keeps it.
+func (m *Manager) SetTTL(ctx context.Context, name string, ttl time.Duration) error {
+	if ttl < 0 {
+		return fmt.Errorf("supervisor: set the TTL of %s: negative TTL %v", name, ttl)
+	}
+	rec, err := m.st.Get(name)
+	if err != nil {
+		return err
+	}
+	if rec.Alive() {
+		return callLive(ctx, m.st, name, opTTL, ttlBody{TTL: ttl})
+	}
+	return m.st.Update(name, func(r *Record) error { r.TTL = ttl; return nil })
+}
+
+// SetLabels changes the labels of the sandbox name's record (Record.Labels)
+// with set, which is given the record's labels (a map it may change) and
+// returns an error to change nothing.
+func (m *Manager) SetLabels(name string, set func(map[string]string) error) error {
+	return m.st.Update(name, func(r *Record) error {
+		if r.Labels == nil {
+			r.Labels = map[string]string{}
+		}
+		return set(r.Labels)
+	})
+}
+
 // NetLogs writes the sandbox name's egress audit log (its DNS queries,
 // flows and intercepted requests) to w, as Logs does.
 func (m *Manager) NetLogs(ctx context.Context, name string, lines int, follow bool, w io.Writer) error {

@@ -15,6 +15,7 @@ package supervisor
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -206,7 +207,7 @@ func Run(ctx context.Context, o Options) error {
 	defer sb.Close()
 	log.Info("supervisor: the sandbox runs", "restored", rec.RestoreFrom != "", "timeline", sb.Timeline().String())
 
-	c := &control{sb: sb, st: st, name: o.Name, stopc: make(chan stopRequest, 1), started: time.Now()}
+	c := &control{sb: sb, st: st, name: o.Name, stopc: make(chan stopRequest, 1), ttlc: make(chan time.Duration), started: time.Now()}
 	srv, err := c.serve(filepath.Join(dir, ControlSocket), log)
 	if err != nil {
 		return fail(err)
@@ -278,34 +279,50 @@ func Run(ctx context.Context, o Options) error {
 			}
 		}
 	}()
+	// The TTL counts from the start; the ttl operation sets a new one
+	// (0: none) while the sandbox runs.
+	ttlTimer := time.NewTimer(time.Hour)
+	ttlTimer.Stop()
+	defer ttlTimer.Stop()
+	curTTL := rec.TTL
 	var ttl <-chan time.Time
-	if rec.TTL > 0 {
-		t := time.NewTimer(rec.TTL)
-		defer t.Stop()
-		ttl = t.C
+	setTTL := func(d time.Duration) {
+		curTTL = d
+		ttlTimer.Stop()
+		ttl = nil
+		if d > 0 {
+			ttlTimer.Reset(time.Until(c.started.Add(d)))
+			ttl = ttlTimer.C
+		}
 	}
+	setTTL(rec.TTL)
 	idle := watchIdle(sb, rec.IdleTimeout)
 	var reason string
-	select {
-	case <-mainDone:
-		reason = "its main process ended"
-	case <-sb.Done():
-		reason = fmt.Sprintf("the VM stopped: %v", sb.Exit())
-	case req := <-c.stopc:
-		reason = "stopped"
-		if req.kill {
-			reason = "killed"
+	for reason == "" {
+		select {
+		case <-mainDone:
+			reason = "its main process ended"
+		case <-sb.Done():
+			reason = fmt.Sprintf("the VM stopped: %v", sb.Exit())
+		case req := <-c.stopc:
+			reason = "stopped"
+			if req.kill {
+				reason = "killed"
+			}
+			c.stopMain(mainDone, req.timeout, req.kill, log)
+		case d := <-c.ttlc:
+			setTTL(d)
+			log.Info("supervisor: TTL set", "ttl", d, "ends", c.started.Add(d))
+		case <-ttl:
+			reason = fmt.Sprintf("its TTL of %v passed", curTTL.Round(time.Second))
+			c.stopMain(mainDone, DefaultStopTimeout, false, log)
+		case <-idle:
+			reason = fmt.Sprintf("nobody was connected to it for its idle timeout of %v", rec.IdleTimeout)
+			c.stopMain(mainDone, DefaultStopTimeout, false, log)
+		case <-ctx.Done():
+			reason = "its supervisor was told to stop"
+			c.stopMain(mainDone, DefaultStopTimeout, false, log)
 		}
-		c.stopMain(mainDone, req.timeout, req.kill, log)
-	case <-ttl:
-		reason = fmt.Sprintf("its TTL of %v passed", rec.TTL)
-		c.stopMain(mainDone, DefaultStopTimeout, false, log)
-	case <-idle:
-		reason = fmt.Sprintf("nobody was connected to it for its idle timeout of %v", rec.IdleTimeout)
-		c.stopMain(mainDone, DefaultStopTimeout, false, log)
-	case <-ctx.Done():
-		reason = "its supervisor was told to stop"
-		c.stopMain(mainDone, DefaultStopTimeout, false, log)
 	}
 	var code *int
 	select {
@@ -378,6 +395,7 @@ type control struct {
 	st      *store.Store
 	name    string
 	stopc   chan stopRequest
+	ttlc    chan time.Duration // a new TTL, from its start
 	started time.Time
 	pauseMu sync.Mutex // one pause or resume at a time
 }
@@ -476,6 +494,25 @@ func (c *control) mux(log *slog.Logger) *http.ServeMux {
 		}
 		log.Info("supervisor: I/O limits set", "limits", l.String())
 		return c.sb.Limits(), nil
+	})
+	opTTL.register(mux, func(ctx context.Context, req ttlBody) (noBody, error) {
+		if req.TTL < 0 {
+			return noBody{}, badRequest("bad TTL request: negative TTL")
+		}
+		// The record first: a supervisor that restarts the timer has
+		// the record agree with it.
+		err := c.st.Update(c.name, func(r *store.Record) error { r.TTL = req.TTL; return nil })
+		if err != nil {
+			return noBody{}, err
+		}
+		select {
+		case c.ttlc <- req.TTL:
+			return noBody{}, nil
+		case <-ctx.Done():
+			return noBody{}, ctx.Err()
+		case <-c.sb.Done():
+			return noBody{}, &controlError{http.StatusConflict, errors.New("the sandbox has ended")}
+		}
 	})
 	opStats.register(mux, func(context.Context, noBody) (sandbox.Stats, error) {
 		st, err := c.sb.Stats()

@@ -1,0 +1,98 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+)
+
+func TestRename(t *testing.T) {
+	cl := serve(t)
+	ctx := context.Background()
+	dir := t.TempDir()
+	os.MkdirAll(filepath.Join(dir, "a"), 0o755)
+	os.MkdirAll(filepath.Join(dir, "b"), 0o755)
+	os.WriteFile(filepath.Join(dir, "a", "f"), []byte("x"), 0o644)
+	// Across directories, as a share's rename must be too.
+	if err := cl.Rename(ctx, filepath.Join(dir, "a", "f"), filepath.Join(dir, "b", "g")); err != nil {
+		t.Fatal(err)
+	}
+	if b, err := os.ReadFile(filepath.Join(dir, "b", "g")); err != nil || string(b) != "x" {
+		t.Errorf("after the rename: %q, %v", b, err)
+	}
+	err := cl.Rename(ctx, filepath.Join(dir, "a", "f"), filepath.Join(dir, "b", "h"))
+	if !errors.Is(err, fs.ErrNotExist) {
+		t.Errorf("renaming a missing file: %v; want a not-exist error", err)
+	}
+	if err := cl.Rename(ctx, filepath.Join(dir, "b", "g"), "relative"); err == nil {
+		t.Error("a relative target was taken")
+	}
+}
+
+// TestStatOwners: a file's owner and group come by ID and by name.
+func TestStatOwners(t *testing.T) {
+	cl := serve(t)
+	fi, err := cl.Stat(context.Background(), t.TempDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if fi.UID != os.Getuid() || fi.GID != os.Getgid() {
+		t.Errorf("uid %d gid %d; want %d %d", fi.UID, fi.GID, os.Getuid(), os.Getgid())
+	}
+	if want := readIDNames("/etc/passwd")[os.Getuid()]; fi.Owner != want {
+		t.Errorf("owner %q; want %q", fi.Owner, want)
+	}
+}
+
+// TestWatch: changes in a watched tree come as they happen, named from the
+// watched directory, recursive ones included, and what a new directory
+// held before its watch began is reported too.
+func TestWatch(t *testing.T) {
+	cl := serve(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	dir := t.TempDir()
+	os.MkdirAll(filepath.Join(dir, "old", "deep"), 0o755)
+	w, err := cl.Watch(ctx, dir, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer w.Close()
+	want := map[string]string{}
+	expect := func(name, op string) { want[name+" "+op] = "" }
+	os.WriteFile(filepath.Join(dir, "f"), []byte("x"), 0o644)
+	expect("f", WatchCreate)
+	os.WriteFile(filepath.Join(dir, "old", "deep", "g"), []byte("x"), 0o644)
+	expect("old/deep/g", WatchCreate)
+	// A tree made at once: its inner files may be made before the new
+	// directory is watched.
+	os.MkdirAll(filepath.Join(dir, "new", "a", "b"), 0o755)
+	os.WriteFile(filepath.Join(dir, "new", "a", "b", "h"), []byte("x"), 0o644)
+	expect("new", WatchCreate)
+	expect("new/a/b/h", WatchCreate)
+	os.Chmod(filepath.Join(dir, "f"), 0o600)
+	expect("f", WatchChmod)
+	os.Rename(filepath.Join(dir, "f"), filepath.Join(dir, "old", "f2"))
+	expect("f", WatchRename)
+	expect("old/f2", WatchCreate)
+	os.Remove(filepath.Join(dir, "old", "f2"))
+	expect("old/f2", WatchRemove)
+	for len(want) > 0 {
+		ev, err := w.Next()
+		if err != nil {
+			t.Fatalf("still waiting for %v: %v", want, err)
+		}
+		delete(want, ev.Name+" "+ev.Op)
+	}
+	// Only a directory is watched.
+	if _, err := cl.Watch(ctx, filepath.Join(dir, "old", "deep", "g"), false); err == nil {
+		t.Error("watching a file succeeded")
+	}
+	if _, err := cl.Watch(ctx, filepath.Join(dir, "nope"), false); !errors.Is(err, fs.ErrNotExist) {
+		t.Errorf("watching a missing directory: %v", err)
+	}
+}

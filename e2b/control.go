@@ -1,0 +1,590 @@
+package e2b
+
+import (
+	"cmp"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"maps"
+	"net/http"
+	"net/url"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/capsa-sandbox/capsa/netstack"
+	"github.com/capsa-sandbox/capsa/sandbox"
+	"github.com/capsa-sandbox/capsa/supervisor"
+)
+
+// Bounds on a create request.
+const (
+	maxTimeout     = 30 * 24 * 3600 // seconds
+	maxMetadata    = 64
+	maxMetaKey     = 128
+	maxMetaValue   = 1024
+	maxEnvVars     = 256
+	maxRules       = 256
+	maxTemplateID  = 512
+	defaultTimeout = 300 // seconds, /v2's (the first API's is 15)
+	maxListLimit   = 1000
+)
+
+// keepAlive is an API sandbox's main process: the sandbox runs until its
+// timeout or a kill (2^31-1 seconds, a number every sleep takes).
+var keepAlive = []string{"sleep", "2147483647"}
+
+// controlMux serves the control API; every route needs an API key.
+func (s *Server) controlMux() http.Handler {
+	mux := http.NewServeMux()
+	handle := func(pattern string, h func(w http.ResponseWriter, r *http.Request, key string)) {
+		mux.HandleFunc(pattern, func(w http.ResponseWriter, r *http.Request) {
+			key, ok := s.keys.Check(r.Header.Get("X-API-KEY"))
+			if !ok {
+				apiError(w, http.StatusUnauthorized, "missing or unknown API key (X-API-KEY; capsa serve key create makes one)")
+				return
+			}
+			r.Body = http.MaxBytesReader(w, r.Body, maxBody)
+			h(w, r, key)
+		})
+	}
+	handle("POST /sandboxes", func(w http.ResponseWriter, r *http.Request, key string) { s.create(w, r, key, 15) })
+	handle("POST /v2/sandboxes", func(w http.ResponseWriter, r *http.Request, key string) { s.create(w, r, key, defaultTimeout) })
+	handle("GET /sandboxes", func(w http.ResponseWriter, r *http.Request, _ string) { s.list(w, r, false) })
+	handle("GET /v2/sandboxes", func(w http.ResponseWriter, r *http.Request, _ string) { s.list(w, r, true) })
+	handle("GET /sandboxes/{id}", s.info)
+	handle("DELETE /sandboxes/{id}", s.kill)
+	handle("POST /sandboxes/{id}/timeout", s.setTimeout)
+	handle("POST /sandboxes/{id}/connect", s.connect)
+	handle("POST /v2/sandboxes/{id}/connect", s.connect)
+	handle("POST /sandboxes/{id}/resume", s.connect)
+	handle("POST /sandboxes/{id}/pause", s.pause)
+	handle("GET /sandboxes/{id}/metrics", s.metrics)
+	handle("/", func(w http.ResponseWriter, r *http.Request, _ string) {
+		apiError(w, http.StatusNotImplemented, fmt.Sprintf("%s %s: capsa serve does not serve this E2B API route", r.Method, r.URL.Path))
+	})
+	return mux
+}
+
+// newSandbox is a create request (NewSandbox, NewSandboxV2).
+type newSandbox struct {
+	TemplateID          string            `json:"templateID"`
+	Timeout             *int              `json:"timeout"`
+	Metadata            map[string]string `json:"metadata"`
+	EnvVars             map[string]string `json:"envVars"`
+	AllowInternetAccess *bool             `json:"allow_internet_access"`
+	Network             *networkConfig    `json:"network"`
+	AutoPause           bool              `json:"autoPause"`
+	Secure              *bool             `json:"secure"`
+	MCP                 json.RawMessage   `json:"mcp"`
+	VolumeMounts        json.RawMessage   `json:"volumeMounts"`
+}
+
+// networkConfig is a sandbox's egress rules (SandboxNetworkConfig).
+type networkConfig struct {
+	AllowOut []string `json:"allowOut"`
+	DenyOut  []string `json:"denyOut"`
+}
+
+// sandboxInfo is what the API says of a sandbox (Sandbox, SandboxDetail,
+// ListedSandbox: one shape with the fields of all three).
+type sandboxInfo struct {
+	SandboxID       string            `json:"sandboxID"`
+	TemplateID      string            `json:"templateID"`
+	ClientID        string            `json:"clientID"`
+	EnvdVersion     string            `json:"envdVersion"`
+	EnvdAccessToken string            `json:"envdAccessToken,omitempty"`
+	Domain          *string           `json:"domain"`
+	StartedAt       *time.Time        `json:"startedAt,omitempty"`
+	EndAt           *time.Time        `json:"endAt,omitempty"`
+	State           string            `json:"state,omitempty"`
+	CPUCount        int               `json:"cpuCount,omitempty"`
+	MemoryMB        int               `json:"memoryMB,omitempty"`
+	DiskSizeMB      int               `json:"diskSizeMB"`
+	Metadata        map[string]string `json:"metadata,omitempty"`
+}
+
+// clientID is what the API calls the machine a sandbox runs on.
+const clientID = "capsa"
+
+// describe says what the API says of rec; with token, its access token.
+func (s *Server) describe(rec *supervisor.Record, token bool) sandboxInfo {
+	in := sandboxInfo{SandboxID: rec.Name, TemplateID: rec.Labels[labelTemplate], ClientID: clientID,
+		EnvdVersion: EnvdVersion, CPUCount: rec.Spec.CPUs, MemoryMB: rec.Spec.MemoryMiB}
+	if in.TemplateID == "" {
+		in.TemplateID = "capsa"
+		if rec.Spec.Image != nil {
+			in.TemplateID = rec.Spec.Image.Ref
+		}
+	}
+	if s.domain != "" {
+		d := s.domain
+		in.Domain = &d
+	}
+	if token {
+		in.EnvdAccessToken = rec.Labels[labelToken]
+	}
+	if !rec.Started.IsZero() {
+		started := rec.Started.UTC()
+		in.StartedAt = &started
+		end := started.Add(rec.TTL)
+		if rec.TTL == 0 {
+			end = started.Add(maxTimeout * time.Second)
+		}
+		in.EndAt = &end
+	}
+	switch rec.State {
+	case supervisor.Paused:
+		in.State = "paused"
+	default:
+		in.State = "running"
+	}
+	for k, v := range rec.Labels {
+		if name, ok := strings.CutPrefix(k, labelMeta); ok {
+			if in.Metadata == nil {
+				in.Metadata = map[string]string{}
+			}
+			in.Metadata[name] = v
+		}
+	}
+	return in
+}
+
+// create makes a sandbox: it answers once the sandbox runs.
+func (s *Server) create(w http.ResponseWriter, r *http.Request, key string, defTimeout int) {
+	var req newSandbox
+	if err := json.NewDecoder(r.Body).Decode(&req); err != nil {
+		apiError(w, http.StatusBadRequest, fmt.Sprintf("create: the body: %v", err))
+		return
+	}
+	wl, err := s.buildSandbox(&req)
+	if err != nil {
+		apiError(w, http.StatusBadRequest, "create: "+err.Error())
+		return
+	}
+	timeout := defTimeout
+	if req.Timeout != nil {
+		timeout = *req.Timeout
+	}
+	if timeout < 0 || timeout > maxTimeout {
+		apiError(w, http.StatusBadRequest, fmt.Sprintf("create: timeout %d: want 0 to %d seconds", timeout, maxTimeout))
+		return
+	}
+	spec, err := wl.Spec()
+	if err != nil {
+		apiError(w, http.StatusBadRequest, "create: "+err.Error())
+		return
+	}
+	labels := map[string]string{labelToken: newToken(), labelTemplate: req.TemplateID, labelKey: key}
+	for k, v := range req.Metadata {
+		labels[labelMeta+k] = v
+	}
+	id := "i" + newID(19)
+	rec := &supervisor.Record{Name: id, Spec: spec, TTL: time.Duration(timeout) * time.Second, Labels: labels}
+	if timeout == 0 {
+		rec.TTL = 0
+	}
+	// The count of a key's sandboxes and its create agree: one create at
+	// a time looks at the count.
+	s.createMu.Lock()
+	n, err := s.countFor(key)
+	if err == nil && n >= s.perKey {
+		s.createMu.Unlock()
+		apiError(w, http.StatusTooManyRequests, fmt.Sprintf("create: this API key has %d sandboxes running, its most (capsa serve --max-sandboxes-per-key)", n))
+		return
+	}
+	// The sandbox is made whether or not the client waits for it (it is
+	// killed at its timeout if nobody connects).
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(r.Context()), 10*time.Minute)
+	defer cancel()
+	start := time.Now()
+	name, err := s.m.Launch(ctx, rec, nil)
+	s.createMu.Unlock()
+	if err != nil {
+		if name != "" {
+			s.m.Remove(context.WithoutCancel(ctx), name)
+		}
+		s.log.Warn("e2b: create", "template", req.TemplateID, "err", err)
+		apiError(w, http.StatusInternalServerError, fmt.Sprintf("create from template %q: %v", req.TemplateID, err))
+		return
+	}
+	s.log.Info("e2b: created", "sandbox", name, "template", req.TemplateID, "in", since(start))
+	got, err := s.m.Get(name)
+	if err != nil {
+		apiError(w, http.StatusInternalServerError, "create: "+err.Error())
+		return
+	}
+	writeJSON(w, http.StatusCreated, s.describe(got, true))
+}
+
+// countFor counts the sandboxes of API key key that have not ended.
+func (s *Server) countFor(key string) (int, error) {
+	recs, err := s.m.List()
+	if err != nil {
+		return 0, err
+	}
+	n := 0
+	for _, r := range recs {
+		if r.Alive() && r.Labels[labelKey] == key {
+			n++
+		}
+	}
+	return n, nil
+}
+
+// buildSandbox checks a create request and turns it into a sandbox
+// workload: the template's image (or capsa's built-in Linux), the
+// environment, the network.
+func (s *Server) buildSandbox(req *newSandbox) (*sandbox.Workload, error) {
+	if req.TemplateID == "" {
+		req.TemplateID = "base"
+	}
+	if len(req.TemplateID) > maxTemplateID {
+		return nil, fmt.Errorf("templateID: longer than %d characters", maxTemplateID)
+	}
+	if req.AutoPause {
+		return nil, errors.New("autoPause: capsa serve does not pause sandboxes at their timeout yet")
+	}
+	if len(req.MCP) > 0 && string(req.MCP) != "null" {
+		return nil, errors.New("mcp: capsa serve has no MCP gateway")
+	}
+	if len(req.VolumeMounts) > 0 && string(req.VolumeMounts) != "null" && string(req.VolumeMounts) != "[]" {
+		return nil, errors.New("volumeMounts: capsa serve mounts no E2B volumes yet")
+	}
+	if len(req.Metadata) > maxMetadata {
+		return nil, fmt.Errorf("metadata: %d entries, at most %d", len(req.Metadata), maxMetadata)
+	}
+	for k, v := range req.Metadata {
+		if k == "" || len(k) > maxMetaKey || len(v) > maxMetaValue {
+			return nil, fmt.Errorf("metadata %q: want a key of 1 to %d bytes and a value of at most %d", k, maxMetaKey, maxMetaValue)
+		}
+	}
+	if len(req.EnvVars) > maxEnvVars {
+		return nil, fmt.Errorf("envVars: %d entries, at most %d", len(req.EnvVars), maxEnvVars)
+	}
+	b := sandbox.New()
+	var env []string
+	for _, k := range slices.Sorted(maps.Keys(req.EnvVars)) {
+		if k == "" || strings.ContainsAny(k, "=\x00") || strings.Contains(req.EnvVars[k], "\x00") {
+			return nil, fmt.Errorf("envVars: bad variable %q", k)
+		}
+		env = append(env, k+"="+req.EnvVars[k])
+	}
+	b.Env(env...)
+	if req.AllowInternetAccess == nil || *req.AllowInternetAccess {
+		mode, allow, deny := "public-only", []string(nil), []string(nil)
+		if n := req.Network; n != nil {
+			if len(n.AllowOut) > maxRules || len(n.DenyOut) > maxRules {
+				return nil, fmt.Errorf("network: at most %d allowOut and denyOut rules", maxRules)
+			}
+			allow = n.AllowOut
+			for _, d := range n.DenyOut {
+				if d == "0.0.0.0/0" || d == "::/0" {
+					mode = "deny-all" // only what allowOut names
+					continue
+				}
+				deny = append(deny, d)
+			}
+		}
+		policy, err := netstack.ParsePolicy(mode, allow, deny)
+		if err != nil {
+			return nil, fmt.Errorf("network: %w", err)
+		}
+		b.Network(policy)
+	} else if req.Network != nil && (len(req.Network.AllowOut) > 0 || len(req.Network.DenyOut) > 0) {
+		return nil, errors.New("network: allowOut and denyOut need allow_internet_access")
+	}
+	ref := req.TemplateID
+	if ref == "base" {
+		ref = s.base
+	}
+	if ref == "" {
+		return b.Run(keepAlive[0], keepAlive[1:]...), nil
+	}
+	return b.Entrypoint(keepAlive...).OCI(ref), nil
+}
+
+// record returns the live sandbox the request's {id} names, or answers
+// 404 and returns nil.
+func (s *Server) record(w http.ResponseWriter, r *http.Request) *supervisor.Record {
+	id := r.PathValue("id")
+	rec, err := s.m.Get(id)
+	if err != nil || !rec.Alive() || rec.State == supervisor.Created {
+		apiError(w, http.StatusNotFound, fmt.Sprintf("sandbox %q not found", id))
+		return nil
+	}
+	return rec
+}
+
+func (s *Server) info(w http.ResponseWriter, r *http.Request, _ string) {
+	if rec := s.record(w, r); rec != nil {
+		writeJSON(w, http.StatusOK, s.describe(rec, true))
+	}
+}
+
+func (s *Server) kill(w http.ResponseWriter, r *http.Request, _ string) {
+	rec := s.record(w, r)
+	if rec == nil {
+		return
+	}
+	s.forget(rec.Name)
+	if err := s.m.Remove(context.WithoutCancel(r.Context()), rec.Name); err != nil {
+		if errors.Is(err, supervisor.ErrNotFound) {
+			apiError(w, http.StatusNotFound, fmt.Sprintf("sandbox %q not found", rec.Name))
+			return
+		}
+		apiError(w, http.StatusInternalServerError, fmt.Sprintf("kill %s: %v", rec.Name, err))
+		return
+	}
+	s.log.Info("e2b: killed", "sandbox", rec.Name)
+	w.WriteHeader(http.StatusNoContent)
+}
+
+// timeoutBody is a timeout or connect request's body.
+type timeoutBody struct {
+	Timeout *int `json:"timeout"`
+}
+
+// readTimeout reads an optional {"timeout": seconds} body.
+func readTimeout(r *http.Request) (*int, error) {
+	var body timeoutBody
+	if err := json.NewDecoder(r.Body).Decode(&body); err != nil && err != io.EOF {
+		return nil, fmt.Errorf("the body: %v", err)
+	}
+	if t := body.Timeout; t != nil && (*t < 0 || *t > maxTimeout) {
+		return nil, fmt.Errorf("timeout %d: want 0 to %d seconds", *t, maxTimeout)
+	}
+	return body.Timeout, nil
+}
+
+// setTimeout ends the sandbox timeout seconds from now.
+func (s *Server) setTimeout(w http.ResponseWriter, r *http.Request, _ string) {
+	t, err := readTimeout(r)
+	if err != nil || t == nil {
+		apiError(w, http.StatusBadRequest, fmt.Sprintf("timeout: %v", cmp.Or(err, errors.New("no timeout given"))))
+		return
+	}
+	rec := s.record(w, r)
+	if rec == nil {
+		return
+	}
+	ttl := time.Since(rec.Started) + time.Duration(*t)*time.Second
+	if err := s.m.SetTTL(r.Context(), rec.Name, ttl); err != nil {
+		apiError(w, http.StatusInternalServerError, fmt.Sprintf("timeout %s: %v", rec.Name, err))
+		return
+	}
+	w.WriteHeader(http.StatusNoContent)
+}
+
+// connect answers with the sandbox and its access token: a running one
+// (200) has its timeout extended to the one asked, if later; a paused one
+// is resumed (201). A sandbox not made through the API gets a token.
+func (s *Server) connect(w http.ResponseWriter, r *http.Request, _ string) {
+	t, err := readTimeout(r)
+	if err != nil {
+		apiError(w, http.StatusBadRequest, "connect: "+err.Error())
+		return
+	}
+	rec := s.record(w, r)
+	if rec == nil {
+		return
+	}
+	status := http.StatusOK
+	if rec.State == supervisor.Paused {
+		if err := s.m.Resume(r.Context(), rec.Name); err != nil {
+			apiError(w, http.StatusInternalServerError, fmt.Sprintf("resume %s: %v", rec.Name, err))
+			return
+		}
+		status = http.StatusCreated
+	}
+	if rec.Labels[labelToken] == "" {
+		err := s.m.SetLabels(rec.Name, func(l map[string]string) error {
+			if l[labelToken] == "" {
+				l[labelToken] = newToken()
+			}
+			return nil
+		})
+		if err != nil {
+			apiError(w, http.StatusInternalServerError, fmt.Sprintf("connect %s: %v", rec.Name, err))
+			return
+		}
+	}
+	if t != nil {
+		ttl := time.Since(rec.Started) + time.Duration(*t)*time.Second
+		if rec.TTL != 0 && ttl > rec.TTL {
+			if err := s.m.SetTTL(r.Context(), rec.Name, ttl); err != nil {
+				apiError(w, http.StatusInternalServerError, fmt.Sprintf("connect %s: %v", rec.Name, err))
+				return
+			}
+		}
+	}
+	got, err := s.m.Get(rec.Name)
+	if err != nil {
+		apiError(w, http.StatusNotFound, fmt.Sprintf("sandbox %q not found", rec.Name))
+		return
+	}
+	writeJSON(w, status, s.describe(got, true))
+}
+
+// pause pauses a running sandbox (in memory: connect resumes it); 409 if
+// it is paused.
+func (s *Server) pause(w http.ResponseWriter, r *http.Request, _ string) {
+	rec := s.record(w, r)
+	if rec == nil {
+		return
+	}
+	if rec.State == supervisor.Paused {
+		apiError(w, http.StatusConflict, fmt.Sprintf("sandbox %s is paused already", rec.Name))
+		return
+	}
+	if err := s.m.Pause(r.Context(), rec.Name); err != nil {
+		apiError(w, http.StatusInternalServerError, fmt.Sprintf("pause %s: %v", rec.Name, err))
+		return
+	}
+	w.WriteHeader(http.StatusNoContent)
+}
+
+// metric is one SandboxMetric.
+type metric struct {
+	Timestamp  time.Time `json:"timestamp"`
+	CPUUsedPct float64   `json:"cpuUsedPct"`
+	CPUCount   int       `json:"cpuCount"`
+	MemUsed    uint64    `json:"memUsed"`
+	MemTotal   uint64    `json:"memTotal"`
+	DiskUsed   uint64    `json:"diskUsed"`
+	DiskTotal  uint64    `json:"diskTotal"`
+}
+
+// metrics answers the sandbox's figures now: its vCPUs' use since it
+// started, and the guest memory the host holds.
+func (s *Server) metrics(w http.ResponseWriter, r *http.Request, _ string) {
+	rec := s.record(w, r)
+	if rec == nil {
+		return
+	}
+	h, err := s.m.Open(r.Context(), rec.Name)
+	if err != nil {
+		apiError(w, http.StatusConflict, fmt.Sprintf("metrics %s: %v", rec.Name, err))
+		return
+	}
+	st, err := h.Stats(r.Context())
+	if err != nil {
+		apiError(w, http.StatusInternalServerError, fmt.Sprintf("metrics %s: %v", rec.Name, err))
+		return
+	}
+	m := metric{Timestamp: st.Taken.UTC(), CPUCount: st.CPUs, MemUsed: st.MemoryResident, MemTotal: st.MemoryBytes}
+	if st.Uptime > 0 && st.CPUs > 0 {
+		m.CPUUsedPct = 100 * float64(st.CPUTime) / float64(st.Uptime) / float64(st.CPUs)
+	}
+	writeJSON(w, http.StatusOK, []metric{m})
+}
+
+// list answers the live sandboxes: v2 filtered by state and metadata and
+// paged (limit, nextToken, the next page's token in X-Next-Token); the
+// first API's, every running one.
+func (s *Server) list(w http.ResponseWriter, r *http.Request, v2 bool) {
+	q := r.URL.Query()
+	recs, err := s.m.List()
+	if err != nil {
+		apiError(w, http.StatusInternalServerError, "list: "+err.Error())
+		return
+	}
+	states := map[string]bool{"running": true}
+	if v2 {
+		states["paused"] = true
+		if st := q.Get("state"); st != "" {
+			states = map[string]bool{}
+			for _, x := range strings.Split(st, ",") {
+				if x != "running" && x != "paused" {
+					apiError(w, http.StatusBadRequest, fmt.Sprintf("list: state %q: want running or paused", x))
+					return
+				}
+				states[x] = true
+			}
+		}
+	}
+	meta, err := metadataFilter(q.Get("metadata"))
+	if err != nil {
+		apiError(w, http.StatusBadRequest, "list: "+err.Error())
+		return
+	}
+	limit := maxListLimit
+	if l := q.Get("limit"); l != "" {
+		n, err := strconv.Atoi(l)
+		if err != nil || n <= 0 || n > maxListLimit {
+			apiError(w, http.StatusBadRequest, fmt.Sprintf("list: limit %q: want 1 to %d", l, maxListLimit))
+			return
+		}
+		limit = n
+	}
+	var rows []*supervisor.Record
+	for _, rec := range recs {
+		if !rec.Alive() || rec.State == supervisor.Created || rec.State == supervisor.Creating {
+			continue
+		}
+		state := "running"
+		if rec.State == supervisor.Paused {
+			state = "paused"
+		}
+		if !states[state] {
+			continue
+		}
+		match := true
+		for k, v := range meta {
+			if got, ok := rec.Labels[labelMeta+k]; !ok || got != v {
+				match = false
+			}
+		}
+		if match {
+			rows = append(rows, rec)
+		}
+	}
+	// Oldest first, by start then name: a page's token is the last
+	// sandbox it held.
+	slices.SortFunc(rows, func(a, b *supervisor.Record) int {
+		return cmp.Or(a.Started.Compare(b.Started), strings.Compare(a.Name, b.Name))
+	})
+	if tok := q.Get("nextToken"); tok != "" {
+		i := slices.IndexFunc(rows, func(r *supervisor.Record) bool { return r.Name == tok })
+		if i < 0 {
+			apiError(w, http.StatusBadRequest, fmt.Sprintf("list: nextToken %q: no such sandbox (it may have ended)", tok))
+			return
+		}
+		rows = rows[i+1:]
+	}
+	out := []sandboxInfo{}
+	for i, rec := range rows {
+		if i == limit {
+			w.Header().Set("X-Next-Token", rows[i-1].Name)
+			break
+		}
+		out = append(out, s.describe(rec, false))
+	}
+	writeJSON(w, http.StatusOK, out)
+}
+
+// metadataFilter reads the list's metadata query: key=value pairs joined
+// as a query string, each key and value escaped once more (as the SDKs
+// send them).
+func metadataFilter(s string) (map[string]string, error) {
+	if s == "" {
+		return nil, nil
+	}
+	vals, err := url.ParseQuery(s)
+	if err != nil {
+		return nil, fmt.Errorf("metadata %q: %v", s, err)
+	}
+	m := map[string]string{}
+	for k, vs := range vals {
+		key, err1 := url.QueryUnescape(k)
+		val, err2 := url.QueryUnescape(vs[len(vs)-1])
+		if err1 != nil || err2 != nil {
+			return nil, fmt.Errorf("metadata %q: bad escape", s)
+		}
+		m[key] = val
+	}
+	return m, nil
+}

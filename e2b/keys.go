@@ -1,0 +1,187 @@
+package e2b
+
+import (
+	"crypto/rand"
+	"crypto/sha256"
+	"crypto/subtle"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+)
+
+// Keys are the API keys of a state directory: made and removed by `capsa
+// serve key`, checked by every control request (X-API-KEY). Only each
+// key's SHA-256 is kept, in KeysFile (0600), so the file cannot give a
+// key away; a key is shown once, when it is made.
+type Keys struct {
+	path string
+
+	mu      sync.Mutex
+	keys    []Key
+	modTime time.Time
+	size    int64
+}
+
+// Key is a kept API key: never the key itself.
+type Key struct {
+	ID      string    `json:"id"`
+	Name    string    `json:"name,omitempty"`
+	Prefix  string    `json:"prefix"` // its first characters, to tell keys apart
+	Hash    string    `json:"sha256"`
+	Created time.Time `json:"created"`
+}
+
+// KeysFile is where a state directory's API keys are kept.
+const KeysFile = "e2b-keys.json"
+
+// maxKeys bounds the keys of a state directory; maxKeyName a key's name.
+const (
+	maxKeys    = 1000
+	maxKeyName = 64
+	maxKeyFile = 1 << 20
+)
+
+// OpenKeys opens the API keys kept in the state directory dir.
+func OpenKeys(dir string) (*Keys, error) {
+	k := &Keys{path: filepath.Join(dir, KeysFile)}
+	if _, err := k.load(); err != nil {
+		return nil, err
+	}
+	return k, nil
+}
+
+// load reads the file again if it changed, and returns the keys.
+func (k *Keys) load() ([]Key, error) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	st, err := os.Stat(k.path)
+	if errors.Is(err, os.ErrNotExist) {
+		k.keys, k.modTime, k.size = nil, time.Time{}, 0
+		return nil, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("e2b: API keys: %w", err)
+	}
+	if st.ModTime().Equal(k.modTime) && st.Size() == k.size && k.keys != nil {
+		return k.keys, nil
+	}
+	if st.Size() > maxKeyFile {
+		return nil, fmt.Errorf("e2b: API keys: %s is %d bytes, over %d", k.path, st.Size(), maxKeyFile)
+	}
+	b, err := os.ReadFile(k.path)
+	if err != nil {
+		return nil, fmt.Errorf("e2b: API keys: %w", err)
+	}
+	keys := []Key{}
+	if err := json.Unmarshal(b, &keys); err != nil {
+		return nil, fmt.Errorf("e2b: API keys: %s: %w", k.path, err)
+	}
+	k.keys, k.modTime, k.size = keys, st.ModTime(), st.Size()
+	return keys, nil
+}
+
+// change changes the kept keys with fn, under a lock on the file that
+// other processes (capsa serve, capsa serve key) take too.
+func (k *Keys) change(fn func([]Key) ([]Key, error)) error {
+	lock, err := os.OpenFile(k.path+".lock", os.O_CREATE|os.O_RDWR, 0o600)
+	if err != nil {
+		return fmt.Errorf("e2b: API keys: %w", err)
+	}
+	defer lock.Close()
+	if err := syscall.Flock(int(lock.Fd()), syscall.LOCK_EX); err != nil {
+		return fmt.Errorf("e2b: API keys: lock: %w", err)
+	}
+	keys, err := k.load()
+	if err != nil {
+		return err
+	}
+	keys, err = fn(slices.Clone(keys))
+	if err != nil {
+		return err
+	}
+	b, err := json.MarshalIndent(keys, "", "  ")
+	if err != nil {
+		return err
+	}
+	tmp := k.path + ".tmp"
+	if err := os.WriteFile(tmp, append(b, '\n'), 0o600); err != nil {
+		return fmt.Errorf("e2b: API keys: %w", err)
+	}
+	if err := os.Rename(tmp, k.path); err != nil {
+		return fmt.Errorf("e2b: API keys: %w", err)
+	}
+	_, err = k.load()
+	return err
+}
+
+// Create makes a key named name (optional, unique) and returns it, shaped
+// as E2B's are (e2b_ and 40 hex digits), with what is kept of it.
+func (k *Keys) Create(name string) (string, Key, error) {
+	if len(name) > maxKeyName || strings.ContainsFunc(name, func(r rune) bool { return r < ' ' || r == 0x7f }) {
+		return "", Key{}, fmt.Errorf("e2b: key name %q: want at most %d printable characters", name, maxKeyName)
+	}
+	raw := make([]byte, 20)
+	rand.Read(raw)
+	secret := "e2b_" + hex.EncodeToString(raw)
+	sum := sha256.Sum256([]byte(secret))
+	kept := Key{ID: newID(12), Name: name, Prefix: secret[:10], Hash: hex.EncodeToString(sum[:]), Created: time.Now().UTC().Truncate(time.Second)}
+	err := k.change(func(keys []Key) ([]Key, error) {
+		if len(keys) >= maxKeys {
+			return nil, fmt.Errorf("e2b: %d API keys exist already", len(keys))
+		}
+		for _, o := range keys {
+			if name != "" && o.Name == name {
+				return nil, fmt.Errorf("e2b: an API key named %q exists already", name)
+			}
+		}
+		return append(keys, kept), nil
+	})
+	if err != nil {
+		return "", Key{}, err
+	}
+	return secret, kept, nil
+}
+
+// List returns the kept keys.
+func (k *Keys) List() ([]Key, error) {
+	keys, err := k.load()
+	return slices.Clone(keys), err
+}
+
+// Remove removes the key whose ID or name is idOrName.
+func (k *Keys) Remove(idOrName string) error {
+	return k.change(func(keys []Key) ([]Key, error) {
+		i := slices.IndexFunc(keys, func(o Key) bool { return o.ID == idOrName || o.Name != "" && o.Name == idOrName })
+		if i < 0 {
+			return nil, fmt.Errorf("e2b: no API key with ID or name %q", idOrName)
+		}
+		return slices.Delete(keys, i, i+1), nil
+	})
+}
+
+// Check returns the ID of the kept key secret is, if it is one.
+func (k *Keys) Check(secret string) (string, bool) {
+	if secret == "" || len(secret) > 256 {
+		return "", false
+	}
+	keys, err := k.load()
+	if err != nil {
+		return "", false
+	}
+	sum := sha256.Sum256([]byte(secret))
+	got := hex.EncodeToString(sum[:])
+	for _, o := range keys {
+		if subtle.ConstantTimeCompare([]byte(got), []byte(o.Hash)) == 1 {
+			return o.ID, true
+		}
+	}
+	return "", false
+}

@@ -1,0 +1,223 @@
+// e2b-client.mjs MODE [ARG]: drives `capsa serve` with E2B's official JS
+// SDK (npm e2b, from the mcp-client bundle), as an agent would, and prints
+// one line per step: "ok STEP [detail]" or "FAIL STEP: why". Every step
+// runs even if one before it failed; the exit code is 1 if any failed.
+// The environment gives E2B_API_URL, E2B_SANDBOX_URL, E2B_API_KEY and
+// TEMPLATE (an image reference).
+//
+// Modes:
+//   main         everything below on new sandboxes; leaves one running,
+//                printed as "keep ID", for after-restart
+//   after-restart ID  the server was restarted: reach sandbox ID again
+//   old          the same basics with the SDK from before /v2 (e2b-old)
+import { createHash, randomBytes } from 'node:crypto'
+
+const mode = process.argv[2]
+const sdk = await import(mode === 'old' ? 'e2b-old' : 'e2b')
+const { Sandbox, CommandExitError, TimeoutError, NotFoundError, AuthenticationError } = sdk
+const template = process.env.TEMPLATE
+let failed = 0
+
+async function step(name, fn) {
+  try {
+    const detail = await fn()
+    console.log(`ok ${name}${detail === undefined ? '' : ' ' + JSON.stringify(detail)}`)
+  } catch (e) {
+    failed++
+    console.log(`FAIL ${name}: ${e?.constructor?.name}: ${e?.message ?? e}`.replaceAll('\n', ' | '))
+  }
+}
+
+function check(cond, msg) {
+  if (!cond) throw new Error(msg)
+}
+
+function eq(got, want, what) {
+  check(JSON.stringify(got) === JSON.stringify(want), `${what}: got ${JSON.stringify(got)}, want ${JSON.stringify(want)}`)
+}
+
+async function expectThrow(fn, cls, what) {
+  try {
+    await fn()
+  } catch (e) {
+    check(e instanceof cls, `${what}: threw ${e?.constructor?.name} (${e?.message}), want ${cls.name}`)
+    return e
+  }
+  throw new Error(`${what}: did not throw, want ${cls.name}`)
+}
+
+const sleep = (ms) => new Promise((r) => setTimeout(r, ms))
+const sha = (b) => createHash('sha256').update(b).digest('hex')
+
+async function basics(sbx) {
+  await step('commands.run stdout and stderr', async () => {
+    const outs = [], errs = []
+    const r = await sbx.commands.run('echo out; echo err >&2', { onStdout: (d) => outs.push(d), onStderr: (d) => errs.push(d) })
+    eq([r.exitCode, r.stdout, r.stderr], [0, 'out\n', 'err\n'], 'result')
+    eq([outs.join(''), errs.join('')], ['out\n', 'err\n'], 'callbacks')
+  })
+  await step('commands.run envs, cwd and user', async () => {
+    const r = await sbx.commands.run('echo "$A $FROM_CREATE $(pwd) $(id -un) $HOME"', { envs: { A: 'b' }, cwd: '/tmp' })
+    eq(r.stdout, 'b 1 /tmp user /home/user\n', 'stdout')
+    const root = await sbx.commands.run('id -u', { user: 'root' })
+    eq(root.stdout, '0\n', 'as root')
+  })
+  await step('a failing command throws CommandExitError', async () => {
+    const e = await expectThrow(() => sbx.commands.run('echo partial; exit 3'), CommandExitError, 'exit 3')
+    eq([e.exitCode, e.stdout], [3, 'partial\n'], 'the error')
+  })
+}
+
+if (mode === 'main') {
+  const run = randomBytes(4).toString('hex')
+  const meta = { suite: 'capsa', run }
+  let sbx
+  await step('Sandbox.create', async () => {
+    sbx = await Sandbox.create(template, { timeoutMs: 600_000, metadata: meta, envs: { FROM_CREATE: '1' } })
+    return sbx.sandboxId
+  })
+  if (!sbx) {
+    process.exit(1)
+  }
+  await basics(sbx)
+
+  await step('background command: list, sendStdin, wait', async () => {
+    const h = await sbx.commands.run('read line; echo got:$line', { background: true, stdin: true })
+    const list = await sbx.commands.list()
+    check(list.some((p) => p.pid === h.pid), `commands.list has no pid ${h.pid}: ${JSON.stringify(list)}`)
+    await sbx.commands.sendStdin(h.pid, 'hello\n')
+    const r = await h.wait()
+    eq(r.stdout, 'got:hello\n', 'stdout')
+  })
+  await step('connect to a command from a second client, then kill one', async () => {
+    const h = await sbx.commands.run('for i in 1 2 3; do echo tick$i; sleep 1; done', { background: true })
+    const other = await Sandbox.connect(sbx.sandboxId)
+    const seen = []
+    const h2 = await other.commands.connect(h.pid, { onStdout: (d) => seen.push(d) })
+    const r = await h2.wait()
+    check(r.stdout.includes('tick3'), `the second client's stdout ${JSON.stringify(r.stdout)} lacks tick3`)
+    const long = await sbx.commands.run('sleep 1000', { background: true })
+    eq(await sbx.commands.kill(long.pid), true, 'kill')
+    await expectThrow(() => long.wait(), CommandExitError, 'the killed command')
+    const list = await sbx.commands.list()
+    check(!list.some((p) => p.pid === long.pid), 'the killed command is still listed')
+    eq(await sbx.commands.kill(999999), false, 'killing no such process')
+  })
+  await step('pty: create, input, resize', async () => {
+    let out = ''
+    const pty = await sbx.pty.create({ cols: 80, rows: 24, onData: (d) => { out += new TextDecoder().decode(d) }, timeoutMs: 60_000 })
+    await sbx.pty.sendInput(pty.pid, new TextEncoder().encode('stty size\n'))
+    for (let i = 0; i < 100 && !out.includes('24 80'); i++) await sleep(100)
+    check(out.includes('24 80'), `stty size before the resize: ${JSON.stringify(out.slice(-200))}`)
+    await sbx.pty.resize(pty.pid, { cols: 100, rows: 30 })
+    await sbx.pty.sendInput(pty.pid, new TextEncoder().encode('stty size; exit\n'))
+    await pty.wait()
+    check(out.includes('30 100'), `stty size after the resize: ${JSON.stringify(out.slice(-200))}`)
+  })
+  await step('files: text, binary and 20 MiB written and read back', async () => {
+    const info = await sbx.files.write('notes/a.txt', 'héllo\n')
+    eq([info.path, info.name], ['/home/user/notes/a.txt', 'a.txt'], 'write info')
+    eq(await sbx.files.read('notes/a.txt'), 'héllo\n', 'text')
+    const bin = new Uint8Array(256).map((_, i) => i)
+    await sbx.files.write('/tmp/bin', bin.buffer)
+    eq(sha(await sbx.files.read('/tmp/bin', { format: 'bytes' })), sha(bin), 'binary')
+    const big = randomBytes(20 << 20)
+    await sbx.files.write('/tmp/big', new Blob([big]))
+    const back = await sbx.files.read('/tmp/big', { format: 'bytes' })
+    eq([back.length, sha(back)], [big.length, sha(big)], '20 MiB')
+    const r = await sbx.commands.run('stat -c %U:%s notes/a.txt; sha256sum /tmp/big')
+    eq(r.stdout, `user:7\n${sha(big)}  /tmp/big\n`, 'as the guest sees them')
+  })
+  await step('files: list, exists, makeDir, rename, remove, getInfo', async () => {
+    await sbx.files.write('tree/sub/f.txt', 'x')
+    const names = (await sbx.files.list('tree', { depth: 2 })).map((e) => `${e.type}:${e.path}`).sort()
+    eq(names, ['dir:/home/user/tree/sub', 'file:/home/user/tree/sub/f.txt'], 'list depth 2')
+    eq((await sbx.files.list('tree')).length, 1, 'list depth 1')
+    eq([await sbx.files.exists('tree/sub/f.txt'), await sbx.files.exists('tree/nope')], [true, false], 'exists')
+    eq([await sbx.files.makeDir('made/deep'), await sbx.files.makeDir('made/deep')], [true, false], 'makeDir twice')
+    const moved = await sbx.files.rename('tree/sub/f.txt', 'made/deep/g.txt')
+    eq(moved.path, '/home/user/made/deep/g.txt', 'rename')
+    const gi = await sbx.files.getInfo('made/deep/g.txt')
+    eq([gi.type, gi.size, gi.owner, gi.permissions], ['file', 1, 'user', '-rw-r--r--'], 'getInfo')
+    await sbx.files.remove('made')
+    eq(await sbx.files.exists('made'), false, 'removed')
+    await expectThrow(() => sbx.files.read('made/deep/g.txt'), NotFoundError, 'reading a removed file')
+  })
+  await step('watchDir sees a file a command makes', async () => {
+    const events = []
+    const w = await sbx.files.watchDir('/home/user', (e) => events.push(e), { recursive: true })
+    await sbx.commands.run('mkdir -p w && echo x > w/watched.txt')
+    for (let i = 0; i < 100 && !events.some((e) => e.name === 'w/watched.txt'); i++) await sleep(100)
+    await w.stop()
+    check(events.some((e) => e.name === 'w/watched.txt' && e.type === 'create'), `events: ${JSON.stringify(events)}`)
+  })
+  await step('setTimeout and getInfo', async () => {
+    await sbx.setTimeout(500_000)
+    const info = await sbx.getInfo()
+    const left = (info.endAt.getTime() - Date.now()) / 1000
+    check(left > 480 && left < 520, `endAt is ${left}s away, want about 500`)
+    eq([info.sandboxId, info.templateId, info.state, info.metadata.run], [sbx.sandboxId, template, 'running', run], 'info')
+  })
+  await step('getMetrics', async () => {
+    const m = await sbx.getMetrics()
+    check(m.length >= 1 && m[0].cpuCount >= 1 && m[0].memTotal > 0, `metrics ${JSON.stringify(m)}`)
+  })
+  let short
+  await step('list by metadata, over two pages', async () => {
+    short = await Sandbox.create(template, { timeoutMs: 8_000, metadata: meta })
+    const pages = Sandbox.list({ query: { metadata: { run } }, limit: 1 })
+    const a = await pages.nextItems()
+    check(pages.hasNext, 'no second page')
+    const b = await pages.nextItems()
+    const ids = [...a, ...b].map((s) => s.sandboxId).sort()
+    eq(ids, [sbx.sandboxId, short.sandboxId].sort(), 'the two pages')
+    eq((await Sandbox.list({ query: { metadata: { run: 'other' } } }).nextItems()).length, 0, 'another run')
+  })
+  await step('a sandbox ends at its timeout', async () => {
+    await sleep(12_000)
+    await expectThrow(() => Sandbox.getInfo(short.sandboxId), NotFoundError, 'getInfo after the timeout')
+  })
+  await step('errors: a bad key, an unknown sandbox, a command past its timeout', async () => {
+    await expectThrow(() => Sandbox.list({ apiKey: 'e2b_' + '0'.repeat(40) }).nextItems(), AuthenticationError, 'a bad key')
+    await expectThrow(() => Sandbox.getInfo('inosuchsandbox'), NotFoundError, 'an unknown sandbox')
+    await expectThrow(() => sbx.commands.run('sleep 30', { timeoutMs: 1000 }), TimeoutError, 'sleep 30 with a 1 s timeout')
+  })
+  await step('pause, then connect resumes with files and processes intact', async () => {
+    const bg = await sbx.commands.run('sleep 1000', { background: true })
+    eq(await sbx.pause(), true, 'pause')
+    eq((await Sandbox.list({ query: { metadata: { run }, state: ['paused'] } }).nextItems()).map((s) => s.sandboxId), [sbx.sandboxId], 'listed as paused')
+    const again = await Sandbox.connect(sbx.sandboxId)
+    eq(await again.files.read('notes/a.txt'), 'héllo\n', 'the file')
+    const list = await again.commands.list()
+    check(list.some((p) => p.pid === bg.pid), 'the background process is gone')
+    await again.commands.kill(bg.pid)
+  })
+  await step('kill', async () => {
+    const k = await Sandbox.create(template, { timeoutMs: 60_000 })
+    eq(await k.kill(), true, 'kill')
+    eq(await Sandbox.kill(k.sandboxId), false, 'killing it again')
+  })
+  console.log(`keep ${sbx.sandboxId}`)
+} else if (mode === 'after-restart') {
+  await step('reach a sandbox after the server restarted', async () => {
+    const sbx = await Sandbox.connect(process.argv[3])
+    eq(await sbx.files.read('notes/a.txt'), 'héllo\n', 'the file')
+    const r = await sbx.commands.run('echo still here')
+    eq(r.stdout, 'still here\n', 'a command')
+    await sbx.kill()
+  })
+} else if (mode === 'old') {
+  let sbx
+  await step('Sandbox.create (POST /sandboxes)', async () => {
+    sbx = await Sandbox.create(template, { timeoutMs: 120_000, envs: { FROM_CREATE: '1' } })
+    return sbx.sandboxId
+  })
+  if (sbx) {
+    await basics(sbx)
+    await step('kill', async () => { await sbx.kill() })
+  }
+} else {
+  console.log(`FAIL mode: unknown mode ${mode}`)
+  failed++
+}
+process.exit(failed ? 1 : 0)
