@@ -51,10 +51,12 @@ const (
 	FeatureWatch = "watch"
 	// FeatureOwners: FileInfo carries the owner and group, by ID and name.
 	FeatureOwners = "owners"
+	// FeatureDial: a TCP connection to a port of the guest (OpDial).
+	FeatureDial = "dial"
 )
 
 // agentFeatures is what this package's agent announces.
-var agentFeatures = []string{FeatureProcesses, FeaturePTY, FeatureResumed, FeatureRename, FeatureWatch, FeatureOwners}
+var agentFeatures = []string{FeatureProcesses, FeaturePTY, FeatureResumed, FeatureRename, FeatureWatch, FeatureOwners, FeatureDial}
 
 // Port is the vsock port the agent listens on; ReadyPort is the host port
 // the agent connects to once it is listening, to announce itself.
@@ -179,6 +181,7 @@ const (
 	OpResumed   = "resumed"
 	OpRename    = "rename"
 	OpWatch     = "watch"
+	OpDial      = "dial"
 )
 
 // An Operation is one request a client may make: the table that the
@@ -214,6 +217,7 @@ var Operations = []Operation{
 	{Name: OpWait, Feature: FeatureProcesses, Doc: "wait for a process to exit and return its status"},
 	{Name: OpRename, Path: true, Feature: FeatureRename, Doc: "rename Path to Target (absolute), replacing a file there as rename(2) does"},
 	{Name: OpWatch, Path: true, Feature: FeatureWatch, Doc: "stream the changes in directory Path (and below it with Recursive) as WatchEvent data frames, until the client hangs up"},
+	{Name: OpDial, Feature: FeatureDial, Doc: "connect to the guest's TCP port Port on its loopback, then carry the connection's bytes both ways as Data frames (End: that side is done writing)"},
 	{Name: OpResumed, Feature: FeatureResumed, Doc: "the guest runs again after a pause or a restore (Request.Resumed): set its wall clock, mix a seed into its random number generator, set its hostname"},
 }
 
@@ -252,6 +256,7 @@ type Request struct {
 	Owner     *Owner       `json:"owner,omitempty"`     // OpChown
 	Resumed   *Resumed     `json:"resumed,omitempty"`   // OpResumed
 	NoReplay  bool         `json:"no_replay,omitempty"` // OpAttach: only output from now on
+	Port      int          `json:"port,omitempty"`      // OpDial: the guest's TCP port
 }
 
 // Resumed is what the host tells a guest that runs again after a pause or

@@ -251,6 +251,9 @@ var handlers = map[string]func(s *Server, ctx context.Context, c *Conn, req *Req
 	OpWatch: func(_ *Server, ctx context.Context, c *Conn, req *Request) error {
 		return watch(ctx, c, req.Path, req.Recursive)
 	},
+	OpDial: func(_ *Server, ctx context.Context, c *Conn, req *Request) error {
+		return dialPort(ctx, c, req.Port)
+	},
 	OpExists: func(_ *Server, _ context.Context, c *Conn, req *Request) error {
 		_, err := os.Lstat(req.Path)
 		if err != nil && !errors.Is(err, os.ErrNotExist) {

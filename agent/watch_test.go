@@ -1,9 +1,12 @@
 package agent
 
 import (
+	"bytes"
 	"context"
 	"errors"
+	"io"
 	"io/fs"
+	"net"
 	"os"
 	"path/filepath"
 	"testing"
@@ -94,5 +97,48 @@ func TestWatch(t *testing.T) {
 	}
 	if _, err := cl.Watch(ctx, filepath.Join(dir, "nope"), false); !errors.Is(err, fs.ErrNotExist) {
 		t.Errorf("watching a missing directory: %v", err)
+	}
+}
+
+// TestDialPort: a guest port reached through the agent carries bytes both
+// ways, with each side's end; a closed port is an error.
+func TestDialPort(t *testing.T) {
+	cl := serve(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	go func() {
+		c, err := l.Accept()
+		if err != nil {
+			return
+		}
+		defer c.Close()
+		b, _ := io.ReadAll(c) // to the host's end
+		c.Write(append([]byte("echo:"), b...))
+	}()
+	pc, err := cl.DialPort(ctx, l.Addr().(*net.TCPAddr).Port)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pc.Close()
+	big := bytes.Repeat([]byte("x"), 3*chunk+5)
+	if _, err := pc.Write(big); err != nil {
+		t.Fatal(err)
+	}
+	pc.CloseWrite()
+	got, err := io.ReadAll(pc)
+	if err != nil || !bytes.Equal(got, append([]byte("echo:"), big...)) {
+		t.Errorf("read back %d bytes, %v; want %d", len(got), err, len(big)+5)
+	}
+	l.Close()
+	if _, err := cl.DialPort(ctx, l.Addr().(*net.TCPAddr).Port); err == nil {
+		t.Error("dialing a closed port succeeded")
+	}
+	if _, err := cl.DialPort(ctx, 70000); err == nil {
+		t.Error("port 70000 was taken")
 	}
 }

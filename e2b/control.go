@@ -10,6 +10,7 @@ import (
 	"maps"
 	"net/http"
 	"net/url"
+	"os"
 	"slices"
 	"strconv"
 	"strings"
@@ -63,6 +64,10 @@ func (s *Server) controlMux() http.Handler {
 	handle("POST /sandboxes/{id}/resume", s.connect)
 	handle("POST /sandboxes/{id}/pause", s.pause)
 	handle("GET /sandboxes/{id}/metrics", s.metrics)
+	handle("POST /sandboxes/{id}/fork", s.fork)
+	handle("POST /sandboxes/{id}/snapshots", s.createSnapshot)
+	handle("GET /snapshots", s.listSnapshots)
+	handle("DELETE /templates/{id}", s.deleteSnapshot)
 	handle("/", func(w http.ResponseWriter, r *http.Request, _ string) {
 		apiError(w, http.StatusNotImplemented, fmt.Sprintf("%s %s: capsa serve does not serve this E2B API route", r.Method, r.URL.Path))
 	})
@@ -87,6 +92,9 @@ type newSandbox struct {
 type networkConfig struct {
 	AllowOut []string `json:"allowOut"`
 	DenyOut  []string `json:"denyOut"`
+	// AllowPublicTraffic false: the sandbox's ports (getHost) need its
+	// traffic access token.
+	AllowPublicTraffic *bool `json:"allowPublicTraffic"`
 }
 
 // sandboxInfo is what the API says of a sandbox (Sandbox, SandboxDetail,
@@ -97,6 +105,7 @@ type sandboxInfo struct {
 	ClientID        string            `json:"clientID"`
 	EnvdVersion     string            `json:"envdVersion"`
 	EnvdAccessToken string            `json:"envdAccessToken,omitempty"`
+	TrafficToken    string            `json:"trafficAccessToken,omitempty"`
 	Domain          *string           `json:"domain"`
 	StartedAt       *time.Time        `json:"startedAt,omitempty"`
 	EndAt           *time.Time        `json:"endAt,omitempty"`
@@ -126,6 +135,7 @@ func (s *Server) describe(rec *supervisor.Record, token bool) sandboxInfo {
 	}
 	if token {
 		in.EnvdAccessToken = rec.Labels[labelToken]
+		in.TrafficToken = rec.Labels[labelTraffic]
 	}
 	if !rec.Started.IsZero() {
 		started := rec.Started.UTC()
@@ -182,11 +192,22 @@ func (s *Server) create(w http.ResponseWriter, r *http.Request, key string, defT
 	for k, v := range req.Metadata {
 		labels[labelMeta+k] = v
 	}
-	id := "i" + newID(19)
-	rec := &supervisor.Record{Name: id, Spec: spec, TTL: time.Duration(timeout) * time.Second, Labels: labels}
-	if timeout == 0 {
-		rec.TTL = 0
+	if n := req.Network; n != nil && n.AllowPublicTraffic != nil && !*n.AllowPublicTraffic {
+		labels[labelTraffic] = newToken()
 	}
+	id := "i" + newID(19)
+	rec := &supervisor.Record{Name: id, Spec: spec, Labels: labels}
+	// A templateID that names a snapshot of this server's state
+	// directory starts from it, with the request's host-facing settings
+	// (its network), never the snapshot's own.
+	if dir, ok := s.snapshotDir(req.TemplateID); ok {
+		if rec, err = supervisor.RestoreRecord(dir, id, id, false, &spec); err != nil {
+			apiError(w, http.StatusBadRequest, fmt.Sprintf("create from snapshot %s: %v", req.TemplateID, err))
+			return
+		}
+		rec.Labels = labels
+	}
+	rec.TTL = time.Duration(timeout) * time.Second
 	// The count of a key's sandboxes and its create agree: one create at
 	// a time looks at the count.
 	s.createMu.Lock()
@@ -218,6 +239,22 @@ func (s *Server) create(w http.ResponseWriter, r *http.Request, key string, defT
 		return
 	}
 	writeJSON(w, http.StatusCreated, s.describe(got, true))
+}
+
+// snapshotDir returns the directory of the state directory's snapshot
+// name, if there is one.
+func (s *Server) snapshotDir(name string) (string, bool) {
+	if supervisor.CheckSnapshotName(name) != nil {
+		return "", false
+	}
+	dir, err := s.m.SnapshotDir(name, false)
+	if err != nil {
+		return "", false
+	}
+	if st, err := os.Stat(dir); err != nil || !st.IsDir() {
+		return "", false
+	}
+	return dir, true
 }
 
 // countFor counts the sandboxes of API key key that have not ended.
@@ -587,4 +624,219 @@ func metadataFilter(s string) (map[string]string, error) {
 		m[key] = val
 	}
 	return m, nil
+}
+
+// forkBody is a fork request's body.
+type forkBody struct {
+	Count   *int `json:"count"`
+	Timeout *int `json:"timeout"`
+}
+
+// forkResult is one copy in a fork's answer: the sandbox or why it did not
+// start.
+type forkResult struct {
+	Sandbox *sandboxInfo `json:"sandbox,omitempty"`
+	Error   *errorBody   `json:"error,omitempty"`
+}
+
+// maxForkCount bounds one fork request's copies (E2B's bound).
+const maxForkCount = 100
+
+// fork makes running copies of a sandbox (supervisor.Manager.Fork), each
+// with its own access token and the source's template and metadata.
+func (s *Server) fork(w http.ResponseWriter, r *http.Request, key string) {
+	var body forkBody
+	if err := json.NewDecoder(r.Body).Decode(&body); err != nil && err != io.EOF {
+		apiError(w, http.StatusBadRequest, fmt.Sprintf("fork: the body: %v", err))
+		return
+	}
+	count := 1
+	if body.Count != nil {
+		count = *body.Count
+	}
+	if count < 1 || count > maxForkCount {
+		apiError(w, http.StatusBadRequest, fmt.Sprintf("fork: count %d: want 1 to %d", count, maxForkCount))
+		return
+	}
+	timeout := defaultTimeout
+	if body.Timeout != nil {
+		timeout = *body.Timeout
+	}
+	if timeout < 0 || timeout > maxTimeout {
+		apiError(w, http.StatusBadRequest, fmt.Sprintf("fork: timeout %d: want 0 to %d seconds", timeout, maxTimeout))
+		return
+	}
+	src := s.record(w, r)
+	if src == nil {
+		return
+	}
+	s.createMu.Lock()
+	n, err := s.countFor(key)
+	if err == nil && n+count > s.perKey {
+		s.createMu.Unlock()
+		apiError(w, http.StatusTooManyRequests, fmt.Sprintf("fork: %d copies would make this API key's %d sandboxes more than its %d", count, n, s.perKey))
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(r.Context()), 10*time.Minute)
+	defer cancel()
+	names, errs, err := s.m.Fork(ctx, src.Name, count)
+	s.createMu.Unlock()
+	if err != nil {
+		apiError(w, http.StatusInternalServerError, fmt.Sprintf("fork %s: %v", src.Name, err))
+		return
+	}
+	out := make([]forkResult, len(names))
+	for i, name := range names {
+		if errs[i] == nil {
+			errs[i] = s.m.SetLabels(name, func(l map[string]string) error {
+				for k, v := range src.Labels {
+					if strings.HasPrefix(k, labelMeta) || k == labelTemplate {
+						l[k] = v
+					}
+				}
+				l[labelToken], l[labelKey] = newToken(), key
+				return nil
+			})
+		}
+		if errs[i] == nil {
+			errs[i] = s.m.SetTTL(ctx, name, s.ttlFromNow(name, timeout))
+		}
+		var rec *supervisor.Record
+		if errs[i] == nil {
+			rec, errs[i] = s.m.Get(name)
+		}
+		if errs[i] != nil {
+			out[i].Error = &errorBody{Code: http.StatusInternalServerError, Message: fmt.Sprintf("fork %s as %s: %v", src.Name, name, errs[i])}
+			continue
+		}
+		in := s.describe(rec, true)
+		out[i].Sandbox = &in
+	}
+	s.log.Info("e2b: forked", "sandbox", src.Name, "copies", names)
+	writeJSON(w, http.StatusCreated, out)
+}
+
+// ttlFromNow is the TTL that ends the sandbox name timeout seconds from now
+// (0: never).
+func (s *Server) ttlFromNow(name string, timeout int) time.Duration {
+	if timeout == 0 {
+		return 0
+	}
+	rec, err := s.m.Get(name)
+	if err != nil || rec.Started.IsZero() {
+		return time.Duration(timeout) * time.Second
+	}
+	return time.Since(rec.Started) + time.Duration(timeout)*time.Second
+}
+
+// snapshotInfo is what the API says of a snapshot (SnapshotInfo).
+type snapshotInfo struct {
+	SnapshotID string   `json:"snapshotID"`
+	Names      []string `json:"names"`
+}
+
+// labelSnapshot marks, on a sandbox's record, a snapshot made of it
+// through the API (+ the snapshot's name), for listing by sandbox.
+const labelSnapshot = "e2b.snapshot."
+
+// createSnapshot snapshots a running sandbox into the state directory: a
+// templateID that later creates start from.
+func (s *Server) createSnapshot(w http.ResponseWriter, r *http.Request, _ string) {
+	var body struct {
+		Name string `json:"name"`
+	}
+	if err := json.NewDecoder(r.Body).Decode(&body); err != nil && err != io.EOF {
+		apiError(w, http.StatusBadRequest, fmt.Sprintf("snapshot: the body: %v", err))
+		return
+	}
+	if body.Name != "" {
+		if err := supervisor.CheckSnapshotName(body.Name); err != nil {
+			apiError(w, http.StatusBadRequest, fmt.Sprintf("snapshot: name: %v", err))
+			return
+		}
+		if _, exists := s.snapshotDir(body.Name); exists {
+			apiError(w, http.StatusConflict, fmt.Sprintf("snapshot: a snapshot named %q exists", body.Name))
+			return
+		}
+	}
+	rec := s.record(w, r)
+	if rec == nil {
+		return
+	}
+	snap, err := s.m.SaveSnapshot(context.WithoutCancel(r.Context()), rec.Name, body.Name)
+	if err != nil {
+		apiError(w, http.StatusInternalServerError, fmt.Sprintf("snapshot %s: %v", rec.Name, err))
+		return
+	}
+	s.m.SetLabels(rec.Name, func(l map[string]string) error { l[labelSnapshot+snap] = "1"; return nil })
+	writeJSON(w, http.StatusCreated, snapshotInfo{SnapshotID: snap, Names: []string{snap}})
+}
+
+// listSnapshots lists the state directory's snapshots (with sandboxID,
+// those made of that sandbox through the API; with name, that one), by
+// name, paged as list is.
+func (s *Server) listSnapshots(w http.ResponseWriter, r *http.Request, _ string) {
+	q := r.URL.Query()
+	snaps, err := s.m.Snapshots()
+	if err != nil {
+		apiError(w, http.StatusInternalServerError, "list snapshots: "+err.Error())
+		return
+	}
+	var of map[string]string
+	if id := q.Get("sandboxID"); id != "" {
+		rec, err := s.m.Get(id)
+		if err != nil {
+			writeJSON(w, http.StatusOK, []snapshotInfo{})
+			return
+		}
+		of = rec.Labels
+	}
+	limit := maxListLimit
+	if l := q.Get("limit"); l != "" {
+		n, err := strconv.Atoi(l)
+		if err != nil || n <= 0 || n > maxListLimit {
+			apiError(w, http.StatusBadRequest, fmt.Sprintf("list snapshots: limit %q: want 1 to %d", l, maxListLimit))
+			return
+		}
+		limit = n
+	}
+	var names []string
+	for _, sn := range snaps {
+		if sn.Err != "" || (of != nil && of[labelSnapshot+sn.Name] == "") || (q.Get("name") != "" && q.Get("name") != sn.Name) {
+			continue
+		}
+		names = append(names, sn.Name)
+	}
+	slices.Sort(names)
+	if tok := q.Get("nextToken"); tok != "" {
+		i, _ := slices.BinarySearch(names, tok)
+		for i < len(names) && names[i] <= tok {
+			i++
+		}
+		names = names[i:]
+	}
+	out := []snapshotInfo{}
+	for i, n := range names {
+		if i == limit {
+			w.Header().Set("X-Next-Token", names[i-1])
+			break
+		}
+		out = append(out, snapshotInfo{SnapshotID: n, Names: []string{n}})
+	}
+	writeJSON(w, http.StatusOK, out)
+}
+
+// deleteSnapshot removes a snapshot of the state directory (the SDKs
+// delete a snapshot as a template).
+func (s *Server) deleteSnapshot(w http.ResponseWriter, r *http.Request, _ string) {
+	name := r.PathValue("id")
+	if _, ok := s.snapshotDir(name); !ok {
+		apiError(w, http.StatusNotFound, fmt.Sprintf("snapshot %q not found", name))
+		return
+	}
+	if err := s.m.RemoveSnapshot(name); err != nil {
+		apiError(w, http.StatusInternalServerError, fmt.Sprintf("delete snapshot %s: %v", name, err))
+		return
+	}
+	w.WriteHeader(http.StatusNoContent)
 }

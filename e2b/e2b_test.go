@@ -249,8 +249,17 @@ func TestControlRefusals(t *testing.T) {
 	if code := do(t, s, "DELETE", "/sandboxes/inosuch", key, "", nil, &e); code != 404 || e.Code != 404 {
 		t.Errorf("DELETE /sandboxes/inosuch: %d %+v; want 404 with code 404", code, e)
 	}
-	if code := do(t, s, "POST", "/sandboxes/inosuch/fork", key, "{}", nil, &e); code != 501 {
-		t.Errorf("fork: %d; want 501 (not served)", code)
+	if code := do(t, s, "POST", "/sandboxes/inosuch/fork", key, "{}", nil, &e); code != 404 {
+		t.Errorf("fork of no sandbox: %d; want 404", code)
+	}
+	if code := do(t, s, "POST", "/sandboxes/inosuch/fork", key, `{"count":101}`, nil, &e); code != 400 || !strings.Contains(e.Message, "count") {
+		t.Errorf("fork of 101: %d %+v; want 400 naming count", code, e)
+	}
+	if code := do(t, s, "PUT", "/sandboxes/inosuch/network", key, "{}", nil, &e); code != 501 {
+		t.Errorf("network: %d; want 501 (not served)", code)
+	}
+	if code := do(t, s, "DELETE", "/templates/nosuch", key, "", nil, &e); code != 404 || e.Code != 404 {
+		t.Errorf("delete snapshot nosuch: %d %+v; want 404 with code 404", code, e)
 	}
 	var list []sandboxInfo
 	if code := do(t, s, "GET", "/v2/sandboxes?state=running", key, "", nil, &list); code != 200 || len(list) != 0 {

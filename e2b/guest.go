@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net/http/httputil"
 	"path"
 	"strconv"
 	"strings"
@@ -19,6 +20,7 @@ import (
 type guest struct {
 	name    string
 	token   string
+	traffic string // the token its ports need ("": none, public)
 	started time.Time
 	h       *supervisor.Handle
 	checked time.Time // when its record last said it runs
@@ -28,6 +30,7 @@ type guest struct {
 	usersAt time.Time
 	shell   string // the shell commands run with ("": not looked up)
 	procs   map[uint32]*proc
+	proxy   *httputil.ReverseProxy // to its ports, made on first use
 }
 
 // guestUser is a user of the guest's /etc/passwd.
@@ -78,7 +81,7 @@ func (s *Server) guest(ctx context.Context, id string) (*guest, error) {
 	if err != nil {
 		return nil, err
 	}
-	g = &guest{name: id, token: token, started: rec.Started, h: h, checked: time.Now(), procs: map[uint32]*proc{}}
+	g = &guest{name: id, token: token, traffic: rec.Labels[labelTraffic], started: rec.Started, h: h, checked: time.Now(), procs: map[uint32]*proc{}}
 	s.guests[id] = g
 	return g, nil
 }

@@ -53,6 +53,7 @@ const (
 	labelTemplate = "e2b.template" // the templateID it was created from
 	labelKey      = "e2b.key"      // the ID of the API key that created it
 	labelMeta     = "e2b.meta."    // + a metadata key: its value
+	labelTraffic  = "e2b.traffic"  // the token its ports need (none: public)
 )
 
 // Options configure a Server.
@@ -144,10 +145,6 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		s.control.ServeHTTP(w, r)
 		return
 	}
-	if port != EnvdPort {
-		envdError(w, http.StatusBadGateway, fmt.Sprintf("port %d of sandbox %s: capsa serve proxies only envd's port (%d) yet", port, id, EnvdPort))
-		return
-	}
 	g, err := s.guest(r.Context(), id)
 	if err != nil {
 		status := http.StatusBadGateway // the SDKs read 502 as "not running"
@@ -158,6 +155,10 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			status = http.StatusUnauthorized
 		}
 		envdError(w, status, err.Error())
+		return
+	}
+	if port != EnvdPort {
+		s.proxyPort(w, r, g, port)
 		return
 	}
 	// /health answers anyone, as envd's does; the rest needs the

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"os"
 
 	"github.com/capsa-sandbox/capsa/agent"
@@ -186,4 +187,15 @@ func (s *Guest) Chown(ctx context.Context, path string, uid, gid int) error {
 func (s *Guest) Watch(ctx context.Context, dir string, recursive bool) (*agent.Watcher, error) {
 	w, err := s.client.Watch(ctx, dir, recursive)
 	return w, s.explain(err)
+}
+
+// DialPort connects to the guest's TCP port on its loopback, through the
+// agent: no network device needed. The connection lives until closed,
+// whatever ctx does once it is made.
+func (s *Guest) DialPort(ctx context.Context, port int) (net.Conn, error) {
+	c, err := s.client.DialPort(context.WithoutCancel(ctx), port)
+	if err != nil {
+		return nil, s.explain(err)
+	}
+	return c, nil
 }

@@ -11,6 +11,7 @@
 //   after-restart ID  the server was restarted: reach sandbox ID again
 //   old          the same basics with the SDK from before /v2 (e2b-old)
 import { createHash, randomBytes } from 'node:crypto'
+import http from 'node:http'
 
 const mode = process.argv[2]
 const sdk = await import(mode === 'old' ? 'e2b-old' : 'e2b')
@@ -151,6 +152,33 @@ if (mode === 'main') {
     await w.stop()
     check(events.some((e) => e.name === 'w/watched.txt' && e.type === 'create'), `events: ${JSON.stringify(events)}`)
   })
+  await step('getHost: an HTTP server in the guest, through the server', async () => {
+    await sbx.files.write('site/index.html', 'hello from the guest\n')
+    const srv = await sbx.commands.run('cd site && exec python3 -m http.server 8000 --bind 127.0.0.1', { background: true, timeoutMs: 0 })
+    let body
+    for (let i = 0; i < 150 && body === undefined; i++) {
+      const r = await fetch(`${process.env.E2B_API_URL}/index.html`, { headers: { 'E2b-Sandbox-Id': sbx.sandboxId, 'E2b-Sandbox-Port': '8000' } })
+      if (r.status === 200) body = await r.text()
+      else await sleep(200)
+    }
+    eq(body, 'hello from the guest\n', 'through E2b-Sandbox-Port')
+    // By the host name getHost gives, as a browser would send it.
+    const host = sbx.getHost(8000)
+    check(host.startsWith(`8000-${sbx.sandboxId}.`), `getHost(8000) = ${host}`)
+    const u = new URL(process.env.E2B_API_URL)
+    const [status, text] = await new Promise((resolve, reject) => {
+      const req = http.get({ host: u.hostname, port: u.port, path: '/index.html', headers: { Host: host } }, (r) => {
+        let b = ''
+        r.on('data', (d) => { b += d })
+        r.on('end', () => resolve([r.statusCode, b]))
+      })
+      req.on('error', reject)
+    })
+    eq([status, text], [200, 'hello from the guest\n'], 'through the host name')
+    const closed = await fetch(`${process.env.E2B_API_URL}/`, { headers: { 'E2b-Sandbox-Id': sbx.sandboxId, 'E2b-Sandbox-Port': '8001' } })
+    eq(closed.status, 502, 'a port nothing listens on')
+    await sbx.commands.kill(srv.pid)
+  })
   await step('setTimeout and getInfo', async () => {
     await sbx.setTimeout(500_000)
     const info = await sbx.getInfo()
@@ -181,6 +209,34 @@ if (mode === 'main') {
     await expectThrow(() => Sandbox.list({ apiKey: 'e2b_' + '0'.repeat(40) }).nextItems(), AuthenticationError, 'a bad key')
     await expectThrow(() => Sandbox.getInfo('inosuchsandbox'), NotFoundError, 'an unknown sandbox')
     await expectThrow(() => sbx.commands.run('sleep 30', { timeoutMs: 1000 }), TimeoutError, 'sleep 30 with a 1 s timeout')
+  })
+  await step('fork of 3: running copies with the source\'s files', async () => {
+    await sbx.files.write('forked.txt', 'from the source')
+    const copies = await sbx.fork({ count: 3, timeoutMs: 120_000 })
+    eq(copies.length, 3, 'copies')
+    for (const c of copies) check(!(c instanceof Error), `a copy failed: ${c?.message}`)
+    const outs = await Promise.all(copies.map((c) => c.commands.run('cat forked.txt; echo; hostname')))
+    const hosts = new Set()
+    for (const o of outs) {
+      const [file, host] = o.stdout.split('\n')
+      eq(file, 'from the source', 'a copy\'s file')
+      hosts.add(host)
+    }
+    eq(hosts.size, 3, 'distinct hostnames')
+    const ids = copies.map((c) => c.sandboxId)
+    check(new Set([...ids, sbx.sandboxId]).size === 4, `copy IDs ${ids}`)
+    await Promise.all(copies.map((c) => c.kill()))
+    eq((await sbx.commands.run('cat forked.txt')).stdout, 'from the source', 'the source still runs')
+  })
+  await step('snapshot, then a sandbox created from it', async () => {
+    const snap = await sbx.createSnapshot()
+    const listed = await sbx.listSnapshots().nextItems()
+    check(listed.some((x) => x.snapshotId === snap.snapshotId), `listSnapshots: ${JSON.stringify(listed)}`)
+    const from = await Sandbox.create(snap.snapshotId, { timeoutMs: 60_000 })
+    eq(await from.files.read('forked.txt'), 'from the source', 'its file')
+    await from.kill()
+    eq(await Sandbox.deleteSnapshot(snap.snapshotId), true, 'delete')
+    eq(await Sandbox.deleteSnapshot(snap.snapshotId), false, 'delete again')
   })
   await step('pause, then connect resumes with files and processes intact', async () => {
     const bg = await sbx.commands.run('sleep 1000', { background: true })
