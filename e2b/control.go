@@ -16,6 +16,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/capsa-sandbox/capsa/agent"
 	"github.com/capsa-sandbox/capsa/netstack"
 	"github.com/capsa-sandbox/capsa/sandbox"
 	"github.com/capsa-sandbox/capsa/supervisor"
@@ -170,7 +171,7 @@ func (s *Server) create(w http.ResponseWriter, r *http.Request, key string, defT
 		apiError(w, http.StatusBadRequest, fmt.Sprintf("create: the body: %v", err))
 		return
 	}
-	wl, err := s.buildSandbox(&req)
+	wl, tmpl, err := s.buildSandbox(&req)
 	if err != nil {
 		apiError(w, http.StatusBadRequest, "create: "+err.Error())
 		return
@@ -197,13 +198,24 @@ func (s *Server) create(w http.ResponseWriter, r *http.Request, key string, defT
 	}
 	id := "i" + newID(19)
 	rec := &supervisor.Record{Name: id, Spec: spec, Labels: labels}
-	// A templateID that names a snapshot of this server's state
-	// directory starts from it, with the request's host-facing settings
-	// (its network), never the snapshot's own.
-	if dir, ok := s.snapshotDir(req.TemplateID); ok {
+	// A pre-booted template, or a templateID that names a snapshot of
+	// this server's state directory, starts from the snapshot, with the
+	// request's host-facing settings (its network), never the
+	// snapshot's own.
+	snap := req.TemplateID
+	if tmpl != nil {
+		snap = tmpl.Snapshot
+	}
+	if dir, ok := s.snapshotDir(snap); ok && (tmpl == nil || snap != "") {
 		if rec, err = supervisor.RestoreRecord(dir, id, id, false, &spec); err != nil {
 			apiError(w, http.StatusBadRequest, fmt.Sprintf("create from snapshot %s: %v", req.TemplateID, err))
 			return
+		}
+		// A restored guest keeps the snapshot's environment: the
+		// request's goes to each process the API starts.
+		if len(req.EnvVars) > 0 {
+			b, _ := json.Marshal(req.EnvVars)
+			labels[labelEnv] = string(b)
 		}
 		rec.Labels = labels
 	}
@@ -233,12 +245,36 @@ func (s *Server) create(w http.ResponseWriter, r *http.Request, key string, defT
 		return
 	}
 	s.log.Info("e2b: created", "sandbox", name, "template", req.TemplateID, "in", since(start))
+	if tmpl != nil && tmpl.Snapshot == "" && tmpl.StartCmd != "" {
+		if err := s.startCommand(ctx, name, tmpl.StartCmd); err != nil {
+			s.log.Warn("e2b: the template's start command", "sandbox", name, "template", tmpl.Name, "err", err)
+		}
+	}
 	got, err := s.m.Get(name)
 	if err != nil {
 		apiError(w, http.StatusInternalServerError, "create: "+err.Error())
 		return
 	}
 	writeJSON(w, http.StatusCreated, s.describe(got, true))
+}
+
+// startCommand runs a template's start command in the background in the
+// sandbox name, as the user commands run as; it belongs to the guest.
+func (s *Server) startCommand(ctx context.Context, name, cmd string) error {
+	g, err := s.guest(ctx, name)
+	if err != nil {
+		return err
+	}
+	u, err := g.user(ctx, "")
+	if err != nil {
+		return err
+	}
+	o := agent.ExecOptions{Argv: []string{"/bin/sh", "-c", cmd}, Dir: u.homeDir(), User: u.name}
+	if u.uid == 0 {
+		o.User = ""
+	}
+	_, err = g.h.Stream(context.Background(), o)
+	return err
 }
 
 // snapshotDir returns the directory of the state directory's snapshot
@@ -273,49 +309,49 @@ func (s *Server) countFor(key string) (int, error) {
 }
 
 // buildSandbox checks a create request and turns it into a sandbox
-// workload: the template's image (or capsa's built-in Linux), the
-// environment, the network.
-func (s *Server) buildSandbox(req *newSandbox) (*sandbox.Workload, error) {
+// workload: the template's (with it, if templateID names one), an image
+// reference's, or capsa's built-in Linux's; the environment; the
+// network.
+func (s *Server) buildSandbox(req *newSandbox) (*sandbox.Workload, *Template, error) {
 	if req.TemplateID == "" {
 		req.TemplateID = "base"
 	}
 	if len(req.TemplateID) > maxTemplateID {
-		return nil, fmt.Errorf("templateID: longer than %d characters", maxTemplateID)
+		return nil, nil, fmt.Errorf("templateID: longer than %d characters", maxTemplateID)
 	}
 	if req.AutoPause {
-		return nil, errors.New("autoPause: capsa serve does not pause sandboxes at their timeout yet")
+		return nil, nil, errors.New("autoPause: capsa serve does not pause sandboxes at their timeout yet")
 	}
 	if len(req.MCP) > 0 && string(req.MCP) != "null" {
-		return nil, errors.New("mcp: capsa serve has no MCP gateway")
+		return nil, nil, errors.New("mcp: capsa serve has no MCP gateway")
 	}
 	if len(req.VolumeMounts) > 0 && string(req.VolumeMounts) != "null" && string(req.VolumeMounts) != "[]" {
-		return nil, errors.New("volumeMounts: capsa serve mounts no E2B volumes yet")
+		return nil, nil, errors.New("volumeMounts: capsa serve mounts no E2B volumes yet")
 	}
 	if len(req.Metadata) > maxMetadata {
-		return nil, fmt.Errorf("metadata: %d entries, at most %d", len(req.Metadata), maxMetadata)
+		return nil, nil, fmt.Errorf("metadata: %d entries, at most %d", len(req.Metadata), maxMetadata)
 	}
 	for k, v := range req.Metadata {
 		if k == "" || len(k) > maxMetaKey || len(v) > maxMetaValue {
-			return nil, fmt.Errorf("metadata %q: want a key of 1 to %d bytes and a value of at most %d", k, maxMetaKey, maxMetaValue)
+			return nil, nil, fmt.Errorf("metadata %q: want a key of 1 to %d bytes and a value of at most %d", k, maxMetaKey, maxMetaValue)
 		}
 	}
 	if len(req.EnvVars) > maxEnvVars {
-		return nil, fmt.Errorf("envVars: %d entries, at most %d", len(req.EnvVars), maxEnvVars)
+		return nil, nil, fmt.Errorf("envVars: %d entries, at most %d", len(req.EnvVars), maxEnvVars)
 	}
-	b := sandbox.New()
 	var env []string
 	for _, k := range slices.Sorted(maps.Keys(req.EnvVars)) {
 		if k == "" || strings.ContainsAny(k, "=\x00") || strings.Contains(req.EnvVars[k], "\x00") {
-			return nil, fmt.Errorf("envVars: bad variable %q", k)
+			return nil, nil, fmt.Errorf("envVars: bad variable %q", k)
 		}
 		env = append(env, k+"="+req.EnvVars[k])
 	}
-	b.Env(env...)
+	var policy *netstack.Policy // nil: no network
 	if req.AllowInternetAccess == nil || *req.AllowInternetAccess {
 		mode, allow, deny := "public-only", []string(nil), []string(nil)
 		if n := req.Network; n != nil {
 			if len(n.AllowOut) > maxRules || len(n.DenyOut) > maxRules {
-				return nil, fmt.Errorf("network: at most %d allowOut and denyOut rules", maxRules)
+				return nil, nil, fmt.Errorf("network: at most %d allowOut and denyOut rules", maxRules)
 			}
 			allow = n.AllowOut
 			for _, d := range n.DenyOut {
@@ -326,22 +362,31 @@ func (s *Server) buildSandbox(req *newSandbox) (*sandbox.Workload, error) {
 				deny = append(deny, d)
 			}
 		}
-		policy, err := netstack.ParsePolicy(mode, allow, deny)
-		if err != nil {
-			return nil, fmt.Errorf("network: %w", err)
+		var err error
+		if policy, err = netstack.ParsePolicy(mode, allow, deny); err != nil {
+			return nil, nil, fmt.Errorf("network: %w", err)
 		}
-		b.Network(policy)
 	} else if req.Network != nil && (len(req.Network.AllowOut) > 0 || len(req.Network.DenyOut) > 0) {
-		return nil, errors.New("network: allowOut and denyOut need allow_internet_access")
+		return nil, nil, errors.New("network: allowOut and denyOut need allow_internet_access")
+	}
+	if s.templates != nil && req.TemplateID != "base" {
+		if t, ok := s.templates.Get(req.TemplateID); ok {
+			w, err := t.workload(policy, env)
+			return w, &t, err
+		}
+	}
+	b := sandbox.New().Env(env...)
+	if policy != nil {
+		b.Network(policy)
 	}
 	ref := req.TemplateID
 	if ref == "base" {
 		ref = s.base
 	}
 	if ref == "" {
-		return b.Run(keepAlive[0], keepAlive[1:]...), nil
+		return b.Run(keepAlive[0], keepAlive[1:]...), nil, nil
 	}
-	return b.Entrypoint(keepAlive...).OCI(ref), nil
+	return b.Entrypoint(keepAlive...).OCI(ref), nil, nil
 }
 
 // record returns the live sandbox the request's {id} names, or answers

@@ -2,6 +2,7 @@ package e2b
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"net/http/httputil"
@@ -20,7 +21,8 @@ import (
 type guest struct {
 	name    string
 	token   string
-	traffic string // the token its ports need ("": none, public)
+	traffic string            // the token its ports need ("": none, public)
+	env     map[string]string // every process's, under its own (a restored sandbox's envVars)
 	started time.Time
 	h       *supervisor.Handle
 	checked time.Time // when its record last said it runs
@@ -82,6 +84,9 @@ func (s *Server) guest(ctx context.Context, id string) (*guest, error) {
 		return nil, err
 	}
 	g = &guest{name: id, token: token, traffic: rec.Labels[labelTraffic], started: rec.Started, h: h, checked: time.Now(), procs: map[uint32]*proc{}}
+	if e := rec.Labels[labelEnv]; e != "" {
+		json.Unmarshal([]byte(e), &g.env)
+	}
 	s.guests[id] = g
 	return g, nil
 }

@@ -5,15 +5,10 @@ import (
 	"crypto/sha256"
 	"crypto/subtle"
 	"encoding/hex"
-	"encoding/json"
-	"errors"
 	"fmt"
-	"os"
 	"path/filepath"
 	"slices"
 	"strings"
-	"sync"
-	"syscall"
 	"time"
 )
 
@@ -22,12 +17,7 @@ import (
 // key's SHA-256 is kept, in KeysFile (0600), so the file cannot give a
 // key away; a key is shown once, when it is made.
 type Keys struct {
-	path string
-
-	mu      sync.Mutex
-	keys    []Key
-	modTime time.Time
-	size    int64
+	f jsonFile[Key]
 }
 
 // Key is a kept API key: never the key itself.
@@ -46,80 +36,15 @@ const KeysFile = "e2b-keys.json"
 const (
 	maxKeys    = 1000
 	maxKeyName = 64
-	maxKeyFile = 1 << 20
 )
 
 // OpenKeys opens the API keys kept in the state directory dir.
 func OpenKeys(dir string) (*Keys, error) {
-	k := &Keys{path: filepath.Join(dir, KeysFile)}
-	if _, err := k.load(); err != nil {
+	k := &Keys{f: jsonFile[Key]{path: filepath.Join(dir, KeysFile), what: "API keys"}}
+	if _, err := k.f.load(); err != nil {
 		return nil, err
 	}
 	return k, nil
-}
-
-// load reads the file again if it changed, and returns the keys.
-func (k *Keys) load() ([]Key, error) {
-	k.mu.Lock()
-	defer k.mu.Unlock()
-	st, err := os.Stat(k.path)
-	if errors.Is(err, os.ErrNotExist) {
-		k.keys, k.modTime, k.size = nil, time.Time{}, 0
-		return nil, nil
-	}
-	if err != nil {
-		return nil, fmt.Errorf("e2b: API keys: %w", err)
-	}
-	if st.ModTime().Equal(k.modTime) && st.Size() == k.size && k.keys != nil {
-		return k.keys, nil
-	}
-	if st.Size() > maxKeyFile {
-		return nil, fmt.Errorf("e2b: API keys: %s is %d bytes, over %d", k.path, st.Size(), maxKeyFile)
-	}
-	b, err := os.ReadFile(k.path)
-	if err != nil {
-		return nil, fmt.Errorf("e2b: API keys: %w", err)
-	}
-	keys := []Key{}
-	if err := json.Unmarshal(b, &keys); err != nil {
-		return nil, fmt.Errorf("e2b: API keys: %s: %w", k.path, err)
-	}
-	k.keys, k.modTime, k.size = keys, st.ModTime(), st.Size()
-	return keys, nil
-}
-
-// change changes the kept keys with fn, under a lock on the file that
-// other processes (capsa serve, capsa serve key) take too.
-func (k *Keys) change(fn func([]Key) ([]Key, error)) error {
-	lock, err := os.OpenFile(k.path+".lock", os.O_CREATE|os.O_RDWR, 0o600)
-	if err != nil {
-		return fmt.Errorf("e2b: API keys: %w", err)
-	}
-	defer lock.Close()
-	if err := syscall.Flock(int(lock.Fd()), syscall.LOCK_EX); err != nil {
-		return fmt.Errorf("e2b: API keys: lock: %w", err)
-	}
-	keys, err := k.load()
-	if err != nil {
-		return err
-	}
-	keys, err = fn(slices.Clone(keys))
-	if err != nil {
-		return err
-	}
-	b, err := json.MarshalIndent(keys, "", "  ")
-	if err != nil {
-		return err
-	}
-	tmp := k.path + ".tmp"
-	if err := os.WriteFile(tmp, append(b, '\n'), 0o600); err != nil {
-		return fmt.Errorf("e2b: API keys: %w", err)
-	}
-	if err := os.Rename(tmp, k.path); err != nil {
-		return fmt.Errorf("e2b: API keys: %w", err)
-	}
-	_, err = k.load()
-	return err
 }
 
 // Create makes a key named name (optional, unique) and returns it, shaped
@@ -133,7 +58,7 @@ func (k *Keys) Create(name string) (string, Key, error) {
 	secret := "e2b_" + hex.EncodeToString(raw)
 	sum := sha256.Sum256([]byte(secret))
 	kept := Key{ID: newID(12), Name: name, Prefix: secret[:10], Hash: hex.EncodeToString(sum[:]), Created: time.Now().UTC().Truncate(time.Second)}
-	err := k.change(func(keys []Key) ([]Key, error) {
+	err := k.f.change(func(keys []Key) ([]Key, error) {
 		if len(keys) >= maxKeys {
 			return nil, fmt.Errorf("e2b: %d API keys exist already", len(keys))
 		}
@@ -152,13 +77,12 @@ func (k *Keys) Create(name string) (string, Key, error) {
 
 // List returns the kept keys.
 func (k *Keys) List() ([]Key, error) {
-	keys, err := k.load()
-	return slices.Clone(keys), err
+	return k.f.list()
 }
 
 // Remove removes the key whose ID or name is idOrName.
 func (k *Keys) Remove(idOrName string) error {
-	return k.change(func(keys []Key) ([]Key, error) {
+	return k.f.change(func(keys []Key) ([]Key, error) {
 		i := slices.IndexFunc(keys, func(o Key) bool { return o.ID == idOrName || o.Name != "" && o.Name == idOrName })
 		if i < 0 {
 			return nil, fmt.Errorf("e2b: no API key with ID or name %q", idOrName)
@@ -172,7 +96,7 @@ func (k *Keys) Check(secret string) (string, bool) {
 	if secret == "" || len(secret) > 256 {
 		return "", false
 	}
-	keys, err := k.load()
+	keys, err := k.f.load()
 	if err != nil {
 		return "", false
 	}

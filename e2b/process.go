@@ -193,12 +193,17 @@ func (ps *processService) Start(ctx context.Context, req *connect.Request[proces
 	if err != nil {
 		return connect.NewError(connect.CodeInvalidArgument, err)
 	}
-	env := make([]string, 0, len(cfg.Envs))
-	for _, k := range slices.Sorted(maps.Keys(cfg.Envs)) {
-		if k == "" || strings.ContainsAny(k, "=\x00") || strings.Contains(cfg.Envs[k], "\x00") {
+	envs := maps.Clone(g.env)
+	if envs == nil {
+		envs = map[string]string{}
+	}
+	maps.Copy(envs, cfg.Envs)
+	env := make([]string, 0, len(envs))
+	for _, k := range slices.Sorted(maps.Keys(envs)) {
+		if k == "" || strings.ContainsAny(k, "=\x00") || strings.Contains(envs[k], "\x00") {
 			return connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("start: bad environment variable %q", k))
 		}
-		env = append(env, k+"="+cfg.Envs[k])
+		env = append(env, k+"="+envs[k])
 	}
 	env = append(env, "HOME="+u.homeDir(), "USER="+u.name)
 	dir := u.homeDir()

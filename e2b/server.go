@@ -54,13 +54,15 @@ const (
 	labelKey      = "e2b.key"      // the ID of the API key that created it
 	labelMeta     = "e2b.meta."    // + a metadata key: its value
 	labelTraffic  = "e2b.traffic"  // the token its ports need (none: public)
+	labelEnv      = "e2b.env"      // a restored sandbox's envVars (JSON), for its processes
 )
 
 // Options configure a Server.
 type Options struct {
-	Manager *supervisor.Manager
-	Keys    *Keys
-	Log     *slog.Logger
+	Manager   *supervisor.Manager
+	Keys      *Keys
+	Templates *Templates // nil: none, only image references and snapshots
+	Log       *slog.Logger
 	// DefaultTemplate is what the templateID "base" means: an OCI image
 	// reference ("": capsa's built-in Linux).
 	DefaultTemplate string
@@ -80,12 +82,13 @@ const DefaultMaxSandboxesPerKey = 20
 // and the client that started them, and what the server holds of them
 // (their stdin, their terminal) lasts until they end or Close.
 type Server struct {
-	m      *supervisor.Manager
-	keys   *Keys
-	log    *slog.Logger
-	base   string
-	domain string
-	perKey int
+	m         *supervisor.Manager
+	keys      *Keys
+	templates *Templates
+	log       *slog.Logger
+	base      string
+	domain    string
+	perKey    int
 
 	ctx    context.Context // the polling watchers' lifetime
 	cancel context.CancelFunc
@@ -112,7 +115,7 @@ func New(o Options) (*Server, error) {
 		perKey = DefaultMaxSandboxesPerKey
 	}
 	ctx, cancel := context.WithCancel(context.Background())
-	s := &Server{m: o.Manager, keys: o.Keys, log: log, base: o.DefaultTemplate, domain: o.Domain, perKey: perKey,
+	s := &Server{m: o.Manager, keys: o.Keys, templates: o.Templates, log: log, base: o.DefaultTemplate, domain: o.Domain, perKey: perKey,
 		ctx: ctx, cancel: cancel, guests: map[string]*guest{}}
 	s.control = s.controlMux()
 	s.envd = s.envdMux()

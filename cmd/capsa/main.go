@@ -59,6 +59,7 @@ func commands() []command {
 		{"metrics", "serve detached sandboxes' use as Prometheus metrics", runMetrics, false},
 		{"mcp", "serve sandboxes to LLM agents as MCP tools (stdio, or HTTP on loopback)", runMCP, false},
 		{"serve", "serve E2B's API, so E2B's SDKs drive capsa sandboxes; serve key: its API keys", runServe, false},
+		{"template", "the templates capsa serve makes sandboxes from (pre-booted: restored, not booted)", runTemplate, false},
 		{"kv", "the key-value store sandboxes share: get, set, cas, rm, ls, watch", runKV, false},
 		{"mailbox", "the mailbox sandboxes share: publish, read, subscribe", runMailbox, false},
 		{"supervise", "", runSupervise, true},

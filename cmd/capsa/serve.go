@@ -77,12 +77,17 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 		fmt.Fprintf(stderr, "capsa serve: %v\n", err)
 		return 1
 	}
+	templates, err := e2b.OpenTemplates(m.Dir())
+	if err != nil {
+		fmt.Fprintf(stderr, "capsa serve: %v\n", err)
+		return 1
+	}
 	level := slog.LevelInfo
 	if os.Getenv("CAPSA_DEBUG") != "" {
 		level = slog.LevelDebug
 	}
 	log := slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: level}))
-	srv, err := e2b.New(e2b.Options{Manager: m, Keys: keys, Log: log, DefaultTemplate: *base, Domain: *domain, MaxSandboxesPerKey: *perKey})
+	srv, err := e2b.New(e2b.Options{Manager: m, Keys: keys, Templates: templates, Log: log, DefaultTemplate: *base, Domain: *domain, MaxSandboxesPerKey: *perKey})
 	if err != nil {
 		fmt.Fprintf(stderr, "capsa serve: %v\n", err)
 		return 1

@@ -186,7 +186,9 @@ func e2bClient(t *testing.T, env []string, timeout time.Duration, mode string, a
 
 // TestE2BSDK: E2B's official JS SDK (e2b 2.51.0 from npm, and 2.45.0,
 // from before its /v2 paths) drives `capsa serve` as an agent would:
-// sandboxes made from an image template, commands with their output,
+// sandboxes made from an image, from a template booted on create and from
+// a pre-booted one (restored with its start command serving), forks and
+// snapshots, a guest's port through the server, commands with their output,
 // environment, directory, user, exit codes, stdin, a second client and
 // kill, a terminal and its resize, files up to 20 MiB read back by hash,
 // listing, watching, timeouts, metadata filters over pages, metrics,
@@ -203,6 +205,25 @@ func TestE2BSDK(t *testing.T) {
 	}
 	if r := cli(time.Minute, "serve", "key", "ls"); r.code != 0 || !strings.Contains(r.stdout, "e2e") || strings.Contains(r.stdout, key) {
 		t.Errorf("capsa serve key ls = exit %d, %q; want the key's name and not the key", r.code, r.stdout)
+	}
+	// Two templates of the image: one pre-booted with a web server its
+	// start command runs (ready once it answers), one booted on create.
+	r = cli(5*time.Minute, "template", "create", "web", "--image", ref, "-e", "TEMPLATE_VAR=web", "--preboot",
+		"--start-cmd", "mkdir -p /tmp/site && echo prebooted > /tmp/site/index.html && exec python3 -m http.server 8002 --bind 127.0.0.1 --directory /tmp/site",
+		"--ready-cmd", `python3 -c 'import urllib.request; urllib.request.urlopen("http://127.0.0.1:8002/")'`)
+	if r.code != 0 {
+		t.Fatalf("capsa template create web --preboot: exit %d, %q", r.code, r.stderr)
+	}
+	if r := cli(time.Minute, "template", "create", "plain", "--image", ref, "-e", "TEMPLATE_VAR=plain", "--start-cmd", "touch /tmp/started"); r.code != 0 {
+		t.Fatalf("capsa template create plain: exit %d, %q", r.code, r.stderr)
+	}
+	for _, bad := range [][]string{{"base", "--image", ref}, {"x", "--image", ref, "--ready-cmd", "true"}, {"y"}, {"web", "--image", ref}} {
+		if r := cli(time.Minute, append([]string{"template", "create"}, bad...)...); r.code == 0 || !strings.Contains(r.stderr, "template") {
+			t.Errorf("capsa template create %v: exit %d, %q; want an error", bad, r.code, r.stderr)
+		}
+	}
+	if r := cli(time.Minute, "template", "ls"); r.code != 0 || !strings.Contains(r.stdout, "template-web") || !strings.Contains(r.stdout, "plain") {
+		t.Errorf("capsa template ls = exit %d, %q; want web pre-booted and plain", r.code, r.stdout)
 	}
 	addr := freeAddr(t)
 	srv := startServe(t, dir, addr)

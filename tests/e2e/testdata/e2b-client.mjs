@@ -179,6 +179,25 @@ if (mode === 'main') {
     eq(closed.status, 502, 'a port nothing listens on')
     await sbx.commands.kill(srv.pid)
   })
+  await step('a pre-booted template: restored, its start command already serving', async () => {
+    const w = await Sandbox.create('web', { timeoutMs: 60_000, envs: { FROM_CREATE: '2' } })
+    const r = await fetch(`${process.env.E2B_API_URL}/index.html`, { headers: { 'E2b-Sandbox-Id': w.sandboxId, 'E2b-Sandbox-Port': '8002' } })
+    eq([r.status, await r.text()], [200, 'prebooted\n'], 'its server, at once')
+    eq((await w.commands.run('echo $FROM_CREATE $TEMPLATE_VAR')).stdout, '2 web\n', "the create's and the template's envs")
+    eq((await w.getInfo()).templateId, 'web', 'templateId')
+    await w.kill()
+  })
+  await step('a template booted on create: its environment and start command', async () => {
+    const p = await Sandbox.create('plain', { timeoutMs: 60_000 })
+    let started = false
+    for (let i = 0; i < 100 && !started; i++) {
+      started = await p.files.exists('/tmp/started')
+      if (!started) await sleep(100)
+    }
+    check(started, 'the start command did not run')
+    eq((await p.commands.run('echo $TEMPLATE_VAR')).stdout, 'plain\n', "the template's env")
+    await p.kill()
+  })
   await step('setTimeout and getInfo', async () => {
     await sbx.setTimeout(500_000)
     const info = await sbx.getInfo()
