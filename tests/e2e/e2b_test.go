@@ -30,7 +30,7 @@ var e2bClientScript []byte
 // e2bImage pushes an image for E2B's conventions to the test registry and
 // returns its reference: Debian's python root with a user "user" (1000,
 // home /home/user, bash), as E2B's own templates have.
-func e2bImage(t *testing.T) string {
+func e2bImage(t testing.TB) string {
 	t.Helper()
 	startRegistry(t)
 	base := artifact(t, "testimages/python.tar.gz")
@@ -53,7 +53,7 @@ func e2bImage(t *testing.T) string {
 }
 
 // rootFile returns the file name from the gzipped tar root.
-func rootFile(t *testing.T, root, name string) []byte {
+func rootFile(t testing.TB, root, name string) []byte {
 	t.Helper()
 	f, err := os.Open(root)
 	if err != nil {
@@ -82,7 +82,7 @@ func rootFile(t *testing.T, root, name string) []byte {
 
 // e2bServer is a running `capsa serve` of a test.
 type e2bServer struct {
-	t    *testing.T
+	t    testing.TB
 	dir  string
 	addr string
 	cmd  *exec.Cmd
@@ -91,7 +91,7 @@ type e2bServer struct {
 
 // startServe starts `capsa serve` on the state directory dir, listening
 // on addr, and waits until it answers.
-func startServe(t *testing.T, dir, addr string) *e2bServer {
+func startServe(t testing.TB, dir, addr string) *e2bServer {
 	t.Helper()
 	s := &e2bServer{t: t, dir: dir, addr: addr, log: &bytes.Buffer{}}
 	s.cmd = exec.Command(artifact(t, "capsa"), "serve", "--listen", addr)
@@ -129,7 +129,7 @@ func (s *e2bServer) kill() {
 }
 
 // freeAddr returns a loopback address with a free port.
-func freeAddr(t *testing.T) string {
+func freeAddr(t testing.TB) string {
 	t.Helper()
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {

@@ -10,6 +10,12 @@
 //                printed as "keep ID", for after-restart
 //   after-restart ID  the server was restarted: reach sandbox ID again
 //   old          the same basics with the SDK from before /v2 (e2b-old)
+//   bench        reads commands on stdin, one a line, and answers each
+//                with "ms N" (or "error: why"): first-output TEMPLATE
+//                (create, then a command's first output), concurrent
+//                TEMPLATE N (N of those at once), keep TEMPLATE (a
+//                sandbox for run-true; answers "id ID"), run-true (a
+//                commands.run('true') on it)
 import { createHash, randomBytes } from 'node:crypto'
 import http from 'node:http'
 
@@ -187,6 +193,14 @@ if (mode === 'main') {
     eq((await w.getInfo()).templateId, 'web', 'templateId')
     await w.kill()
   })
+  await step('8 sandboxes created at once, each running a command', async () => {
+    const all = await Promise.all(Array.from({ length: 8 }, (_, i) => Sandbox.create('web', { timeoutMs: 60_000 })
+      .then(async (s) => [s, (await s.commands.run(`echo ${i} $(hostname)`)).stdout])))
+    const outs = all.map(([, out]) => out.trim())
+    eq(outs.map((o) => o.split(' ')[0]), ['0', '1', '2', '3', '4', '5', '6', '7'], 'each its own command')
+    eq(new Set(outs.map((o) => o.split(' ')[1])).size, 8, 'eight hostnames')
+    await Promise.all(all.map(([s]) => s.kill()))
+  })
   await step('a template booted on create: its environment and start command', async () => {
     const p = await Sandbox.create('plain', { timeoutMs: 60_000 })
     let started = false
@@ -291,6 +305,47 @@ if (mode === 'main') {
     await basics(sbx)
     await step('kill', async () => { await sbx.kill() })
   }
+} else if (mode === 'bench') {
+  const { createInterface } = await import('node:readline')
+  let kept
+  const firstOutput = async (tmpl) => {
+    const t0 = performance.now()
+    const sbx = await Sandbox.create(tmpl, { timeoutMs: 300_000 })
+    let first
+    await sbx.commands.run('echo hi', { onStdout: () => { first ??= performance.now() } })
+    const ms = first - t0
+    await sbx.kill()
+    return ms
+  }
+  for await (const line of createInterface({ input: process.stdin })) {
+    const [cmd, arg, n] = line.split(' ')
+    try {
+      let ms
+      if (cmd === 'first-output') {
+        ms = await firstOutput(arg)
+      } else if (cmd === 'concurrent') {
+        const t0 = performance.now()
+        const all = await Promise.all(Array.from({ length: Number(n) }, () => Sandbox.create(arg, { timeoutMs: 300_000 })
+          .then(async (s) => { await s.commands.run('echo hi'); return s })))
+        ms = performance.now() - t0
+        await Promise.all(all.map((s) => s.kill()))
+      } else if (cmd === 'keep') {
+        kept = await Sandbox.create(arg, { timeoutMs: 3_600_000 })
+        console.log(`id ${kept.sandboxId}`)
+        continue
+      } else if (cmd === 'run-true') {
+        const t0 = performance.now()
+        await kept.commands.run('true')
+        ms = performance.now() - t0
+      } else {
+        throw new Error(`unknown command ${cmd}`)
+      }
+      console.log(`ms ${ms}`)
+    } catch (e) {
+      console.log(`error: ${e?.constructor?.name}: ${e?.message ?? e}`.replaceAll('\n', ' | '))
+    }
+  }
+  if (kept) await kept.kill()
 } else {
   console.log(`FAIL mode: unknown mode ${mode}`)
   failed++
