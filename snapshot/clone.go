@@ -12,8 +12,10 @@ import (
 // CloneFile copies src to dst (made, 0600) as cheaply as the host's file
 // system allows: a reflink (FICLONE: the blocks shared copy-on-write, on
 // btrfs, XFS and others) where it can, otherwise a copy of src's data
-// segments that leaves its holes as holes (SEEK_DATA, SEEK_HOLE), so a
-// sparse disk stays sparse.
+// segments that leaves its holes as holes (SEEK_DATA, SEEK_HOLE) and
+// makes its zero-filled chunks holes too, so a sparse disk stays sparse
+// and one written full of zeros (a new file system's inode tables)
+// becomes so: the next copy of it skips them.
 func CloneFile(src, dst string) error {
 	in, err := os.Open(src)
 	if err != nil {
@@ -49,6 +51,7 @@ func CloneFrom(in *os.File, dst string) (err error) {
 	if err := out.Truncate(size); err != nil {
 		return err
 	}
+	buf := make([]byte, cloneChunk)
 	for off := int64(0); off < size; {
 		data, err := unix.Seek(int(in.Fd()), off, unix.SEEK_DATA)
 		if errors.Is(err, unix.ENXIO) {
@@ -61,10 +64,49 @@ func CloneFrom(in *os.File, dst string) (err error) {
 		if err != nil {
 			return fmt.Errorf("clone %s: %w", src, err)
 		}
-		if _, err := io.Copy(io.NewOffsetWriter(out, data), io.NewSectionReader(in, data, hole-data)); err != nil {
+		if err := copySparse(out, in, data, hole, buf); err != nil {
 			return fmt.Errorf("clone %s: %w", src, err)
 		}
 		off = hole
 	}
 	return out.Sync()
+}
+
+// cloneChunk is the unit CloneFrom copies in, and leaves a hole for when
+// it holds only zeros.
+const cloneChunk = 1 << 20
+
+// copySparse copies in's bytes [from, to) to the same offsets of out
+// (already as long as in, all hole), a chunk at a time, skipping the
+// chunks that hold only zeros.
+func copySparse(out, in *os.File, from, to int64, buf []byte) error {
+	for off := from; off < to; {
+		n := int(min(int64(len(buf)), to-off))
+		if _, err := io.ReadFull(io.NewSectionReader(in, off, int64(n)), buf[:n]); err != nil {
+			return err
+		}
+		if !allZero(buf[:n]) {
+			if _, err := out.WriteAt(buf[:n], off); err != nil {
+				return err
+			}
+		}
+		off += int64(n)
+	}
+	return nil
+}
+
+// allZero reports whether b holds only zero bytes.
+func allZero(b []byte) bool {
+	for len(b) >= 8 {
+		if b[0]|b[1]|b[2]|b[3]|b[4]|b[5]|b[6]|b[7] != 0 {
+			return false
+		}
+		b = b[8:]
+	}
+	for _, c := range b {
+		if c != 0 {
+			return false
+		}
+	}
+	return true
 }

@@ -11,6 +11,8 @@ import (
 	"syscall"
 	"testing"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/capsa-sandbox/capsa/guestmem"
 	"github.com/capsa-sandbox/capsa/kvm"
 	"github.com/capsa-sandbox/capsa/vmm"
@@ -251,4 +253,43 @@ func TestCloneFile(t *testing.T) {
 	if err := CloneFile(src, dst); err == nil {
 		t.Error("CloneFile() over an existing file = nil error")
 	}
+
+	// Zeros written out (as a new file system's inode tables are)
+	// become holes, where the host cannot reflink; the bytes stay.
+	zsrc := filepath.Join(dir, "zeros")
+	z := make([]byte, 8<<20)
+	z[3<<20] = 1
+	if err := os.WriteFile(zsrc, z, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	zdst := filepath.Join(dir, "zeros-clone")
+	if err := CloneFile(zsrc, zdst); err != nil {
+		t.Fatal(err)
+	}
+	if got, err := os.ReadFile(zdst); err != nil || !bytes.Equal(got, z) {
+		t.Fatalf("the clone of a file of zeros differs (%v)", err)
+	}
+	var zst syscall.Stat_t
+	syscall.Stat(zdst, &zst)
+	if used := zst.Blocks * 512; used > 2<<20 && !reflinked(t, zsrc, zdst) {
+		t.Errorf("the clone of 8 MiB of zeros with one byte set takes %d bytes on disk; want one chunk", used)
+	}
+}
+
+// reflinked reports whether the host's file system shares a and b's
+// blocks (a reflink: then b is as sparse as a, no more).
+func reflinked(t *testing.T, a, _ string) bool {
+	t.Helper()
+	fa, err := os.Open(a)
+	if err != nil {
+		return false
+	}
+	defer fa.Close()
+	probe := filepath.Join(t.TempDir(), "probe")
+	fp, err := os.Create(probe)
+	if err != nil {
+		return false
+	}
+	defer fp.Close()
+	return unix.IoctlFileClone(int(fp.Fd()), int(fa.Fd())) == nil
 }
