@@ -696,15 +696,25 @@ type Watcher struct {
 // recursive) and returns once the guest watches it; Next gives its
 // changes. It ends when ctx does or Close is called.
 func (cl *Client) Watch(ctx context.Context, dir string, recursive bool) (*Watcher, error) {
-	c, _, done, err := cl.open(ctx, Request{Op: OpWatch, Path: dir, Recursive: recursive})
+	c, _, done, err := cl.openStream(ctx, Request{Op: OpWatch, Path: dir, Recursive: recursive})
 	if err != nil {
 		return nil, err
 	}
+	return &Watcher{c: c, done: done, ctx: ctx}, nil
+}
+
+// openStream opens req, an operation that replies once it has begun and
+// then streams on the connection, and waits for that reply.
+func (cl *Client) openStream(ctx context.Context, req Request) (*Conn, net.Conn, func(), error) {
+	c, nc, done, err := cl.open(ctx, req)
+	if err != nil {
+		return nil, nil, nil, err
+	}
 	if err := c.ReadJSON(FrameReply, &Empty{}); err != nil {
 		done()
-		return nil, ctxErr(ctx, err)
+		return nil, nil, nil, ctxErr(ctx, err)
 	}
-	return &Watcher{c: c, done: done, ctx: ctx}, nil
+	return c, nc, done, nil
 }
 
 // Next waits for the watched directory's next change.

@@ -84,13 +84,9 @@ type PortConn struct {
 // DialPort connects to the guest's TCP port on its loopback, through the
 // agent.
 func (cl *Client) DialPort(ctx context.Context, port int) (*PortConn, error) {
-	c, nc, done, err := cl.open(ctx, Request{Op: OpDial, Port: port})
+	c, nc, done, err := cl.openStream(ctx, Request{Op: OpDial, Port: port})
 	if err != nil {
 		return nil, err
-	}
-	if err := c.ReadJSON(FrameReply, &Empty{}); err != nil {
-		done()
-		return nil, ctxErr(ctx, err)
 	}
 	return &PortConn{Conn: nc, c: c, done: done}, nil
 }

@@ -176,12 +176,9 @@ func (s *Server) create(w http.ResponseWriter, r *http.Request, key string, defT
 		apiError(w, http.StatusBadRequest, "create: "+err.Error())
 		return
 	}
-	timeout := defTimeout
-	if req.Timeout != nil {
-		timeout = *req.Timeout
-	}
-	if timeout < 0 || timeout > maxTimeout {
-		apiError(w, http.StatusBadRequest, fmt.Sprintf("create: timeout %d: want 0 to %d seconds", timeout, maxTimeout))
+	timeout, err := timeoutOr("create", req.Timeout, defTimeout)
+	if err != nil {
+		apiError(w, http.StatusBadRequest, err.Error())
 		return
 	}
 	spec, err := wl.Spec()
@@ -436,10 +433,27 @@ func readTimeout(r *http.Request) (*int, error) {
 	if err := json.NewDecoder(r.Body).Decode(&body); err != nil && err != io.EOF {
 		return nil, fmt.Errorf("the body: %v", err)
 	}
-	if t := body.Timeout; t != nil && (*t < 0 || *t > maxTimeout) {
-		return nil, fmt.Errorf("timeout %d: want 0 to %d seconds", *t, maxTimeout)
+	if body.Timeout != nil {
+		if _, err := timeoutOr("", body.Timeout, 0); err != nil {
+			return nil, err
+		}
 	}
 	return body.Timeout, nil
+}
+
+// timeoutOr is a request's timeout in seconds, t, or def without one; op
+// names the request in the error.
+func timeoutOr(op string, t *int, def int) (int, error) {
+	if t == nil {
+		return def, nil
+	}
+	if *t < 0 || *t > maxTimeout {
+		if op != "" {
+			op += ": "
+		}
+		return 0, fmt.Errorf("%stimeout %d: want 0 to %d seconds", op, *t, maxTimeout)
+	}
+	return *t, nil
 }
 
 // setTimeout ends the sandbox timeout seconds from now.
@@ -703,12 +717,9 @@ func (s *Server) fork(w http.ResponseWriter, r *http.Request, key string) {
 		apiError(w, http.StatusBadRequest, fmt.Sprintf("fork: count %d: want 1 to %d", count, maxForkCount))
 		return
 	}
-	timeout := defaultTimeout
-	if body.Timeout != nil {
-		timeout = *body.Timeout
-	}
-	if timeout < 0 || timeout > maxTimeout {
-		apiError(w, http.StatusBadRequest, fmt.Sprintf("fork: timeout %d: want 0 to %d seconds", timeout, maxTimeout))
+	timeout, err := timeoutOr("fork", body.Timeout, defaultTimeout)
+	if err != nil {
+		apiError(w, http.StatusBadRequest, err.Error())
 		return
 	}
 	src := s.record(w, r)

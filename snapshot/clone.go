@@ -1,6 +1,7 @@
 package snapshot
 
 import (
+	"bytes"
 	"errors"
 	"fmt"
 	"io"
@@ -95,18 +96,8 @@ func copySparse(out, in *os.File, from, to int64, buf []byte) error {
 	return nil
 }
 
-// allZero reports whether b holds only zero bytes.
-func allZero(b []byte) bool {
-	for len(b) >= 8 {
-		if b[0]|b[1]|b[2]|b[3]|b[4]|b[5]|b[6]|b[7] != 0 {
-			return false
-		}
-		b = b[8:]
-	}
-	for _, c := range b {
-		if c != 0 {
-			return false
-		}
-	}
-	return true
-}
+// zeros is a chunk of zeros, for copySparse to compare with.
+var zeros [cloneChunk]byte
+
+// allZero reports whether b (at most a chunk) holds only zero bytes.
+func allZero(b []byte) bool { return bytes.Equal(b, zeros[:len(b)]) }
