@@ -170,6 +170,9 @@ func (cl *Client) openOn(ctx context.Context, nc net.Conn, req Request) (*Conn, 
 	if req.Op == OpExec && req.Exec != nil && req.Exec.TTY != nil {
 		need = FeaturePTY
 	}
+	if len(req.Xattrs) > 0 || req.WithXattrs || req.AllowNetwork {
+		need = FeatureXattrs
+	}
 	// An agent whose Hello is known gets the request at once: the same
 	// agent answers the same Hello, which is checked below before any
 	// reply is read. The request is written while the Hello is read: a
@@ -241,10 +244,27 @@ func (cl *Client) Stat(ctx context.Context, path string) (*FileInfo, error) {
 	return &fi, cl.call(ctx, Request{Op: OpStat, Path: path}, &fi)
 }
 
+// StatXattrs is Stat with the file's user extended attributes
+// (FileInfo.Xattrs).
+func (cl *Client) StatXattrs(ctx context.Context, path string) (*FileInfo, error) {
+	var fi FileInfo
+	return &fi, cl.call(ctx, Request{Op: OpStat, Path: path, WithXattrs: true}, &fi)
+}
+
 // ListDir lists a directory.
 func (cl *Client) ListDir(ctx context.Context, path string) ([]FileInfo, error) {
+	return cl.listDir(ctx, Request{Op: OpList, Path: path})
+}
+
+// ListDirXattrs is ListDir with each file's user extended attributes.
+func (cl *Client) ListDirXattrs(ctx context.Context, path string) ([]FileInfo, error) {
+	return cl.listDir(ctx, Request{Op: OpList, Path: path, WithXattrs: true})
+}
+
+func (cl *Client) listDir(ctx context.Context, req Request) ([]FileInfo, error) {
+	path := req.Path
 	var l DirList
-	if err := cl.call(ctx, Request{Op: OpList, Path: path}, &l); err != nil {
+	if err := cl.call(ctx, req, &l); err != nil {
 		return nil, err
 	}
 	if len(l.Entries) > maxDirEntries {
@@ -334,6 +354,12 @@ func (cl *Client) ReadFile(ctx context.Context, path string, w io.Writer) (*File
 // WriteFile streams r into a guest file, replacing it atomically.
 func (cl *Client) WriteFile(ctx context.Context, path string, mode os.FileMode, r io.Reader) error {
 	return cl.writeFile(ctx, Request{Op: OpWrite, Path: path, Mode: uint32(mode.Perm())}, r)
+}
+
+// WriteFileXattrs is WriteFile giving the file user extended attributes
+// (names without "user."), set before it replaces what was there.
+func (cl *Client) WriteFileXattrs(ctx context.Context, path string, mode os.FileMode, r io.Reader, xattrs map[string]string) error {
+	return cl.writeFile(ctx, Request{Op: OpWrite, Path: path, Mode: uint32(mode.Perm()), Xattrs: xattrs}, r)
 }
 
 // AppendFile streams r onto the end of a guest file.
@@ -694,9 +720,10 @@ type Watcher struct {
 
 // Watch watches the directory dir (and every directory below it with
 // recursive) and returns once the guest watches it; Next gives its
-// changes. It ends when ctx does or Close is called.
-func (cl *Client) Watch(ctx context.Context, dir string, recursive bool) (*Watcher, error) {
-	c, _, done, err := cl.openStream(ctx, Request{Op: OpWatch, Path: dir, Recursive: recursive})
+// changes. It ends when ctx does or Close is called. A directory on a
+// network file system is refused unless allowNetwork.
+func (cl *Client) Watch(ctx context.Context, dir string, recursive, allowNetwork bool) (*Watcher, error) {
+	c, _, done, err := cl.openStream(ctx, Request{Op: OpWatch, Path: dir, Recursive: recursive, AllowNetwork: allowNetwork})
 	if err != nil {
 		return nil, err
 	}

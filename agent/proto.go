@@ -53,10 +53,14 @@ const (
 	FeatureOwners = "owners"
 	// FeatureDial: a TCP connection to a port of the guest (OpDial).
 	FeatureDial = "dial"
+	// FeatureXattrs: a write sets user extended attributes
+	// (Request.Xattrs), a stat or list returns them (WithXattrs), and a
+	// watch refuses a network file system unless asked (AllowNetwork).
+	FeatureXattrs = "xattrs"
 )
 
 // agentFeatures is what this package's agent announces.
-var agentFeatures = []string{FeatureProcesses, FeaturePTY, FeatureResumed, FeatureRename, FeatureWatch, FeatureOwners, FeatureDial}
+var agentFeatures = []string{FeatureProcesses, FeaturePTY, FeatureResumed, FeatureRename, FeatureWatch, FeatureOwners, FeatureDial, FeatureXattrs}
 
 // Port is the vsock port the agent listens on; ReadyPort is the host port
 // the agent connects to once it is listening, to announce itself.
@@ -257,6 +261,14 @@ type Request struct {
 	Resumed   *Resumed     `json:"resumed,omitempty"`   // OpResumed
 	NoReplay  bool         `json:"no_replay,omitempty"` // OpAttach: only output from now on
 	Port      int          `json:"port,omitempty"`      // OpDial: the guest's TCP port
+	// OpWrite: user extended attributes (names without "user.") the
+	// file gets (FeatureXattrs).
+	Xattrs map[string]string `json:"xattrs,omitempty"`
+	// OpStat, OpList: FileInfo.Xattrs filled (FeatureXattrs).
+	WithXattrs bool `json:"with_xattrs,omitempty"`
+	// OpWatch: a directory on a network file system (9P, NFS, SMB) is
+	// watched, though only the guest's own changes show (FeatureXattrs).
+	AllowNetwork bool `json:"allow_network,omitempty"`
 }
 
 // Resumed is what the host tells a guest that runs again after a pause or
@@ -345,7 +357,17 @@ type FileInfo struct {
 	GID   int    `json:"gid"`
 	Owner string `json:"owner,omitempty"`
 	Group string `json:"group,omitempty"`
+	// Xattrs are its user extended attributes, names without "user."
+	// (asked with WithXattrs; at most MaxXattrs, values that are text).
+	Xattrs map[string]string `json:"xattrs,omitempty"`
 }
+
+// Bounds on user extended attributes as the agent sets and reports them.
+const (
+	MaxXattrs     = 64
+	MaxXattrName  = 200
+	MaxXattrValue = 4096
+)
 
 // WatchEvent is one change in a watched directory (OpWatch): Name is the
 // changed file's path relative to the watched directory, Op what happened

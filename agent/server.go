@@ -175,7 +175,11 @@ var handlers = map[string]func(s *Server, ctx context.Context, c *Conn, req *Req
 		if err != nil {
 			return opError("stat", req.Path, err)
 		}
-		return reply(c, newOwnerNames().fileInfo(req.Path, st))
+		fi := newOwnerNames().fileInfo(req.Path, st)
+		if req.WithXattrs {
+			fi.Xattrs = userXattrs(req.Path)
+		}
+		return reply(c, fi)
 	},
 	OpList: func(_ *Server, _ context.Context, c *Conn, req *Request) error {
 		ents, err := os.ReadDir(req.Path)
@@ -186,7 +190,12 @@ var handlers = map[string]func(s *Server, ctx context.Context, c *Conn, req *Req
 		names := newOwnerNames()
 		for _, e := range ents {
 			if st, err := e.Info(); err == nil {
-				list.Entries = append(list.Entries, names.fileInfo(filepath.Join(req.Path, e.Name()), st))
+				p := filepath.Join(req.Path, e.Name())
+				fi := names.fileInfo(p, st)
+				if req.WithXattrs {
+					fi.Xattrs = userXattrs(p)
+				}
+				list.Entries = append(list.Entries, fi)
 			}
 		}
 		return reply(c, list)
@@ -249,6 +258,9 @@ var handlers = map[string]func(s *Server, ctx context.Context, c *Conn, req *Req
 		return reply(c, Empty{})
 	},
 	OpWatch: func(_ *Server, ctx context.Context, c *Conn, req *Request) error {
+		if !req.AllowNetwork && networkFS(req.Path) {
+			return fmt.Errorf("watch %s: a network file system, where changes made elsewhere do not show (allow it to watch the guest's own)", req.Path)
+		}
 		return watch(ctx, c, req.Path, req.Recursive)
 	},
 	OpDial: func(_ *Server, ctx context.Context, c *Conn, req *Request) error {
@@ -478,6 +490,9 @@ func readFile(c *Conn, path string) error {
 // writeFile streams Data frames into a temporary file beside the target and
 // renames it into place at End, so readers never see a partial file.
 func writeFile(c *Conn, req *Request) error {
+	if err := checkXattrs(req.Xattrs); err != nil {
+		return fmt.Errorf("write %s: %w", req.Path, err)
+	}
 	mode := os.FileMode(req.Mode).Perm()
 	if mode == 0 {
 		mode = 0o644
@@ -526,6 +541,9 @@ func writeFile(c *Conn, req *Request) error {
 		if err := f.Chmod(mode); err != nil {
 			return fail(err)
 		}
+	}
+	if err := setXattrs(f, req.Xattrs); err != nil {
+		return fail(err)
 	}
 	if err := f.Close(); err != nil {
 		return fail(err)

@@ -4,13 +4,17 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"io/fs"
 	"net"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 func TestRename(t *testing.T) {
@@ -60,7 +64,7 @@ func TestWatch(t *testing.T) {
 	defer cancel()
 	dir := t.TempDir()
 	os.MkdirAll(filepath.Join(dir, "old", "deep"), 0o755)
-	w, err := cl.Watch(ctx, dir, true)
+	w, err := cl.Watch(ctx, dir, true, false)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -92,10 +96,10 @@ func TestWatch(t *testing.T) {
 		delete(want, ev.Name+" "+ev.Op)
 	}
 	// Only a directory is watched.
-	if _, err := cl.Watch(ctx, filepath.Join(dir, "old", "deep", "g"), false); err == nil {
+	if _, err := cl.Watch(ctx, filepath.Join(dir, "old", "deep", "g"), false, false); err == nil {
 		t.Error("watching a file succeeded")
 	}
-	if _, err := cl.Watch(ctx, filepath.Join(dir, "nope"), false); !errors.Is(err, fs.ErrNotExist) {
+	if _, err := cl.Watch(ctx, filepath.Join(dir, "nope"), false, false); !errors.Is(err, fs.ErrNotExist) {
 		t.Errorf("watching a missing directory: %v", err)
 	}
 }
@@ -140,5 +144,43 @@ func TestDialPort(t *testing.T) {
 	}
 	if _, err := cl.DialPort(ctx, 70000); err == nil {
 		t.Error("port 70000 was taken")
+	}
+}
+
+// TestXattrs: a write sets user attributes with the file, a stat and a
+// listing return them when asked, and bad ones are refused.
+func TestXattrs(t *testing.T) {
+	cl := serve(t)
+	ctx := context.Background()
+	dir := t.TempDir()
+	if err := unix.Setxattr(dir, "user.capsa-probe", []byte("1"), 0); err != nil {
+		t.Skipf("the test's file system holds no user attributes: %v", err)
+	}
+	p := filepath.Join(dir, "f")
+	if err := cl.WriteFileXattrs(ctx, p, 0o644, strings.NewReader("x"), map[string]string{"e2b.k": "v", "e2b.other": "w"}); err != nil {
+		t.Fatal(err)
+	}
+	fi, err := cl.StatXattrs(ctx, p)
+	if err != nil || fi.Xattrs["e2b.k"] != "v" || fi.Xattrs["e2b.other"] != "w" {
+		t.Errorf("StatXattrs = %+v, %v", fi, err)
+	}
+	if fi, _ := cl.Stat(ctx, p); fi.Xattrs != nil {
+		t.Errorf("Stat, not asked, gave %v", fi.Xattrs)
+	}
+	list, err := cl.ListDirXattrs(ctx, dir)
+	if err != nil || len(list) != 1 || list[0].Xattrs["e2b.k"] != "v" {
+		t.Errorf("ListDirXattrs = %+v, %v", list, err)
+	}
+	big := map[string]string{}
+	for i := range MaxXattrs + 1 {
+		big[fmt.Sprint(i)] = "v"
+	}
+	for _, bad := range []map[string]string{big, {"": "v"}, {"k": strings.Repeat("v", MaxXattrValue+1)}} {
+		if err := cl.WriteFileXattrs(ctx, p, 0o644, strings.NewReader("y"), bad); err == nil {
+			t.Errorf("a write with %d attributes (%.20v) succeeded", len(bad), bad)
+		}
+	}
+	if b, _ := os.ReadFile(p); string(b) != "x" {
+		t.Errorf("a refused write changed the file: %q", b)
 	}
 }

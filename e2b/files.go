@@ -125,9 +125,35 @@ func (s *Server) downloadFile(w http.ResponseWriter, r *http.Request) {
 
 // writeInfo is one written file, in an upload's answer.
 type writeInfo struct {
-	Name string `json:"name"`
-	Type string `json:"type"`
-	Path string `json:"path"`
+	Name     string            `json:"name"`
+	Type     string            `json:"type"`
+	Path     string            `json:"path"`
+	Metadata map[string]string `json:"metadata,omitempty"`
+}
+
+// uploadMetadata is what an upload's X-Metadata-KEY headers give each of
+// its files (keys lowercased: HTTP does not keep their case), bounded as
+// the agent bounds extended attributes.
+func uploadMetadata(h http.Header) (map[string]string, error) {
+	var m map[string]string
+	for k, vs := range h {
+		key, ok := strings.CutPrefix(k, "X-Metadata-")
+		if !ok || len(vs) == 0 {
+			continue
+		}
+		key = strings.ToLower(key)
+		if key == "" || len(key) > 128 || len(vs[0]) > 1024 {
+			return nil, fmt.Errorf("upload: metadata %q: want a key of 1 to 128 bytes and a value of at most 1024", key)
+		}
+		if m == nil {
+			m = map[string]string{}
+		}
+		m[key] = vs[0]
+	}
+	if len(m) > maxMetadata {
+		return nil, fmt.Errorf("upload: %d metadata entries, at most %d", len(m), maxMetadata)
+	}
+	return m, nil
 }
 
 // uploadFiles serves POST /files: multipart/form-data with a part "file"
@@ -143,6 +169,11 @@ func (s *Server) uploadFiles(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	query := r.URL.Query().Get("path")
+	meta, err := uploadMetadata(r.Header)
+	if err != nil {
+		envdError(w, http.StatusBadRequest, err.Error())
+		return
+	}
 	ctype, params, _ := mime.ParseMediaType(r.Header.Get("Content-Type"))
 	var written []writeInfo
 	switch {
@@ -172,7 +203,7 @@ func (s *Server) uploadFiles(w http.ResponseWriter, r *http.Request) {
 			if _, p, err := mime.ParseMediaType(part.Header.Get("Content-Disposition")); err == nil && p["filename"] != "" {
 				dest = p["filename"]
 			}
-			info, status, err := s.writeOne(r.Context(), g, u, dest, part)
+			info, status, err := s.writeOne(r.Context(), g, u, dest, part, meta)
 			part.Close()
 			if err != nil {
 				envdError(w, status, err.Error())
@@ -195,7 +226,7 @@ func (s *Server) uploadFiles(w http.ResponseWriter, r *http.Request) {
 			defer zr.Close()
 			body = zr
 		}
-		info, status, err := s.writeOne(r.Context(), g, u, query, body)
+		info, status, err := s.writeOne(r.Context(), g, u, query, body, meta)
 		if err != nil {
 			envdError(w, status, err.Error())
 			return
@@ -213,8 +244,9 @@ func (s *Server) uploadFiles(w http.ResponseWriter, r *http.Request) {
 func isAlreadyExists(err error) bool { return connect.CodeOf(err) == connect.CodeAlreadyExists }
 
 // writeOne writes r to the guest file dest (relative: the user's home's),
-// making its missing directories, and gives it to the user.
-func (s *Server) writeOne(ctx context.Context, g *guest, u guestUser, dest string, r io.Reader) (writeInfo, int, error) {
+// making its missing directories, with the metadata meta (as the
+// extended attributes user.e2b.KEY), and gives it to the user.
+func (s *Server) writeOne(ctx context.Context, g *guest, u guestUser, dest string, r io.Reader, meta map[string]string) (writeInfo, int, error) {
 	if dest == "" {
 		return writeInfo{}, http.StatusBadRequest, errors.New("upload: a file with no destination path")
 	}
@@ -224,7 +256,17 @@ func (s *Server) writeOne(ctx context.Context, g *guest, u guestUser, dest strin
 			return writeInfo{}, http.StatusInternalServerError, fmt.Errorf("upload %s: %v", p, err)
 		}
 	}
-	if err := g.h.WriteFileFrom(ctx, p, r, 0o644); err != nil {
+	var err error
+	if len(meta) == 0 {
+		err = g.h.WriteFileFrom(ctx, p, r, 0o644)
+	} else {
+		x := map[string]string{}
+		for k, v := range meta {
+			x[xattrMeta+k] = v
+		}
+		err = g.h.WriteFileXattrs(ctx, p, r, 0o644, x)
+	}
+	if err != nil {
 		return writeInfo{}, fileStatus(err), fmt.Errorf("upload %s: %v", p, err)
 	}
 	if u.uid != 0 || u.gid != 0 {
@@ -232,5 +274,5 @@ func (s *Server) writeOne(ctx context.Context, g *guest, u guestUser, dest strin
 			return writeInfo{}, fileStatus(err), fmt.Errorf("upload %s: %v", p, err)
 		}
 	}
-	return writeInfo{Name: path.Base(p), Type: "file", Path: p}, 0, nil
+	return writeInfo{Name: path.Base(p), Type: "file", Path: p, Metadata: meta}, 0, nil
 }

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io/fs"
 	"path"
+	"strings"
 	"sync"
 	"syscall"
 	"time"
@@ -71,6 +72,14 @@ func entryInfo(p string, fi *agent.FileInfo) *filesystem.EntryInfo {
 		Group:        fi.Group,
 		ModifiedTime: timestamppb.New(time.Unix(0, fi.ModTimeNs)),
 	}
+	for k, v := range fi.Xattrs {
+		if name, ok := strings.CutPrefix(k, xattrMeta); ok {
+			if e.Metadata == nil {
+				e.Metadata = map[string]string{}
+			}
+			e.Metadata[name] = v
+		}
+	}
 	if e.Owner == "" {
 		e.Owner = fmt.Sprint(fi.UID)
 	}
@@ -104,13 +113,30 @@ func userOf(ctx context.Context, g *guest, header string) (guestUser, error) {
 	return u, nil
 }
 
-// stat describes p.
+// xattrMeta prefixes, among a file's user extended attributes, those that
+// hold its E2B metadata (files.write's metadata: user.e2b.KEY).
+const xattrMeta = "e2b."
+
+// stat describes p, with its metadata (an agent too old to read extended
+// attributes gives none).
 func stat(ctx context.Context, g *guest, p string) (*filesystem.EntryInfo, error) {
-	fi, err := g.h.Stat(ctx, p)
+	fi, err := g.h.StatXattrs(ctx, p)
+	if errors.Is(err, agent.ErrUnsupported) {
+		fi, err = g.h.Stat(ctx, p)
+	}
 	if err != nil {
 		return nil, fsError("stat", p, err)
 	}
 	return entryInfo(p, fi), nil
+}
+
+// listDir lists dir with each entry's metadata, as stat describes.
+func listDir(ctx context.Context, g *guest, dir string) ([]agent.FileInfo, error) {
+	ents, err := g.h.ListDirXattrs(ctx, dir)
+	if errors.Is(err, agent.ErrUnsupported) {
+		ents, err = g.h.ListDir(ctx, dir)
+	}
+	return ents, err
 }
 
 func (fsv *filesystemService) Stat(ctx context.Context, req *connect.Request[filesystem.StatRequest]) (*connect.Response[filesystem.StatResponse], error) {
@@ -216,7 +242,7 @@ func (fsv *filesystemService) ListDir(ctx context.Context, req *connect.Request[
 	for d := 1; d <= depth && len(level) > 0; d++ {
 		var next []string
 		for _, dir := range level {
-			ents, err := g.h.ListDir(ctx, dir)
+			ents, err := listDir(ctx, g, dir)
 			if err != nil {
 				if dir != root && errors.Is(err, fs.ErrNotExist) {
 					continue // gone meanwhile
@@ -284,7 +310,7 @@ func (fsv *filesystemService) WatchDir(ctx context.Context, req *connect.Request
 		return err
 	}
 	dir := u.resolve(req.Msg.Path)
-	w, err := g.h.Watch(ctx, dir, req.Msg.Recursive)
+	w, err := g.h.Watch(ctx, dir, req.Msg.Recursive, req.Msg.AllowNetworkMounts)
 	if err != nil {
 		return fsError("watch", dir, err)
 	}
@@ -318,8 +344,11 @@ func (fsv *filesystemService) WatchDir(ctx context.Context, req *connect.Request
 			if typ == filesystem.EventType_EVENT_TYPE_UNSPECIFIED {
 				continue // an overflow: envd has no word for it
 			}
-			resp = &filesystem.WatchDirResponse{Event: &filesystem.WatchDirResponse_Filesystem{
-				Filesystem: &filesystem.FilesystemEvent{Name: ev.Name, Type: typ}}}
+			fe := &filesystem.FilesystemEvent{Name: ev.Name, Type: typ}
+			if req.Msg.IncludeEntry {
+				fe.Entry = eventEntry(ctx, g, dir, ev.Name, typ)
+			}
+			resp = &filesystem.WatchDirResponse{Event: &filesystem.WatchDirResponse_Filesystem{Filesystem: fe}}
 		case <-t.C:
 			resp = &filesystem.WatchDirResponse{Event: &filesystem.WatchDirResponse_Keepalive{Keepalive: &filesystem.WatchDirResponse_KeepAlive{}}}
 		case err := <-failed:
@@ -334,6 +363,19 @@ func (fsv *filesystemService) WatchDir(ctx context.Context, req *connect.Request
 			return nil
 		}
 	}
+}
+
+// eventEntry describes the file a watch event names, as it is now (nil:
+// gone, as after a removal or a rename away).
+func eventEntry(ctx context.Context, g *guest, dir, name string, typ filesystem.EventType) *filesystem.EntryInfo {
+	if typ == filesystem.EventType_EVENT_TYPE_REMOVE || typ == filesystem.EventType_EVENT_TYPE_RENAME {
+		return nil
+	}
+	e, err := stat(ctx, g, path.Join(dir, name))
+	if err != nil {
+		return nil
+	}
+	return e
 }
 
 // pollWatcher is a watch whose events a client fetches (the Python SDK's
@@ -362,11 +404,12 @@ func (fsv *filesystemService) CreateWatcher(ctx context.Context, req *connect.Re
 	}
 	dir := u.resolve(req.Msg.Path)
 	wctx, cancel := context.WithCancel(fsv.s.ctx)
-	w, err := g.h.Watch(wctx, dir, req.Msg.Recursive)
+	w, err := g.h.Watch(wctx, dir, req.Msg.Recursive, req.Msg.AllowNetworkMounts)
 	if err != nil {
 		cancel()
 		return nil, fsError("watch", dir, err)
 	}
+	includeEntry := req.Msg.IncludeEntry
 	pw := &pollWatcher{g: g, cancel: cancel, asked: time.Now()}
 	go func() {
 		defer w.Close()
@@ -383,7 +426,13 @@ func (fsv *filesystemService) CreateWatcher(ctx context.Context, req *connect.Re
 			case len(pw.events) >= maxPollEvents:
 				pw.lost = true // the oldest are kept; the client learns nothing of the rest
 			default:
-				pw.events = append(pw.events, &filesystem.FilesystemEvent{Name: ev.Name, Type: typ})
+				fe := &filesystem.FilesystemEvent{Name: ev.Name, Type: typ}
+				if includeEntry {
+					pw.mu.Unlock()
+					fe.Entry = eventEntry(wctx, g, dir, ev.Name, typ)
+					pw.mu.Lock()
+				}
+				pw.events = append(pw.events, fe)
 			}
 			pw.mu.Unlock()
 		}

@@ -42,10 +42,10 @@ import (
 const EnvdPort = 49983
 
 // EnvdVersion is the envd version this server reports: the highest whose
-// features (as the SDKs gate them) it implements in full. 0.5.7 brings
-// uploads as application/octet-stream; above it, 0.6.2 is metadata on
-// files, which capsa does not keep yet.
-const EnvdVersion = "0.5.7"
+// features (as the SDKs gate them) it implements in full: 0.6.2 brings
+// metadata on files, 0.6.3 entries in watch events, 0.6.4 watches of
+// network mounts when asked (refused otherwise).
+const EnvdVersion = "0.6.4"
 
 // Labels a sandbox's record carries for this API (supervisor.Record.Labels).
 const (

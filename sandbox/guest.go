@@ -183,10 +183,30 @@ func (s *Guest) Chown(ctx context.Context, path string, uid, gid int) error {
 }
 
 // Watch watches a guest directory (and below it with recursive) until ctx
-// ends or the Watcher is closed.
-func (s *Guest) Watch(ctx context.Context, dir string, recursive bool) (*agent.Watcher, error) {
-	w, err := s.client.Watch(ctx, dir, recursive)
+// ends or the Watcher is closed; one on a network file system (a share)
+// only with allowNetwork.
+func (s *Guest) Watch(ctx context.Context, dir string, recursive, allowNetwork bool) (*agent.Watcher, error) {
+	w, err := s.client.Watch(ctx, dir, recursive, allowNetwork)
 	return w, s.explain(err)
+}
+
+// StatXattrs describes a guest path with its user extended attributes.
+func (s *Guest) StatXattrs(ctx context.Context, path string) (*agent.FileInfo, error) {
+	fi, err := s.client.StatXattrs(ctx, path)
+	return fi, s.explain(err)
+}
+
+// ListDirXattrs lists a guest directory with each file's user extended
+// attributes.
+func (s *Guest) ListDirXattrs(ctx context.Context, path string) ([]agent.FileInfo, error) {
+	l, err := s.client.ListDirXattrs(ctx, path)
+	return l, s.explain(err)
+}
+
+// WriteFileXattrs streams r into a guest file with mode and the user
+// extended attributes xattrs (names without "user.").
+func (s *Guest) WriteFileXattrs(ctx context.Context, path string, r io.Reader, mode os.FileMode, xattrs map[string]string) error {
+	return s.explain(s.client.WriteFileXattrs(ctx, path, mode, r, xattrs))
 }
 
 // DialPort connects to the guest's TCP port on its loopback, through the

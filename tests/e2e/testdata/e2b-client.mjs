@@ -150,6 +150,23 @@ if (mode === 'main') {
     eq(await sbx.files.exists('made'), false, 'removed')
     await expectThrow(() => sbx.files.read('made/deep/g.txt'), NotFoundError, 'reading a removed file')
   })
+  await step('files: metadata kept with a file; entries in watch events', async () => {
+    const canon = (o) => JSON.stringify(Object.fromEntries(Object.entries(o ?? {}).sort()))
+    const want = canon({ owner: 'agent', 'build-id': '42' })
+    const info = await sbx.files.write('meta.txt', 'm', { metadata: { owner: 'agent', 'build-id': '42' } })
+    eq(canon(info.metadata), want, 'the write')
+    eq(canon((await sbx.files.getInfo('meta.txt')).metadata), want, 'getInfo')
+    eq(canon((await sbx.files.list('.')).find((e) => e.name === 'meta.txt')?.metadata), want, 'list')
+    eq((await sbx.files.getInfo('notes/a.txt')).metadata, undefined, 'a file without')
+    const events = []
+    const w = await sbx.files.watchDir('/home/user', (e) => events.push(e), { includeEntry: true })
+    await sbx.commands.run('echo abc > entry.txt')
+    const has = () => events.find((e) => e.name === 'entry.txt' && e.entry)
+    for (let i = 0; i < 100 && !has(); i++) await sleep(100)
+    await w.stop()
+    const ev = has()
+    check(ev && ev.entry.path === '/home/user/entry.txt' && ev.entry.type === 'file' && ev.entry.owner === 'user', `events: ${JSON.stringify(events)}`)
+  })
   await step('watchDir sees a file a command makes', async () => {
     const events = []
     const w = await sbx.files.watchDir('/home/user', (e) => events.push(e), { recursive: true })
