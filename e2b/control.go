@@ -84,9 +84,13 @@ type newSandbox struct {
 	AllowInternetAccess *bool             `json:"allow_internet_access"`
 	Network             *networkConfig    `json:"network"`
 	AutoPause           bool              `json:"autoPause"`
-	Secure              *bool             `json:"secure"`
-	MCP                 json.RawMessage   `json:"mcp"`
-	VolumeMounts        json.RawMessage   `json:"volumeMounts"`
+	AutoPauseMemory     *bool             `json:"autoPauseMemory"`
+	AutoResume          *struct {
+		Enabled bool `json:"enabled"`
+	} `json:"autoResume"`
+	Secure       *bool           `json:"secure"`
+	MCP          json.RawMessage `json:"mcp"`
+	VolumeMounts json.RawMessage `json:"volumeMounts"`
 }
 
 // networkConfig is a sandbox's egress rules (SandboxNetworkConfig).
@@ -115,6 +119,13 @@ type sandboxInfo struct {
 	MemoryMB        int               `json:"memoryMB,omitempty"`
 	DiskSizeMB      int               `json:"diskSizeMB"`
 	Metadata        map[string]string `json:"metadata,omitempty"`
+	Lifecycle       *lifecycle        `json:"lifecycle,omitempty"`
+}
+
+// lifecycle is what happens to a sandbox at its timeout.
+type lifecycle struct {
+	OnTimeout  string `json:"onTimeout"` // kill or pause
+	AutoResume bool   `json:"autoResume"`
 }
 
 // clientID is what the API calls the machine a sandbox runs on.
@@ -152,6 +163,10 @@ func (s *Server) describe(rec *supervisor.Record, token bool) sandboxInfo {
 		in.State = "paused"
 	default:
 		in.State = "running"
+	}
+	in.Lifecycle = &lifecycle{OnTimeout: "kill"}
+	if rec.PauseAtTTL {
+		in.Lifecycle = &lifecycle{OnTimeout: "pause", AutoResume: rec.Labels[labelAutoResume] != ""}
 	}
 	for k, v := range rec.Labels {
 		if name, ok := strings.CutPrefix(k, labelMeta); ok {
@@ -193,6 +208,10 @@ func (s *Server) create(w http.ResponseWriter, r *http.Request, key string, defT
 	if n := req.Network; n != nil && n.AllowPublicTraffic != nil && !*n.AllowPublicTraffic {
 		labels[labelTraffic] = newToken()
 	}
+	if req.AutoResume != nil && req.AutoResume.Enabled {
+		labels[labelAutoResume] = "1"
+	}
+	labels[labelTimeout] = strconv.Itoa(timeout)
 	id := "i" + newID(19)
 	rec := &supervisor.Record{Name: id, Spec: spec, Labels: labels}
 	// A pre-booted template, or a templateID that names a snapshot of
@@ -217,6 +236,7 @@ func (s *Server) create(w http.ResponseWriter, r *http.Request, key string, defT
 		rec.Labels = labels
 	}
 	rec.TTL = time.Duration(timeout) * time.Second
+	rec.PauseAtTTL = req.AutoPause
 	// The count of a key's sandboxes and its create agree: one create at
 	// a time looks at the count.
 	s.createMu.Lock()
@@ -316,8 +336,11 @@ func (s *Server) buildSandbox(req *newSandbox) (*sandbox.Workload, *Template, er
 	if len(req.TemplateID) > maxTemplateID {
 		return nil, nil, fmt.Errorf("templateID: longer than %d characters", maxTemplateID)
 	}
-	if req.AutoPause {
-		return nil, nil, errors.New("autoPause: capsa serve does not pause sandboxes at their timeout yet")
+	if req.AutoPause && req.AutoPauseMemory != nil && !*req.AutoPauseMemory {
+		return nil, nil, errors.New("autoPauseMemory: false (a pause that keeps only the file system) is not supported: capsa pauses with the memory")
+	}
+	if req.AutoResume != nil && req.AutoResume.Enabled && !req.AutoPause {
+		return nil, nil, errors.New("autoResume: needs autoPause")
 	}
 	if len(req.MCP) > 0 && string(req.MCP) != "null" {
 		return nil, nil, errors.New("mcp: capsa serve has no MCP gateway")
@@ -476,25 +499,32 @@ func (s *Server) setTimeout(w http.ResponseWriter, r *http.Request, _ string) {
 }
 
 // connect answers with the sandbox and its access token: a running one
-// (200) has its timeout extended to the one asked, if later; a paused one
-// is resumed (201). A sandbox not made through the API gets a token.
+// (200) has its timeout extended to the one asked (300 s without one), if
+// later; a paused one is resumed (201) with that timeout from now. A
+// sandbox not made through the API gets a token.
 func (s *Server) connect(w http.ResponseWriter, r *http.Request, _ string) {
 	t, err := readTimeout(r)
 	if err != nil {
 		apiError(w, http.StatusBadRequest, "connect: "+err.Error())
 		return
 	}
+	timeout, _ := timeoutOr("", t, defaultTimeout)
 	rec := s.record(w, r)
 	if rec == nil {
 		return
 	}
 	status := http.StatusOK
 	if rec.State == supervisor.Paused {
-		if err := s.m.Resume(r.Context(), rec.Name); err != nil {
-			apiError(w, http.StatusInternalServerError, fmt.Sprintf("resume %s: %v", rec.Name, err))
+		if err := s.resume(r.Context(), rec, timeout); err != nil {
+			apiError(w, http.StatusInternalServerError, err.Error())
 			return
 		}
 		status = http.StatusCreated
+	} else if ttl := time.Since(rec.Started) + time.Duration(timeout)*time.Second; rec.TTL != 0 && ttl > rec.TTL {
+		if err := s.m.SetTTL(r.Context(), rec.Name, ttl); err != nil {
+			apiError(w, http.StatusInternalServerError, fmt.Sprintf("connect %s: %v", rec.Name, err))
+			return
+		}
 	}
 	if rec.Labels[labelToken] == "" {
 		err := s.m.SetLabels(rec.Name, func(l map[string]string) error {
@@ -508,21 +538,25 @@ func (s *Server) connect(w http.ResponseWriter, r *http.Request, _ string) {
 			return
 		}
 	}
-	if t != nil {
-		ttl := time.Since(rec.Started) + time.Duration(*t)*time.Second
-		if rec.TTL != 0 && ttl > rec.TTL {
-			if err := s.m.SetTTL(r.Context(), rec.Name, ttl); err != nil {
-				apiError(w, http.StatusInternalServerError, fmt.Sprintf("connect %s: %v", rec.Name, err))
-				return
-			}
-		}
-	}
 	got, err := s.m.Get(rec.Name)
 	if err != nil {
 		apiError(w, http.StatusNotFound, fmt.Sprintf("sandbox %q not found", rec.Name))
 		return
 	}
 	writeJSON(w, status, s.describe(got, true))
+}
+
+// resume runs the paused sandbox rec again, to end timeout seconds from
+// now (a sandbox paused at its timeout has none left).
+func (s *Server) resume(ctx context.Context, rec *supervisor.Record, timeout int) error {
+	if err := s.m.Resume(ctx, rec.Name); err != nil {
+		return fmt.Errorf("resume %s: %v", rec.Name, err)
+	}
+	if err := s.m.SetTTL(ctx, rec.Name, s.ttlFromNow(rec.Name, timeout)); err != nil {
+		return fmt.Errorf("resume %s: %v", rec.Name, err)
+	}
+	s.log.Info("e2b: resumed", "sandbox", rec.Name, "timeout", timeout)
+	return nil
 }
 
 // pause pauses a running sandbox (in memory: connect resumes it); 409 if

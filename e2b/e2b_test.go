@@ -223,7 +223,8 @@ func TestControlRefusals(t *testing.T) {
 	for body, field := range map[string]string{
 		`{"templateID":"base","timeout":-1}`:                            "timeout",
 		`{"templateID":"base","timeout":99999999}`:                      "timeout",
-		`{"templateID":"base","autoPause":true}`:                        "autoPause",
+		`{"templateID":"base","autoPause":true,"autoPauseMemory":false}`: "autoPauseMemory",
+		`{"templateID":"base","autoResume":{"enabled":true}}`:            "autoResume",
 		`{"templateID":"base","envVars":{"A=B":"c"}}`:                   "envVars",
 		`{"templateID":"base","metadata":{"":"x"}}`:                     "metadata",
 		`{"templateID":"base","network":{"allowOut":["not a rule!"]}}`:  "network",

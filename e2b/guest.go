@@ -1,6 +1,7 @@
 package e2b
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
@@ -64,6 +65,17 @@ func (s *Server) guest(ctx context.Context, id string) (*guest, error) {
 	if err != nil {
 		s.forget(id)
 		return nil, err
+	}
+	if rec.State == supervisor.Paused && rec.Labels[labelAutoResume] != "" {
+		// Traffic wakes a sandbox made with autoResume, for the
+		// timeout it was made with.
+		timeout, _ := strconv.Atoi(rec.Labels[labelTimeout])
+		if err := s.resume(ctx, rec, cmp.Or(timeout, defaultTimeout)); err != nil {
+			return nil, err
+		}
+		if rec, err = s.m.Get(id); err != nil {
+			return nil, err
+		}
 	}
 	if rec.State != supervisor.Running {
 		s.forget(id)

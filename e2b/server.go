@@ -49,12 +49,14 @@ const EnvdVersion = "0.6.4"
 
 // Labels a sandbox's record carries for this API (supervisor.Record.Labels).
 const (
-	labelToken    = "e2b.token"    // the envd access token
-	labelTemplate = "e2b.template" // the templateID it was created from
-	labelKey      = "e2b.key"      // the ID of the API key that created it
-	labelMeta     = "e2b.meta."    // + a metadata key: its value
-	labelTraffic  = "e2b.traffic"  // the token its ports need (none: public)
-	labelEnv      = "e2b.env"      // a restored sandbox's envVars (JSON), for its processes
+	labelToken      = "e2b.token"      // the envd access token
+	labelTemplate   = "e2b.template"   // the templateID it was created from
+	labelKey        = "e2b.key"        // the ID of the API key that created it
+	labelMeta       = "e2b.meta."      // + a metadata key: its value
+	labelTraffic    = "e2b.traffic"    // the token its ports need (none: public)
+	labelEnv        = "e2b.env"        // a restored sandbox's envVars (JSON), for its processes
+	labelAutoResume = "e2b.autoresume" // paused, it is resumed by a request for it
+	labelTimeout    = "e2b.timeout"    // its timeout at create, in seconds (an auto-resume's)
 )
 
 // Options configure a Server.

@@ -73,6 +73,9 @@ type Record struct {
 	// long after the last exec or copy. 0: never.
 	TTL         time.Duration `json:"ttl_ns,omitempty"`
 	IdleTimeout time.Duration `json:"idle_timeout_ns,omitempty"`
+	// PauseAtTTL: when the TTL passes the sandbox is paused, not stopped
+	// (a resume runs it on, without a TTL until one is set).
+	PauseAtTTL bool `json:"pause_at_ttl,omitempty"`
 	// AutoRemove: the record goes when the sandbox ends (--rm).
 	AutoRemove bool `json:"auto_remove,omitempty"`
 	// RestoreFrom, when set, is the snapshot directory the sandbox starts

@@ -314,6 +314,13 @@ func Run(ctx context.Context, o Options) error {
 			setTTL(d)
 			log.Info("supervisor: TTL set", "ttl", d, "ends", c.started.Add(d))
 		case <-ttl:
+			if rec.PauseAtTTL {
+				ttl = nil
+				if err := c.setPaused(ctx, true, log); err == nil {
+					log.Info("supervisor: paused at its TTL", "ttl", curTTL.Round(time.Second))
+					continue
+				}
+			}
 			reason = fmt.Sprintf("its TTL of %v passed", curTTL.Round(time.Second))
 			c.stopMain(mainDone, DefaultStopTimeout, false, log)
 		case <-idle:

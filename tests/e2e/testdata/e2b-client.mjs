@@ -298,6 +298,24 @@ if (mode === 'main') {
     check(list.some((p) => p.pid === bg.pid), 'the background process is gone')
     await again.commands.kill(bg.pid)
   })
+  await step('at its timeout, a sandbox made to pause pauses; connect, or with autoResume any request, resumes it', async () => {
+    const [a, b] = await Promise.all([
+      Sandbox.create('web', { timeoutMs: 4_000, lifecycle: { onTimeout: 'pause' } }),
+      Sandbox.create('web', { timeoutMs: 4_000, lifecycle: { onTimeout: 'pause', autoResume: true } }),
+    ])
+    await a.files.write('kept.txt', 'a')
+    eq((await a.getInfo()).lifecycle, { onTimeout: 'pause', autoResume: false }, 'lifecycle')
+    await sleep(9_000)
+    eq([(await a.getInfo()).state, (await b.getInfo()).state], ['paused', 'paused'], 'after the timeout')
+    // A request reaches the autoResume one; the other is connected to.
+    eq((await b.commands.run('echo woke')).stdout, 'woke\n', 'a command wakes it')
+    eq((await b.getInfo()).state, 'running', 'resumed by the request')
+    const again = await Sandbox.connect(a.sandboxId, { timeoutMs: 60_000 })
+    eq(await again.files.read('kept.txt'), 'a', 'its file, after connect')
+    const info = await again.getInfo()
+    check(info.state === 'running' && info.endAt.getTime() - Date.now() > 50_000, `after connect: ${info.state}, ends in ${(info.endAt.getTime() - Date.now()) / 1000}s`)
+    await Promise.all([a.kill(), b.kill()])
+  })
   await step('kill', async () => {
     const k = await Sandbox.create(template, { timeoutMs: 60_000 })
     eq(await k.kill(), true, 'kill')
