@@ -42,7 +42,7 @@ var keepAlive = []string{"sleep", "2147483647"}
 // controlMux serves the control API; every route needs an API key.
 func (s *Server) controlMux() http.Handler {
 	mux := http.NewServeMux()
-	handle := func(pattern string, h func(w http.ResponseWriter, r *http.Request, key string)) {
+	handle := func(pattern string, h func(w http.ResponseWriter, r *http.Request, key Key)) {
 		mux.HandleFunc(pattern, func(w http.ResponseWriter, r *http.Request) {
 			key, ok := s.keys.Check(r.Header.Get("X-API-KEY"))
 			if !ok {
@@ -53,10 +53,10 @@ func (s *Server) controlMux() http.Handler {
 			h(w, r, key)
 		})
 	}
-	handle("POST /sandboxes", func(w http.ResponseWriter, r *http.Request, key string) { s.create(w, r, key, 15) })
-	handle("POST /v2/sandboxes", func(w http.ResponseWriter, r *http.Request, key string) { s.create(w, r, key, defaultTimeout) })
-	handle("GET /sandboxes", func(w http.ResponseWriter, r *http.Request, _ string) { s.list(w, r, false) })
-	handle("GET /v2/sandboxes", func(w http.ResponseWriter, r *http.Request, _ string) { s.list(w, r, true) })
+	handle("POST /sandboxes", func(w http.ResponseWriter, r *http.Request, key Key) { s.create(w, r, key, 15) })
+	handle("POST /v2/sandboxes", func(w http.ResponseWriter, r *http.Request, key Key) { s.create(w, r, key, defaultTimeout) })
+	handle("GET /sandboxes", func(w http.ResponseWriter, r *http.Request, key Key) { s.list(w, r, key, false) })
+	handle("GET /v2/sandboxes", func(w http.ResponseWriter, r *http.Request, key Key) { s.list(w, r, key, true) })
 	handle("GET /sandboxes/{id}", s.info)
 	handle("DELETE /sandboxes/{id}", s.kill)
 	handle("POST /sandboxes/{id}/timeout", s.setTimeout)
@@ -69,7 +69,7 @@ func (s *Server) controlMux() http.Handler {
 	handle("POST /sandboxes/{id}/snapshots", s.createSnapshot)
 	handle("GET /snapshots", s.listSnapshots)
 	handle("DELETE /templates/{id}", s.deleteSnapshot)
-	handle("/", func(w http.ResponseWriter, r *http.Request, _ string) {
+	handle("/", func(w http.ResponseWriter, r *http.Request, _ Key) {
 		apiError(w, http.StatusNotImplemented, fmt.Sprintf("%s %s: capsa serve does not serve this E2B API route", r.Method, r.URL.Path))
 	})
 	return mux
@@ -180,7 +180,7 @@ func (s *Server) describe(rec *supervisor.Record, token bool) sandboxInfo {
 }
 
 // create makes a sandbox: it answers once the sandbox runs.
-func (s *Server) create(w http.ResponseWriter, r *http.Request, key string, defTimeout int) {
+func (s *Server) create(w http.ResponseWriter, r *http.Request, key Key, defTimeout int) {
 	var req newSandbox
 	if err := json.NewDecoder(r.Body).Decode(&req); err != nil {
 		apiError(w, http.StatusBadRequest, fmt.Sprintf("create: the body: %v", err))
@@ -201,7 +201,7 @@ func (s *Server) create(w http.ResponseWriter, r *http.Request, key string, defT
 		apiError(w, http.StatusBadRequest, "create: "+err.Error())
 		return
 	}
-	labels := map[string]string{labelToken: newToken(), labelTemplate: req.TemplateID, labelKey: key}
+	labels := map[string]string{labelToken: newToken(), labelTemplate: req.TemplateID, labelKey: key.ID}
 	for k, v := range req.Metadata {
 		labels[labelMeta+k] = v
 	}
@@ -221,6 +221,9 @@ func (s *Server) create(w http.ResponseWriter, r *http.Request, key string, defT
 	snap := req.TemplateID
 	if tmpl != nil {
 		snap = tmpl.Snapshot
+	} else if _, ok := s.snapshotDir(snap); ok && !s.reachesSnapshot(key, snap) {
+		apiError(w, http.StatusNotFound, fmt.Sprintf("create: template %q not found", req.TemplateID))
+		return
 	}
 	if dir, ok := s.snapshotDir(snap); ok && (tmpl == nil || snap != "") {
 		if rec, err = supervisor.RestoreRecord(dir, id, id, false, &spec); err != nil {
@@ -240,7 +243,7 @@ func (s *Server) create(w http.ResponseWriter, r *http.Request, key string, defT
 	// The count of a key's sandboxes and its create agree: one create at
 	// a time looks at the count.
 	s.createMu.Lock()
-	n, err := s.countFor(key)
+	n, err := s.countFor(key.ID)
 	if err == nil && n >= s.perKey {
 		s.createMu.Unlock()
 		apiError(w, http.StatusTooManyRequests, fmt.Sprintf("create: this API key has %d sandboxes running, its most (capsa serve --max-sandboxes-per-key)", n))
@@ -409,26 +412,26 @@ func (s *Server) buildSandbox(req *newSandbox) (*sandbox.Workload, *Template, er
 	return b.Entrypoint(keepAlive...).OCI(ref), nil, nil
 }
 
-// record returns the live sandbox the request's {id} names, or answers
-// 404 and returns nil.
-func (s *Server) record(w http.ResponseWriter, r *http.Request) *supervisor.Record {
+// record returns the live sandbox the request's {id} names, if key may
+// reach it, or answers 404 and returns nil.
+func (s *Server) record(w http.ResponseWriter, r *http.Request, key Key) *supervisor.Record {
 	id := r.PathValue("id")
 	rec, err := s.m.Get(id)
-	if err != nil || !rec.Alive() || rec.State == supervisor.Created {
+	if err != nil || !rec.Alive() || rec.State == supervisor.Created || !key.reaches(rec) {
 		apiError(w, http.StatusNotFound, fmt.Sprintf("sandbox %q not found", id))
 		return nil
 	}
 	return rec
 }
 
-func (s *Server) info(w http.ResponseWriter, r *http.Request, _ string) {
-	if rec := s.record(w, r); rec != nil {
+func (s *Server) info(w http.ResponseWriter, r *http.Request, key Key) {
+	if rec := s.record(w, r, key); rec != nil {
 		writeJSON(w, http.StatusOK, s.describe(rec, true))
 	}
 }
 
-func (s *Server) kill(w http.ResponseWriter, r *http.Request, _ string) {
-	rec := s.record(w, r)
+func (s *Server) kill(w http.ResponseWriter, r *http.Request, key Key) {
+	rec := s.record(w, r, key)
 	if rec == nil {
 		return
 	}
@@ -480,13 +483,13 @@ func timeoutOr(op string, t *int, def int) (int, error) {
 }
 
 // setTimeout ends the sandbox timeout seconds from now.
-func (s *Server) setTimeout(w http.ResponseWriter, r *http.Request, _ string) {
+func (s *Server) setTimeout(w http.ResponseWriter, r *http.Request, key Key) {
 	t, err := readTimeout(r)
 	if err != nil || t == nil {
 		apiError(w, http.StatusBadRequest, fmt.Sprintf("timeout: %v", cmp.Or(err, errors.New("no timeout given"))))
 		return
 	}
-	rec := s.record(w, r)
+	rec := s.record(w, r, key)
 	if rec == nil {
 		return
 	}
@@ -502,14 +505,14 @@ func (s *Server) setTimeout(w http.ResponseWriter, r *http.Request, _ string) {
 // (200) has its timeout extended to the one asked (300 s without one), if
 // later; a paused one is resumed (201) with that timeout from now. A
 // sandbox not made through the API gets a token.
-func (s *Server) connect(w http.ResponseWriter, r *http.Request, _ string) {
+func (s *Server) connect(w http.ResponseWriter, r *http.Request, key Key) {
 	t, err := readTimeout(r)
 	if err != nil {
 		apiError(w, http.StatusBadRequest, "connect: "+err.Error())
 		return
 	}
 	timeout, _ := timeoutOr("", t, defaultTimeout)
-	rec := s.record(w, r)
+	rec := s.record(w, r, key)
 	if rec == nil {
 		return
 	}
@@ -561,8 +564,8 @@ func (s *Server) resume(ctx context.Context, rec *supervisor.Record, timeout int
 
 // pause pauses a running sandbox (in memory: connect resumes it); 409 if
 // it is paused.
-func (s *Server) pause(w http.ResponseWriter, r *http.Request, _ string) {
-	rec := s.record(w, r)
+func (s *Server) pause(w http.ResponseWriter, r *http.Request, key Key) {
+	rec := s.record(w, r, key)
 	if rec == nil {
 		return
 	}
@@ -590,8 +593,8 @@ type metric struct {
 
 // metrics answers the sandbox's figures now: its vCPUs' use since it
 // started, and the guest memory the host holds.
-func (s *Server) metrics(w http.ResponseWriter, r *http.Request, _ string) {
-	rec := s.record(w, r)
+func (s *Server) metrics(w http.ResponseWriter, r *http.Request, key Key) {
+	rec := s.record(w, r, key)
 	if rec == nil {
 		return
 	}
@@ -615,7 +618,7 @@ func (s *Server) metrics(w http.ResponseWriter, r *http.Request, _ string) {
 // list answers the live sandboxes: v2 filtered by state and metadata and
 // paged (limit, nextToken, the next page's token in X-Next-Token); the
 // first API's, every running one.
-func (s *Server) list(w http.ResponseWriter, r *http.Request, v2 bool) {
+func (s *Server) list(w http.ResponseWriter, r *http.Request, key Key, v2 bool) {
 	q := r.URL.Query()
 	recs, err := s.m.List()
 	if err != nil {
@@ -652,7 +655,7 @@ func (s *Server) list(w http.ResponseWriter, r *http.Request, v2 bool) {
 	}
 	var rows []*supervisor.Record
 	for _, rec := range recs {
-		if !rec.Alive() || rec.State == supervisor.Created || rec.State == supervisor.Creating {
+		if !rec.Alive() || rec.State == supervisor.Created || rec.State == supervisor.Creating || !key.reaches(rec) {
 			continue
 		}
 		state := "running"
@@ -737,7 +740,7 @@ const maxForkCount = 100
 
 // fork makes running copies of a sandbox (supervisor.Manager.Fork), each
 // with its own access token and the source's template and metadata.
-func (s *Server) fork(w http.ResponseWriter, r *http.Request, key string) {
+func (s *Server) fork(w http.ResponseWriter, r *http.Request, key Key) {
 	var body forkBody
 	if err := json.NewDecoder(r.Body).Decode(&body); err != nil && err != io.EOF {
 		apiError(w, http.StatusBadRequest, fmt.Sprintf("fork: the body: %v", err))
@@ -756,12 +759,12 @@ func (s *Server) fork(w http.ResponseWriter, r *http.Request, key string) {
 		apiError(w, http.StatusBadRequest, err.Error())
 		return
 	}
-	src := s.record(w, r)
+	src := s.record(w, r, key)
 	if src == nil {
 		return
 	}
 	s.createMu.Lock()
-	n, err := s.countFor(key)
+	n, err := s.countFor(key.ID)
 	if err == nil && n+count > s.perKey {
 		s.createMu.Unlock()
 		apiError(w, http.StatusTooManyRequests, fmt.Sprintf("fork: %d copies would make this API key's %d sandboxes more than its %d", count, n, s.perKey))
@@ -784,7 +787,7 @@ func (s *Server) fork(w http.ResponseWriter, r *http.Request, key string) {
 						l[k] = v
 					}
 				}
-				l[labelToken], l[labelKey] = newToken(), key
+				l[labelToken], l[labelKey] = newToken(), key.ID
 				return nil
 			})
 		}
@@ -825,13 +828,45 @@ type snapshotInfo struct {
 	Names      []string `json:"names"`
 }
 
-// labelSnapshot marks, on a sandbox's record, a snapshot made of it
-// through the API (+ the snapshot's name), for listing by sandbox.
-const labelSnapshot = "e2b.snapshot."
+// snapOwner says which API key made a snapshot, of which sandbox: a key
+// reaches the snapshots it made (all of the state directory's, with
+// Key.All).
+type snapOwner struct {
+	Name    string `json:"name"`
+	Key     string `json:"key"`
+	Sandbox string `json:"sandbox"`
+}
+
+// SnapshotsFile is where the API keeps its snapshots' owners.
+const SnapshotsFile = "e2b-snapshots.json"
+
+// snapshotOwner returns who made the snapshot name through the API.
+func (s *Server) snapshotOwner(name string) (snapOwner, bool) {
+	owners, err := s.snaps.load()
+	if err != nil {
+		return snapOwner{}, false
+	}
+	for _, o := range owners {
+		if o.Name == name {
+			return o, true
+		}
+	}
+	return snapOwner{}, false
+}
+
+// reachesSnapshot reports whether key may list, delete and create from
+// the state directory's snapshot name.
+func (s *Server) reachesSnapshot(key Key, name string) bool {
+	if key.All {
+		return true
+	}
+	o, ok := s.snapshotOwner(name)
+	return ok && o.Key == key.ID
+}
 
 // createSnapshot snapshots a running sandbox into the state directory: a
 // templateID that later creates start from.
-func (s *Server) createSnapshot(w http.ResponseWriter, r *http.Request, _ string) {
+func (s *Server) createSnapshot(w http.ResponseWriter, r *http.Request, key Key) {
 	var body struct {
 		Name string `json:"name"`
 	}
@@ -849,7 +884,7 @@ func (s *Server) createSnapshot(w http.ResponseWriter, r *http.Request, _ string
 			return
 		}
 	}
-	rec := s.record(w, r)
+	rec := s.record(w, r, key)
 	if rec == nil {
 		return
 	}
@@ -858,29 +893,27 @@ func (s *Server) createSnapshot(w http.ResponseWriter, r *http.Request, _ string
 		apiError(w, http.StatusInternalServerError, fmt.Sprintf("snapshot %s: %v", rec.Name, err))
 		return
 	}
-	s.m.SetLabels(rec.Name, func(l map[string]string) error { l[labelSnapshot+snap] = "1"; return nil })
+	err = s.snaps.change(func(owners []snapOwner) ([]snapOwner, error) {
+		return append(slices.DeleteFunc(owners, func(o snapOwner) bool { return o.Name == snap }),
+			snapOwner{Name: snap, Key: key.ID, Sandbox: rec.Name}), nil
+	})
+	if err != nil {
+		s.log.Warn("e2b: keep the snapshot's owner", "snapshot", snap, "err", err)
+	}
 	writeJSON(w, http.StatusCreated, snapshotInfo{SnapshotID: snap, Names: []string{snap}})
 }
 
 // listSnapshots lists the state directory's snapshots (with sandboxID,
 // those made of that sandbox through the API; with name, that one), by
 // name, paged as list is.
-func (s *Server) listSnapshots(w http.ResponseWriter, r *http.Request, _ string) {
+func (s *Server) listSnapshots(w http.ResponseWriter, r *http.Request, key Key) {
 	q := r.URL.Query()
 	snaps, err := s.m.Snapshots()
 	if err != nil {
 		apiError(w, http.StatusInternalServerError, "list snapshots: "+err.Error())
 		return
 	}
-	var of map[string]string
-	if id := q.Get("sandboxID"); id != "" {
-		rec, err := s.m.Get(id)
-		if err != nil {
-			writeJSON(w, http.StatusOK, []snapshotInfo{})
-			return
-		}
-		of = rec.Labels
-	}
+	of := q.Get("sandboxID")
 	limit := maxListLimit
 	if l := q.Get("limit"); l != "" {
 		n, err := strconv.Atoi(l)
@@ -892,8 +925,13 @@ func (s *Server) listSnapshots(w http.ResponseWriter, r *http.Request, _ string)
 	}
 	var names []string
 	for _, sn := range snaps {
-		if sn.Err != "" || (of != nil && of[labelSnapshot+sn.Name] == "") || (q.Get("name") != "" && q.Get("name") != sn.Name) {
+		if sn.Err != "" || !s.reachesSnapshot(key, sn.Name) || (q.Get("name") != "" && q.Get("name") != sn.Name) {
 			continue
+		}
+		if of != "" {
+			if o, ok := s.snapshotOwner(sn.Name); !ok || o.Sandbox != of {
+				continue
+			}
 		}
 		names = append(names, sn.Name)
 	}
@@ -918,9 +956,9 @@ func (s *Server) listSnapshots(w http.ResponseWriter, r *http.Request, _ string)
 
 // deleteSnapshot removes a snapshot of the state directory (the SDKs
 // delete a snapshot as a template).
-func (s *Server) deleteSnapshot(w http.ResponseWriter, r *http.Request, _ string) {
+func (s *Server) deleteSnapshot(w http.ResponseWriter, r *http.Request, key Key) {
 	name := r.PathValue("id")
-	if _, ok := s.snapshotDir(name); !ok {
+	if _, ok := s.snapshotDir(name); !ok || !s.reachesSnapshot(key, name) {
 		apiError(w, http.StatusNotFound, fmt.Sprintf("snapshot %q not found", name))
 		return
 	}
@@ -928,5 +966,8 @@ func (s *Server) deleteSnapshot(w http.ResponseWriter, r *http.Request, _ string
 		apiError(w, http.StatusInternalServerError, fmt.Sprintf("delete snapshot %s: %v", name, err))
 		return
 	}
+	s.snaps.change(func(owners []snapOwner) ([]snapOwner, error) {
+		return slices.DeleteFunc(owners, func(o snapOwner) bool { return o.Name == name }), nil
+	})
 	w.WriteHeader(http.StatusNoContent)
 }

@@ -25,7 +25,7 @@ func testServer(t *testing.T) (*Server, string) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	secret, _, err := keys.Create("test")
+	secret, _, err := keys.Create("test", false)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -43,25 +43,32 @@ func TestKeys(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	secret, kept, err := keys.Create("ci")
+	secret, kept, err := keys.Create("ci", true)
 	if err != nil {
 		t.Fatal(err)
 	}
 	if !strings.HasPrefix(secret, "e2b_") || len(secret) != 44 {
 		t.Errorf("key %q: want e2b_ and 40 hex digits", secret)
 	}
-	if id, ok := keys.Check(secret); !ok || id != kept.ID {
-		t.Errorf("Check(the key) = %q, %v; want %q, true", id, ok, kept.ID)
+	if got, ok := keys.Check(secret); !ok || got.ID != kept.ID || !got.All {
+		t.Errorf("Check(the key) = %+v, %v; want %+v, true", got, ok, kept)
+	}
+	mine := &supervisor.Record{Labels: map[string]string{labelKey: kept.ID}}
+	theirs := &supervisor.Record{Labels: map[string]string{labelKey: "someone"}}
+	cliMade := &supervisor.Record{}
+	own := Key{ID: kept.ID}
+	if !own.reaches(mine) || own.reaches(theirs) || own.reaches(cliMade) || !kept.reaches(theirs) || !kept.reaches(cliMade) {
+		t.Error("a key's reach: want its own sandboxes, and every one with All")
 	}
 	for _, bad := range []string{"", secret + "0", "e2b_" + strings.Repeat("0", 40), kept.Hash} {
 		if _, ok := keys.Check(bad); ok {
 			t.Errorf("Check(%q) accepted it", bad)
 		}
 	}
-	if _, _, err := keys.Create("ci"); err == nil {
+	if _, _, err := keys.Create("ci", false); err == nil {
 		t.Error("a second key named ci was made")
 	}
-	if _, _, err := keys.Create("bad\nname"); err == nil {
+	if _, _, err := keys.Create("bad\nname", false); err == nil {
 		t.Error("a key name with a newline was taken")
 	}
 	// Only the hash is kept, in a file only its owner reads.
@@ -78,7 +85,7 @@ func TestKeys(t *testing.T) {
 	}
 	// Another process's keys are seen (the file is read again).
 	other, _ := OpenKeys(dir)
-	secret2, _, err := other.Create("")
+	secret2, _, err := other.Create("", false)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -10,6 +10,8 @@ import (
 	"slices"
 	"strings"
 	"time"
+
+	"github.com/capsa-sandbox/capsa/supervisor"
 )
 
 // Keys are the API keys of a state directory: made and removed by `capsa
@@ -27,6 +29,15 @@ type Key struct {
 	Prefix  string    `json:"prefix"` // its first characters, to tell keys apart
 	Hash    string    `json:"sha256"`
 	Created time.Time `json:"created"`
+	// All: the key reaches every sandbox and snapshot of the state
+	// directory (those the CLI made too); otherwise only those made with
+	// it.
+	All bool `json:"all,omitempty"`
+}
+
+// reaches reports whether the key may see and act on the sandbox rec.
+func (k Key) reaches(rec *supervisor.Record) bool {
+	return k.All || rec.Labels[labelKey] == k.ID
 }
 
 // KeysFile is where a state directory's API keys are kept.
@@ -48,8 +59,9 @@ func OpenKeys(dir string) (*Keys, error) {
 }
 
 // Create makes a key named name (optional, unique) and returns it, shaped
-// as E2B's are (e2b_ and 40 hex digits), with what is kept of it.
-func (k *Keys) Create(name string) (string, Key, error) {
+// as E2B's are (e2b_ and 40 hex digits), with what is kept of it; with
+// all it reaches every sandbox of the state directory (Key.All).
+func (k *Keys) Create(name string, all bool) (string, Key, error) {
 	if len(name) > maxKeyName || strings.ContainsFunc(name, func(r rune) bool { return r < ' ' || r == 0x7f }) {
 		return "", Key{}, fmt.Errorf("e2b: key name %q: want at most %d printable characters", name, maxKeyName)
 	}
@@ -57,7 +69,7 @@ func (k *Keys) Create(name string) (string, Key, error) {
 	rand.Read(raw)
 	secret := "e2b_" + hex.EncodeToString(raw)
 	sum := sha256.Sum256([]byte(secret))
-	kept := Key{ID: newID(12), Name: name, Prefix: secret[:10], Hash: hex.EncodeToString(sum[:]), Created: time.Now().UTC().Truncate(time.Second)}
+	kept := Key{ID: newID(12), Name: name, Prefix: secret[:10], Hash: hex.EncodeToString(sum[:]), Created: time.Now().UTC().Truncate(time.Second), All: all}
 	err := k.f.change(func(keys []Key) ([]Key, error) {
 		if len(keys) >= maxKeys {
 			return nil, fmt.Errorf("e2b: %d API keys exist already", len(keys))
@@ -91,21 +103,21 @@ func (k *Keys) Remove(idOrName string) error {
 	})
 }
 
-// Check returns the ID of the kept key secret is, if it is one.
-func (k *Keys) Check(secret string) (string, bool) {
+// Check returns the kept key secret is, if it is one.
+func (k *Keys) Check(secret string) (Key, bool) {
 	if secret == "" || len(secret) > 256 {
-		return "", false
+		return Key{}, false
 	}
 	keys, err := k.f.load()
 	if err != nil {
-		return "", false
+		return Key{}, false
 	}
 	sum := sha256.Sum256([]byte(secret))
 	got := hex.EncodeToString(sum[:])
 	for _, o := range keys {
 		if subtle.ConstantTimeCompare([]byte(got), []byte(o.Hash)) == 1 {
-			return o.ID, true
+			return o, true
 		}
 	}
-	return "", false
+	return Key{}, false
 }

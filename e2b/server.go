@@ -25,6 +25,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net/http"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"sync"
@@ -97,6 +98,8 @@ type Server struct {
 
 	createMu sync.Mutex // a key's count of sandboxes and its creates agree
 
+	snaps jsonFile[snapOwner] // the API's snapshots' owners
+
 	mu      sync.Mutex
 	guests  map[string]*guest // by sandbox name
 	control http.Handler
@@ -119,6 +122,7 @@ func New(o Options) (*Server, error) {
 	ctx, cancel := context.WithCancel(context.Background())
 	s := &Server{m: o.Manager, keys: o.Keys, templates: o.Templates, log: log, base: o.DefaultTemplate, domain: o.Domain, perKey: perKey,
 		ctx: ctx, cancel: cancel, guests: map[string]*guest{}}
+	s.snaps = jsonFile[snapOwner]{path: filepath.Join(o.Manager.Dir(), SnapshotsFile), what: "snapshot owners"}
 	s.control = s.controlMux()
 	s.envd = s.envdMux()
 	return s, nil

@@ -23,7 +23,7 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 	if len(args) > 0 && args[0] == "key" {
 		return runServeKey(args[1:], stdout, stderr)
 	}
-	fs := newFlags("serve", "[--listen ADDR] [--default-template IMAGE] [--tls-cert FILE --tls-key FILE]\n       capsa serve key create [--name NAME] | ls | rm ID|NAME", stdout)
+	fs := newFlags("serve", "[--listen ADDR] [--default-template IMAGE] [--tls-cert FILE --tls-key FILE]\n       capsa serve key create [--name NAME] [--all] | ls | rm ID|NAME", stdout)
 	listen := fs.String("listen", "127.0.0.1:3000", "the address to serve E2B's control API and every sandbox's envd API on (anything but loopback needs --tls-cert and --tls-key)")
 	base := fs.String("default-template", "", "the OCI image the template \"base\" means (default: capsa's built-in Linux)")
 	domain := fs.String("domain", "", "the domain clients are told the sandboxes are under (PORT-ID.DOMAIN); default: none, for clients given E2B_SANDBOX_URL")
@@ -127,7 +127,7 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 
 // runServeKey is `capsa serve key create|ls|rm`.
 func runServeKey(args []string, stdout, stderr io.Writer) int {
-	usage := "capsa serve key create [--name NAME] | ls | rm ID|NAME"
+	usage := "capsa serve key create [--name NAME] [--all] | ls | rm ID|NAME"
 	if len(args) == 0 {
 		fmt.Fprintln(stderr, "usage: "+usage)
 		return 2
@@ -144,8 +144,9 @@ func runServeKey(args []string, stdout, stderr io.Writer) int {
 	}
 	switch args[0] {
 	case "create":
-		fs := newFlags("serve key create", "[--name NAME]", stdout)
+		fs := newFlags("serve key create", "[--name NAME] [--all]", stdout)
 		name := fs.String("name", "", "a name for the key, to tell keys apart")
+		all := fs.Bool("all", false, "the key reaches every sandbox and snapshot of the state directory (those capsa run -d made too), not only those made with it")
 		if code := parseFlags(fs, args[1:], stderr); code >= 0 {
 			return code
 		}
@@ -153,7 +154,7 @@ func runServeKey(args []string, stdout, stderr io.Writer) int {
 			fmt.Fprintln(stderr, "capsa serve key create: takes no arguments")
 			return 2
 		}
-		secret, _, err := keys.Create(*name)
+		secret, _, err := keys.Create(*name, *all)
 		if err != nil {
 			fmt.Fprintf(stderr, "capsa serve key create: %v\n", err)
 			return 1
@@ -172,9 +173,13 @@ func runServeKey(args []string, stdout, stderr io.Writer) int {
 			return 1
 		}
 		tw := tabwriter.NewWriter(stdout, 0, 4, 2, ' ', 0)
-		fmt.Fprintln(tw, "ID\tNAME\tKEY\tCREATED")
+		fmt.Fprintln(tw, "ID\tNAME\tKEY\tREACHES\tCREATED")
 		for _, k := range list {
-			fmt.Fprintf(tw, "%s\t%s\t%s…\t%s\n", k.ID, k.Name, k.Prefix, k.Created.Format(time.RFC3339))
+			reach := "its own"
+			if k.All {
+				reach = "all"
+			}
+			fmt.Fprintf(tw, "%s\t%s\t%s…\t%s\t%s\n", k.ID, k.Name, k.Prefix, reach, k.Created.Format(time.RFC3339))
 		}
 		tw.Flush()
 		return 0

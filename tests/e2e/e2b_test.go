@@ -225,9 +225,14 @@ func TestE2BSDK(t *testing.T) {
 	if r := cli(time.Minute, "template", "ls"); r.code != 0 || !strings.Contains(r.stdout, "template-web") || !strings.Contains(r.stdout, "plain") {
 		t.Errorf("capsa template ls = exit %d, %q; want web pre-booted and plain", r.code, r.stdout)
 	}
+	r = cli(time.Minute, "serve", "key", "create", "--name", "other")
+	other := strings.TrimSpace(r.stdout)
+	if r.code != 0 {
+		t.Fatalf("capsa serve key create --name other: exit %d, %q", r.code, r.stderr)
+	}
 	addr := freeAddr(t)
 	srv := startServe(t, dir, addr)
-	env := []string{"E2B_API_URL=http://" + addr, "E2B_SANDBOX_URL=http://" + addr, "E2B_API_KEY=" + key, "TEMPLATE=" + ref}
+	env := []string{"E2B_API_URL=http://" + addr, "E2B_SANDBOX_URL=http://" + addr, "E2B_API_KEY=" + key, "E2B_OTHER_KEY=" + other, "TEMPLATE=" + ref}
 
 	lines := e2bClient(t, env, 8*time.Minute, "main")
 	var keep string

@@ -255,6 +255,13 @@ if (mode === 'main') {
     await sleep(12_000)
     await expectThrow(() => Sandbox.getInfo(short.sandboxId), NotFoundError, 'getInfo after the timeout')
   })
+  await step("another API key reaches none of this key's sandboxes", async () => {
+    const other = { apiKey: process.env.E2B_OTHER_KEY }
+    await expectThrow(() => Sandbox.getInfo(sbx.sandboxId, other), NotFoundError, "another key's getInfo")
+    eq(await Sandbox.kill(sbx.sandboxId, other), false, "another key's kill")
+    check(!(await Sandbox.list(other).nextItems()).some((s) => s.sandboxId === sbx.sandboxId), 'another key lists it')
+    eq((await sbx.commands.run('echo still')).stdout, 'still\n', 'the sandbox, after')
+  })
   await step('errors: a bad key, an unknown sandbox, a command past its timeout', async () => {
     await expectThrow(() => Sandbox.list({ apiKey: 'e2b_' + '0'.repeat(40) }).nextItems(), AuthenticationError, 'a bad key')
     await expectThrow(() => Sandbox.getInfo('inosuchsandbox'), NotFoundError, 'an unknown sandbox')
@@ -282,6 +289,9 @@ if (mode === 'main') {
     const snap = await sbx.createSnapshot()
     const listed = await sbx.listSnapshots().nextItems()
     check(listed.some((x) => x.snapshotId === snap.snapshotId), `listSnapshots: ${JSON.stringify(listed)}`)
+    const other = { apiKey: process.env.E2B_OTHER_KEY }
+    eq(await Sandbox.deleteSnapshot(snap.snapshotId, other), false, "another key's delete")
+    eq((await Sandbox.listSnapshots(other).nextItems()).length, 0, "another key's list")
     const from = await Sandbox.create(snap.snapshotId, { timeoutMs: 60_000 })
     eq(await from.files.read('forked.txt'), 'from the source', 'its file')
     await from.kill()
