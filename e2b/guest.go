@@ -31,7 +31,8 @@ type guest struct {
 	mu      sync.Mutex
 	users   map[string]guestUser // the guest's /etc/passwd, by name
 	usersAt time.Time
-	shell   string // the shell commands run with ("": not looked up)
+	shell   string          // the shell commands run with ("": not looked up)
+	homes   map[string]bool // whether each user's home exists, as first looked up
 	procs   map[uint32]*proc
 	proxy   *httputil.ReverseProxy // to its ports, made on first use
 }
@@ -213,6 +214,30 @@ func (s *Server) commandShell(ctx context.Context, g *guest) string {
 	g.shell = sh
 	g.mu.Unlock()
 	return sh
+}
+
+// homeExists reports whether the directory home exists in the guest,
+// looked up once (a command's default directory, on every start).
+func (g *guest) homeExists(ctx context.Context, home string) bool {
+	g.mu.Lock()
+	ok, known := g.homes[home]
+	g.mu.Unlock()
+	if known {
+		return ok
+	}
+	ok, err := g.h.Exists(ctx, home)
+	if err != nil {
+		return false
+	}
+	g.mu.Lock()
+	if g.homes == nil {
+		g.homes = map[string]bool{}
+	}
+	if len(g.homes) < 64 {
+		g.homes[home] = ok
+	}
+	g.mu.Unlock()
+	return ok
 }
 
 // basicUser is the user an Authorization: Basic header names ("": none).

@@ -209,7 +209,7 @@ func (ps *processService) Start(ctx context.Context, req *connect.Request[proces
 	dir := u.homeDir()
 	if cfg.Cwd != nil && *cfg.Cwd != "" {
 		dir = u.resolve(*cfg.Cwd)
-	} else if ok, err := g.h.Exists(ctx, dir); err != nil || !ok {
+	} else if !g.homeExists(ctx, dir) {
 		dir = "/"
 	}
 	argv := append([]string{cfg.Cmd}, cfg.Args...)
