@@ -95,6 +95,10 @@ if (mode === 'main') {
     await sbx.commands.sendStdin(h.pid, 'hello\n')
     const r = await h.wait()
     eq(r.stdout, 'got:hello\n', 'stdout')
+    const c = await sbx.commands.run('cat; echo end', { background: true, stdin: true })
+    await sbx.commands.sendStdin(c.pid, 'abc')
+    await sbx.commands.closeStdin(c.pid)
+    eq((await c.wait()).stdout, 'abcend\n', 'stdin closed')
   })
   await step('connect to a command from a second client, then kill one', async () => {
     const h = await sbx.commands.run('for i in 1 2 3; do echo tick$i; sleep 1; done', { background: true })
@@ -134,6 +138,11 @@ if (mode === 'main') {
     eq([back.length, sha(back)], [big.length, sha(big)], '20 MiB')
     const r = await sbx.commands.run('stat -c %U:%s notes/a.txt; sha256sum /tmp/big')
     eq(r.stdout, `user:7\n${sha(big)}  /tmp/big\n`, 'as the guest sees them')
+    // A stream goes up as application/octet-stream, and gzipped if asked.
+    await sbx.files.write('/tmp/streamed', new Blob([big.subarray(0, 1 << 20)]).stream())
+    await sbx.files.write('/tmp/zipped', 'zipped text\n', { gzip: true })
+    eq(sha(await sbx.files.read('/tmp/streamed', { format: 'bytes' })), sha(big.subarray(0, 1 << 20)), 'streamed')
+    eq(await sbx.files.read('/tmp/zipped', { gzip: true }), 'zipped text\n', 'gzipped')
   })
   await step('files: list, exists, makeDir, rename, remove, getInfo', async () => {
     await sbx.files.write('tree/sub/f.txt', 'x')
