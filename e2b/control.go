@@ -14,6 +14,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/capsa-sandbox/capsa/agent"
@@ -240,13 +241,9 @@ func (s *Server) create(w http.ResponseWriter, r *http.Request, key Key, defTime
 	}
 	rec.TTL = time.Duration(timeout) * time.Second
 	rec.PauseAtTTL = req.AutoPause
-	// The count of a key's sandboxes and its create agree: one create at
-	// a time looks at the count.
-	s.createMu.Lock()
-	n, err := s.countFor(key.ID)
-	if err == nil && n >= s.perKey {
-		s.createMu.Unlock()
-		apiError(w, http.StatusTooManyRequests, fmt.Sprintf("create: this API key has %d sandboxes running, its most (capsa serve --max-sandboxes-per-key)", n))
+	release, n, ok := s.reserve(key.ID, 1)
+	if !ok {
+		apiError(w, http.StatusTooManyRequests, fmt.Sprintf("create: this API key has %d sandboxes running or starting, its most (capsa serve --max-sandboxes-per-key)", n))
 		return
 	}
 	// The sandbox is made whether or not the client waits for it (it is
@@ -255,7 +252,7 @@ func (s *Server) create(w http.ResponseWriter, r *http.Request, key Key, defTime
 	defer cancel()
 	start := time.Now()
 	name, err := s.m.Launch(ctx, rec, nil)
-	s.createMu.Unlock()
+	release()
 	if err != nil {
 		if name != "" {
 			s.m.Remove(context.WithoutCancel(ctx), name)
@@ -313,19 +310,38 @@ func (s *Server) snapshotDir(name string) (string, bool) {
 	return dir, true
 }
 
-// countFor counts the sandboxes of API key key that have not ended.
-func (s *Server) countFor(key string) (int, error) {
-	recs, err := s.m.List()
-	if err != nil {
-		return 0, err
-	}
-	n := 0
-	for _, r := range recs {
-		if r.Alive() && r.Labels[labelKey] == key {
-			n++
+// reserve holds n of API key key's sandboxes for a create or fork under
+// way, if the key's sandboxes (running, and being made) leave room for
+// them; release gives them back once they are recorded as the key's. It
+// returns how many the key has. Creates run at once, each holding its
+// own: none waits for another's boot or pull.
+func (s *Server) reserve(key string, n int) (release func(), have int, ok bool) {
+	s.createMu.Lock()
+	defer s.createMu.Unlock()
+	have = s.pending[key]
+	if recs, err := s.m.List(); err == nil {
+		for _, r := range recs {
+			// A sandbox still being made is counted by its
+			// reservation.
+			if r.Alive() && r.State != supervisor.Creating && r.Labels[labelKey] == key {
+				have++
+			}
 		}
 	}
-	return n, nil
+	if have+n > s.perKey {
+		return nil, have, false
+	}
+	s.pending[key] += n
+	var once sync.Once
+	return func() {
+		once.Do(func() {
+			s.createMu.Lock()
+			defer s.createMu.Unlock()
+			if s.pending[key] -= n; s.pending[key] <= 0 {
+				delete(s.pending, key)
+			}
+		})
+	}, have, true
 }
 
 // buildSandbox checks a create request and turns it into a sandbox
@@ -763,17 +779,16 @@ func (s *Server) fork(w http.ResponseWriter, r *http.Request, key Key) {
 	if src == nil {
 		return
 	}
-	s.createMu.Lock()
-	n, err := s.countFor(key.ID)
-	if err == nil && n+count > s.perKey {
-		s.createMu.Unlock()
+	release, n, ok := s.reserve(key.ID, count)
+	if !ok {
 		apiError(w, http.StatusTooManyRequests, fmt.Sprintf("fork: %d copies would make this API key's %d sandboxes more than its %d", count, n, s.perKey))
 		return
 	}
+	// Released once the copies are labelled as the key's (below).
+	defer release()
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(r.Context()), 10*time.Minute)
 	defer cancel()
 	names, errs, err := s.m.Fork(ctx, src.Name, count)
-	s.createMu.Unlock()
 	if err != nil {
 		apiError(w, http.StatusInternalServerError, fmt.Sprintf("fork %s: %v", src.Name, err))
 		return

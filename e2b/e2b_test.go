@@ -283,3 +283,33 @@ func TestControlRefusals(t *testing.T) {
 		}
 	}
 }
+
+// TestReserve: a key's creates under way count against its limit, each
+// holding its own slot until it is released; another key's do not.
+func TestReserve(t *testing.T) {
+	s, _ := testServer(t)
+	s.perKey = 2
+	r1, _, ok1 := s.reserve("k", 1)
+	r2, _, ok2 := s.reserve("k", 1)
+	_, have, ok3 := s.reserve("k", 1)
+	if !ok1 || !ok2 || ok3 || have != 2 {
+		t.Fatalf("three reservations of a limit of 2: %v %v %v (has %d)", ok1, ok2, ok3, have)
+	}
+	if _, _, ok := s.reserve("other", 2); !ok {
+		t.Error("another key's reservation was refused")
+	}
+	r1()
+	r1() // a second release gives back nothing more
+	if _, _, ok := s.reserve("k", 2); ok {
+		t.Error("a reservation of 2 with one slot free was taken")
+	}
+	r3, _, ok := s.reserve("k", 1)
+	if !ok {
+		t.Error("a released slot was not given again")
+	}
+	r2()
+	r3()
+	if s.pending["k"] != 0 {
+		t.Errorf("pending after every release: %d", s.pending["k"])
+	}
+}

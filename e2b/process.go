@@ -44,7 +44,10 @@ type proc struct {
 	pty   bool
 	ap    *agent.Process
 	stdin *io.PipeWriter // nil: none
-	done  chan struct{}
+	// writing holds one input write at a time: a process that does
+	// not read cannot make the server hold more.
+	writing chan struct{}
+	done    chan struct{}
 }
 
 // closeProcs ends what the server holds of the guest's processes (their
@@ -256,7 +259,8 @@ func (ps *processService) Start(ctx context.Context, req *connect.Request[proces
 		}
 		return connect.NewError(connect.CodeInternal, fmt.Errorf("start %s: %w", cfg.Cmd, err))
 	}
-	p := &proc{pid: uint32(ap.PID), id: ap.ID, cfg: cfg, tag: req.Msg.GetTag(), pty: pty, ap: ap, stdin: stdinW, done: make(chan struct{})}
+	p := &proc{pid: uint32(ap.PID), id: ap.ID, cfg: cfg, tag: req.Msg.GetTag(), pty: pty, ap: ap, stdin: stdinW,
+		writing: make(chan struct{}, 1), done: make(chan struct{})}
 	g.mu.Lock()
 	g.procs[p.pid] = p
 	g.mu.Unlock()
@@ -409,8 +413,17 @@ func (ps *processService) SendInput(ctx context.Context, req *connect.Request[pr
 	case *process.ProcessInput_Pty:
 		data = in.Pty
 	}
+	select {
+	case p.writing <- struct{}{}:
+	default:
+		return nil, connect.NewError(connect.CodeResourceExhausted, fmt.Errorf("send input to process %d: an earlier input is still waiting for it to read", pid))
+	}
 	written := make(chan error, 1)
-	go func() { _, err := p.stdin.Write(data); written <- err }()
+	go func() {
+		_, err := p.stdin.Write(data)
+		<-p.writing
+		written <- err
+	}()
 	select {
 	case err := <-written:
 		if err != nil {

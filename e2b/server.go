@@ -96,7 +96,8 @@ type Server struct {
 	ctx    context.Context // the polling watchers' lifetime
 	cancel context.CancelFunc
 
-	createMu sync.Mutex // a key's count of sandboxes and its creates agree
+	createMu sync.Mutex     // guards pending
+	pending  map[string]int // per API key, the sandboxes being made
 
 	snaps jsonFile[snapOwner] // the API's snapshots' owners
 
@@ -121,7 +122,7 @@ func New(o Options) (*Server, error) {
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	s := &Server{m: o.Manager, keys: o.Keys, templates: o.Templates, log: log, base: o.DefaultTemplate, domain: o.Domain, perKey: perKey,
-		ctx: ctx, cancel: cancel, guests: map[string]*guest{}}
+		ctx: ctx, cancel: cancel, guests: map[string]*guest{}, pending: map[string]int{}}
 	s.snaps = jsonFile[snapOwner]{path: filepath.Join(o.Manager.Dir(), SnapshotsFile), what: "snapshot owners"}
 	s.control = s.controlMux()
 	s.envd = s.envdMux()
