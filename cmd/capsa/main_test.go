@@ -56,6 +56,18 @@ func TestCLIErrors(t *testing.T) {
 		{[]string{"run", "--limit", "cpu=1", "--", "true"}, 2, `limit "cpu=1": want KEY=RATE[:BURST]`},
 		{[]string{"update", "x"}, 2, "nothing to change: give --limit"},
 		{[]string{"update", "--limit", "net=1MB"}, 2, "want at least one NAME"},
+		{[]string{"serve", "--listen", "0.0.0.0:3000"}, 2, "not a loopback address"},
+		{[]string{"serve", "--listen", "nope"}, 2, "--listen nope"},
+		{[]string{"serve", "--tls-cert", "c.pem"}, 2, "--tls-cert and --tls-key go together"},
+		{[]string{"serve", "--max-sandboxes-per-key", "0"}, 2, "--max-sandboxes-per-key 0"},
+		{[]string{"serve", "extra"}, 2, "takes no arguments"},
+		{[]string{"serve", "key"}, 2, "usage: capsa serve key"},
+		{[]string{"serve", "key", "bogus"}, 2, `unknown subcommand "bogus"`},
+		{[]string{"template", "create", "base", "--image", "x"}, 2, `template name "base"`},
+		{[]string{"template", "create", "t"}, 2, "template t: no image"},
+		{[]string{"template", "create", "t", "--image", "x", "--ready-cmd", "true"}, 2, "--ready-cmd is for --preboot"},
+		{[]string{"template", "create", "t", "--image", "x", "--memory", "lots"}, 2, `--memory: invalid size "lots"`},
+		{[]string{"template", "bogus"}, 2, `unknown subcommand "bogus"`},
 	} {
 		var out, errb bytes.Buffer
 		code := dispatch(context.Background(), tc.args, &out, &errb)
@@ -69,7 +81,7 @@ func TestCLIErrors(t *testing.T) {
 }
 
 func TestHelp(t *testing.T) {
-	for _, args := range [][]string{{"--help"}, {"vm", "--help"}, {"run", "--help"}, {"version", "-h"}, {"image", "pull", "--help"}} {
+	for _, args := range [][]string{{"--help"}, {"vm", "--help"}, {"run", "--help"}, {"version", "-h"}, {"image", "pull", "--help"}, {"serve", "--help"}, {"template", "create", "--help"}} {
 		var out, errb bytes.Buffer
 		if code := dispatch(context.Background(), args, &out, &errb); code != 0 || strings.Count(out.String(), "usage:") != 1 {
 			t.Errorf("capsa %v: code %d, stdout %q; want the usage once", args, code, out.String())
