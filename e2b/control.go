@@ -631,9 +631,10 @@ func (s *Server) metrics(w http.ResponseWriter, r *http.Request, key Key) {
 	writeJSON(w, http.StatusOK, []metric{m})
 }
 
-// list answers the live sandboxes: v2 filtered by state and metadata and
-// paged (limit, nextToken, the next page's token in X-Next-Token); the
-// first API's, every running one.
+// list answers the live sandboxes the key reaches: v2 filtered by state,
+// metadata, template and start, ordered by start (newest first unless
+// order=asc) and paged (limit, nextToken, the next page's token in
+// X-Next-Token); the first API's, every running one.
 func (s *Server) list(w http.ResponseWriter, r *http.Request, key Key, v2 bool) {
 	q := r.URL.Query()
 	recs, err := s.m.List()
@@ -669,6 +670,14 @@ func (s *Server) list(w http.ResponseWriter, r *http.Request, key Key, v2 bool) 
 		}
 		limit = n
 	}
+	tmpl := q.Get("template")
+	var after time.Time
+	if a := q.Get("startedAfter"); a != "" {
+		if after, err = time.Parse(time.RFC3339Nano, a); err != nil {
+			apiError(w, http.StatusBadRequest, fmt.Sprintf("list: startedAfter %q: want an RFC 3339 time", a))
+			return
+		}
+	}
 	var rows []*supervisor.Record
 	for _, rec := range recs {
 		if !rec.Alive() || rec.State == supervisor.Created || rec.State == supervisor.Creating || !key.reaches(rec) {
@@ -681,7 +690,7 @@ func (s *Server) list(w http.ResponseWriter, r *http.Request, key Key, v2 bool) 
 		if !states[state] {
 			continue
 		}
-		match := true
+		match := (tmpl == "" || s.describe(rec, false).TemplateID == tmpl) && !rec.Started.Before(after)
 		for k, v := range meta {
 			if got, ok := rec.Labels[labelMeta+k]; !ok || got != v {
 				match = false
@@ -691,11 +700,19 @@ func (s *Server) list(w http.ResponseWriter, r *http.Request, key Key, v2 bool) 
 			rows = append(rows, rec)
 		}
 	}
-	// Oldest first, by start then name: a page's token is the last
-	// sandbox it held.
+	// By start then name, newest first unless order=asc: a page's token
+	// is the last sandbox it held.
 	slices.SortFunc(rows, func(a, b *supervisor.Record) int {
 		return cmp.Or(a.Started.Compare(b.Started), strings.Compare(a.Name, b.Name))
 	})
+	switch q.Get("order") {
+	case "", "desc":
+		slices.Reverse(rows)
+	case "asc":
+	default:
+		apiError(w, http.StatusBadRequest, fmt.Sprintf("list: order %q: want asc or desc", q.Get("order")))
+		return
+	}
 	if tok := q.Get("nextToken"); tok != "" {
 		i := slices.IndexFunc(rows, func(r *supervisor.Record) bool { return r.Name == tok })
 		if i < 0 {

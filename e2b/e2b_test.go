@@ -273,8 +273,10 @@ func TestControlRefusals(t *testing.T) {
 	if code := do(t, s, "GET", "/v2/sandboxes?state=running", key, "", nil, &list); code != 200 || len(list) != 0 {
 		t.Errorf("list: %d %v", code, list)
 	}
-	if code := do(t, s, "GET", "/v2/sandboxes?state=gone", key, "", nil, &e); code != 400 {
-		t.Errorf("list state=gone: %d; want 400", code)
+	for _, q := range []string{"state=gone", "order=sideways", "startedAfter=yesterday", "limit=0", "limit=99999"} {
+		if code := do(t, s, "GET", "/v2/sandboxes?"+q, key, "", nil, &e); code != 400 {
+			t.Errorf("list %s: %d; want 400", q, code)
+		}
 	}
 	// envd's side: an unknown sandbox, and a sandbox name that is no name.
 	for _, id := range []string{"inosuch", "../x"} {

@@ -69,12 +69,18 @@ func (s *Server) guest(ctx context.Context, id string) (*guest, error) {
 	}
 	if rec.State == supervisor.Paused && rec.Labels[labelAutoResume] != "" {
 		// Traffic wakes a sandbox made with autoResume, for the
-		// timeout it was made with.
-		timeout, _ := strconv.Atoi(rec.Labels[labelTimeout])
-		if err := s.resume(ctx, rec, cmp.Or(timeout, defaultTimeout)); err != nil {
-			return nil, err
+		// timeout it was made with: one request resumes it, those
+		// that come meanwhile wait for that.
+		s.resumeMu.Lock()
+		rec, err = s.m.Get(id)
+		if err == nil && rec.State == supervisor.Paused {
+			timeout, _ := strconv.Atoi(rec.Labels[labelTimeout])
+			if err = s.resume(ctx, rec, cmp.Or(timeout, defaultTimeout)); err == nil {
+				rec, err = s.m.Get(id)
+			}
 		}
-		if rec, err = s.m.Get(id); err != nil {
+		s.resumeMu.Unlock()
+		if err != nil {
 			return nil, err
 		}
 	}

@@ -96,6 +96,7 @@ type Server struct {
 	ctx    context.Context // the polling watchers' lifetime
 	cancel context.CancelFunc
 
+	resumeMu sync.Mutex     // one auto-resume at a time
 	createMu sync.Mutex     // guards pending
 	pending  map[string]int // per API key, the sandboxes being made
 
