@@ -796,11 +796,10 @@ func (s *Server) exec(ctx context.Context, c *Conn, req *ExecRequest) error {
 			timedOut = !exited
 			ended := exited
 			mu.Unlock()
-			if ended {
-				killLeftovers(pgid)
-				return
+			if !ended {
+				p.kill(unix.SIGKILL)
 			}
-			p.kill(unix.SIGKILL)
+			killLeftovers(pgid)
 		})
 	}
 	stop := context.AfterFunc(ctx, func() { p.kill(unix.SIGKILL) })
@@ -886,23 +885,33 @@ func startPTY(cmd *exec.Cmd, cred *syscall.Credential, ws WindowSize) (*os.File,
 	return ptmx, nil
 }
 
-// killLeftovers kills process group pgid if processes of it remain after
-// its leader was reaped. The group's id cannot have been given to another
-// group while a member lives (the kernel keeps the number while it is in
-// use), and it is only signalled after a member was seen.
+// killLeftovers kills process group pgid until none of it lives, for at
+// most killLeftoversFor: a fork bomb's copies fork while a kill goes
+// through the group, and those the kill missed fork again at once, so it
+// signals the group in bursts until a look at /proc finds none alive. The
+// group's id cannot have been given to another group while a member
+// lives (the kernel keeps the number while it is in use, a zombie's too),
+// and it is only signalled after a member was seen.
 func killLeftovers(pgid int) {
-	for range 3 {
-		if !groupHasMembers(pgid) {
-			return
+	deadline := time.Now().Add(killLeftoversFor)
+	for groupHasMembers(pgid) && time.Now().Before(deadline) {
+		for range 64 {
+			if unix.Kill(-pgid, unix.SIGKILL) != nil {
+				break // ESRCH: none left to signal
+			}
 		}
-		unix.Kill(-pgid, unix.SIGKILL)
-		time.Sleep(50 * time.Millisecond)
+		time.Sleep(5 * time.Millisecond)
 	}
 }
 
-// groupHasMembers reports whether a process of group pgid exists, from
-// /proc/PID/stat (the group is the fifth field, after the command's name
-// in parentheses, which may itself hold any byte).
+// killLeftoversFor bounds killLeftovers.
+const killLeftoversFor = 10 * time.Second
+
+// groupHasMembers reports whether a live process of group pgid exists
+// (a zombie, killed and not yet reaped, does not count), from
+// /proc/PID/stat (the state is the third field and the group the fifth,
+// after the command's name in parentheses, which may itself hold any
+// byte).
 func groupHasMembers(pgid int) bool {
 	ents, err := os.ReadDir("/proc")
 	if err != nil {
@@ -922,7 +931,7 @@ func groupHasMembers(pgid int) bool {
 			continue
 		}
 		f := strings.Fields(string(b[i+1:]))
-		if len(f) > 2 && f[2] == want {
+		if len(f) > 2 && f[2] == want && f[0] != "Z" && f[0] != "X" {
 			return true
 		}
 	}

@@ -184,3 +184,39 @@ func TestXattrs(t *testing.T) {
 		t.Errorf("a refused write changed the file: %q", b)
 	}
 }
+
+// TestTimeoutKillsTheWholeGroup: at an exec's timeout, what its process
+// group still runs is killed, whether its leader still runs or ended
+// before, even while something in it keeps starting more (as a fork
+// bomb's copies do).
+func TestTimeoutKillsTheWholeGroup(t *testing.T) {
+	cl := serve(t)
+	for _, script := range []string{
+		// The leader runs on; a spawner in the group starts more.
+		"(while :; do sleep 60 & sleep 0.005; done) & sleep 60",
+		// The leader ends at once, leaving the spawner and its children.
+		"(while :; do sleep 60 & sleep 0.005; done) & exit 0",
+	} {
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		p, err := cl.Start(ctx, ExecOptions{Shell: script, Timeout: 300 * time.Millisecond})
+		if err != nil {
+			cancel()
+			t.Fatal(err)
+		}
+		pgid := p.PID
+		t.Cleanup(func() {
+			for unix.Kill(-pgid, unix.SIGKILL) == nil {
+				time.Sleep(time.Millisecond)
+			}
+		})
+		p.Wait()
+		deadline := time.Now().Add(killLeftoversFor + 5*time.Second)
+		for groupHasMembers(pgid) && time.Now().Before(deadline) {
+			time.Sleep(50 * time.Millisecond)
+		}
+		if groupHasMembers(pgid) {
+			t.Errorf("%q: its group still has live members %v after its timeout", script, killLeftoversFor+5*time.Second)
+		}
+		cancel()
+	}
+}
