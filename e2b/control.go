@@ -134,14 +134,8 @@ const clientID = "capsa"
 
 // describe says what the API says of rec; with token, its access token.
 func (s *Server) describe(rec *supervisor.Record, token bool) sandboxInfo {
-	in := sandboxInfo{SandboxID: rec.Name, TemplateID: rec.Labels[labelTemplate], ClientID: clientID,
+	in := sandboxInfo{SandboxID: rec.Name, TemplateID: templateOf(rec), ClientID: clientID,
 		EnvdVersion: EnvdVersion, CPUCount: rec.Spec.CPUs, MemoryMB: rec.Spec.MemoryMiB}
-	if in.TemplateID == "" {
-		in.TemplateID = "capsa"
-		if rec.Spec.Image != nil {
-			in.TemplateID = rec.Spec.Image.Ref
-		}
-	}
 	if s.domain != "" {
 		d := s.domain
 		in.Domain = &d
@@ -178,6 +172,18 @@ func (s *Server) describe(rec *supervisor.Record, token bool) sandboxInfo {
 		}
 	}
 	return in
+}
+
+// templateOf is the templateID the sandbox rec was made from: the API's,
+// or for one the CLI made, its image or "capsa".
+func templateOf(rec *supervisor.Record) string {
+	switch {
+	case rec.Labels[labelTemplate] != "":
+		return rec.Labels[labelTemplate]
+	case rec.Spec.Image != nil:
+		return rec.Spec.Image.Ref
+	}
+	return "capsa"
 }
 
 // create makes a sandbox: it answers once the sandbox runs.
@@ -222,11 +228,12 @@ func (s *Server) create(w http.ResponseWriter, r *http.Request, key Key, defTime
 	snap := req.TemplateID
 	if tmpl != nil {
 		snap = tmpl.Snapshot
-	} else if _, ok := s.snapshotDir(snap); ok && !s.reachesSnapshot(key, snap) {
-		apiError(w, http.StatusNotFound, fmt.Sprintf("create: template %q not found", req.TemplateID))
-		return
 	}
-	if dir, ok := s.snapshotDir(snap); ok && (tmpl == nil || snap != "") {
+	if dir, ok := s.snapshotDir(snap); ok {
+		if tmpl == nil && !s.reachesSnapshot(key, snap) {
+			apiError(w, http.StatusNotFound, fmt.Sprintf("create: template %q not found", req.TemplateID))
+			return
+		}
 		if rec, err = supervisor.RestoreRecord(dir, id, id, false, &spec); err != nil {
 			apiError(w, http.StatusBadRequest, fmt.Sprintf("create from snapshot %s: %v", req.TemplateID, err))
 			return
@@ -286,11 +293,7 @@ func (s *Server) startCommand(ctx context.Context, name, cmd string) error {
 	if err != nil {
 		return err
 	}
-	o := agent.ExecOptions{Argv: []string{"/bin/sh", "-c", cmd}, Dir: u.homeDir(), User: u.name}
-	if u.uid == 0 {
-		o.User = ""
-	}
-	_, err = g.h.Stream(context.Background(), o)
+	_, err = g.h.Stream(context.Background(), agent.ExecOptions{Argv: []string{"/bin/sh", "-c", cmd}, Dir: u.homeDir(), User: u.execUser()})
 	return err
 }
 
@@ -378,12 +381,9 @@ func (s *Server) buildSandbox(req *newSandbox) (*sandbox.Workload, *Template, er
 	if len(req.EnvVars) > maxEnvVars {
 		return nil, nil, fmt.Errorf("envVars: %d entries, at most %d", len(req.EnvVars), maxEnvVars)
 	}
-	var env []string
-	for _, k := range slices.Sorted(maps.Keys(req.EnvVars)) {
-		if k == "" || strings.ContainsAny(k, "=\x00") || strings.Contains(req.EnvVars[k], "\x00") {
-			return nil, nil, fmt.Errorf("envVars: bad variable %q", k)
-		}
-		env = append(env, k+"="+req.EnvVars[k])
+	env, err := envList(req.EnvVars)
+	if err != nil {
+		return nil, nil, fmt.Errorf("envVars: %w", err)
 	}
 	var policy *netstack.Policy // nil: no network
 	if req.AllowInternetAccess == nil || *req.AllowInternetAccess {
@@ -401,7 +401,6 @@ func (s *Server) buildSandbox(req *newSandbox) (*sandbox.Workload, *Template, er
 				deny = append(deny, d)
 			}
 		}
-		var err error
 		if policy, err = netstack.ParsePolicy(mode, allow, deny); err != nil {
 			return nil, nil, fmt.Errorf("network: %w", err)
 		}
@@ -426,6 +425,20 @@ func (s *Server) buildSandbox(req *newSandbox) (*sandbox.Workload, *Template, er
 		return b.Run(keepAlive[0], keepAlive[1:]...), nil, nil
 	}
 	return b.Entrypoint(keepAlive...).OCI(ref), nil, nil
+}
+
+// envList is the environment m sets, as KEY=VALUE entries by key; a key
+// that is empty or holds '=' or NUL, or a value that holds NUL, is
+// refused.
+func envList(m map[string]string) ([]string, error) {
+	env := make([]string, 0, len(m))
+	for _, k := range slices.Sorted(maps.Keys(m)) {
+		if k == "" || strings.ContainsAny(k, "=\x00") || strings.Contains(m[k], "\x00") {
+			return nil, fmt.Errorf("bad environment variable %q", k)
+		}
+		env = append(env, k+"="+m[k])
+	}
+	return env, nil
 }
 
 // record returns the live sandbox the request's {id} names, if key may
@@ -469,11 +482,19 @@ type timeoutBody struct {
 	Timeout *int `json:"timeout"`
 }
 
+// readOptional decodes a request's JSON body into v, if it has one.
+func readOptional(r *http.Request, v any) error {
+	if err := json.NewDecoder(r.Body).Decode(v); err != nil && err != io.EOF {
+		return fmt.Errorf("the body: %v", err)
+	}
+	return nil
+}
+
 // readTimeout reads an optional {"timeout": seconds} body.
 func readTimeout(r *http.Request) (*int, error) {
 	var body timeoutBody
-	if err := json.NewDecoder(r.Body).Decode(&body); err != nil && err != io.EOF {
-		return nil, fmt.Errorf("the body: %v", err)
+	if err := readOptional(r, &body); err != nil {
+		return nil, err
 	}
 	if body.Timeout != nil {
 		if _, err := timeoutOr("", body.Timeout, 0); err != nil {
@@ -509,8 +530,7 @@ func (s *Server) setTimeout(w http.ResponseWriter, r *http.Request, key Key) {
 	if rec == nil {
 		return
 	}
-	ttl := time.Since(rec.Started) + time.Duration(*t)*time.Second
-	if err := s.m.SetTTL(r.Context(), rec.Name, ttl); err != nil {
+	if err := s.m.SetTTL(r.Context(), rec.Name, ttlFrom(rec.Started, *t)); err != nil {
 		apiError(w, http.StatusInternalServerError, fmt.Sprintf("timeout %s: %v", rec.Name, err))
 		return
 	}
@@ -539,7 +559,7 @@ func (s *Server) connect(w http.ResponseWriter, r *http.Request, key Key) {
 			return
 		}
 		status = http.StatusCreated
-	} else if ttl := time.Since(rec.Started) + time.Duration(timeout)*time.Second; rec.TTL != 0 && ttl > rec.TTL {
+	} else if ttl := ttlFrom(rec.Started, timeout); rec.TTL != 0 && ttl > rec.TTL {
 		if err := s.m.SetTTL(r.Context(), rec.Name, ttl); err != nil {
 			apiError(w, http.StatusInternalServerError, fmt.Sprintf("connect %s: %v", rec.Name, err))
 			return
@@ -571,7 +591,7 @@ func (s *Server) resume(ctx context.Context, rec *supervisor.Record, timeout int
 	if err := s.m.Resume(ctx, rec.Name); err != nil {
 		return fmt.Errorf("resume %s: %v", rec.Name, err)
 	}
-	if err := s.m.SetTTL(ctx, rec.Name, s.ttlFromNow(rec.Name, timeout)); err != nil {
+	if err := s.m.SetTTL(ctx, rec.Name, ttlFrom(rec.Started, timeout)); err != nil {
 		return fmt.Errorf("resume %s: %v", rec.Name, err)
 	}
 	s.log.Info("e2b: resumed", "sandbox", rec.Name, "timeout", timeout)
@@ -661,14 +681,10 @@ func (s *Server) list(w http.ResponseWriter, r *http.Request, key Key, v2 bool) 
 		apiError(w, http.StatusBadRequest, "list: "+err.Error())
 		return
 	}
-	limit := maxListLimit
-	if l := q.Get("limit"); l != "" {
-		n, err := strconv.Atoi(l)
-		if err != nil || n <= 0 || n > maxListLimit {
-			apiError(w, http.StatusBadRequest, fmt.Sprintf("list: limit %q: want 1 to %d", l, maxListLimit))
-			return
-		}
-		limit = n
+	limit, err := pageLimit(q)
+	if err != nil {
+		apiError(w, http.StatusBadRequest, "list: "+err.Error())
+		return
 	}
 	tmpl := q.Get("template")
 	var after time.Time
@@ -690,7 +706,7 @@ func (s *Server) list(w http.ResponseWriter, r *http.Request, key Key, v2 bool) 
 		if !states[state] {
 			continue
 		}
-		match := (tmpl == "" || s.describe(rec, false).TemplateID == tmpl) && !rec.Started.Before(after)
+		match := (tmpl == "" || templateOf(rec) == tmpl) && !rec.Started.Before(after)
 		for k, v := range meta {
 			if got, ok := rec.Labels[labelMeta+k]; !ok || got != v {
 				match = false
@@ -722,14 +738,35 @@ func (s *Server) list(w http.ResponseWriter, r *http.Request, key Key, v2 bool) 
 		rows = rows[i+1:]
 	}
 	out := []sandboxInfo{}
-	for i, rec := range rows {
-		if i == limit {
-			w.Header().Set("X-Next-Token", rows[i-1].Name)
-			break
-		}
+	for _, rec := range firstPage(w, rows, limit, func(r *supervisor.Record) string { return r.Name }) {
 		out = append(out, s.describe(rec, false))
 	}
 	writeJSON(w, http.StatusOK, out)
+}
+
+// pageLimit is a list's limit query: how many items a page holds (at most
+// maxListLimit, and that without one).
+func pageLimit(q url.Values) (int, error) {
+	l := q.Get("limit")
+	if l == "" {
+		return maxListLimit, nil
+	}
+	n, err := strconv.Atoi(l)
+	if err != nil || n <= 0 || n > maxListLimit {
+		return 0, fmt.Errorf("limit %q: want 1 to %d", l, maxListLimit)
+	}
+	return n, nil
+}
+
+// firstPage is items' first limit; when more follow, X-Next-Token names
+// the last item of the page (name gives an item's), from which the next
+// page goes on.
+func firstPage[T any](w http.ResponseWriter, items []T, limit int, name func(T) string) []T {
+	if len(items) > limit {
+		w.Header().Set("X-Next-Token", name(items[limit-1]))
+		items = items[:limit]
+	}
+	return items
 }
 
 // metadataFilter reads the list's metadata query: key=value pairs joined
@@ -775,8 +812,8 @@ const maxForkCount = 100
 // with its own access token and the source's template and metadata.
 func (s *Server) fork(w http.ResponseWriter, r *http.Request, key Key) {
 	var body forkBody
-	if err := json.NewDecoder(r.Body).Decode(&body); err != nil && err != io.EOF {
-		apiError(w, http.StatusBadRequest, fmt.Sprintf("fork: the body: %v", err))
+	if err := readOptional(r, &body); err != nil {
+		apiError(w, http.StatusBadRequest, "fork: "+err.Error())
 		return
 	}
 	count := 1
@@ -823,12 +860,13 @@ func (s *Server) fork(w http.ResponseWriter, r *http.Request, key Key) {
 				return nil
 			})
 		}
-		if errs[i] == nil {
-			errs[i] = s.m.SetTTL(ctx, name, s.ttlFromNow(name, timeout))
-		}
 		var rec *supervisor.Record
 		if errs[i] == nil {
 			rec, errs[i] = s.m.Get(name)
+		}
+		if errs[i] == nil {
+			rec.TTL = ttlFrom(rec.Started, timeout)
+			errs[i] = s.m.SetTTL(ctx, name, rec.TTL)
 		}
 		if errs[i] != nil {
 			out[i].Error = &errorBody{Code: http.StatusInternalServerError, Message: fmt.Sprintf("fork %s as %s: %v", src.Name, name, errs[i])}
@@ -841,17 +879,13 @@ func (s *Server) fork(w http.ResponseWriter, r *http.Request, key Key) {
 	writeJSON(w, http.StatusCreated, out)
 }
 
-// ttlFromNow is the TTL that ends the sandbox name timeout seconds from now
-// (0: never).
-func (s *Server) ttlFromNow(name string, timeout int) time.Duration {
+// ttlFrom is the TTL, counted from started, that ends a sandbox timeout
+// seconds from now (0: never).
+func ttlFrom(started time.Time, timeout int) time.Duration {
 	if timeout == 0 {
 		return 0
 	}
-	rec, err := s.m.Get(name)
-	if err != nil || rec.Started.IsZero() {
-		return time.Duration(timeout) * time.Second
-	}
-	return time.Since(rec.Started) + time.Duration(timeout)*time.Second
+	return time.Since(started) + time.Duration(timeout)*time.Second
 }
 
 // snapshotInfo is what the API says of a snapshot (SnapshotInfo).
@@ -889,11 +923,8 @@ func (s *Server) snapshotOwner(name string) (snapOwner, bool) {
 // reachesSnapshot reports whether key may list, delete and create from
 // the state directory's snapshot name.
 func (s *Server) reachesSnapshot(key Key, name string) bool {
-	if key.All {
-		return true
-	}
-	o, ok := s.snapshotOwner(name)
-	return ok && o.Key == key.ID
+	o, made := s.snapshotOwner(name)
+	return key.reachesSnapshot(o, made)
 }
 
 // createSnapshot snapshots a running sandbox into the state directory: a
@@ -902,8 +933,8 @@ func (s *Server) createSnapshot(w http.ResponseWriter, r *http.Request, key Key)
 	var body struct {
 		Name string `json:"name"`
 	}
-	if err := json.NewDecoder(r.Body).Decode(&body); err != nil && err != io.EOF {
-		apiError(w, http.StatusBadRequest, fmt.Sprintf("snapshot: the body: %v", err))
+	if err := readOptional(r, &body); err != nil {
+		apiError(w, http.StatusBadRequest, "snapshot: "+err.Error())
 		return
 	}
 	if body.Name != "" {
@@ -945,42 +976,42 @@ func (s *Server) listSnapshots(w http.ResponseWriter, r *http.Request, key Key) 
 		apiError(w, http.StatusInternalServerError, "list snapshots: "+err.Error())
 		return
 	}
-	of := q.Get("sandboxID")
-	limit := maxListLimit
-	if l := q.Get("limit"); l != "" {
-		n, err := strconv.Atoi(l)
-		if err != nil || n <= 0 || n > maxListLimit {
-			apiError(w, http.StatusBadRequest, fmt.Sprintf("list snapshots: limit %q: want 1 to %d", l, maxListLimit))
-			return
-		}
-		limit = n
+	limit, err := pageLimit(q)
+	if err != nil {
+		apiError(w, http.StatusBadRequest, "list snapshots: "+err.Error())
+		return
 	}
+	list, err := s.snaps.load()
+	if err != nil {
+		apiError(w, http.StatusInternalServerError, "list snapshots: "+err.Error())
+		return
+	}
+	owners := map[string]snapOwner{}
+	for _, o := range list {
+		owners[o.Name] = o
+	}
+	of, only := q.Get("sandboxID"), q.Get("name")
 	var names []string
 	for _, sn := range snaps {
-		if sn.Err != "" || !s.reachesSnapshot(key, sn.Name) || (q.Get("name") != "" && q.Get("name") != sn.Name) {
-			continue
+		o, made := owners[sn.Name]
+		switch {
+		case sn.Err != "", only != "" && only != sn.Name:
+		case !key.reachesSnapshot(o, made):
+		case of != "" && (!made || o.Sandbox != of):
+		default:
+			names = append(names, sn.Name)
 		}
-		if of != "" {
-			if o, ok := s.snapshotOwner(sn.Name); !ok || o.Sandbox != of {
-				continue
-			}
-		}
-		names = append(names, sn.Name)
 	}
 	slices.Sort(names)
 	if tok := q.Get("nextToken"); tok != "" {
-		i, _ := slices.BinarySearch(names, tok)
-		for i < len(names) && names[i] <= tok {
+		i, found := slices.BinarySearch(names, tok)
+		if found {
 			i++
 		}
 		names = names[i:]
 	}
 	out := []snapshotInfo{}
-	for i, n := range names {
-		if i == limit {
-			w.Header().Set("X-Next-Token", names[i-1])
-			break
-		}
+	for _, n := range firstPage(w, names, limit, func(n string) string { return n }) {
 		out = append(out, snapshotInfo{SnapshotID: n, Names: []string{n}})
 	}
 	writeJSON(w, http.StatusOK, out)

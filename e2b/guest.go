@@ -26,7 +26,7 @@ type guest struct {
 	env     map[string]string // every process's, under its own (a restored sandbox's envVars)
 	started time.Time
 	h       *supervisor.Handle
-	checked time.Time // when its record last said it runs
+	checked time.Time // when its record last said it runs (under Server.mu)
 
 	mu      sync.Mutex
 	users   map[string]guestUser // the guest's /etc/passwd, by name
@@ -58,10 +58,11 @@ func (s *Server) guest(ctx context.Context, id string) (*guest, error) {
 	}
 	s.mu.Lock()
 	g := s.guests[id]
-	s.mu.Unlock()
 	if g != nil && time.Since(g.checked) < recheck {
+		s.mu.Unlock()
 		return g, nil
 	}
+	s.mu.Unlock()
 	rec, err := s.m.Get(id)
 	if err != nil {
 		s.forget(id)
@@ -191,6 +192,16 @@ func (u guestUser) resolve(p string) string {
 		p = path.Join(u.homeDir(), p)
 	}
 	return path.Clean(p)
+}
+
+// execUser is the user the agent runs a process as: root as the agent's
+// own user (a guest without /etc/passwd has root too), anyone else by
+// name.
+func (u guestUser) execUser() string {
+	if u.uid == 0 {
+		return ""
+	}
+	return u.name
 }
 
 // homeDir is the user's home, or / without one.

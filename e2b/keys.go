@@ -40,6 +40,12 @@ func (k Key) reaches(rec *supervisor.Record) bool {
 	return k.All || rec.Labels[labelKey] == k.ID
 }
 
+// reachesSnapshot reports whether the key may see and use a snapshot that
+// the key o names made (made: through the API at all).
+func (k Key) reachesSnapshot(o snapOwner, made bool) bool {
+	return k.All || made && o.Key == k.ID
+}
+
 // KeysFile is where a state directory's API keys are kept.
 const KeysFile = "e2b-keys.json"
 

@@ -47,7 +47,6 @@ type proc struct {
 	// writing holds one input write at a time: a process that does
 	// not read cannot make the server hold more.
 	writing chan struct{}
-	done    chan struct{}
 }
 
 // closeProcs ends what the server holds of the guest's processes (their
@@ -188,25 +187,24 @@ func (ps *processService) Start(ctx context.Context, req *connect.Request[proces
 	if len(cfg.Args) > maxArgs || len(cfg.Envs) > maxEnvs {
 		return connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("start: at most %d args and %d envs", maxArgs, maxEnvs))
 	}
-	name, err := basicUser(req.Header().Get("Authorization"))
-	if err != nil {
-		return connect.NewError(connect.CodeUnauthenticated, err)
+	g.mu.Lock()
+	n := len(g.procs)
+	g.mu.Unlock()
+	if n >= maxProcs {
+		return connect.NewError(connect.CodeResourceExhausted, fmt.Errorf("start: %d processes of this sandbox run already", n))
 	}
-	u, err := g.user(ctx, name)
+	u, err := userOf(ctx, g, req.Header().Get("Authorization"))
 	if err != nil {
-		return connect.NewError(connect.CodeInvalidArgument, err)
+		return err
 	}
 	envs := maps.Clone(g.env)
 	if envs == nil {
 		envs = map[string]string{}
 	}
 	maps.Copy(envs, cfg.Envs)
-	env := make([]string, 0, len(envs))
-	for _, k := range slices.Sorted(maps.Keys(envs)) {
-		if k == "" || strings.ContainsAny(k, "=\x00") || strings.Contains(envs[k], "\x00") {
-			return connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("start: bad environment variable %q", k))
-		}
-		env = append(env, k+"="+envs[k])
+	env, err := envList(envs)
+	if err != nil {
+		return connect.NewError(connect.CodeInvalidArgument, fmt.Errorf("start: %w", err))
 	}
 	env = append(env, "HOME="+u.homeDir(), "USER="+u.name)
 	dir := u.homeDir()
@@ -219,10 +217,7 @@ func (ps *processService) Start(ctx context.Context, req *connect.Request[proces
 	if cfg.Cmd == "/bin/bash" {
 		argv[0] = ps.s.commandShell(ctx, g)
 	}
-	o := agent.ExecOptions{Argv: argv, Env: env, Dir: dir, User: u.name}
-	if u.uid == 0 {
-		o.User = "" // the agent's own: a guest without /etc/passwd has root too
-	}
+	o := agent.ExecOptions{Argv: argv, Env: env, Dir: dir, User: u.execUser()}
 	if d, ok := ctx.Deadline(); ok {
 		o.Timeout = max(time.Until(d), time.Millisecond)
 	}
@@ -237,12 +232,6 @@ func (ps *processService) Start(ctx context.Context, req *connect.Request[proces
 		var r *io.PipeReader
 		r, stdinW = io.Pipe()
 		o.Stdin = r
-	}
-	g.mu.Lock()
-	n := len(g.procs)
-	g.mu.Unlock()
-	if n >= maxProcs {
-		return connect.NewError(connect.CodeResourceExhausted, fmt.Errorf("start: %d processes of this sandbox run already", n))
 	}
 	k := newSink()
 	if pty {
@@ -260,7 +249,7 @@ func (ps *processService) Start(ctx context.Context, req *connect.Request[proces
 		return connect.NewError(connect.CodeInternal, fmt.Errorf("start %s: %w", cfg.Cmd, err))
 	}
 	p := &proc{pid: uint32(ap.PID), id: ap.ID, cfg: cfg, tag: req.Msg.GetTag(), pty: pty, ap: ap, stdin: stdinW,
-		writing: make(chan struct{}, 1), done: make(chan struct{})}
+		writing: make(chan struct{}, 1)}
 	g.mu.Lock()
 	g.procs[p.pid] = p
 	g.mu.Unlock()
@@ -276,7 +265,6 @@ func (ps *processService) Start(ctx context.Context, req *connect.Request[proces
 			delete(g.procs, p.pid)
 		}
 		g.mu.Unlock()
-		close(p.done)
 	}()
 	send := func(ev *process.ProcessEvent) error { return stream.Send(&process.StartResponse{Event: ev}) }
 	if err := send(startEvent(p.pid)); err != nil {

@@ -6,7 +6,6 @@ import (
 	"io"
 	"os"
 	"os/exec"
-	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
@@ -40,15 +39,7 @@ func BenchmarkE2BSDK(b *testing.B) {
 	startServe(b, dir, addr)
 	env := []string{"E2B_API_URL=http://" + addr, "E2B_SANDBOX_URL=http://" + addr, "E2B_API_KEY=" + key, "TEMPLATE=" + ref}
 
-	node := artifactB(b, "mcp-client/node")
-	sdir := b.TempDir()
-	script := filepath.Join(sdir, "e2b-client.mjs")
-	if err := os.WriteFile(script, e2bClientScript, 0o644); err != nil {
-		b.Fatal(err)
-	}
-	if err := os.Symlink(filepath.Join(filepath.Dir(node), "node_modules"), filepath.Join(sdir, "node_modules")); err != nil {
-		b.Fatal(err)
-	}
+	node, script := nodeScript(b, "e2b-client.mjs", e2bClientScript)
 	cmd := exec.Command(node, script, "bench")
 	cmd.Env = append(os.Environ(), env...)
 	in, err := cmd.StdinPipe()

@@ -12,7 +12,6 @@ import (
 	"net"
 	"os"
 	"os/exec"
-	"path/filepath"
 	"strings"
 	"syscall"
 	"testing"
@@ -144,15 +143,7 @@ func freeAddr(t testing.TB) string {
 // line fails the test.
 func e2bClient(t *testing.T, env []string, timeout time.Duration, mode string, args ...string) []string {
 	t.Helper()
-	node := artifact(t, "mcp-client/node")
-	dir := t.TempDir()
-	script := filepath.Join(dir, "e2b-client.mjs")
-	if err := os.WriteFile(script, e2bClientScript, 0o644); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.Symlink(filepath.Join(filepath.Dir(node), "node_modules"), filepath.Join(dir, "node_modules")); err != nil {
-		t.Fatal(err)
-	}
+	node, script := nodeScript(t, "e2b-client.mjs", e2bClientScript)
 	ctx, cancel := context.WithTimeout(context.Background(), timeout)
 	defer cancel()
 	cmd := exec.CommandContext(ctx, node, append([]string{script, mode}, args...)...)

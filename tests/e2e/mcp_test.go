@@ -50,23 +50,31 @@ type mcpCall struct {
 	List bool           `json:"list,omitempty"`
 }
 
+// nodeScript writes a client script (name, its text) beside a link to the
+// mcp-client bundle's node_modules (scripts/mcp-client-bundle.sh), where
+// Node looks for the SDKs, and returns the bundle's Node and the script's
+// path.
+func nodeScript(tb testing.TB, name string, text []byte) (node, script string) {
+	tb.Helper()
+	node = artifact(tb, "mcp-client/node")
+	dir := tb.TempDir()
+	script = filepath.Join(dir, name)
+	if err := os.WriteFile(script, text, 0o644); err != nil {
+		tb.Fatal(err)
+	}
+	if err := os.Symlink(filepath.Join(filepath.Dir(node), "node_modules"), filepath.Join(dir, "node_modules")); err != nil {
+		tb.Fatal(err)
+	}
+	return node, script
+}
+
 // mcpClient returns a function that runs the client script (Node 22 and
 // the SDK from the mcp-client bundle, scripts/mcp-client-bundle.sh) with
 // the CLI's state in stateDir, against the server that args name: stdio
 // CAPSA or http URL TOKEN. It returns the script's lines, one per call
 // after the first (the server's name), and its exit error.
 func mcpClient(t *testing.T, stateDir string) func(timeout time.Duration, calls []mcpCall, args ...string) ([]mcpLine, error) {
-	node := artifact(t, "mcp-client/node")
-	// The script beside a link to the bundle's node_modules, where Node
-	// looks for the SDK.
-	dir := t.TempDir()
-	script := filepath.Join(dir, "mcp-client.mjs")
-	if err := os.WriteFile(script, mcpClientScript, 0o644); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.Symlink(filepath.Join(filepath.Dir(node), "node_modules"), filepath.Join(dir, "node_modules")); err != nil {
-		t.Fatal(err)
-	}
+	node, script := nodeScript(t, "mcp-client.mjs", mcpClientScript)
 	return func(timeout time.Duration, calls []mcpCall, args ...string) ([]mcpLine, error) {
 		t.Helper()
 		js, err := json.Marshal(calls)
