@@ -18,7 +18,7 @@ ASSETS_PKG := github.com/capsa-sandbox/capsa/internal/assets
 # function names and lines, from the pclntab).
 GO_LDFLAGS := -s -w -X main.version=$(VERSION) -X $(ASSETS_PKG).Prefix=$(PREFIX)
 
-.PHONY: proto test-programs soak fuzz all deps kernel initramfs assets install nested-deps qemu-bundle mcp-client capsa testinitrd testimages vm run test test-unit test-kvm test-e2e bench stress clean
+.PHONY: containerd-bundle proto test-programs soak fuzz all deps kernel initramfs assets install nested-deps qemu-bundle mcp-client capsa testinitrd testimages vm run test test-unit test-kvm test-e2e bench stress clean
 
 all: capsa
 
@@ -61,6 +61,7 @@ capsa: assets
 install: capsa
 	install -d $(DESTDIR)$(PREFIX)/bin $(DESTDIR)$(PREFIX)/share/capsa
 	install -m 0755 $(BUILD)/capsa $(DESTDIR)$(PREFIX)/bin/capsa
+	ln -sf capsa $(DESTDIR)$(PREFIX)/bin/containerd-shim-capsa-v2
 	install -m 0644 $(BUILD)/assets/*.zst $(DESTDIR)$(PREFIX)/share/capsa/
 	install -m 0644 $(BUILD)/assets/manifest.json $(DESTDIR)$(PREFIX)/share/capsa/
 
@@ -134,6 +135,11 @@ qemu-bundle: nested-deps
 mcp-client:
 	scripts/mcp-client-bundle.sh $(BUILD)/mcp-client
 
+# Debian 12's containerd 1.6 and ctr with their libraries, for the nested
+# host's L1: the shim's end-to-end test (cached by the package's version).
+containerd-bundle:
+	scripts/containerd-bundle.sh $(BUILD)/containerd
+
 # proto regenerates the Go code of e2b/envd's .proto files (committed:
 # no build needs protoc).
 proto:
@@ -145,7 +151,7 @@ E2E_FILES := $(BUILD)/capsa $(BUILD)/testinitrd.cpio $(BUILD)/testinit $(BUILD)/
 	$(BUILD)/initramfs.cpio $(BUILD)/qemu:qemu
 
 # Tier 3: end-to-end tests: the real binary boots the real kernel.
-test-e2e: capsa testinitrd testimages nested-deps qemu-bundle mcp-client $(NESTED)
+test-e2e: capsa testinitrd testimages nested-deps qemu-bundle mcp-client containerd-bundle $(NESTED)
 	@rm -rf $(BUILD)/e2e && mkdir -p $(BUILD)/e2e
 	CGO_ENABLED=0 $(GO) test -c -o $(BUILD)/e2e/e2e.test ./tests/e2e
 	CGO_ENABLED=0 $(GO) build -tags capsa_builtin -o $(BUILD)/e2e/example-sandbox ./examples/sandbox
@@ -153,6 +159,7 @@ test-e2e: capsa testinitrd testimages nested-deps qemu-bundle mcp-client $(NESTE
 	l1=$$(scripts/nested-deps.sh) && tests/run-e2e.sh $(NESTED) $(BUILD)/e2e $(E2E_FILES) $(BUILD)/e2e/example-sandbox $(BUILD)/testimages:testimages \
 		'$(BUILD)/mcp-client:mcp-client@^(TestMCP|TestWorkspacePrograms|TestE2BSDK)$$' \
 		$(BUILD)/toolsimage/tools.tar.gz:tools.tar.gz@^TestWorkspacePrograms$$ \
+		$(BUILD)/containerd:containerd@^TestContainerd \
 		$(BUILD)/e2e/example-assets@^TestLibraryAssets$$ $(BUILD)/assets:assets@^TestLibraryAssets$$ \
 		$$(ls $$l1/boot/vmlinuz-* | head -1):vmlinuz-debian@^TestDistroKernel$$
 

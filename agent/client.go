@@ -432,6 +432,9 @@ type ExecOptions struct {
 	// all comes to Stdout, Stdin goes to the terminal, Process.Resize
 	// changes its size.
 	TTY *WindowSize
+	// Container runs the process as a container's (see Container): Env
+	// is then its whole environment and Dir a path in the container.
+	Container *Container
 }
 
 // Process is a guest process this client started or attached to.
@@ -452,7 +455,7 @@ type Process struct {
 // fails or the host's deadline passes first.
 func (cl *Client) Start(ctx context.Context, o ExecOptions) (*Process, error) {
 	req := &ExecRequest{Argv: o.Argv, Shell: o.Shell, Env: o.Env, Dir: o.Dir, User: o.User,
-		Stdin: o.Stdin != nil, TimeoutMs: o.Timeout.Milliseconds(), TTY: o.TTY}
+		Stdin: o.Stdin != nil, TimeoutMs: o.Timeout.Milliseconds(), TTY: o.TTY, Container: o.Container}
 	if o.Timeout > 0 && req.TimeoutMs == 0 {
 		req.TimeoutMs = 1
 	}

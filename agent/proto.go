@@ -60,7 +60,7 @@ const (
 )
 
 // agentFeatures is what this package's agent announces.
-var agentFeatures = []string{FeatureProcesses, FeaturePTY, FeatureResumed, FeatureRename, FeatureWatch, FeatureOwners, FeatureDial, FeatureXattrs}
+var agentFeatures = []string{FeatureProcesses, FeaturePTY, FeatureResumed, FeatureRename, FeatureWatch, FeatureOwners, FeatureDial, FeatureXattrs, FeatureContainers}
 
 // Port is the vsock port the agent listens on; ReadyPort is the host port
 // the agent connects to once it is listening, to announce itself.
@@ -293,6 +293,9 @@ type ExecRequest struct {
 	// (FeaturePTY): stdout carries its merged output, stdin goes to the
 	// terminal (so ^C is an interrupt), Resize frames change its size.
 	TTY *WindowSize `json:"tty,omitempty"`
+	// Container, if set, runs the process as a container's
+	// (FeatureContainers): see Container.
+	Container *Container `json:"container,omitempty"`
 }
 
 // WindowSize is a terminal's size in characters.

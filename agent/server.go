@@ -674,8 +674,24 @@ func (s *Server) exec(ctx context.Context, c *Conn, req *ExecRequest) error {
 	default:
 		return errors.New("exec: give exactly one of argv and shell")
 	}
+	if req.Container != nil {
+		if req.User != "" {
+			return errors.New("exec: a container's process takes its ids from the container, not a user")
+		}
+		if err := req.Container.Check(); err != nil {
+			return fmt.Errorf("exec: %w", err)
+		}
+	}
 	cmd := exec.Command(argv[0], argv[1:]...)
-	if !strings.Contains(argv[0], "/") {
+	if req.Container != nil {
+		// The helper resolves the program in the container's root.
+		path, args, env, err := containerCommand(req, argv)
+		if err != nil {
+			return fmt.Errorf("exec: %w", err)
+		}
+		cmd = exec.Command(path)
+		cmd.Args, cmd.Env = args, env
+	} else if !strings.Contains(argv[0], "/") {
 		// A bare name is looked up in the process's own PATH (an
 		// image's), not the agent's.
 		cmd.Path, cmd.Err = lookPath(argv[0], envValue(append(append([]string(nil), baseEnv...), req.Env...), "PATH"))
@@ -707,8 +723,14 @@ func (s *Server) exec(ctx context.Context, c *Conn, req *ExecRequest) error {
 	if req.TTY != nil {
 		env = append(env, "TERM=xterm") // unless the request names its own
 	}
-	cmd.Env = append(env, req.Env...)
-	cmd.Dir = req.Dir
+	if req.Container == nil {
+		cmd.Env = append(env, req.Env...)
+		cmd.Dir = req.Dir
+	}
+	var unshare uintptr // a container's process gets a mount namespace of its own
+	if req.Container != nil {
+		unshare = syscall.CLONE_NEWNS
+	}
 
 	p := newProc(argv, req.TTY != nil, req.Stdin)
 	// Output waits until the client has the process's ID and is attached.
@@ -719,7 +741,7 @@ func (s *Server) exec(ctx context.Context, c *Conn, req *ExecRequest) error {
 	var eof func()   // ends the input
 	var drain func() // after the exit: waits for the last output
 	if req.TTY != nil {
-		ptmx, err := startPTY(cmd, cred, *req.TTY)
+		ptmx, err := startPTY(cmd, cred, *req.TTY, unshare)
 		if err != nil {
 			return fmt.Errorf("exec %s: %w", cmd.Args[0], err)
 		}
@@ -752,7 +774,7 @@ func (s *Server) exec(ctx context.Context, c *Conn, req *ExecRequest) error {
 			<-read
 		}
 	} else {
-		cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Credential: cred}
+		cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Credential: cred, Unshareflags: unshare}
 		cmd.Stdout = procWriter{p, FrameStdout, gate}
 		cmd.Stderr = procWriter{p, FrameStderr, gate}
 		cmd.WaitDelay = 2 * time.Second // background children holding the pipes
@@ -862,7 +884,7 @@ func (s *Server) exec(ctx context.Context, c *Conn, req *ExecRequest) error {
 
 // startPTY starts cmd as the leader of a new session whose controlling
 // terminal is a new pty of size ws, and returns the pty's master side.
-func startPTY(cmd *exec.Cmd, cred *syscall.Credential, ws WindowSize) (*os.File, error) {
+func startPTY(cmd *exec.Cmd, cred *syscall.Credential, ws WindowSize, unshare uintptr) (*os.File, error) {
 	ptmx, tty, err := pty.Open()
 	if err != nil {
 		return nil, fmt.Errorf("open a pty: %w", err)
@@ -878,7 +900,7 @@ func startPTY(cmd *exec.Cmd, cred *syscall.Credential, ws WindowSize) (*os.File,
 		}
 	}
 	cmd.Stdin, cmd.Stdout, cmd.Stderr = tty, tty, tty
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true, Setctty: true, Ctty: 0, Credential: cred}
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true, Setctty: true, Ctty: 0, Credential: cred, Unshareflags: unshare}
 	if err := cmd.Start(); err != nil {
 		return fail(err)
 	}

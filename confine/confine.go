@@ -64,6 +64,10 @@ type Config struct {
 	// error.
 	User        *User
 	Own, Shared []string
+	// NoJail keeps the process in the host's mount namespace, where
+	// the host mounts on its shares while it runs (a containerd pod's
+	// container roots) reach it; Landlock and seccomp still apply.
+	NoJail bool
 }
 
 // DefaultPids bounds a VMM's threads: the Go runtime's, one per vCPU and
@@ -129,6 +133,11 @@ func Apply(c Config, log *slog.Logger) (Layers, error) {
 			return l, errors.New("confine: jail: changing the user (" + c.User.String() + ") needs root")
 		}
 		l.Namespaces = "off: not root"
+	} else if c.NoJail {
+		if c.User != nil {
+			return l, errors.New("confine: a jail's user (" + c.User.String() + ") without the jail")
+		}
+		l.Namespaces = "off: its shares take the host's mounts while it runs"
 	} else {
 		d, e = Jail(JailConfig{Read: read, Write: c.Write, User: c.User, Own: c.Own, Shared: c.Shared}, log)
 		if e != nil && c.User != nil {

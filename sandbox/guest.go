@@ -93,6 +93,9 @@ func (s *Guest) SignalProcess(ctx context.Context, id int, signal string) error 
 // Env's) under its own, and the image's working directory unless it
 // names one.
 func (s *Guest) defaults(o ExecOptions) ExecOptions {
+	if o.Container != nil {
+		return o // a container's process has the container's own
+	}
 	o.Env = image.MergeEnv(s.env, o.Env)
 	if o.Dir == "" {
 		o.Dir = s.dir

@@ -90,7 +90,12 @@ type Record struct {
 	// once the sandbox runs (run --jail-user; root only). nil: it stays
 	// root.
 	JailUser *confine.User `json:"jail_user,omitempty"`
-	Hostname string        `json:"hostname,omitempty"`
+	// HostMounts: the host mounts on the sandbox's shares while it runs
+	// (a containerd pod's container roots), so its supervisor stays in
+	// the host's mount namespace, not jailed (Landlock and seccomp still
+	// apply).
+	HostMounts bool   `json:"host_mounts,omitempty"`
+	Hostname   string `json:"hostname,omitempty"`
 	// Labels are a front end's own notes on the sandbox (the E2B API's
 	// template, metadata and access token), kept with its record and
 	// gone with it; capsa itself reads none of them.

@@ -82,7 +82,7 @@ func confineSelf(st *store.Store, rec *store.Record, sb *sandbox.Sandbox, spec s
 	return confine.Apply(confine.Config{
 		Read: read, Write: write, Name: rec.Name,
 		MemoryBytes: int64(spec.MemoryMiB)<<20 + VMMOverhead, CPUs: spec.EffectiveCPUQuota(),
-		User: rec.JailUser, Own: []string{st.SandboxDir(rec.Name)},
+		User: rec.JailUser, Own: []string{st.SandboxDir(rec.Name)}, NoJail: rec.HostMounts,
 		Shared: append(SharedFiles(st.Dir(), write), db, snaps),
 	}, log)
 }

@@ -17,10 +17,13 @@ import (
 	"io"
 	"os"
 	"os/signal"
+	"path/filepath"
 	"syscall"
 	"time"
 
 	"github.com/spf13/pflag"
+
+	"github.com/capsa-sandbox/capsa/shim"
 )
 
 // version is set at link time by the Makefile.
@@ -71,6 +74,11 @@ func commands() []command {
 }
 
 func main() {
+	if filepath.Base(os.Args[0]) == shim.BinaryName {
+		// containerd runs capsa under the shim's name (make install's link).
+		shim.Main()
+		return
+	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	code := dispatch(ctx, os.Args[1:], os.Stdout, os.Stderr)
 	stop()

@@ -34,6 +34,10 @@ import (
 )
 
 func main() {
+	if len(os.Args) == 2 && os.Args[1] == agent.ContainerExecArg {
+		// The agent entering a container for a process (agent.Container).
+		os.Exit(agent.ContainerExec())
+	}
 	if filepath.Base(os.Args[0]) == "capsa" {
 		os.Exit(runGuestCommand(os.Args[1:], os.Stdin, os.Stdout, os.Stderr))
 	}

@@ -1,0 +1,96 @@
+package agent
+
+import (
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"golang.org/x/sys/unix"
+)
+
+func TestContainerCheck(t *testing.T) {
+	good := Container{Root: "/capsa-pod/c1/rootfs", Mounts: []ContainerMount{
+		{Destination: "/proc", Type: "proc"},
+		{Destination: "/dev", Type: "tmpfs", Options: []string{"nosuid", "strictatime", "mode=755", "size=65536k"}},
+		{Destination: "/etc/hosts", Type: "bind", Source: "/capsa-pod/c1/mounts/3", Options: []string{"rbind", "ro"}},
+	}, Rlimits: []Rlimit{{Type: "RLIMIT_NOFILE", Soft: 1024, Hard: 1024}}}
+	if err := good.Check(); err != nil {
+		t.Fatalf("Check(ctr's container) = %v", err)
+	}
+	for _, c := range []struct {
+		name, want string
+		change     func(*Container)
+	}{
+		{"relative root", "container root", func(c *Container) { c.Root = "rootfs" }},
+		{"root /", "container root", func(c *Container) { c.Root = "/" }},
+		{"relative destination", "not absolute", func(c *Container) { c.Mounts[0].Destination = "proc" }},
+		{"unknown type", `type "ext4"`, func(c *Container) { c.Mounts[0].Type = "ext4" }},
+		{"relative bind source", "not an absolute guest path", func(c *Container) { c.Mounts[2].Source = "mounts/3" }},
+		{"option with a comma", "bad option", func(c *Container) { c.Mounts[1].Options = append(c.Mounts[1].Options, "a,b") }},
+		{"unknown rlimit", "RLIMIT_X", func(c *Container) { c.Rlimits[0].Type = "RLIMIT_X" }},
+		{"soft above hard", "soft 2048 above hard", func(c *Container) { c.Rlimits[0].Soft = 2048 }},
+		{"too many mounts", "more than", func(c *Container) {
+			c.Mounts = make([]ContainerMount, maxContainerMounts+1)
+		}},
+	} {
+		c2 := good
+		c2.Mounts = append([]ContainerMount(nil), good.Mounts...)
+		c2.Rlimits = append([]Rlimit(nil), good.Rlimits...)
+		c.change(&c2)
+		if err := c2.Check(); err == nil || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("%s: Check = %v, want an error naming %q", c.name, err, c.want)
+		}
+	}
+}
+
+func TestMountFlags(t *testing.T) {
+	flags, remount, data, err := mountFlags(ContainerMount{Destination: "/dev", Type: "tmpfs", Options: []string{"nosuid", "strictatime", "mode=755", "size=65536k"}})
+	if err != nil || flags != unix.MS_NOSUID|unix.MS_STRICTATIME || remount != 0 || data != "mode=755,size=65536k" {
+		t.Errorf("tmpfs: flags %#x remount %#x data %q err %v", flags, remount, data, err)
+	}
+	flags, remount, _, err = mountFlags(ContainerMount{Destination: "/etc/hosts", Type: "bind", Source: "/x", Options: []string{"rbind", "ro", "nosuid"}})
+	if err != nil || flags != unix.MS_BIND|unix.MS_REC || remount != unix.MS_RDONLY|unix.MS_NOSUID {
+		t.Errorf("read-only bind: flags %#x remount %#x err %v; want the bind, then a remount read-only", flags, remount, err)
+	}
+}
+
+// TestOpenInStaysInTheRoot: a symbolic link in the container's root (an
+// image's tree) that points outside it is resolved inside the root, so a
+// mount's target is never made or found outside.
+func TestOpenInStaysInTheRoot(t *testing.T) {
+	root, outside := t.TempDir(), t.TempDir()
+	if err := os.Symlink(outside, filepath.Join(root, "etc")); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink("../../../..", filepath.Join(root, "up")); err != nil {
+		t.Fatal(err)
+	}
+	if f, err := openIn(root, "/etc/hosts", true); err == nil {
+		f.Close()
+	}
+	if _, err := os.Stat(filepath.Join(outside, "hosts")); err == nil {
+		t.Fatalf("openIn followed the root's etc -> %s out of the root", outside)
+	}
+	f, err := openIn(root, "/up/proc", false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	got, err := os.Readlink(fmt.Sprintf("/proc/self/fd/%d", f.Fd()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got != filepath.Join(root, "proc") {
+		t.Errorf("openIn(/up/proc) = %s, want %s (.. stops at the root)", got, filepath.Join(root, "proc"))
+	}
+	f2, err := openIn(root, "/a/b/c", true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f2.Close()
+	if st, err := os.Stat(filepath.Join(root, "a/b/c")); err != nil || !st.Mode().IsRegular() {
+		t.Errorf("openIn(/a/b/c, file) made %v, %v; want the directories and an empty file", st, err)
+	}
+}

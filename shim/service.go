@@ -1,0 +1,796 @@
+package shim
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"slices"
+	"sync"
+	"syscall"
+	"time"
+
+	eventstypes "github.com/containerd/containerd/api/events"
+	taskAPI "github.com/containerd/containerd/api/runtime/task/v2"
+	"github.com/containerd/containerd/api/types/task"
+	"github.com/containerd/containerd/errdefs"
+	"github.com/containerd/containerd/mount"
+	"github.com/containerd/containerd/namespaces"
+	"github.com/containerd/containerd/pkg/shutdown"
+	"github.com/containerd/containerd/protobuf"
+	ptypes "github.com/containerd/containerd/protobuf/types"
+	"github.com/containerd/containerd/runtime"
+	cdshim "github.com/containerd/containerd/runtime/v2/shim"
+	"github.com/containerd/fifo"
+	"github.com/containerd/ttrpc"
+	"github.com/containerd/typeurl/v2"
+	specs "github.com/opencontainers/runtime-spec/specs-go"
+	"golang.org/x/sys/unix"
+
+	"github.com/capsa-sandbox/capsa/agent"
+	"github.com/capsa-sandbox/capsa/sandbox"
+	"github.com/capsa-sandbox/capsa/supervisor"
+)
+
+var _ taskAPI.TaskService = (*service)(nil)
+
+// podGuestDir is where the pod's directory appears in its guest.
+const podGuestDir = "/capsa-pod"
+
+// service is containerd's Task service for one pod: the containers of
+// one group, in one capsa sandbox.
+type service struct {
+	ctx       context.Context
+	log       *slog.Logger
+	publisher cdshim.Publisher
+	shutdown  shutdown.Service
+	ns        string
+	// bundles is the directory of containerd's bundles for this
+	// namespace: a bundle elsewhere is refused.
+	bundles string
+
+	mu         sync.Mutex
+	containers map[string]*container
+	pod        *pod
+}
+
+// pod is the group's VM: a named sandbox of the state directory's
+// manager, with a host directory shared into it at podGuestDir.
+type pod struct {
+	podInfo
+	mgr    *supervisor.Manager
+	handle *supervisor.Handle
+	pid    uint32 // the supervisor's (the VMM's) host PID
+}
+
+// podInfo is what a bundle's podFile records.
+type podInfo struct {
+	Name    string `json:"name"`    // the capsa sandbox
+	State   string `json:"state"`   // its state directory
+	Dir     string `json:"dir"`     // the shared host directory
+	Sandbox bool   `json:"sandbox"` // this container is the pod's sandbox container
+}
+
+type container struct {
+	id, bundle string
+	spec       *specs.Spec
+	rootfs     string // its root's mount point on the host, in the pod directory
+	sandbox    bool
+	binds      map[string]string // bind mounts' host sources to guest paths
+	init       *process
+	execs      map[string]*process
+}
+
+// process is a container's init or one of its execs.
+type process struct {
+	c                     *container
+	execID                string
+	spec                  *specs.Process
+	stdin, stdout, stderr string
+	terminal              bool
+
+	mu       sync.Mutex
+	status   task.Status
+	proc     *agent.Process
+	in       io.Closer // the stdin fifo, closed by CloseIO
+	exitCode uint32
+	exitedAt time.Time
+	done     chan struct{}
+}
+
+func newService(ctx context.Context, log *slog.Logger, publisher cdshim.Publisher, sd shutdown.Service) (*service, error) {
+	ns, err := namespaces.NamespaceRequired(ctx)
+	if err != nil {
+		return nil, err
+	}
+	cwd, err := os.Getwd()
+	if err != nil {
+		return nil, err
+	}
+	s := &service{ctx: ctx, log: log, publisher: publisher, shutdown: sd, ns: ns,
+		bundles: filepath.Dir(cwd), containers: map[string]*container{}}
+	sd.RegisterCallback(func(context.Context) error {
+		s.stopPod()
+		return nil
+	})
+	return s, nil
+}
+
+// RegisterTTRPC serves the Task API v2.
+func (s *service) RegisterTTRPC(server *ttrpc.Server) error {
+	taskAPI.RegisterTaskService(server, s)
+	return nil
+}
+
+func (s *service) publish(topic string, event any) {
+	ctx := namespaces.WithNamespace(context.WithoutCancel(s.ctx), s.ns)
+	if err := s.publisher.Publish(ctx, topic, event); err != nil {
+		s.log.Warn("shim: publish an event", "topic", topic, "err", err)
+	}
+}
+
+// stateDir is the capsa state directory the shim's pods live in: the
+// default one (CAPSA_STATE or the user's), else /var/lib/capsa, as
+// containerd's services often have no home.
+func stateDir() string {
+	if d := os.Getenv("CAPSA_STATE"); d != "" {
+		return d
+	}
+	if h, err := os.UserHomeDir(); err == nil && h != "" && h != "/" {
+		return filepath.Join(h, ".local", "state", "capsa")
+	}
+	return "/var/lib/capsa"
+}
+
+// startPod boots the group's VM, sized by the sandbox container's spec.
+func (s *service) startPod(ctx context.Context, spec *specs.Spec, group string) (*pod, error) {
+	mgr, err := supervisor.OpenManager(stateDir())
+	if err != nil {
+		return nil, fmt.Errorf("open capsa's state: %w", err)
+	}
+	name := podName(s.ns, group)
+	dir := filepath.Join(mgr.Dir(), "pods", name)
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return nil, err
+	}
+	cpus, mem := podSize(spec)
+	w := sandbox.New().CPUs(cpus).Memory(mem).
+		Share(dir, podGuestDir, sandbox.ReadWrite).
+		Run("sleep", "2147483647") // the VM lives until the shim stops it
+	sp, err := w.Spec()
+	if err != nil {
+		return nil, fmt.Errorf("pod %s: %w", name, err)
+	}
+	hostname := spec.Hostname
+	if supervisor.CheckName(hostname) != nil {
+		hostname = ""
+	}
+	rec := &supervisor.Record{Name: name, Spec: sp, HostMounts: true, Hostname: hostname,
+		Labels: map[string]string{"containerd.namespace": s.ns, "containerd.pod": group}}
+	if old, err := mgr.Get(name); err == nil && !old.Alive() {
+		mgr.Remove(ctx, name) // a pod of the same id that ended
+	}
+	if _, err := mgr.Launch(ctx, rec, nil); err != nil {
+		os.RemoveAll(dir)
+		return nil, fmt.Errorf("boot the pod VM: %w", err)
+	}
+	h, err := mgr.Open(ctx, name)
+	if err != nil {
+		mgr.Stop(ctx, name, 0, true)
+		mgr.Remove(ctx, name)
+		return nil, err
+	}
+	r, _ := mgr.Get(name)
+	p := &pod{podInfo: podInfo{Name: name, State: mgr.Dir(), Dir: dir}, mgr: mgr, handle: h}
+	if r != nil {
+		p.pid = uint32(r.PID)
+	}
+	return p, nil
+}
+
+// stopPod stops and removes the pod VM, if there is one.
+func (s *service) stopPod() {
+	s.mu.Lock()
+	p := s.pod
+	s.pod = nil
+	s.mu.Unlock()
+	if p == nil {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if err := p.mgr.Stop(ctx, p.Name, 0, true); err != nil && !errors.Is(err, supervisor.ErrNotFound) {
+		s.log.Warn("shim: stop the pod VM", "pod", p.Name, "err", err)
+	}
+	p.mgr.Remove(ctx, p.Name)
+	os.RemoveAll(p.Dir)
+}
+
+// Create makes a container: the pod VM if it is the first, the
+// container's root mounted into the pod's directory.
+func (s *service) Create(ctx context.Context, r *taskAPI.CreateTaskRequest) (_ *taskAPI.CreateTaskResponse, retErr error) {
+	if r.Checkpoint != "" {
+		return nil, fmt.Errorf("create %s: restoring a checkpoint: %w", r.ID, errdefs.ErrNotImplemented)
+	}
+	if filepath.Clean(r.Bundle) != filepath.Join(s.bundles, r.ID) {
+		return nil, fmt.Errorf("create %s: bundle %s is not containerd's bundle for it: %w", r.ID, r.Bundle, errdefs.ErrInvalidArgument)
+	}
+	spec, err := readSpec(r.Bundle)
+	if err != nil {
+		return nil, fmt.Errorf("create %s: %w", r.ID, err)
+	}
+	if err := checkSpec(spec); err != nil {
+		return nil, fmt.Errorf("create %s: %w: %w", r.ID, err, errdefs.ErrInvalidArgument)
+	}
+	if r.Stdin != "" || r.Stdout != "" || r.Stderr != "" {
+		for _, p := range []string{r.Stdin, r.Stdout, r.Stderr} {
+			if p != "" && !filepath.IsAbs(p) {
+				return nil, fmt.Errorf("create %s: stdio %q: only fifo paths are supported: %w", r.ID, p, errdefs.ErrNotImplemented)
+			}
+		}
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if _, ok := s.containers[r.ID]; ok {
+		return nil, fmt.Errorf("create %s: %w", r.ID, errdefs.ErrAlreadyExists)
+	}
+	first := s.pod == nil
+	if first {
+		p, err := s.startPod(ctx, spec, groupID(spec, r.ID))
+		if err != nil {
+			return nil, fmt.Errorf("create %s: %w", r.ID, err)
+		}
+		s.pod = p
+		defer func() {
+			if retErr != nil && len(s.containers) == 0 {
+				s.mu.Unlock()
+				s.stopPod()
+				s.mu.Lock()
+			}
+		}()
+	}
+	c := &container{id: r.ID, bundle: r.Bundle, spec: spec, sandbox: first && isSandbox(spec), execs: map[string]*process{}}
+	cdir := filepath.Join(s.pod.Dir, r.ID)
+	c.rootfs = filepath.Join(cdir, "rootfs")
+	if err := os.MkdirAll(c.rootfs, 0o700); err != nil {
+		return nil, fmt.Errorf("create %s: %w", r.ID, err)
+	}
+	var mounts []mount.Mount
+	for _, m := range r.Rootfs {
+		mounts = append(mounts, mount.Mount{Type: m.Type, Source: m.Source, Target: m.Target, Options: m.Options})
+	}
+	if len(mounts) == 0 { // the bundle's own root directory
+		root := spec.Root.Path
+		if !filepath.IsAbs(root) {
+			root = filepath.Join(r.Bundle, root)
+		}
+		mounts = []mount.Mount{{Type: "bind", Source: root, Options: []string{"rbind", "rw"}}}
+	}
+	if err := mount.All(mounts, c.rootfs); err != nil {
+		os.RemoveAll(cdir)
+		return nil, fmt.Errorf("create %s: mount its root: %w", r.ID, err)
+	}
+	undo := func() {
+		unmountUnder(cdir)
+		os.RemoveAll(cdir)
+	}
+	// The spec's bind mounts: each host source bound into the pod's
+	// directory, where the guest reaches it.
+	binds := map[string]string{}
+	for i, m := range spec.Mounts {
+		if !isBind(m) {
+			continue
+		}
+		if _, ok := binds[m.Source]; ok {
+			continue
+		}
+		st, err := os.Stat(m.Source)
+		if err != nil {
+			undo()
+			return nil, fmt.Errorf("create %s: mount %s: %w", r.ID, m.Destination, err)
+		}
+		host := filepath.Join(cdir, "mounts", fmt.Sprint(i))
+		if err := makeTarget(host, st.IsDir()); err != nil {
+			undo()
+			return nil, fmt.Errorf("create %s: %w", r.ID, err)
+		}
+		if err := unix.Mount(m.Source, host, "", unix.MS_BIND|unix.MS_REC, ""); err != nil {
+			undo()
+			return nil, fmt.Errorf("create %s: share mount %s: %w", r.ID, m.Destination, err)
+		}
+		binds[m.Source] = filepath.Join(podGuestDir, r.ID, "mounts", fmt.Sprint(i))
+	}
+	c.init = &process{c: c, spec: spec.Process, stdin: r.Stdin, stdout: r.Stdout, stderr: r.Stderr,
+		terminal: r.Terminal || spec.Process.Terminal, status: task.Status_CREATED, done: make(chan struct{})}
+	if _, err := s.containerRequest(c, spec.Process, binds); err != nil {
+		undo()
+		return nil, fmt.Errorf("create %s: %w: %w", r.ID, err, errdefs.ErrInvalidArgument)
+	}
+	c.binds = binds
+	info := s.pod.podInfo
+	info.Sandbox = c.sandbox
+	if data, err := json.Marshal(info); err == nil {
+		os.WriteFile(filepath.Join(r.Bundle, podFile), data, 0o600)
+	}
+	s.containers[r.ID] = c
+	s.publish(runtime.TaskCreateEventTopic, &eventstypes.TaskCreate{
+		ContainerID: r.ID, Bundle: r.Bundle, Rootfs: r.Rootfs,
+		IO:  &eventstypes.TaskIO{Stdin: r.Stdin, Stdout: r.Stdout, Stderr: r.Stderr, Terminal: c.init.terminal},
+		Pid: s.pod.pid,
+	})
+	return &taskAPI.CreateTaskResponse{Pid: s.pod.pid}, nil
+}
+
+// containerRequest is the agent's container for a process of c.
+func (s *service) containerRequest(c *container, p *specs.Process, binds map[string]string) (*agent.Container, error) {
+	return containerOf(c.spec, p, filepath.Join(podGuestDir, c.id, "rootfs"), binds)
+}
+
+func makeTarget(path string, dir bool) error {
+	if dir {
+		return os.MkdirAll(path, 0o700)
+	}
+	if err := os.MkdirAll(filepath.Dir(path), 0o700); err != nil {
+		return err
+	}
+	f, err := os.OpenFile(path, os.O_CREATE|os.O_WRONLY, 0o600)
+	if err != nil {
+		return err
+	}
+	return f.Close()
+}
+
+// unmountUnder unmounts every mount at or beneath dir, deepest first.
+func unmountUnder(dir string) {
+	for _, sub := range []string{filepath.Join(dir, "mounts"), filepath.Join(dir, "rootfs")} {
+		if entries, err := os.ReadDir(sub); err == nil && filepath.Base(sub) == "mounts" {
+			for _, e := range entries {
+				mount.UnmountAll(filepath.Join(sub, e.Name()), unix.MNT_DETACH)
+			}
+		}
+		mount.UnmountAll(sub, unix.MNT_DETACH)
+	}
+}
+
+func (s *service) get(id, execID string) (*container, *process, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	c, ok := s.containers[id]
+	if !ok {
+		return nil, nil, fmt.Errorf("container %s: %w", id, errdefs.ErrNotFound)
+	}
+	if execID == "" {
+		return c, c.init, nil
+	}
+	p, ok := c.execs[execID]
+	if !ok {
+		return nil, nil, fmt.Errorf("container %s: exec %s: %w", id, execID, errdefs.ErrNotFound)
+	}
+	return c, p, nil
+}
+
+// Start starts a container's init process or one of its execs in the pod VM.
+func (s *service) Start(ctx context.Context, r *taskAPI.StartRequest) (*taskAPI.StartResponse, error) {
+	c, p, err := s.get(r.ID, r.ExecID)
+	if err != nil {
+		return nil, err
+	}
+	if r.ExecID != "" && c.init.state() != task.Status_RUNNING {
+		return nil, fmt.Errorf("start exec %s: container %s is not running: %w", r.ExecID, r.ID, errdefs.ErrFailedPrecondition)
+	}
+	s.mu.Lock()
+	pd := s.pod
+	s.mu.Unlock()
+	if pd == nil {
+		return nil, fmt.Errorf("start %s: the pod VM is gone: %w", r.ID, errdefs.ErrFailedPrecondition)
+	}
+	if err := s.startProcess(ctx, pd, p); err != nil {
+		return nil, fmt.Errorf("start %s: %w", r.ID, err)
+	}
+	if r.ExecID == "" {
+		s.publish(runtime.TaskStartEventTopic, &eventstypes.TaskStart{ContainerID: r.ID, Pid: pd.pid})
+	} else {
+		s.publish(runtime.TaskExecStartedEventTopic, &eventstypes.TaskExecStarted{ContainerID: r.ID, ExecID: r.ExecID, Pid: pd.pid})
+	}
+	return &taskAPI.StartResponse{Pid: pd.pid}, nil
+}
+
+// startProcess runs p in the pod VM, its stdio on containerd's fifos.
+func (s *service) startProcess(ctx context.Context, pd *pod, p *process) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.status != task.Status_CREATED {
+		return fmt.Errorf("process is %s, not created: %w", p.status, errdefs.ErrFailedPrecondition)
+	}
+	creq, err := s.containerRequest(p.c, p.spec, p.c.binds)
+	if err != nil {
+		return err
+	}
+	// The fifos are opened for as long as the process runs, not for
+	// the request: ctx ends with the Start call.
+	bg := context.WithoutCancel(ctx)
+	var closers []io.Closer
+	fail := func(err error) error {
+		for _, c := range closers {
+			c.Close()
+		}
+		return err
+	}
+	opts := agent.ExecOptions{Argv: p.spec.Args, Env: p.spec.Env, Dir: p.spec.Cwd, Container: creq}
+	if p.stdin != "" {
+		in, err := fifo.OpenFifo(bg, p.stdin, syscall.O_RDONLY|syscall.O_NONBLOCK, 0)
+		if err != nil {
+			return fail(fmt.Errorf("open stdin: %w", err))
+		}
+		closers = append(closers, in)
+		opts.Stdin, p.in = in, in
+	}
+	var outs []io.Closer
+	if p.stdout != "" {
+		out, err := fifo.OpenFifo(bg, p.stdout, syscall.O_WRONLY, 0)
+		if err != nil {
+			return fail(fmt.Errorf("open stdout: %w", err))
+		}
+		closers, outs = append(closers, out), append(outs, out)
+		opts.Stdout = lenient{w: out}
+	}
+	if p.stderr != "" && !p.terminal {
+		errw, err := fifo.OpenFifo(bg, p.stderr, syscall.O_WRONLY, 0)
+		if err != nil {
+			return fail(fmt.Errorf("open stderr: %w", err))
+		}
+		closers, outs = append(closers, errw), append(outs, errw)
+		opts.Stderr = lenient{w: errw}
+	}
+	if p.terminal {
+		opts.TTY = &agent.WindowSize{Rows: 24, Cols: 80}
+	}
+	proc, err := pd.handle.Stream(bg, opts)
+	if err != nil {
+		return fail(err)
+	}
+	p.proc, p.status = proc, task.Status_RUNNING
+	go s.waitProcess(p, proc, outs)
+	return nil
+}
+
+// lenient is a process's output fifo: once containerd's reader has gone,
+// output is dropped rather than ending the process (the agent client
+// kills a process whose writer fails).
+type lenient struct{ w io.Writer }
+
+func (l lenient) Write(b []byte) (int, error) {
+	if _, err := l.w.Write(b); err != nil {
+		return len(b), nil
+	}
+	return len(b), nil
+}
+
+// waitProcess follows p to its end and says so to containerd. A pod VM
+// that is lost ends its processes with 255 and why in the shim's log.
+func (s *service) waitProcess(p *process, proc *agent.Process, outs []io.Closer) {
+	st, err := proc.Wait()
+	code := uint32(255)
+	if err != nil {
+		s.log.Warn("shim: a process ended without an exit status (the pod VM was lost?)", "container", p.c.id, "exec", p.execID, "err", err)
+	} else {
+		code = uint32(st.Code)
+	}
+	for _, c := range outs {
+		c.Close()
+	}
+	p.mu.Lock()
+	if p.in != nil {
+		p.in.Close()
+	}
+	p.status, p.exitCode, p.exitedAt = task.Status_STOPPED, code, time.Now()
+	close(p.done)
+	p.mu.Unlock()
+	if p.execID == "" {
+		// The init process's end ends the container's execs, as a pid
+		// namespace's end does.
+		s.mu.Lock()
+		var execs []*process
+		for _, e := range p.c.execs {
+			execs = append(execs, e)
+		}
+		s.mu.Unlock()
+		for _, e := range execs {
+			e.signal(context.Background(), unix.SIGKILL)
+			<-e.doneIfStarted()
+		}
+	}
+	s.mu.Lock()
+	pid := uint32(0)
+	if s.pod != nil {
+		pid = s.pod.pid
+	}
+	s.mu.Unlock()
+	id := p.execID
+	if id == "" {
+		id = p.c.id
+	}
+	s.publish(runtime.TaskExitEventTopic, &eventstypes.TaskExit{ContainerID: p.c.id, ID: id, Pid: pid,
+		ExitStatus: code, ExitedAt: protobuf.ToTimestamp(p.exitedAt)})
+}
+
+func (p *process) state() task.Status {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.status
+}
+
+// doneIfStarted is closed once p has ended, or at once if it never started.
+func (p *process) doneIfStarted() <-chan struct{} {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.status == task.Status_CREATED {
+		c := make(chan struct{})
+		close(c)
+		return c
+	}
+	return p.done
+}
+
+// signal signals a running process's group in the guest.
+func (p *process) signal(ctx context.Context, sig syscall.Signal) error {
+	p.mu.Lock()
+	proc, status := p.proc, p.status
+	p.mu.Unlock()
+	if status != task.Status_RUNNING || proc == nil {
+		return fmt.Errorf("process is not running: %w", errdefs.ErrNotFound)
+	}
+	return proc.Signal(ctx, unix.SignalName(sig))
+}
+
+// Delete removes an exec, or a stopped container with its root; the
+// last container takes the pod VM with it.
+func (s *service) Delete(ctx context.Context, r *taskAPI.DeleteRequest) (*taskAPI.DeleteResponse, error) {
+	c, p, err := s.get(r.ID, r.ExecID)
+	if err != nil {
+		return nil, err
+	}
+	if st := p.state(); st == task.Status_RUNNING {
+		return nil, fmt.Errorf("delete %s: the process is running: %w", r.ID, errdefs.ErrFailedPrecondition)
+	}
+	s.mu.Lock()
+	pid := uint32(0)
+	if s.pod != nil {
+		pid = s.pod.pid
+	}
+	if r.ExecID != "" {
+		delete(c.execs, r.ExecID)
+		s.mu.Unlock()
+	} else {
+		delete(s.containers, r.ID)
+		last := len(s.containers) == 0
+		s.mu.Unlock()
+		unmountUnder(filepath.Dir(c.rootfs))
+		os.RemoveAll(filepath.Dir(c.rootfs))
+		os.Remove(filepath.Join(c.bundle, podFile))
+		if last {
+			s.stopPod()
+		}
+	}
+	p.mu.Lock()
+	code, at := p.exitCode, p.exitedAt
+	p.mu.Unlock()
+	if at.IsZero() {
+		at = time.Now()
+	}
+	if r.ExecID == "" {
+		s.publish(runtime.TaskDeleteEventTopic, &eventstypes.TaskDelete{ContainerID: r.ID, ID: r.ID, Pid: pid,
+			ExitStatus: code, ExitedAt: protobuf.ToTimestamp(at)})
+	}
+	return &taskAPI.DeleteResponse{Pid: pid, ExitStatus: code, ExitedAt: protobuf.ToTimestamp(at)}, nil
+}
+
+// Exec adds a process to a running container.
+func (s *service) Exec(ctx context.Context, r *taskAPI.ExecProcessRequest) (*ptypes.Empty, error) {
+	c, _, err := s.get(r.ID, "")
+	if err != nil {
+		return nil, err
+	}
+	if r.Spec == nil {
+		return nil, fmt.Errorf("exec %s: no process spec: %w", r.ExecID, errdefs.ErrInvalidArgument)
+	}
+	v, err := typeurl.UnmarshalAny(r.Spec)
+	if err != nil {
+		return nil, fmt.Errorf("exec %s: the process spec: %w", r.ExecID, err)
+	}
+	ps, ok := v.(*specs.Process)
+	if !ok || len(ps.Args) == 0 {
+		return nil, fmt.Errorf("exec %s: the spec is not a process with args: %w", r.ExecID, errdefs.ErrInvalidArgument)
+	}
+	if caps := ps.Capabilities; caps != nil && slices.Contains(caps.Bounding, "CAP_SYS_ADMIN") {
+		return nil, fmt.Errorf("exec %s: process.capabilities: a privileged exec is refused: %w", r.ExecID, errdefs.ErrInvalidArgument)
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if _, ok := c.execs[r.ExecID]; ok {
+		return nil, fmt.Errorf("exec %s: %w", r.ExecID, errdefs.ErrAlreadyExists)
+	}
+	c.execs[r.ExecID] = &process{c: c, execID: r.ExecID, spec: ps, stdin: r.Stdin, stdout: r.Stdout, stderr: r.Stderr,
+		terminal: r.Terminal || ps.Terminal, status: task.Status_CREATED, done: make(chan struct{})}
+	s.publish(runtime.TaskExecAddedEventTopic, &eventstypes.TaskExecAdded{ContainerID: r.ID, ExecID: r.ExecID})
+	return &ptypes.Empty{}, nil
+}
+
+// ResizePty resizes a process's terminal.
+func (s *service) ResizePty(ctx context.Context, r *taskAPI.ResizePtyRequest) (*ptypes.Empty, error) {
+	_, p, err := s.get(r.ID, r.ExecID)
+	if err != nil {
+		return nil, err
+	}
+	p.mu.Lock()
+	proc := p.proc
+	p.mu.Unlock()
+	if proc == nil || !p.terminal {
+		return nil, fmt.Errorf("resize %s: no running process on a terminal: %w", r.ID, errdefs.ErrFailedPrecondition)
+	}
+	if r.Width == 0 || r.Height == 0 || r.Width > 0xffff || r.Height > 0xffff {
+		return nil, fmt.Errorf("resize %s: %dx%d: %w", r.ID, r.Width, r.Height, errdefs.ErrInvalidArgument)
+	}
+	if err := proc.Resize(agent.WindowSize{Rows: uint16(r.Height), Cols: uint16(r.Width)}); err != nil {
+		return nil, err
+	}
+	return &ptypes.Empty{}, nil
+}
+
+// State reports a process's state.
+func (s *service) State(ctx context.Context, r *taskAPI.StateRequest) (*taskAPI.StateResponse, error) {
+	c, p, err := s.get(r.ID, r.ExecID)
+	if err != nil {
+		return nil, err
+	}
+	s.mu.Lock()
+	pid := uint32(0)
+	if s.pod != nil {
+		pid = s.pod.pid
+	}
+	s.mu.Unlock()
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return &taskAPI.StateResponse{
+		ID: r.ID, ExecID: r.ExecID, Bundle: c.bundle, Pid: pid, Status: p.status,
+		Stdin: p.stdin, Stdout: p.stdout, Stderr: p.stderr, Terminal: p.terminal,
+		ExitStatus: p.exitCode, ExitedAt: protobuf.ToTimestamp(p.exitedAt),
+	}, nil
+}
+
+// Pause and Resume would pause the whole pod VM: not offered per container.
+func (s *service) Pause(ctx context.Context, r *taskAPI.PauseRequest) (*ptypes.Empty, error) {
+	return nil, fmt.Errorf("pause %s: %w", r.ID, errdefs.ErrNotImplemented)
+}
+
+func (s *service) Resume(ctx context.Context, r *taskAPI.ResumeRequest) (*ptypes.Empty, error) {
+	return nil, fmt.Errorf("resume %s: %w", r.ID, errdefs.ErrNotImplemented)
+}
+
+// Kill signals a process; with All, every process of the container.
+func (s *service) Kill(ctx context.Context, r *taskAPI.KillRequest) (*ptypes.Empty, error) {
+	c, p, err := s.get(r.ID, r.ExecID)
+	if err != nil {
+		return nil, err
+	}
+	sig := syscall.Signal(r.Signal)
+	if unix.SignalName(sig) == "" {
+		return nil, fmt.Errorf("kill %s: signal %d: %w", r.ID, r.Signal, errdefs.ErrInvalidArgument)
+	}
+	if r.All && r.ExecID == "" {
+		s.mu.Lock()
+		var execs []*process
+		for _, e := range c.execs {
+			execs = append(execs, e)
+		}
+		s.mu.Unlock()
+		for _, e := range execs {
+			e.signal(ctx, sig)
+		}
+	}
+	if err := p.signal(ctx, sig); err != nil {
+		return nil, fmt.Errorf("kill %s: %w", r.ID, err)
+	}
+	return &ptypes.Empty{}, nil
+}
+
+// Pids lists a container's processes by the pod VM's host PID: their
+// guest PIDs mean nothing on the host.
+func (s *service) Pids(ctx context.Context, r *taskAPI.PidsRequest) (*taskAPI.PidsResponse, error) {
+	if _, _, err := s.get(r.ID, ""); err != nil {
+		return nil, err
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.pod == nil {
+		return &taskAPI.PidsResponse{}, nil
+	}
+	return &taskAPI.PidsResponse{Processes: []*task.ProcessInfo{{Pid: s.pod.pid}}}, nil
+}
+
+// CloseIO closes a process's stdin.
+func (s *service) CloseIO(ctx context.Context, r *taskAPI.CloseIORequest) (*ptypes.Empty, error) {
+	_, p, err := s.get(r.ID, r.ExecID)
+	if err != nil {
+		return nil, err
+	}
+	p.mu.Lock()
+	in := p.in
+	p.in = nil
+	p.mu.Unlock()
+	if in != nil && r.Stdin {
+		in.Close()
+	}
+	return &ptypes.Empty{}, nil
+}
+
+func (s *service) Checkpoint(ctx context.Context, r *taskAPI.CheckpointTaskRequest) (*ptypes.Empty, error) {
+	return nil, fmt.Errorf("checkpoint %s: %w", r.ID, errdefs.ErrNotImplemented)
+}
+
+// Connect reports the shim's PID and the pod VM's.
+func (s *service) Connect(ctx context.Context, r *taskAPI.ConnectRequest) (*taskAPI.ConnectResponse, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	pid := uint32(0)
+	if s.pod != nil {
+		pid = s.pod.pid
+	}
+	return &taskAPI.ConnectResponse{ShimPid: uint32(os.Getpid()), TaskPid: pid, Version: "capsa"}, nil
+}
+
+// Shutdown ends the shim once it serves no container.
+func (s *service) Shutdown(ctx context.Context, r *taskAPI.ShutdownRequest) (*ptypes.Empty, error) {
+	s.mu.Lock()
+	n := len(s.containers)
+	s.mu.Unlock()
+	if n > 0 {
+		return &ptypes.Empty{}, nil
+	}
+	s.shutdown.Shutdown()
+	return &ptypes.Empty{}, nil
+}
+
+func (s *service) Stats(ctx context.Context, r *taskAPI.StatsRequest) (*taskAPI.StatsResponse, error) {
+	return nil, fmt.Errorf("stats %s: %w", r.ID, errdefs.ErrNotImplemented)
+}
+
+func (s *service) Update(ctx context.Context, r *taskAPI.UpdateTaskRequest) (*ptypes.Empty, error) {
+	return nil, fmt.Errorf("update %s: %w", r.ID, errdefs.ErrNotImplemented)
+}
+
+// Wait waits for a process to end.
+func (s *service) Wait(ctx context.Context, r *taskAPI.WaitRequest) (*taskAPI.WaitResponse, error) {
+	_, p, err := s.get(r.ID, r.ExecID)
+	if err != nil {
+		return nil, err
+	}
+	p.mu.Lock()
+	done := p.done
+	p.mu.Unlock()
+	select {
+	case <-done:
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return &taskAPI.WaitResponse{ExitStatus: p.exitCode, ExitedAt: protobuf.ToTimestamp(p.exitedAt)}, nil
+}
+
+// readPodFile reads a bundle's podFile.
+func readPodFile(bundle string) (*podInfo, error) {
+	data, err := os.ReadFile(filepath.Join(bundle, podFile))
+	if err != nil {
+		return nil, err
+	}
+	var p podInfo
+	if err := json.Unmarshal(data, &p); err != nil {
+		return nil, err
+	}
+	return &p, nil
+}

@@ -1,0 +1,280 @@
+package e2e
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/google/go-containerregistry/pkg/name"
+	v1 "github.com/google/go-containerregistry/pkg/v1"
+	"github.com/google/go-containerregistry/pkg/v1/empty"
+	"github.com/google/go-containerregistry/pkg/v1/mutate"
+	"github.com/google/go-containerregistry/pkg/v1/tarball"
+)
+
+// containerdEnv is a containerd (Debian 12's 1.6, the containerd bundle of
+// scripts/containerd-bundle.sh) running for one test, with capsa's shim
+// on its PATH and a capsa state directory of the test's own.
+type containerdEnv struct {
+	t       *testing.T
+	ctr     string
+	address string
+	env     []string // containerd's, the shim's and capsa's
+	state   string   // CAPSA_STATE
+}
+
+// startContainerd starts containerd with capsa's shim (the capsa binary
+// linked as containerd-shim-capsa-v2 on its PATH) and stops it at cleanup,
+// logging its log's tail if the test failed.
+func startContainerd(t *testing.T) *containerdEnv {
+	t.Helper()
+	bin := artifact(t, "capsa")
+	cd := artifact(t, "containerd")
+	tmp := t.TempDir()
+	path := filepath.Join(tmp, "bin")
+	if err := os.MkdirAll(path, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink(bin, filepath.Join(path, "containerd-shim-capsa-v2")); err != nil {
+		t.Fatal(err)
+	}
+	e := &containerdEnv{t: t, ctr: filepath.Join(cd, "bin", "ctr"), address: filepath.Join(tmp, "containerd.sock"),
+		state: filepath.Join(tmp, "capsa")}
+	e.env = append(os.Environ(), "PATH="+path+":"+os.Getenv("PATH"), "CAPSA_STATE="+e.state)
+	config := filepath.Join(tmp, "config.toml")
+	// The CRI plugin is not this test's: without CNI it only logs.
+	if err := os.WriteFile(config, []byte("version = 2\ndisabled_plugins = [\"io.containerd.grpc.v1.cri\"]\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	logPath := filepath.Join(tmp, "containerd.log")
+	logf, err := os.Create(logPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command(filepath.Join(cd, "bin", "containerd"), "--config", config, "--address", e.address,
+		"--root", filepath.Join(tmp, "root"), "--state", filepath.Join(tmp, "state"), "--log-level", "info")
+	cmd.Env, cmd.Stdout, cmd.Stderr = e.env, logf, logf
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		cmd.Process.Kill()
+		cmd.Wait()
+		logf.Close()
+		if t.Failed() {
+			b, _ := os.ReadFile(logPath)
+			t.Logf("containerd.log (tail):\n%s", tailLines(string(b), 60))
+			for _, l := range globAll(filepath.Join(e.state, "sandboxes", "*", "*.log")) {
+				b, _ := os.ReadFile(l)
+				t.Logf("%s (tail):\n%s", l, tailLines(string(b), 40))
+			}
+		}
+		// A pod VM the test left running: stopped, so it does not
+		// outlive the test.
+		var names []string
+		for _, d := range globAll(filepath.Join(e.state, "sandboxes", "*")) {
+			names = append(names, filepath.Base(d))
+		}
+		if len(names) > 0 {
+			capsaWith(t, time.Minute, func(c *exec.Cmd) { c.Env = e.env }, append([]string{"rm", "-f"}, names...)...)
+		}
+	})
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		if _, _, code := e.run(10*time.Second, "", "version"); code == 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("containerd did not answer in 30s")
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	return e
+}
+
+func regexpMatch(re, s string) bool { return regexp.MustCompile(re).MatchString(s) }
+
+func globAll(pattern string) []string {
+	m, _ := filepath.Glob(pattern)
+	return m
+}
+
+func tailLines(s string, lines int) string {
+	l := strings.Split(strings.TrimRight(s, "\n"), "\n")
+	if len(l) > lines {
+		l = l[len(l)-lines:]
+	}
+	return strings.Join(l, "\n")
+}
+
+// run runs ctr against the test's containerd in namespace "capsa-test",
+// with stdin (if not empty), and returns its output and exit code.
+func (e *containerdEnv) run(timeout time.Duration, stdin string, args ...string) (stdout, stderr string, code int) {
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, e.ctr, append([]string{"--address", e.address, "--namespace", "capsa-test"}, args...)...)
+	cmd.Env = e.env
+	var out, errb bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &errb
+	if stdin != "" {
+		cmd.Stdin = strings.NewReader(stdin)
+	}
+	err := cmd.Run()
+	code = 0
+	var ee *exec.ExitError
+	switch {
+	case errors.As(err, &ee):
+		code = ee.ExitCode()
+	case err != nil:
+		code = -1
+		errb.WriteString(err.Error())
+	}
+	if ctx.Err() != nil {
+		errb.WriteString(fmt.Sprintf(" (timed out after %v)", timeout))
+	}
+	return out.String(), errb.String(), code
+}
+
+// ctr runs ctr and fails the test unless it exits with want.
+func (e *containerdEnv) ctrWant(want int, stdin string, args ...string) string {
+	e.t.Helper()
+	start := time.Now()
+	out, errs, code := e.run(3*time.Minute, stdin, args...)
+	e.t.Logf("ctr %s: exit %d after %v\nstdout: %q\nstderr: %q", strings.Join(args, " "), code, time.Since(start).Round(time.Millisecond), tailLines(out, 10), tailLines(errs, 10))
+	if code != want {
+		e.t.Fatalf("ctr %s: exit code %d, want %d; stderr: %s", strings.Join(args, " "), code, want, errs)
+	}
+	return out
+}
+
+// importImage imports Debian's python root as the image capsa.test/python:1
+// (a docker-save tarball ctr imports) with the native snapshotter, as
+// L1's kernel has no overlay module.
+func (e *containerdEnv) importImage() string {
+	e.t.Helper()
+	base := artifact(e.t, "testimages/python.tar.gz")
+	layer, err := tarball.LayerFromFile(base)
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	img, err := mutate.AppendLayers(empty.Image, layer)
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	cf, err := img.ConfigFile()
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	cf = cf.DeepCopy()
+	cf.OS, cf.Architecture = "linux", "amd64"
+	cf.Config = v1.Config{Env: []string{"PATH=" + imagePath}, Cmd: []string{"python3"}}
+	if img, err = mutate.ConfigFile(img, cf); err != nil {
+		e.t.Fatal(err)
+	}
+	const ref = "capsa.test/python:1"
+	tag, err := name.NewTag(ref)
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	path := filepath.Join(e.t.TempDir(), "image.tar")
+	if err := tarball.WriteToFile(path, tag, img); err != nil {
+		e.t.Fatal(err)
+	}
+	e.ctrWant(0, "", "images", "import", "--snapshotter", "native", path)
+	return ref
+}
+
+// TestContainerdShim runs containers through Debian 12's containerd 1.6
+// and its ctr with capsa's shim (runtime io.containerd.capsa.v2): each
+// container's pod is a capsa microVM that capsa ps lists; output, exit
+// codes, stdin, exec, kill and delete work as with runc; two containers
+// run at once, each in its own VM with its own root; a spec capsa cannot
+// honour is refused at create, naming the field.
+func TestContainerdShim(t *testing.T) {
+	e := startContainerd(t)
+	ref := e.importImage()
+	run := []string{"run", "--snapshotter", "native", "--runtime", "io.containerd.capsa.v2"}
+
+	// Output, the image's root and environment, and the exit code.
+	out := e.ctrWant(3, "", append(run, "--rm", ref, "c1", "sh", "-c",
+		`echo "hello from debian $(cat /etc/debian_version) as $(id -u) in $PWD"; echo to-stderr >&2; exit 3`)...)
+	if !strings.Contains(out, "hello from debian 12") || !strings.Contains(out, "as 0 in /") {
+		t.Errorf("ctr run output = %q, want the image's /etc/debian_version (12.x), uid 0 and cwd /", out)
+	}
+
+	// Stdin reaches the container's process and its end closes it.
+	out = e.ctrWant(0, "line one\nline two\n", append(run, "--rm", ref, "c2", "sh", "-c", "wc -l; python3 -c 'import sys; print(sys.version_info[0])'")...)
+	if !strings.Contains(out, "2\n3") {
+		t.Errorf("ctr run with stdin: output %q, want 2 lines counted, then python 3", out)
+	}
+
+	// A detached container: exec, the pod VM in capsa ps, kill, delete.
+	e.ctrWant(0, "", append(run, "-d", "--env", "WHO=c3", ref, "c3", "sh", "-c", "echo started > /tmp/mark; exec sleep 1000")...)
+	out = e.ctrWant(4, "", "task", "exec", "--exec-id", "e1", "c3", "sh", "-c", `cat /tmp/mark; echo "exec as $WHO"; exit 4`)
+	if !strings.Contains(out, "started") || !strings.Contains(out, "exec as c3") {
+		t.Errorf("ctr task exec output = %q, want the init's /tmp/mark and the container's environment", out)
+	}
+	out = e.ctrWant(0, "", "task", "ls")
+	if !regexpMatch(`c3\s+\d+\s+RUNNING`, out) {
+		t.Errorf("ctr task ls = %q, want c3 RUNNING", out)
+	}
+	ps := capsaWith(t, time.Minute, func(c *exec.Cmd) { c.Env = e.env }, "ps")
+	if ps.code != 0 || !strings.Contains(ps.stdout, "capsa-test-c3") {
+		t.Errorf("capsa ps = %d %q %q, want the pod VM capsa-test-c3", ps.code, ps.stdout, ps.stderr)
+	}
+
+	// Two containers at once, each in its own VM with its own root.
+	e.ctrWant(0, "", append(run, "-d", ref, "c4", "sleep", "1000")...)
+	e.ctrWant(0, "", "task", "exec", "--exec-id", "w", "c4", "sh", "-c", "echo c4 > /tmp/only-c4")
+	out = e.ctrWant(0, "", "task", "exec", "--exec-id", "r", "c3", "sh", "-c", "ls /tmp; test ! -e /tmp/only-c4 && echo separate")
+	if !strings.Contains(out, "separate") {
+		t.Errorf("c3 sees c4's file: %q", out)
+	}
+	ps = capsaWith(t, time.Minute, func(c *exec.Cmd) { c.Env = e.env }, "ps")
+	if !strings.Contains(ps.stdout, "capsa-test-c3") || !strings.Contains(ps.stdout, "capsa-test-c4") {
+		t.Errorf("capsa ps = %q, want both pod VMs", ps.stdout)
+	}
+
+	for _, id := range []string{"c3", "c4"} {
+		e.ctrWant(0, "", "task", "kill", "--signal", "SIGTERM", id)
+		deadline := time.Now().Add(time.Minute)
+		for {
+			out, _, _ := e.run(time.Minute, "", "task", "ls")
+			if regexpMatch(id+`\s+\d+\s+STOPPED`, out) {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("%s not STOPPED a minute after SIGTERM: %q", id, out)
+			}
+			time.Sleep(200 * time.Millisecond)
+		}
+		e.ctrWant(0, "", "task", "delete", id)
+		e.ctrWant(0, "", "container", "delete", id)
+	}
+	ps = capsaWith(t, time.Minute, func(c *exec.Cmd) { c.Env = e.env }, "ps", "-a")
+	if strings.Contains(ps.stdout, "capsa-test-c3") || strings.Contains(ps.stdout, "capsa-test-c4") {
+		t.Errorf("capsa ps -a after the deletes = %q, want the pod VMs gone", ps.stdout)
+	}
+
+	// What a VM cannot honour is refused at create, naming the field.
+	for _, c := range []struct {
+		flag, want string
+	}{
+		{"--privileged", "process.capabilities"},
+		{"--net-host", "hostNetwork"},
+	} {
+		_, errs, code := e.run(3*time.Minute, "", append(run, "--rm", c.flag, ref, "bad", "true")...)
+		if code == 0 || !strings.Contains(errs, c.want) {
+			t.Errorf("ctr run %s: exit %d, stderr %q; want a failure naming %s", c.flag, code, errs, c.want)
+		}
+		e.run(time.Minute, "", "container", "delete", "bad")
+	}
+}
