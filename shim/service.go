@@ -421,21 +421,30 @@ func (s *service) startProcess(ctx context.Context, pd *pod, p *process) error {
 		return err
 	}
 	opts := agent.ExecOptions{Argv: p.spec.Args, Env: p.spec.Env, Dir: p.spec.Cwd, Container: creq}
+	var outsAndIn []io.Closer // closed once the process has ended
 	if p.stdin != "" {
 		in, err := fifo.OpenFifo(bg, p.stdin, syscall.O_RDONLY|syscall.O_NONBLOCK, 0)
 		if err != nil {
 			return fail(fmt.Errorf("open stdin: %w", err))
 		}
 		closers = append(closers, in)
-		opts.Stdin, p.in = in, in
+		// A writer of the shim's own keeps the fifo from ending when
+		// containerd's client closes its end: the input ends at CloseIO,
+		// once what the client wrote has been read, as runc's shim does.
+		keep, err := fifo.OpenFifo(bg, p.stdin, syscall.O_WRONLY|syscall.O_NONBLOCK, 0)
+		if err != nil {
+			return fail(fmt.Errorf("open stdin: %w", err))
+		}
+		closers = append(closers, keep)
+		opts.Stdin, p.in = in, keep
+		outsAndIn = append(outsAndIn, in)
 	}
-	var outs []io.Closer
 	if p.stdout != "" {
 		out, err := fifo.OpenFifo(bg, p.stdout, syscall.O_WRONLY, 0)
 		if err != nil {
 			return fail(fmt.Errorf("open stdout: %w", err))
 		}
-		closers, outs = append(closers, out), append(outs, out)
+		closers, outsAndIn = append(closers, out), append(outsAndIn, out)
 		opts.Stdout = lenient{w: out}
 	}
 	if p.stderr != "" && !p.terminal {
@@ -443,7 +452,7 @@ func (s *service) startProcess(ctx context.Context, pd *pod, p *process) error {
 		if err != nil {
 			return fail(fmt.Errorf("open stderr: %w", err))
 		}
-		closers, outs = append(closers, errw), append(outs, errw)
+		closers, outsAndIn = append(closers, errw), append(outsAndIn, errw)
 		opts.Stderr = lenient{w: errw}
 	}
 	if p.terminal {
@@ -454,7 +463,7 @@ func (s *service) startProcess(ctx context.Context, pd *pod, p *process) error {
 		return fail(err)
 	}
 	p.proc, p.status = proc, task.Status_RUNNING
-	go s.waitProcess(p, proc, outs)
+	go s.waitProcess(p, proc, outsAndIn)
 	return nil
 }
 

@@ -20,9 +20,10 @@ import (
 	"github.com/google/go-containerregistry/pkg/v1/tarball"
 )
 
-// containerdEnv is a containerd (Debian 12's 1.6, the containerd bundle of
-// scripts/containerd-bundle.sh) running for one test, with capsa's shim
-// on its PATH and a capsa state directory of the test's own.
+// containerdEnv is a containerd running for one test, with capsa's shim on
+// its PATH and a capsa state directory of the test's own: Debian 12's 1.6
+// (the bundle of scripts/containerd-bundle.sh) or 2.x built from its
+// module (scripts/containerd2-build.sh).
 type containerdEnv struct {
 	t       *testing.T
 	ctr     string
@@ -34,10 +35,10 @@ type containerdEnv struct {
 // startContainerd starts containerd with capsa's shim (the capsa binary
 // linked as containerd-shim-capsa-v2 on its PATH) and stops it at cleanup,
 // logging its log's tail if the test failed.
-func startContainerd(t *testing.T) *containerdEnv {
+func startContainerd(t *testing.T, bundle string) *containerdEnv {
 	t.Helper()
 	bin := artifact(t, "capsa")
-	cd := artifact(t, "containerd")
+	cd := artifact(t, bundle)
 	tmp := t.TempDir()
 	path := filepath.Join(tmp, "bin")
 	if err := os.MkdirAll(path, 0o755); err != nil {
@@ -51,7 +52,16 @@ func startContainerd(t *testing.T) *containerdEnv {
 	e.env = append(os.Environ(), "PATH="+path+":"+os.Getenv("PATH"), "CAPSA_STATE="+e.state)
 	config := filepath.Join(tmp, "config.toml")
 	// The CRI plugin is not this test's: without CNI it only logs.
-	if err := os.WriteFile(config, []byte("version = 2\ndisabled_plugins = [\"io.containerd.grpc.v1.cri\"]\n"), 0o644); err != nil {
+	conf := "version = 2\ndisabled_plugins = [\"io.containerd.grpc.v1.cri\"]\n"
+	if bundle == "containerd2" {
+		// containerd 2's transfer service unpacks images only for the
+		// platforms and snapshotters its configuration names: L1's
+		// kernel has no overlay module, so the native snapshotter.
+		conf = "version = 3\ndisabled_plugins = [\"io.containerd.grpc.v1.cri\"]\n" +
+			"[[plugins.'io.containerd.transfer.v1.local'.unpack_config]]\n" +
+			"platform = \"linux/amd64\"\nsnapshotter = \"native\"\n"
+	}
+	if err := os.WriteFile(config, []byte(conf), 0o644); err != nil {
 		t.Fatal(err)
 	}
 	logPath := filepath.Join(tmp, "containerd.log")
@@ -188,18 +198,26 @@ func (e *containerdEnv) importImage() string {
 	if err := tarball.WriteToFile(path, tag, img); err != nil {
 		e.t.Fatal(err)
 	}
-	e.ctrWant(0, "", "images", "import", "--snapshotter", "native", path)
+	e.ctrWant(0, "", "images", "import", "--snapshotter", "native", "--platform", "linux/amd64", path)
 	return ref
 }
 
 // TestContainerdShim runs containers through Debian 12's containerd 1.6
-// and its ctr with capsa's shim (runtime io.containerd.capsa.v2): each
+// and through containerd 2.x, with their ctr and capsa's shim (runtime io.containerd.capsa.v2): each
 // container's pod is a capsa microVM that capsa ps lists; output, exit
 // codes, stdin, exec, kill and delete work as with runc; two containers
 // run at once, each in its own VM with its own root; a spec capsa cannot
 // honour is refused at create, naming the field.
 func TestContainerdShim(t *testing.T) {
-	e := startContainerd(t)
+	for _, c := range []struct{ name, bundle string }{
+		{"containerd-1.6", "containerd"},
+		{"containerd-2.x", "containerd2"},
+	} {
+		t.Run(c.name, func(t *testing.T) { testContainerdShim(t, startContainerd(t, c.bundle)) })
+	}
+}
+
+func testContainerdShim(t *testing.T, e *containerdEnv) {
 	ref := e.importImage()
 	run := []string{"run", "--snapshotter", "native", "--runtime", "io.containerd.capsa.v2"}
 
