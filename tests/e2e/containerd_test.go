@@ -9,6 +9,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -282,6 +283,8 @@ func testContainerdShim(t *testing.T, e *containerdEnv) {
 		t.Errorf("capsa ps -a after the deletes = %q, want the pod VMs gone", ps.stdout)
 	}
 
+	containerdTerminal(t, e, ref)
+
 	// What a VM cannot honour is refused at create, naming the field.
 	for _, c := range []struct {
 		flag, want string
@@ -295,4 +298,46 @@ func testContainerdShim(t *testing.T, e *containerdEnv) {
 		}
 		e.run(time.Minute, "", "container", "delete", "bad")
 	}
+}
+
+// containerdTerminal: `ctr run -t` in a tmux pane, typed at as a person
+// does: a shell on the container's terminal of the pane's size, a resize
+// followed (ResizePty), ^C interrupting sleep with the shell still there,
+// and its exit code passed through ctr.
+func containerdTerminal(t *testing.T, e *containerdEnv, ref string) {
+	tm := tmuxServer(t)
+	pane := fmt.Sprintf("%s --address %s --namespace capsa-test run -t --rm --snapshotter native --runtime io.containerd.capsa.v2 %s ctty sh; echo ctr-exit-$?; sleep 3600",
+		e.ctr, e.address, ref)
+	tm("new-session", "-d", "-s", "ctr", "-x", "100", "-y", "30", pane)
+	screen := func() string { return tm("capture-pane", "-p", "-t", "ctr") }
+	seen := func(want string) {
+		t.Helper()
+		deadline := time.Now().Add(2 * time.Minute)
+		has := func(s string) bool { return strings.Contains(s, want) }
+		if want == "#" {
+			has = func(s string) bool { return slices.Contains(strings.Split(s, "\n"), "#") }
+		}
+		for !has(screen()) {
+			if time.Now().After(deadline) {
+				t.Fatalf("the pane never showed %q; it shows:\n%s", want, screen())
+			}
+			time.Sleep(100 * time.Millisecond)
+		}
+	}
+	keys := func(keys ...string) { tm(append([]string{"send-keys", "-t", "ctr"}, keys...)...) }
+	seen("#")
+	keys("stty size", "Enter")
+	seen("30 100")
+	tm("resize-window", "-t", "ctr", "-x", "120", "-y", "40")
+	time.Sleep(time.Second)
+	keys("clear", "Enter")
+	keys("stty size", "Enter")
+	seen("40 120")
+	keys("sleep 100", "Enter")
+	time.Sleep(2 * time.Second)
+	keys("C-c")
+	keys("echo alive-$?", "Enter")
+	seen("alive-130")
+	keys("exit 3", "Enter")
+	seen("ctr-exit-3")
 }
