@@ -14,6 +14,7 @@ import (
 	"syscall"
 	"time"
 
+	cgstats "github.com/containerd/cgroups/v3/cgroup2/stats"
 	eventstypes "github.com/containerd/containerd/api/events"
 	taskAPI "github.com/containerd/containerd/api/runtime/task/v2"
 	"github.com/containerd/containerd/api/types/task"
@@ -764,8 +765,40 @@ func (s *service) Shutdown(ctx context.Context, r *taskAPI.ShutdownRequest) (*pt
 	return &ptypes.Empty{}, nil
 }
 
+// Stats reports the pod VM's use as cgroup v2 metrics, the type
+// containerd and its CRI plugin decode: the vCPUs' and the VMM's CPU
+// time, the guest RAM the host holds against the guest's size, and its
+// disks' I/O. Every container of a pod reports its VM's figures.
 func (s *service) Stats(ctx context.Context, r *taskAPI.StatsRequest) (*taskAPI.StatsResponse, error) {
-	return nil, fmt.Errorf("stats %s: %w", r.ID, errdefs.ErrNotImplemented)
+	if _, _, err := s.get(r.ID, ""); err != nil {
+		return nil, err
+	}
+	s.mu.Lock()
+	pd := s.pod
+	s.mu.Unlock()
+	if pd == nil {
+		return nil, fmt.Errorf("stats %s: the pod VM is gone: %w", r.ID, errdefs.ErrNotFound)
+	}
+	st, err := pd.handle.Stats(ctx)
+	if err != nil {
+		return nil, fmt.Errorf("stats %s: %w", r.ID, err)
+	}
+	data, err := typeurl.MarshalAny(metricsOf(st))
+	if err != nil {
+		return nil, fmt.Errorf("stats %s: %w", r.ID, err)
+	}
+	return &taskAPI.StatsResponse{Stats: protobuf.FromAny(data)}, nil
+}
+
+// metricsOf is a pod VM's use as cgroup v2 metrics.
+func metricsOf(st *sandbox.Stats) *cgstats.Metrics {
+	cpu := uint64((st.CPUTime + st.VMMCPUTime) / time.Microsecond)
+	return &cgstats.Metrics{
+		CPU: &cgstats.CPUStat{UsageUsec: cpu, UserUsec: uint64(st.CPUTime / time.Microsecond), SystemUsec: uint64(st.VMMCPUTime / time.Microsecond)},
+		Memory: &cgstats.MemoryStat{Usage: st.MemoryResident, UsageLimit: st.MemoryBytes,
+			Anon: st.MemoryResident},
+		Io: &cgstats.IOStat{Usage: []*cgstats.IOEntry{{Rbytes: st.DiskReadBytes, Wbytes: st.DiskWriteBytes, Rios: st.DiskReads, Wios: st.DiskWrites}}},
+	}
 }
 
 func (s *service) Update(ctx context.Context, r *taskAPI.UpdateTaskRequest) (*ptypes.Empty, error) {

@@ -5,9 +5,12 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
+	"github.com/containerd/typeurl/v2"
 	specs "github.com/opencontainers/runtime-spec/specs-go"
 
+	"github.com/capsa-sandbox/capsa/sandbox"
 	"github.com/capsa-sandbox/capsa/supervisor"
 )
 
@@ -179,5 +182,22 @@ func TestPodName(t *testing.T) {
 	s.Annotations = map[string]string{annotationSandboxID: "pod1", annotationContainerType: "container"}
 	if g := groupID(s, "c1"); g != "pod1" || isSandbox(s) {
 		t.Errorf("a pod's app container: group %q, sandbox %v; want pod1, not a sandbox", g, isSandbox(s))
+	}
+}
+
+func TestMetricsOf(t *testing.T) {
+	m := metricsOf(&sandbox.Stats{CPUTime: 2 * time.Second, VMMCPUTime: 500 * time.Millisecond,
+		MemoryResident: 100 << 20, MemoryBytes: 512 << 20, DiskReadBytes: 7, DiskWrites: 3})
+	if m.CPU.UsageUsec != 2500000 || m.CPU.UserUsec != 2000000 || m.CPU.SystemUsec != 500000 {
+		t.Errorf("cpu = %+v, want the vCPUs' time as user, the VMM's as system", m.CPU)
+	}
+	if m.Memory.Usage != 100<<20 || m.Memory.UsageLimit != 512<<20 {
+		t.Errorf("memory = %+v, want the resident RAM against the guest's size", m.Memory)
+	}
+	if len(m.Io.Usage) != 1 || m.Io.Usage[0].Rbytes != 7 || m.Io.Usage[0].Wios != 3 {
+		t.Errorf("io = %+v", m.Io.Usage)
+	}
+	if _, err := typeurl.MarshalAny(m); err != nil {
+		t.Errorf("the metrics do not marshal as containerd reads them: %v", err)
 	}
 }

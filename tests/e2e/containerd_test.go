@@ -250,6 +250,12 @@ func testContainerdShim(t *testing.T, e *containerdEnv) {
 		t.Errorf("capsa ps = %d %q %q, want the pod VM capsa-test-c3", ps.code, ps.stdout, ps.stderr)
 	}
 
+	// Stats: the pod VM's real figures, as cgroup v2 metrics.
+	out = e.ctrWant(0, "", "task", "metrics", "c3")
+	if !regexpMatch(`memory\.usage_limit\s+536870912\b`, out) || !regexpMatch(`cpu\.usage_usec\s+[1-9]\d*`, out) || !regexpMatch(`memory\.usage\s+[1-9]\d*`, out) {
+		t.Errorf("ctr task metrics c3 = %q, want the VM's 512 MiB as the memory limit, and CPU time and memory used", out)
+	}
+
 	// Two containers at once, each in its own VM with its own root.
 	e.ctrWant(0, "", append(run, "-d", ref, "c4", "sleep", "1000")...)
 	e.ctrWant(0, "", "task", "exec", "--exec-id", "w", "c4", "sh", "-c", "echo c4 > /tmp/only-c4")
