@@ -135,12 +135,13 @@ qemu-bundle: nested-deps
 mcp-client:
 	scripts/mcp-client-bundle.sh $(BUILD)/mcp-client
 
-# Debian 12's containerd 1.6 and ctr with their libraries, and containerd
-# 2.x built from its module, for the nested host's L1: the shim's
-# end-to-end test (cached by version).
+# Debian 12's containerd 1.6 and ctr with their libraries, containerd 2.x
+# built from its module, and crictl with the CNI plugins, for the nested
+# host's L1: the shim's end-to-end tests (cached by version).
 containerd-bundle:
 	scripts/containerd-bundle.sh $(BUILD)/containerd
 	scripts/containerd2-build.sh $(BUILD)/containerd2
+	scripts/cri-tools-build.sh $(BUILD)/cri-tools
 
 # proto regenerates the Go code of e2b/envd's .proto files (committed:
 # no build needs protoc).
@@ -161,7 +162,8 @@ test-e2e: capsa testinitrd testimages nested-deps qemu-bundle mcp-client contain
 	l1=$$(scripts/nested-deps.sh) && tests/run-e2e.sh $(NESTED) $(BUILD)/e2e $(E2E_FILES) $(BUILD)/e2e/example-sandbox $(BUILD)/testimages:testimages \
 		'$(BUILD)/mcp-client:mcp-client@^(TestMCP|TestWorkspacePrograms|TestE2BSDK)$$' \
 		$(BUILD)/toolsimage/tools.tar.gz:tools.tar.gz@^TestWorkspacePrograms$$ \
-		$(BUILD)/containerd:containerd@^TestContainerd $(BUILD)/containerd2:containerd2@^TestContainerd \
+		$(BUILD)/containerd:containerd@^TestContainerd $(BUILD)/containerd2:containerd2@^TestContainerdShim$$ \
+		$(BUILD)/cri-tools:cri-tools@^TestContainerdCRI$$ \
 		$(BUILD)/e2e/example-assets@^TestLibraryAssets$$ $(BUILD)/assets:assets@^TestLibraryAssets$$ \
 		$$(ls $$l1/boot/vmlinuz-* | head -1):vmlinuz-debian@^TestDistroKernel$$
 

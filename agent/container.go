@@ -348,6 +348,14 @@ func mountIn(root string, m ContainerMount) error {
 		return fmt.Errorf("container mount %s (%s): %w", m.Destination, m.Type, err)
 	}
 	if remount != 0 {
+		// The descriptor names the directory the bind now covers: the
+		// remount needs the new mount, found again by its path.
+		mounted, err := openIn(root, m.Destination, isFile)
+		if err != nil {
+			return fmt.Errorf("container mount %s: %w", m.Destination, err)
+		}
+		defer mounted.Close()
+		at = fmt.Sprintf("/proc/self/fd/%d", mounted.Fd())
 		if err := unix.Mount("", at, "", unix.MS_REMOUNT|unix.MS_BIND|remount, ""); err != nil {
 			return fmt.Errorf("container mount %s: remount with its options: %w", m.Destination, err)
 		}

@@ -81,6 +81,9 @@ type container struct {
 	spec       *specs.Spec
 	rootfs     string // its root's mount point on the host, in the pod directory
 	sandbox    bool
+	// podSandbox: CRI's sandbox (pause) container, which is the pod VM
+	// itself: it runs no process of its own, and ends when killed.
+	podSandbox bool
 	binds      map[string]string // bind mounts' host sources to guest paths
 	init       *process
 	execs      map[string]*process
@@ -125,6 +128,16 @@ func newService(ctx context.Context, log *slog.Logger, publisher cdshim.Publishe
 func (s *service) RegisterTTRPC(server *ttrpc.Server) error {
 	taskAPI.RegisterTaskService(server, s)
 	return nil
+}
+
+// UnaryInterceptor gives every error the status code of the errdefs
+// error it wraps, as containerd reads it (a kill of a process that has
+// ended must read as not found, not unknown).
+func (s *service) UnaryInterceptor() ttrpc.UnaryServerInterceptor {
+	return func(ctx context.Context, um ttrpc.Unmarshaler, info *ttrpc.UnaryServerInfo, m ttrpc.Method) (any, error) {
+		resp, err := m(ctx, um)
+		return resp, errdefs.ToGRPC(err)
+	}
 }
 
 func (s *service) publish(topic string, event any) {
@@ -254,7 +267,8 @@ func (s *service) Create(ctx context.Context, r *taskAPI.CreateTaskRequest) (_ *
 			}
 		}()
 	}
-	c := &container{id: r.ID, bundle: r.Bundle, spec: spec, sandbox: first && isSandbox(spec), execs: map[string]*process{}}
+	c := &container{id: r.ID, bundle: r.Bundle, spec: spec, sandbox: first && isSandbox(spec), execs: map[string]*process{},
+		podSandbox: spec.Annotations[annotationContainerType] == containerTypeSandbox}
 	cdir := filepath.Join(s.pod.Dir, r.ID)
 	c.rootfs = filepath.Join(cdir, "rootfs")
 	if err := os.MkdirAll(c.rootfs, 0o700); err != nil {
@@ -283,7 +297,7 @@ func (s *service) Create(ctx context.Context, r *taskAPI.CreateTaskRequest) (_ *
 	// directory, where the guest reaches it.
 	binds := map[string]string{}
 	for i, m := range spec.Mounts {
-		if !isBind(m) {
+		if !isBind(m) || isPodShm(m) {
 			continue
 		}
 		if _, ok := binds[m.Source]; ok {
@@ -389,7 +403,15 @@ func (s *service) Start(ctx context.Context, r *taskAPI.StartRequest) (*taskAPI.
 	if pd == nil {
 		return nil, fmt.Errorf("start %s: the pod VM is gone: %w", r.ID, errdefs.ErrFailedPrecondition)
 	}
-	if err := s.startProcess(ctx, pd, p); err != nil {
+	if c.podSandbox && r.ExecID == "" {
+		p.mu.Lock()
+		if p.status != task.Status_CREATED {
+			p.mu.Unlock()
+			return nil, fmt.Errorf("start %s: it is %s, not created: %w", r.ID, p.status, errdefs.ErrFailedPrecondition)
+		}
+		p.status = task.Status_RUNNING
+		p.mu.Unlock()
+	} else if err := s.startProcess(ctx, pd, p); err != nil {
 		return nil, fmt.Errorf("start %s: %w", r.ID, err)
 	}
 	if r.ExecID == "" {
@@ -702,10 +724,44 @@ func (s *service) Kill(ctx context.Context, r *taskAPI.KillRequest) (*ptypes.Emp
 			e.signal(ctx, sig)
 		}
 	}
+	if c.podSandbox && r.ExecID == "" {
+		if err := s.endPodSandbox(p, sig); err != nil {
+			return nil, fmt.Errorf("kill %s: %w", r.ID, err)
+		}
+		return &ptypes.Empty{}, nil
+	}
 	if err := p.signal(ctx, sig); err != nil {
 		return nil, fmt.Errorf("kill %s: %w", r.ID, err)
 	}
 	return &ptypes.Empty{}, nil
+}
+
+// endPodSandbox ends CRI's sandbox container at a signal that would end
+// a pause process (its exit code 128+signal); others it ignores, as pause
+// does.
+func (s *service) endPodSandbox(p *process, sig syscall.Signal) error {
+	switch sig {
+	case unix.SIGKILL, unix.SIGTERM, unix.SIGINT, unix.SIGHUP, unix.SIGQUIT:
+	default:
+		return nil
+	}
+	p.mu.Lock()
+	if p.status != task.Status_RUNNING {
+		p.mu.Unlock()
+		return fmt.Errorf("the sandbox is not running: %w", errdefs.ErrNotFound)
+	}
+	p.status, p.exitCode, p.exitedAt = task.Status_STOPPED, 128+uint32(sig), time.Now()
+	close(p.done)
+	p.mu.Unlock()
+	s.mu.Lock()
+	pid := uint32(0)
+	if s.pod != nil {
+		pid = s.pod.pid
+	}
+	s.mu.Unlock()
+	s.publish(runtime.TaskExitEventTopic, &eventstypes.TaskExit{ContainerID: p.c.id, ID: p.c.id, Pid: pid,
+		ExitStatus: p.exitCode, ExitedAt: protobuf.ToTimestamp(p.exitedAt)})
+	return nil
 }
 
 // Pids lists a container's processes by the pod VM's host PID: their

@@ -136,6 +136,9 @@ func isBind(m specs.Mount) bool {
 	return m.Type == "bind" || slices.Contains(m.Options, "bind") || slices.Contains(m.Options, "rbind")
 }
 
+// isPodShm reports whether m is CRI's bind of the pod's shared /dev/shm.
+func isPodShm(m specs.Mount) bool { return filepath.Clean(m.Destination) == "/dev/shm" && isBind(m) }
+
 // checkBindSource refuses a bind mount's host path that would hand the
 // guest a host kernel interface or a device.
 func checkBindSource(src string) error {
@@ -208,6 +211,12 @@ func containerOf(s *specs.Spec, p *specs.Process, root string, binds map[string]
 	}
 	for _, m := range s.Mounts {
 		cm := agent.ContainerMount{Destination: m.Destination, Type: m.Type, Source: m.Source, Options: m.Options}
+		if isPodShm(m) {
+			// The pod's containers share the guest's /dev/shm, guest
+			// memory, not a host tmpfs over 9P.
+			c.Mounts = append(c.Mounts, agent.ContainerMount{Destination: "/dev/shm", Type: "bind", Source: "/dev/shm", Options: []string{"rbind", "nosuid", "nodev"}})
+			continue
+		}
 		if isBind(m) {
 			g, ok := binds[m.Source]
 			if !ok {

@@ -31,12 +31,21 @@ type containerdEnv struct {
 	address string
 	env     []string // containerd's, the shim's and capsa's
 	state   string   // CAPSA_STATE
+	ns      string   // ctr's namespace
+	tmp     string   // the test's directory for containerd
 }
 
 // startContainerd starts containerd with capsa's shim (the capsa binary
 // linked as containerd-shim-capsa-v2 on its PATH) and stops it at cleanup,
 // logging its log's tail if the test failed.
 func startContainerd(t *testing.T, bundle string) *containerdEnv {
+	t.Helper()
+	return startContainerdWith(t, bundle, nil)
+}
+
+// startContainerdWith starts containerd with the configuration conf
+// writes for the test's directory tmp (nil: defaultContainerdConf).
+func startContainerdWith(t *testing.T, bundle string, conf func(tmp string) string) *containerdEnv {
 	t.Helper()
 	bin := artifact(t, "capsa")
 	cd := artifact(t, bundle)
@@ -49,20 +58,14 @@ func startContainerd(t *testing.T, bundle string) *containerdEnv {
 		t.Fatal(err)
 	}
 	e := &containerdEnv{t: t, ctr: filepath.Join(cd, "bin", "ctr"), address: filepath.Join(tmp, "containerd.sock"),
-		state: filepath.Join(tmp, "capsa")}
+		state: filepath.Join(tmp, "capsa"), ns: "capsa-test", tmp: tmp}
 	e.env = append(os.Environ(), "PATH="+path+":"+os.Getenv("PATH"), "CAPSA_STATE="+e.state)
 	config := filepath.Join(tmp, "config.toml")
-	// The CRI plugin is not this test's: without CNI it only logs.
-	conf := "version = 2\ndisabled_plugins = [\"io.containerd.grpc.v1.cri\"]\n"
-	if bundle == "containerd2" {
-		// containerd 2's transfer service unpacks images only for the
-		// platforms and snapshotters its configuration names: L1's
-		// kernel has no overlay module, so the native snapshotter.
-		conf = "version = 3\ndisabled_plugins = [\"io.containerd.grpc.v1.cri\"]\n" +
-			"[[plugins.'io.containerd.transfer.v1.local'.unpack_config]]\n" +
-			"platform = \"linux/amd64\"\nsnapshotter = \"native\"\n"
+	text := defaultContainerdConf(bundle)
+	if conf != nil {
+		text = conf(tmp)
 	}
-	if err := os.WriteFile(config, []byte(conf), 0o644); err != nil {
+	if err := os.WriteFile(config, []byte(text), 0o644); err != nil {
 		t.Fatal(err)
 	}
 	logPath := filepath.Join(tmp, "containerd.log")
@@ -82,7 +85,13 @@ func startContainerd(t *testing.T, bundle string) *containerdEnv {
 		logf.Close()
 		if t.Failed() {
 			b, _ := os.ReadFile(logPath)
-			t.Logf("containerd.log (tail):\n%s", tailLines(string(b), 60))
+			var keep []string
+			for _, l := range strings.Split(string(b), "\n") {
+				if !strings.Contains(l, "loading plugin") {
+					keep = append(keep, l)
+				}
+			}
+			t.Logf("containerd.log (tail, without its plugin loading):\n%s", tailLines(strings.Join(keep, "\n"), 80))
 			for _, l := range globAll(filepath.Join(e.state, "sandboxes", "*", "*.log")) {
 				b, _ := os.ReadFile(l)
 				t.Logf("%s (tail):\n%s", l, tailLines(string(b), 40))
@@ -113,6 +122,20 @@ func startContainerd(t *testing.T, bundle string) *containerdEnv {
 
 func regexpMatch(re, s string) bool { return regexp.MustCompile(re).MatchString(s) }
 
+// defaultContainerdConf is containerd's configuration for the ctr tests:
+// the CRI plugin is not theirs (without CNI it only logs).
+func defaultContainerdConf(bundle string) string {
+	if bundle == "containerd2" {
+		// containerd 2's transfer service unpacks images only for the
+		// platforms and snapshotters its configuration names: the ctr
+		// tests use the native snapshotter.
+		return "version = 3\ndisabled_plugins = [\"io.containerd.grpc.v1.cri\"]\n" +
+			"[[plugins.'io.containerd.transfer.v1.local'.unpack_config]]\n" +
+			"platform = \"linux/amd64\"\nsnapshotter = \"native\"\n"
+	}
+	return "version = 2\ndisabled_plugins = [\"io.containerd.grpc.v1.cri\"]\n"
+}
+
 func globAll(pattern string) []string {
 	m, _ := filepath.Glob(pattern)
 	return m
@@ -126,12 +149,12 @@ func tailLines(s string, lines int) string {
 	return strings.Join(l, "\n")
 }
 
-// run runs ctr against the test's containerd in namespace "capsa-test",
+// run runs ctr against the test's containerd in its namespace e.ns,
 // with stdin (if not empty), and returns its output and exit code.
 func (e *containerdEnv) run(timeout time.Duration, stdin string, args ...string) (stdout, stderr string, code int) {
 	ctx, cancel := context.WithTimeout(context.Background(), timeout)
 	defer cancel()
-	cmd := exec.CommandContext(ctx, e.ctr, append([]string{"--address", e.address, "--namespace", "capsa-test"}, args...)...)
+	cmd := exec.CommandContext(ctx, e.ctr, append([]string{"--address", e.address, "--namespace", e.ns}, args...)...)
 	cmd.Env = e.env
 	var out, errb bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &out, &errb
@@ -167,9 +190,12 @@ func (e *containerdEnv) ctrWant(want int, stdin string, args ...string) string {
 }
 
 // importImage imports Debian's python root as the image capsa.test/python:1
-// (a docker-save tarball ctr imports) with the native snapshotter, as
-// L1's kernel has no overlay module.
-func (e *containerdEnv) importImage() string {
+// (a docker-save tarball ctr imports) with the native snapshotter (a
+// container's root is then a bind mount; the CRI test uses overlayfs).
+func (e *containerdEnv) importImage() string { return e.importImageWith("native") }
+
+// importImageWith imports the image (importImage) for snapshotter.
+func (e *containerdEnv) importImageWith(snapshotter string) string {
 	e.t.Helper()
 	base := artifact(e.t, "testimages/python.tar.gz")
 	layer, err := tarball.LayerFromFile(base)
@@ -199,7 +225,7 @@ func (e *containerdEnv) importImage() string {
 	if err := tarball.WriteToFile(path, tag, img); err != nil {
 		e.t.Fatal(err)
 	}
-	e.ctrWant(0, "", "images", "import", "--snapshotter", "native", "--platform", "linux/amd64", path)
+	e.ctrWant(0, "", "images", "import", "--snapshotter", snapshotter, "--platform", "linux/amd64", path)
 	return ref
 }
 

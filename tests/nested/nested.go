@@ -268,9 +268,12 @@ func l1Kernel(dir string) (vmlinuz string, modules []string, err error) {
 	if len(imgs) != 1 {
 		return "", nil, fmt.Errorf("%w: no single vmlinuz in %s/boot", ErrNoL1, dir)
 	}
-	// Load order matters: kvm needs irqbypass, kvm-amd needs kvm. veth
-	// lets jobs build network namespaces joined by veth pairs.
-	for _, m := range []string{"virt/lib/irqbypass.ko", "arch/x86/kvm/kvm.ko", "arch/x86/kvm/kvm-amd.ko", "drivers/net/veth.ko"} {
+	// Load order matters: kvm needs irqbypass, kvm-amd needs kvm, bridge
+	// needs stp, which needs llc. veth lets jobs build network namespaces
+	// joined by veth pairs; bridge and overlay let them run a CNI bridge
+	// network and containerd's overlayfs snapshotter.
+	for _, m := range []string{"virt/lib/irqbypass.ko", "arch/x86/kvm/kvm.ko", "arch/x86/kvm/kvm-amd.ko", "drivers/net/veth.ko",
+		"net/llc/llc.ko", "net/802/stp.ko", "net/bridge/bridge.ko", "fs/overlayfs/overlay.ko"} {
 		found, _ := filepath.Glob(filepath.Join(dir, "lib", "modules", "*", "kernel", m))
 		if len(found) != 1 {
 			return "", nil, fmt.Errorf("%w: %s not found under %s", ErrNoL1, m, dir)

@@ -1,0 +1,229 @@
+package e2e
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+)
+
+// criEnv drives containerd's CRI plugin with crictl (sigs.k8s.io/cri-tools,
+// scripts/cri-tools-build.sh) as a kubelet would, without one.
+type criEnv struct {
+	*containerdEnv
+	crictl string
+}
+
+// startCRI starts Debian 12's containerd 1.6 with its CRI plugin: capsa's
+// shim as the runtime handler "capsa" (a RuntimeClass's), the overlayfs
+// snapshotter, a CNI bridge network from the CNI plugins' own binaries,
+// and the test's python image as the sandbox image, imported beforehand.
+func startCRI(t *testing.T) *criEnv {
+	t.Helper()
+	tools := artifact(t, "cri-tools")
+	// The CRI plugin copies a node's /etc/hosts and /etc/resolv.conf into
+	// each pod; the nested host's L1 (busybox) has neither.
+	for name, text := range map[string]string{"/etc/hosts": "127.0.0.1 localhost\n", "/etc/resolv.conf": "nameserver 10.77.0.1\n"} {
+		if _, err := os.Stat(name); errors.Is(err, os.ErrNotExist) {
+			if err := os.MkdirAll(filepath.Dir(name), 0o755); err != nil {
+				t.Fatal(err)
+			}
+			if err := os.WriteFile(name, []byte(text), 0o644); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	conf := func(tmp string) string {
+		cniConf := filepath.Join(tmp, "cni.d")
+		if err := os.MkdirAll(cniConf, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		network := fmt.Sprintf(`{"cniVersion": "1.0.0", "name": "capsa-test", "plugins": [{
+  "type": "bridge", "bridge": "capsa-cni0", "isGateway": true, "ipMasq": false,
+  "ipam": {"type": "host-local", "ranges": [[{"subnet": "10.77.0.0/24"}]], "routes": [{"dst": "0.0.0.0/0"}], "dataDir": %q}
+}]}`, filepath.Join(tmp, "cni-ipam"))
+		if err := os.WriteFile(filepath.Join(cniConf, "10-capsa-test.conflist"), []byte(network), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		return fmt.Sprintf(`version = 2
+[plugins."io.containerd.grpc.v1.cri"]
+  sandbox_image = "capsa.test/python:1"
+  [plugins."io.containerd.grpc.v1.cri".containerd]
+    snapshotter = "overlayfs"
+    default_runtime_name = "capsa"
+    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.capsa]
+      runtime_type = "io.containerd.capsa.v2"
+  [plugins."io.containerd.grpc.v1.cri".cni]
+    bin_dir = %q
+    conf_dir = %q
+`, filepath.Join(tools, "cni"), cniConf)
+	}
+	e := &criEnv{containerdEnv: startContainerdWith(t, "containerd", conf), crictl: filepath.Join(tools, "bin", "crictl")}
+	e.ns = "k8s.io"
+	e.importImageWith("overlayfs")
+	return e
+}
+
+// cri runs crictl and fails the test unless it exits 0; it returns stdout.
+func (e *criEnv) cri(stdin string, args ...string) string {
+	e.t.Helper()
+	out, errs, code := e.criRun(stdin, args...)
+	if code != 0 {
+		e.t.Fatalf("crictl %s: exit %d; stderr: %s", strings.Join(args, " "), code, errs)
+	}
+	return out
+}
+
+func (e *criEnv) criRun(stdin string, args ...string) (string, string, int) {
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	ep := "unix://" + e.address
+	cmd := exec.CommandContext(ctx, e.crictl, append([]string{"--runtime-endpoint", ep, "--image-endpoint", ep, "--timeout", "3m"}, args...)...)
+	cmd.Env = e.env
+	var out, errb bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &errb
+	if stdin != "" {
+		cmd.Stdin = strings.NewReader(stdin)
+	}
+	start := time.Now()
+	err := cmd.Run()
+	code := 0
+	var ee *exec.ExitError
+	if errors.As(err, &ee) {
+		code = ee.ExitCode()
+	} else if err != nil {
+		code = -1
+		errb.WriteString(err.Error())
+	}
+	e.t.Logf("crictl %s: exit %d after %v\nstdout: %q\nstderr: %q", strings.Join(args, " "), code, time.Since(start).Round(time.Millisecond), tailLines(out.String(), 10), tailLines(errb.String(), 10))
+	return out.String(), errb.String(), code
+}
+
+// writeJSON writes v as JSON to a file in dir and returns its path.
+func writeJSON(t *testing.T, dir, name string, v any) string {
+	t.Helper()
+	b, err := json.Marshal(v)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := filepath.Join(dir, name)
+	if err := os.WriteFile(p, b, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
+// TestContainerdCRI runs a pod through containerd's CRI plugin with
+// crictl, as a kubelet with a RuntimeClass naming capsa would: the pod is
+// one capsa microVM (capsa ps lists it) on a CNI network; two containers
+// in it share a file through an emptyDir and reach each other over
+// localhost; exec -s, exec -i, logs, stats, stop and removal work.
+func TestContainerdCRI(t *testing.T) {
+	e := startCRI(t)
+	dir := t.TempDir()
+	emptyDir := filepath.Join(dir, "emptydir")
+	if err := os.MkdirAll(emptyDir, 0o777); err != nil {
+		t.Fatal(err)
+	}
+	logs := filepath.Join(dir, "logs")
+	pod := writeJSON(t, dir, "pod.json", map[string]any{
+		"metadata":      map[string]any{"name": "p1", "namespace": "default", "uid": "p1-uid", "attempt": 0},
+		"log_directory": logs,
+		"linux":         map[string]any{},
+	})
+	mounts := []map[string]any{{"container_path": "/data", "host_path": emptyDir}}
+	server := writeJSON(t, dir, "server.json", map[string]any{
+		"metadata": map[string]any{"name": "server"},
+		"image":    map[string]any{"image": "capsa.test/python:1"},
+		"command":  []string{"sh", "-c", "echo from-server > /data/shared; echo server-up; exec python3 -m http.server 8080 --bind 127.0.0.1 --directory /data"},
+		"log_path": "server.log",
+		"mounts":   mounts,
+	})
+	client := writeJSON(t, dir, "client.json", map[string]any{
+		"metadata": map[string]any{"name": "client"},
+		"image":    map[string]any{"image": "capsa.test/python:1"},
+		"command": []string{"sh", "-c", `while ! test -e /data/shared; do sleep 0.2; done; echo "read $(cat /data/shared)"
+python3 - <<'EOF'
+import time, urllib.request
+for i in range(100):
+    try:
+        print("fetched", urllib.request.urlopen("http://127.0.0.1:8080/shared", timeout=5).read().decode().strip(), flush=True)
+        break
+    except Exception as e:
+        time.sleep(0.3)
+EOF
+exec sleep 1000`},
+		"log_path": "client.log",
+		"mounts":   mounts,
+	})
+
+	podID := strings.TrimSpace(e.cri("", "runp", "--runtime", "capsa", pod))
+	ps := capsaWith(t, time.Minute, func(c *exec.Cmd) { c.Env = e.env }, "ps")
+	if !strings.Contains(ps.stdout, "k8s.io-") {
+		t.Errorf("capsa ps = %q, want the pod's VM", ps.stdout)
+	}
+	inspect := e.cri("", "inspectp", podID)
+	var pi struct {
+		Status struct {
+			State   string `json:"state"`
+			Network struct {
+				IP string `json:"ip"`
+			} `json:"network"`
+		} `json:"status"`
+	}
+	if err := json.Unmarshal([]byte(inspect), &pi); err != nil {
+		t.Fatalf("crictl inspectp: %v", err)
+	}
+	if pi.Status.State != "SANDBOX_READY" || !strings.HasPrefix(pi.Status.Network.IP, "10.77.0.") {
+		t.Errorf("the pod: state %q, IP %q; want ready, with an IP of the CNI network 10.77.0.0/24", pi.Status.State, pi.Status.Network.IP)
+	}
+
+	serverID := strings.TrimSpace(e.cri("", "create", podID, server, pod))
+	e.cri("", "start", serverID)
+	clientID := strings.TrimSpace(e.cri("", "create", podID, client, pod))
+	e.cri("", "start", clientID)
+
+	waitLog := func(id, want string) string {
+		t.Helper()
+		deadline := time.Now().Add(2 * time.Minute)
+		for {
+			out, errs, _ := e.criRun("", "logs", id)
+			if strings.Contains(out+errs, want) {
+				return out + errs
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("crictl logs %s never showed %q: %q", id, want, out+errs)
+			}
+			time.Sleep(500 * time.Millisecond)
+		}
+	}
+	waitLog(serverID, "server-up")
+	waitLog(clientID, "read from-server")
+	waitLog(clientID, "fetched from-server")
+
+	if out := e.cri("", "exec", "-s", clientID, "sh", "-c", "cat /data/shared; id -u"); !strings.Contains(out, "from-server\n0") {
+		t.Errorf("crictl exec -s = %q, want the shared file and uid 0", out)
+	}
+	if out := e.cri("two\nlines\n", "exec", "-i", clientID, "wc", "-l"); strings.TrimSpace(out) != "2" {
+		t.Errorf("crictl exec -i wc -l = %q, want 2", out)
+	}
+	if out := e.cri("", "stats", "-o", "json"); !strings.Contains(out, clientID) || !strings.Contains(out, serverID) || !strings.Contains(out, "usageBytes") {
+		t.Errorf("crictl stats = %q, want both containers with memory figures", out)
+	}
+
+	e.cri("", "stop", "--timeout", "10", clientID, serverID)
+	e.cri("", "rm", clientID, serverID)
+	e.cri("", "stopp", podID)
+	e.cri("", "rmp", podID)
+	ps = capsaWith(t, time.Minute, func(c *exec.Cmd) { c.Env = e.env }, "ps", "-a")
+	if strings.Contains(ps.stdout, "k8s.io-") {
+		t.Errorf("capsa ps -a after rmp = %q, want the pod's VM gone", ps.stdout)
+	}
+}
