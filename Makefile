@@ -215,10 +215,11 @@ test-programs: capsa testinitrd testimages nested-deps qemu-bundle mcp-client $(
 
 # Benchmarks, in the nested host where this machine has no /dev/kvm: boot to
 # guest userspace, capsa beside QEMU's microvm on the same kernel and initramfs.
-bench: capsa testinitrd testimages nested-deps qemu-bundle mcp-client $(NESTED)
+bench: capsa testinitrd testimages nested-deps qemu-bundle mcp-client containerd-bundle $(NESTED)
 	@rm -rf $(BUILD)/bench && mkdir -p $(BUILD)/bench
 	CGO_ENABLED=0 $(GO) test -c -o $(BUILD)/bench/e2e.test ./tests/e2e
 	set -o pipefail; l1=$$(scripts/nested-deps.sh); $(NESTED) -f $(BUILD)/bench/e2e.test $(patsubst %,-f %,$(E2E_FILES)) -f $(BUILD)/testimages:testimages -f $(BUILD)/mcp-client:mcp-client \
+		-f $(BUILD)/containerd:containerd -f $(BUILD)/cri-tools:cri-tools \
 		-f $$(ls $$l1/boot/vmlinuz-* | head -1):vmlinuz-debian -- \
 		./e2e.test -test.run '^$$' -test.bench '$(BENCH)' -test.benchtime $(BENCHTIME) | tee $(BUILD)/bench/results.txt
 

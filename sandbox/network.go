@@ -8,9 +8,13 @@ import (
 	"log/slog"
 	"net"
 	"net/netip"
+	"strings"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/capsa-sandbox/capsa/internal/auditlog"
 	"github.com/capsa-sandbox/capsa/netstack"
+	"github.com/capsa-sandbox/capsa/tap"
 	virtionet "github.com/capsa-sandbox/capsa/virtio/net"
 )
 
@@ -57,6 +61,71 @@ func (b *Builder) DNSServer(addr string) *Builder {
 }
 
 // netConfig returns the builder's network settings, made on first use.
+// Tap plugs the sandbox's NIC into the host tap device t.Name of the
+// process's network namespace, with no NAT: the guest takes t.Address on
+// its eth0 and its frames pass to the host kernel unchanged (package
+// tap). It is how a containerd pod's VM joins the pod's network; the tap
+// must exist, or the process needs CAP_NET_ADMIN to make it. A tap network
+// has no policy, published ports, DNS server, secrets or TLS interception.
+func (b *Builder) Tap(t TapSpec) *Builder {
+	if err := checkTap(&t); err != nil {
+		b.c.errs = append(b.c.errs, err)
+		return b
+	}
+	b.netConfig().Tap = &t
+	return b
+}
+
+// checkTap checks a tap's settings, and gives MTU its default.
+func checkTap(t *TapSpec) error {
+	if t.Name == "" || len(t.Name) >= unix.IFNAMSIZ || strings.ContainsAny(t.Name, "/ \x00") {
+		return fmt.Errorf("sandbox: tap %q: want an interface name of 1 to %d characters", t.Name, unix.IFNAMSIZ-1)
+	}
+	if mac, err := net.ParseMAC(t.MAC); err != nil || len(mac) != 6 || mac[0]&1 != 0 {
+		return fmt.Errorf("sandbox: tap %s: MAC %q: want a unicast Ethernet address", t.Name, t.MAC)
+	}
+	p, err := netip.ParsePrefix(t.Address)
+	if err != nil || !p.Addr().Is4() {
+		return fmt.Errorf("sandbox: tap %s: address %q: want IPv4 with its prefix (10.0.0.2/24)", t.Name, t.Address)
+	}
+	if t.Gateway != "" {
+		if g, err := netip.ParseAddr(t.Gateway); err != nil || !g.Is4() {
+			return fmt.Errorf("sandbox: tap %s: gateway %q: want an IPv4 address", t.Name, t.Gateway)
+		}
+	}
+	if t.MTU == 0 {
+		t.MTU = 1500
+	}
+	if t.MTU < virtionet.MinMTU || t.MTU > virtionet.MaxMTU {
+		return fmt.Errorf("sandbox: tap %s: MTU %d: want %d to %d", t.Name, t.MTU, virtionet.MinMTU, virtionet.MaxMTU)
+	}
+	return nil
+}
+
+// startTap opens the NIC's tap (Builder.Tap) and returns the guest's ip=
+// argument.
+func startTap(t *TapSpec, lim *limiters, log *slog.Logger) (*network, string, error) {
+	if err := checkTap(t); err != nil {
+		return nil, "", err
+	}
+	mac, _ := net.ParseMAC(t.MAC)
+	dev, err := tap.Open(t.Name, t.MTU)
+	if err != nil {
+		return nil, "", fmt.Errorf("sandbox: network: %w", err)
+	}
+	done := make(chan struct{})
+	nic, err := virtionet.New(mac, uint16(t.MTU), &limitedBackend{Backend: dev, rx: lim.netRx, tx: lim.netTx, done: done}, log)
+	if err != nil {
+		dev.Close()
+		return nil, "", fmt.Errorf("sandbox: network: %w", err)
+	}
+	p := netip.MustParsePrefix(t.Address)
+	mask := net.IP(net.CIDRMask(p.Bits(), 32)).String()
+	// ip=CLIENT::GATEWAY:NETMASK:HOSTNAME:DEVICE:AUTOCONF
+	arg := fmt.Sprintf("ip=%s::%s:%s::eth0:off", p.Addr(), t.Gateway, mask)
+	return &network{nic: nic, tap: dev, done: done}, arg, nil
+}
+
 func (b *Builder) netConfig() *NetworkSpec {
 	if b.c.Network == nil {
 		b.c.Network = &NetworkSpec{}
@@ -66,6 +135,13 @@ func (b *Builder) netConfig() *NetworkSpec {
 
 // checkNetwork reports options that need Network without it.
 func (c *config) checkNetwork() error {
+	if c.Network != nil && c.Network.Tap != nil {
+		n := c.Network
+		if n.Policy != nil || len(n.Publish)+len(n.Secrets)+len(n.Intercept)+len(n.UpstreamCAs) > 0 || n.DNSServer != "" {
+			return errors.New("sandbox: a tap network has no NAT: no policy, published ports, DNS server, secrets or TLS interception")
+		}
+		return nil
+	}
 	if c.Network != nil && c.Network.Policy == nil {
 		return errors.New("sandbox: published ports, a DNS server, secrets and TLS interception need Network (the sandbox has no network)")
 	}
@@ -75,7 +151,8 @@ func (c *config) checkNetwork() error {
 // network is a running sandbox network: the NAT, the NIC and the TLS
 // proxy, if it intercepts.
 type network struct {
-	stack     *netstack.Stack
+	stack     *netstack.Stack // nil on a tap
+	tap       *tap.Device     // nil on the NAT
 	nic       *virtionet.Device
 	intercept *interception
 	flows     *auditlog.Log[netstack.Flow] // the latest of the NAT's audit records
@@ -92,6 +169,9 @@ func (n *network) interception() *interception {
 
 func startNetwork(ctx context.Context, c config, lim *limiters, log *slog.Logger) (_ *network, _ string, err error) {
 	nc := c.Network
+	if nc.Tap != nil {
+		return startTap(nc.Tap, lim, log)
+	}
 	// The audit log's two sources, the NAT's flows and the TLS proxy's
 	// requests, write whole lines to one writer.
 	var audit io.Writer
@@ -149,6 +229,9 @@ func (n *network) close() error {
 		return nil
 	}
 	close(n.done)
+	if n.tap != nil {
+		return errors.Join(n.nic.Close(), n.tap.Close())
+	}
 	return errors.Join(n.nic.Close(), n.stack.Close(), n.intercept.close())
 }
 
@@ -157,7 +240,7 @@ func (n *network) close() error {
 // and UDP flows it opened or was refused (package netstack, "Audit"); nil
 // without a network. Workload.NetAudit receives every one as it happens.
 func (s *Sandbox) NetFlows() []netstack.Flow {
-	if s.net == nil {
+	if s.net == nil || s.net.flows == nil {
 		return nil
 	}
 	return s.net.flows.Records()
@@ -166,7 +249,7 @@ func (s *Sandbox) NetFlows() []netstack.Flow {
 // Published lists the sandbox's published ports with the host addresses
 // they listen on.
 func (s *Sandbox) Published() []netstack.Published {
-	if s.net == nil {
+	if s.net == nil || s.net.stack == nil {
 		return nil
 	}
 	return s.net.stack.Published()

@@ -2,6 +2,7 @@ package sandbox
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -74,6 +75,20 @@ type NetworkSpec struct {
 	Intercept   []string     `json:"tls_intercept,omitempty"`
 	Secrets     []SecretSpec `json:"secrets,omitempty"`
 	UpstreamCAs []string     `json:"upstream_cas,omitempty"`
+	// Tap, instead of the NAT, plugs the NIC into a tap device of the
+	// VMM process's network namespace (Builder.Tap); Policy is then nil.
+	Tap *TapSpec `json:"tap,omitempty"`
+}
+
+// TapSpec is a NIC on a host tap device (Builder.Tap): the guest takes
+// Address (IPv4, with its prefix) on its eth0, with MAC, routes through
+// Gateway, and sends and receives frames of at most MTU.
+type TapSpec struct {
+	Name    string `json:"name"`
+	MAC     string `json:"mac"`
+	Address string `json:"address"`
+	Gateway string `json:"gateway,omitempty"`
+	MTU     int    `json:"mtu,omitempty"` // 0: 1500
 }
 
 // ImageSpec is an OCI image as the root filesystem (Builder.OCI and the
@@ -189,7 +204,12 @@ func FromSpec(s Spec) *Workload {
 	for _, d := range s.Disks {
 		b.Disk(d.Path, d.Mode)
 	}
-	if n := s.Network; n != nil {
+	if n := s.Network; n != nil && n.Tap != nil {
+		b.Tap(*n.Tap)
+		if n.Policy != nil || len(n.Publish)+len(n.Secrets)+len(n.Intercept)+len(n.UpstreamCAs) > 0 || n.DNSServer != "" {
+			b.c.errs = append(b.c.errs, errors.New("sandbox: a tap network has no NAT: no policy, published ports, DNS server, secrets or TLS interception"))
+		}
+	} else if n != nil {
 		b.Network(n.Policy)
 		for _, p := range n.Publish {
 			b.Publish(p)

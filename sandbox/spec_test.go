@@ -94,6 +94,12 @@ func TestSpecErrors(t *testing.T) {
 		"publish":        {`{"network":{"policy":{"mode":"allow-all"},"publish":["x:80"]},"main":{"argv":["true"]}}`, "publish"},
 		"patch op":       {`{"patches":[{"Op":"chmod","Path":"/x"}],"main":{"argv":["true"]}}`, `"chmod"`},
 		"image and argv": {`{"image":{"ref":"alpine","entrypoint":null},"main":{"argv":["true"]}}`, "comes from the image"},
+		"tap name":       {`{"network":{"tap":{"name":"a-name-far-too-long","mac":"52:54:00:00:00:01","address":"10.0.0.2/24"}},"main":{"argv":["true"]}}`, "interface name"},
+		"tap mac":        {`{"network":{"tap":{"name":"tap0","mac":"01:00:5e:00:00:01","address":"10.0.0.2/24"}},"main":{"argv":["true"]}}`, "unicast"},
+		"tap address":    {`{"network":{"tap":{"name":"tap0","mac":"52:54:00:00:00:01","address":"10.0.0.2"}},"main":{"argv":["true"]}}`, "with its prefix"},
+		"tap gateway":    {`{"network":{"tap":{"name":"tap0","mac":"52:54:00:00:00:01","address":"10.0.0.2/24","gateway":"fe80::1"}},"main":{"argv":["true"]}}`, "gateway"},
+		"tap mtu":        {`{"network":{"tap":{"name":"tap0","mac":"52:54:00:00:00:01","address":"10.0.0.2/24","mtu":20}},"main":{"argv":["true"]}}`, "MTU 20"},
+		"tap and nat":    {`{"network":{"policy":{"mode":"allow-all"},"tap":{"name":"tap0","mac":"52:54:00:00:00:01","address":"10.0.0.2/24"}},"main":{"argv":["true"]}}`, "no NAT"},
 	} {
 		t.Run(name, func(t *testing.T) {
 			var s Spec
@@ -105,5 +111,19 @@ func TestSpecErrors(t *testing.T) {
 				t.Errorf("spec %s: error = %v, want one naming %q", tc.json, err, tc.want)
 			}
 		})
+	}
+}
+
+func TestSpecTapRoundTrip(t *testing.T) {
+	sp, err := New().Tap(TapSpec{Name: "tap0", MAC: "52:54:00:00:00:01", Address: "10.0.0.2/24", Gateway: "10.0.0.1"}).Run("true").Spec()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if sp.Network == nil || sp.Network.Tap == nil || sp.Network.Tap.MTU != 1500 || sp.Network.Policy != nil {
+		t.Fatalf("Spec = %+v, want the tap with the default MTU and no NAT policy", sp.Network)
+	}
+	again, err := FromSpec(sp).Spec()
+	if err != nil || *again.Network.Tap != *sp.Network.Tap || again.Network.Policy != nil {
+		t.Errorf("FromSpec(Spec) = %+v, %v; want the same tap", again.Network, err)
 	}
 }

@@ -62,7 +62,9 @@ func (s *Sandbox) Stats() (*Stats, error) {
 	if s.net != nil {
 		n := s.net.nic.Stats()
 		st.NetRxBytes, st.NetRxPackets, st.NetTxBytes, st.NetTxPackets = n.RxBytes, n.RxFrames, n.TxBytes, n.TxFrames
-		st.NetFlows = s.net.stack.FlowCounts()
+		if s.net.stack != nil {
+			st.NetFlows = s.net.stack.FlowCounts()
+		}
 	}
 	var ru unix.Rusage
 	if err := unix.Getrusage(unix.RUSAGE_SELF, &ru); err == nil {

@@ -172,25 +172,46 @@ func (s *service) startPod(ctx context.Context, spec *specs.Spec, group string) 
 		return nil, err
 	}
 	cpus, mem := podSize(spec)
-	w := sandbox.New().CPUs(cpus).Memory(mem).
-		Share(dir, podGuestDir, sandbox.ReadWrite).
-		Run("sleep", "2147483647") // the VM lives until the shim stops it
-	sp, err := w.Spec()
-	if err != nil {
-		return nil, fmt.Errorf("pod %s: %w", name, err)
-	}
 	hostname := spec.Hostname
 	if supervisor.CheckName(hostname) != nil {
 		hostname = ""
 	}
-	rec := &supervisor.Record{Name: name, Spec: sp, HostMounts: true, Hostname: hostname,
-		Labels: map[string]string{"containerd.namespace": s.ns, "containerd.pod": group}}
 	if old, err := mgr.Get(name); err == nil && !old.Alive() {
 		mgr.Remove(ctx, name) // a pod of the same id that ended
 	}
-	if _, err := mgr.Launch(ctx, rec, nil); err != nil {
+	// launch boots the VM, with the NIC tap if not nil.
+	launch := func(tap *sandbox.TapSpec) error {
+		b := sandbox.New().CPUs(cpus).Memory(mem).Share(dir, podGuestDir, sandbox.ReadWrite)
+		if tap != nil {
+			b.Tap(*tap)
+		}
+		sp, err := b.Run("sleep", "2147483647").Spec() // the VM lives until the shim stops it
+		if err != nil {
+			return fmt.Errorf("pod %s: %w", name, err)
+		}
+		rec := &supervisor.Record{Name: name, Spec: sp, HostMounts: true, Hostname: hostname,
+			Labels: map[string]string{"containerd.namespace": s.ns, "containerd.pod": group}}
+		if _, err := mgr.Launch(ctx, rec, nil); err != nil {
+			return fmt.Errorf("boot the pod VM: %w", err)
+		}
+		return nil
+	}
+	if ns := netnsPath(spec); ns != "" {
+		// CRI's pod: the VM's supervisor starts in the pod's network
+		// namespace, its NIC on a tap joined to the pod's interface.
+		err = inNetns(ns, func() error {
+			tap, err := joinPodNetwork()
+			if err != nil {
+				return err
+			}
+			return launch(tap)
+		})
+	} else {
+		err = launch(nil)
+	}
+	if err != nil {
 		os.RemoveAll(dir)
-		return nil, fmt.Errorf("boot the pod VM: %w", err)
+		return nil, err
 	}
 	h, err := mgr.Open(ctx, name)
 	if err != nil {

@@ -26,7 +26,7 @@ import (
 // (the bundle of scripts/containerd-bundle.sh) or 2.x built from its
 // module (scripts/containerd2-build.sh).
 type containerdEnv struct {
-	t       *testing.T
+	t       testing.TB
 	ctr     string
 	address string
 	env     []string // containerd's, the shim's and capsa's
@@ -38,14 +38,15 @@ type containerdEnv struct {
 // startContainerd starts containerd with capsa's shim (the capsa binary
 // linked as containerd-shim-capsa-v2 on its PATH) and stops it at cleanup,
 // logging its log's tail if the test failed.
-func startContainerd(t *testing.T, bundle string) *containerdEnv {
+func startContainerd(t testing.TB, bundle string) *containerdEnv {
 	t.Helper()
-	return startContainerdWith(t, bundle, nil)
+	return startContainerdWith(t, bundle, nil, "")
 }
 
 // startContainerdWith starts containerd with the configuration conf
-// writes for the test's directory tmp (nil: defaultContainerdConf).
-func startContainerdWith(t *testing.T, bundle string, conf func(tmp string) string) *containerdEnv {
+// writes for the test's directory tmp (nil: defaultContainerdConf), and
+// extraPath (if not empty) on its PATH beside the shim.
+func startContainerdWith(t testing.TB, bundle string, conf func(tmp string) string, extraPath string) *containerdEnv {
 	t.Helper()
 	bin := artifact(t, "capsa")
 	cd := artifact(t, bundle)
@@ -59,6 +60,9 @@ func startContainerdWith(t *testing.T, bundle string, conf func(tmp string) stri
 	}
 	e := &containerdEnv{t: t, ctr: filepath.Join(cd, "bin", "ctr"), address: filepath.Join(tmp, "containerd.sock"),
 		state: filepath.Join(tmp, "capsa"), ns: "capsa-test", tmp: tmp}
+	if extraPath != "" {
+		path += ":" + extraPath
+	}
 	e.env = append(os.Environ(), "PATH="+path+":"+os.Getenv("PATH"), "CAPSA_STATE="+e.state)
 	config := filepath.Join(tmp, "config.toml")
 	text := defaultContainerdConf(bundle)

@@ -6,6 +6,9 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
+	"net"
+	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -22,10 +25,11 @@ type criEnv struct {
 }
 
 // startCRI starts Debian 12's containerd 1.6 with its CRI plugin: capsa's
-// shim as the runtime handler "capsa" (a RuntimeClass's), the overlayfs
+// shim as the runtime handler "capsa" (a RuntimeClass's), runc as "runc",
+// the overlayfs
 // snapshotter, a CNI bridge network from the CNI plugins' own binaries,
 // and the test's python image as the sandbox image, imported beforehand.
-func startCRI(t *testing.T) *criEnv {
+func startCRI(t testing.TB) *criEnv {
 	t.Helper()
 	tools := artifact(t, "cri-tools")
 	// The CRI plugin copies a node's /etc/hosts and /etc/resolv.conf into
@@ -60,12 +64,16 @@ func startCRI(t *testing.T) *criEnv {
     default_runtime_name = "capsa"
     [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.capsa]
       runtime_type = "io.containerd.capsa.v2"
+    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
   [plugins."io.containerd.grpc.v1.cri".cni]
     bin_dir = %q
     conf_dir = %q
 `, filepath.Join(tools, "cni"), cniConf)
 	}
-	e := &criEnv{containerdEnv: startContainerdWith(t, "containerd", conf), crictl: filepath.Join(tools, "bin", "crictl")}
+	// runc and containerd's runc shim, the benchmark's anchor, on
+	// containerd's PATH.
+	e := &criEnv{containerdEnv: startContainerdWith(t, "containerd", conf, filepath.Join(tools, "bin")), crictl: filepath.Join(tools, "bin", "crictl")}
 	e.ns = "k8s.io"
 	e.importImageWith("overlayfs")
 	return e
@@ -107,7 +115,7 @@ func (e *criEnv) criRun(stdin string, args ...string) (string, string, int) {
 }
 
 // writeJSON writes v as JSON to a file in dir and returns its path.
-func writeJSON(t *testing.T, dir, name string, v any) string {
+func writeJSON(t testing.TB, dir, name string, v any) string {
 	t.Helper()
 	b, err := json.Marshal(v)
 	if err != nil {
@@ -122,7 +130,9 @@ func writeJSON(t *testing.T, dir, name string, v any) string {
 
 // TestContainerdCRI runs a pod through containerd's CRI plugin with
 // crictl, as a kubelet with a RuntimeClass naming capsa would: the pod is
-// one capsa microVM (capsa ps lists it) on a CNI network; two containers
+// one capsa microVM (capsa ps lists it) on a CNI bridge network, which is
+// its guest's: the node reaches a container's server at the pod's IP, and
+// the guest reaches a server on the node from the pod's IP; two containers
 // in it share a file through an emptyDir and reach each other over
 // localhost; exec -s, exec -i, logs, stats, stop and removal work.
 func TestContainerdCRI(t *testing.T) {
@@ -142,7 +152,7 @@ func TestContainerdCRI(t *testing.T) {
 	server := writeJSON(t, dir, "server.json", map[string]any{
 		"metadata": map[string]any{"name": "server"},
 		"image":    map[string]any{"image": "capsa.test/python:1"},
-		"command":  []string{"sh", "-c", "echo from-server > /data/shared; echo server-up; exec python3 -m http.server 8080 --bind 127.0.0.1 --directory /data"},
+		"command":  []string{"sh", "-c", "echo from-server > /data/shared; echo server-up; exec python3 -m http.server 8080 --directory /data"},
 		"log_path": "server.log",
 		"mounts":   mounts,
 	})
@@ -207,6 +217,46 @@ exec sleep 1000`},
 	waitLog(serverID, "server-up")
 	waitLog(clientID, "read from-server")
 	waitLog(clientID, "fetched from-server")
+
+	// The pod's network is the guest's: the pod's IP answers on the
+	// server's port from the node, and the guest reaches a server on the
+	// node from the pod's IP.
+	podIP := pi.Status.Network.IP
+	resp, err := (&http.Client{Timeout: 30 * time.Second}).Get("http://" + podIP + ":8080/shared")
+	if err != nil {
+		t.Errorf("GET the pod's IP %s:8080 from the node: %v", podIP, err)
+	} else {
+		body, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if strings.TrimSpace(string(body)) != "from-server" {
+			t.Errorf("GET %s:8080/shared from the node = %q, want the server container's file", podIP, body)
+		}
+	}
+	l, err := net.Listen("tcp", "10.77.0.1:0")
+	if err != nil {
+		t.Fatalf("listen on the CNI bridge's address: %v", err)
+	}
+	from := make(chan string, 1)
+	go http.Serve(l, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		select {
+		case from <- r.RemoteAddr:
+		default:
+		}
+		io.WriteString(w, "from-node")
+	}))
+	defer l.Close()
+	fetch := fmt.Sprintf(`import urllib.request; print(urllib.request.urlopen("http://%s/", timeout=30).read().decode())`, l.Addr())
+	if out := e.cri("", "exec", "-s", clientID, "python3", "-c", fetch); strings.TrimSpace(out) != "from-node" {
+		t.Errorf("the guest fetching from the node's %s = %q, want from-node", l.Addr(), out)
+	}
+	select {
+	case addr := <-from:
+		if host, _, _ := net.SplitHostPort(addr); host != podIP {
+			t.Errorf("the node saw the guest's request come from %s, want the pod's IP %s", addr, podIP)
+		}
+	default:
+		t.Error("the node's server saw no request from the guest")
+	}
 
 	if out := e.cri("", "exec", "-s", clientID, "sh", "-c", "cat /data/shared; id -u"); !strings.Contains(out, "from-server\n0") {
 		t.Errorf("crictl exec -s = %q, want the shared file and uid 0", out)
