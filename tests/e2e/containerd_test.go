@@ -216,7 +216,9 @@ func (e *containerdEnv) importImageWith(snapshotter string) string {
 	}
 	cf = cf.DeepCopy()
 	cf.OS, cf.Architecture = "linux", "amd64"
-	cf.Config = v1.Config{Env: []string{"PATH=" + imagePath}, Cmd: []string{"python3"}}
+	// Its command blocks, as a pod's sandbox (pause) image's must where
+	// runc runs it (BenchmarkCRIStart's anchor).
+	cf.Config = v1.Config{Env: []string{"PATH=" + imagePath}, Cmd: []string{"sleep", "infinity"}}
 	if img, err = mutate.ConfigFile(img, cf); err != nil {
 		e.t.Fatal(err)
 	}
