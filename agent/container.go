@@ -20,6 +20,8 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"runtime"
+	"strconv"
 	"strings"
 	"syscall"
 
@@ -57,6 +59,114 @@ type Container struct {
 	Groups          []uint32         `json:"groups,omitempty"`
 	Rlimits         []Rlimit         `json:"rlimits,omitempty"`
 	NoNewPrivileges bool             `json:"no_new_privileges,omitempty"`
+	// Capabilities are the process's capability sets by their OCI
+	// names (CAP_CHOWN, ...); nil: the agent's own (all).
+	Capabilities *Capabilities `json:"capabilities,omitempty"`
+}
+
+// Capabilities are a process's five capability sets, as the OCI spec has
+// them.
+type Capabilities struct {
+	Bounding    []string `json:"bounding,omitempty"`
+	Effective   []string `json:"effective,omitempty"`
+	Permitted   []string `json:"permitted,omitempty"`
+	Inheritable []string `json:"inheritable,omitempty"`
+	Ambient     []string `json:"ambient,omitempty"`
+}
+
+// capNumbers are the capabilities by name (linux/capability.h).
+var capNumbers = map[string]int{
+	"CAP_CHOWN": unix.CAP_CHOWN, "CAP_DAC_OVERRIDE": unix.CAP_DAC_OVERRIDE, "CAP_DAC_READ_SEARCH": unix.CAP_DAC_READ_SEARCH,
+	"CAP_FOWNER": unix.CAP_FOWNER, "CAP_FSETID": unix.CAP_FSETID, "CAP_KILL": unix.CAP_KILL, "CAP_SETGID": unix.CAP_SETGID,
+	"CAP_SETUID": unix.CAP_SETUID, "CAP_SETPCAP": unix.CAP_SETPCAP, "CAP_LINUX_IMMUTABLE": unix.CAP_LINUX_IMMUTABLE,
+	"CAP_NET_BIND_SERVICE": unix.CAP_NET_BIND_SERVICE, "CAP_NET_BROADCAST": unix.CAP_NET_BROADCAST, "CAP_NET_ADMIN": unix.CAP_NET_ADMIN,
+	"CAP_NET_RAW": unix.CAP_NET_RAW, "CAP_IPC_LOCK": unix.CAP_IPC_LOCK, "CAP_IPC_OWNER": unix.CAP_IPC_OWNER,
+	"CAP_SYS_MODULE": unix.CAP_SYS_MODULE, "CAP_SYS_RAWIO": unix.CAP_SYS_RAWIO, "CAP_SYS_CHROOT": unix.CAP_SYS_CHROOT,
+	"CAP_SYS_PTRACE": unix.CAP_SYS_PTRACE, "CAP_SYS_PACCT": unix.CAP_SYS_PACCT, "CAP_SYS_ADMIN": unix.CAP_SYS_ADMIN,
+	"CAP_SYS_BOOT": unix.CAP_SYS_BOOT, "CAP_SYS_NICE": unix.CAP_SYS_NICE, "CAP_SYS_RESOURCE": unix.CAP_SYS_RESOURCE,
+	"CAP_SYS_TIME": unix.CAP_SYS_TIME, "CAP_SYS_TTY_CONFIG": unix.CAP_SYS_TTY_CONFIG, "CAP_MKNOD": unix.CAP_MKNOD,
+	"CAP_LEASE": unix.CAP_LEASE, "CAP_AUDIT_WRITE": unix.CAP_AUDIT_WRITE, "CAP_AUDIT_CONTROL": unix.CAP_AUDIT_CONTROL,
+	"CAP_SETFCAP": unix.CAP_SETFCAP, "CAP_MAC_OVERRIDE": unix.CAP_MAC_OVERRIDE, "CAP_MAC_ADMIN": unix.CAP_MAC_ADMIN,
+	"CAP_SYSLOG": unix.CAP_SYSLOG, "CAP_WAKE_ALARM": unix.CAP_WAKE_ALARM, "CAP_BLOCK_SUSPEND": unix.CAP_BLOCK_SUSPEND,
+	"CAP_AUDIT_READ": unix.CAP_AUDIT_READ, "CAP_PERFMON": unix.CAP_PERFMON, "CAP_BPF": unix.CAP_BPF,
+	"CAP_CHECKPOINT_RESTORE": unix.CAP_CHECKPOINT_RESTORE,
+}
+
+// capMask is the set of named capabilities as a bit mask; an unknown name
+// is an error.
+func capMask(names []string) (uint64, error) {
+	var m uint64
+	for _, n := range names {
+		c, ok := capNumbers[n]
+		if !ok {
+			return 0, fmt.Errorf("container capability %q: not one this guest knows", n)
+		}
+		m |= 1 << c
+	}
+	return m, nil
+}
+
+// check refuses unknown capability names.
+func (c *Capabilities) check() error {
+	for _, set := range [][]string{c.Bounding, c.Effective, c.Permitted, c.Inheritable, c.Ambient} {
+		if _, err := capMask(set); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// dropBounding drops what is not in the bounding set and keeps the
+// capabilities across the change of user: it runs before setuid, on the
+// thread that will exec (capabilities are a thread's).
+func (c *Capabilities) dropBounding() error {
+	bounding, _ := capMask(c.Bounding)
+	last := lastCap()
+	for i := 0; i <= last; i++ {
+		if bounding&(1<<i) == 0 {
+			if err := unix.Prctl(unix.PR_CAPBSET_DROP, uintptr(i), 0, 0, 0); err != nil {
+				return fmt.Errorf("drop capability %d from the bounding set: %w", i, err)
+			}
+		}
+	}
+	return unix.Prctl(unix.PR_SET_KEEPCAPS, 1, 0, 0, 0)
+}
+
+// apply sets the effective, permitted and inheritable sets and raises the
+// ambient ones: after setuid, before exec.
+func (c *Capabilities) apply() error {
+	eff, _ := capMask(c.Effective)
+	perm, _ := capMask(c.Permitted)
+	inh, _ := capMask(c.Inheritable)
+	amb, _ := capMask(c.Ambient)
+	hdr := unix.CapUserHeader{Version: unix.LINUX_CAPABILITY_VERSION_3}
+	var data [2]unix.CapUserData
+	data[0] = unix.CapUserData{Effective: uint32(eff), Permitted: uint32(perm), Inheritable: uint32(inh)}
+	data[1] = unix.CapUserData{Effective: uint32(eff >> 32), Permitted: uint32(perm >> 32), Inheritable: uint32(inh >> 32)}
+	if err := unix.Capset(&hdr, &data[0]); err != nil {
+		return fmt.Errorf("set the capabilities: %w", err)
+	}
+	for i := 0; i <= lastCap(); i++ {
+		if amb&(1<<i) != 0 {
+			if err := unix.Prctl(unix.PR_CAP_AMBIENT, unix.PR_CAP_AMBIENT_RAISE, uintptr(i), 0, 0); err != nil {
+				return fmt.Errorf("raise ambient capability %d: %w", i, err)
+			}
+		}
+	}
+	return nil
+}
+
+// lastCap is the guest kernel's highest capability.
+func lastCap() int {
+	b, err := os.ReadFile("/proc/sys/kernel/cap_last_cap")
+	if err != nil {
+		return unix.CAP_LAST_CAP
+	}
+	n, err := strconv.Atoi(strings.TrimSpace(string(b)))
+	if err != nil || n < 0 || n > 63 {
+		return unix.CAP_LAST_CAP
+	}
+	return n
 }
 
 // ContainerMount is one of a container's mounts, as the OCI spec has it;
@@ -101,6 +211,11 @@ func (c *Container) Check() error {
 			return err
 		}
 	}
+	if c.Capabilities != nil {
+		if err := c.Capabilities.check(); err != nil {
+			return err
+		}
+	}
 	for _, r := range c.Rlimits {
 		if _, ok := rlimitNumbers[r.Type]; !ok {
 			return fmt.Errorf("container rlimit %q: not a resource limit this guest knows", r.Type)
@@ -134,6 +249,9 @@ func containerCommand(req *ExecRequest, argv []string) (path string, args, env [
 // executes its process, or says on stderr why not and returns 127 (the
 // shell's "could not run").
 func ContainerExec() int {
+	// Capabilities and no_new_privs are a thread's: the one that execs
+	// must be the one that set them.
+	runtime.LockOSThread()
 	var req containerRequest
 	if err := json.Unmarshal([]byte(os.Getenv(containerEnv)), &req); err != nil {
 		fmt.Fprintf(os.Stderr, "capsa-agent: container: bad request: %v\n", err)
@@ -208,6 +326,11 @@ func enterContainer(req *containerRequest) error {
 			return fmt.Errorf("rlimit %s: %w", r.Type, err)
 		}
 	}
+	if c.Capabilities != nil {
+		if err := c.Capabilities.dropBounding(); err != nil {
+			return err
+		}
+	}
 	groups := make([]int, len(c.Groups))
 	for i, g := range c.Groups {
 		groups[i] = int(g)
@@ -220,6 +343,11 @@ func enterContainer(req *containerRequest) error {
 	}
 	if err := syscall.Setuid(int(c.UID)); err != nil {
 		return fmt.Errorf("user %d: %w", c.UID, err)
+	}
+	if c.Capabilities != nil {
+		if err := c.Capabilities.apply(); err != nil {
+			return err
+		}
 	}
 	if c.NoNewPrivileges {
 		if err := unix.Prctl(unix.PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0); err != nil {

@@ -94,3 +94,17 @@ func TestOpenInStaysInTheRoot(t *testing.T) {
 		t.Errorf("openIn(/a/b/c, file) made %v, %v; want the directories and an empty file", st, err)
 	}
 }
+
+func TestCapabilities(t *testing.T) {
+	m, err := capMask([]string{"CAP_CHOWN", "CAP_KILL", "CAP_SETPCAP", "CAP_SETFCAP", "CAP_CHECKPOINT_RESTORE"})
+	if err != nil || m != 1<<0|1<<5|1<<8|1<<31|1<<40 {
+		t.Errorf("capMask = %#x, %v", m, err)
+	}
+	c := Container{Root: "/r", Capabilities: &Capabilities{Bounding: []string{"CAP_CHOWN"}, Ambient: []string{"CAP_NOPE"}}}
+	if err := c.Check(); err == nil || !strings.Contains(err.Error(), "CAP_NOPE") {
+		t.Errorf("Check with an unknown capability = %v, want it named", err)
+	}
+	if len(capNumbers) != unix.CAP_LAST_CAP+1 {
+		t.Errorf("capNumbers names %d capabilities, want every one up to CAP_LAST_CAP (%d)", len(capNumbers), unix.CAP_LAST_CAP)
+	}
+}

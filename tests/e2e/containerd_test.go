@@ -10,7 +10,9 @@ import (
 	"path/filepath"
 	"regexp"
 	"slices"
+	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -33,6 +35,17 @@ type containerdEnv struct {
 	state   string   // CAPSA_STATE
 	ns      string   // ctr's namespace
 	tmp     string   // the test's directory for containerd
+	daemon  *exec.Cmd
+	start   func() // starts containerd and waits until it answers
+}
+
+// restart stops containerd (SIGTERM, as a service manager does) and starts
+// it again on the same state: the shims and their pods live on.
+func (e *containerdEnv) restart() {
+	e.t.Helper()
+	e.daemon.Process.Signal(syscall.SIGTERM)
+	e.daemon.Wait()
+	e.start()
 }
 
 // startContainerd starts containerd with capsa's shim (the capsa binary
@@ -77,15 +90,30 @@ func startContainerdWith(t testing.TB, bundle string, conf func(tmp string) stri
 	if err != nil {
 		t.Fatal(err)
 	}
-	cmd := exec.Command(filepath.Join(cd, "bin", "containerd"), "--config", config, "--address", e.address,
-		"--root", filepath.Join(tmp, "root"), "--state", filepath.Join(tmp, "state"), "--log-level", "info")
-	cmd.Env, cmd.Stdout, cmd.Stderr = e.env, logf, logf
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
+	e.start = func() {
+		cmd := exec.Command(filepath.Join(cd, "bin", "containerd"), "--config", config, "--address", e.address,
+			"--root", filepath.Join(tmp, "root"), "--state", filepath.Join(tmp, "state"), "--log-level", "info")
+		cmd.Env, cmd.Stdout, cmd.Stderr = e.env, logf, logf
+		if err := cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		e.daemon = cmd
+		deadline := time.Now().Add(30 * time.Second)
+		for {
+			if _, _, code := e.run(10*time.Second, "", "version"); code == 0 {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatal("containerd did not answer in 30s")
+			}
+			time.Sleep(200 * time.Millisecond)
+		}
 	}
 	t.Cleanup(func() {
-		cmd.Process.Kill()
-		cmd.Wait()
+		if e.daemon != nil {
+			e.daemon.Process.Kill()
+			e.daemon.Wait()
+		}
 		logf.Close()
 		if t.Failed() {
 			b, _ := os.ReadFile(logPath)
@@ -111,17 +139,18 @@ func startContainerdWith(t testing.TB, bundle string, conf func(tmp string) stri
 			capsaWith(t, time.Minute, func(c *exec.Cmd) { c.Env = e.env }, append([]string{"rm", "-f"}, names...)...)
 		}
 	})
-	deadline := time.Now().Add(30 * time.Second)
-	for {
-		if _, _, code := e.run(10*time.Second, "", "version"); code == 0 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatal("containerd did not answer in 30s")
-		}
-		time.Sleep(200 * time.Millisecond)
-	}
+	e.start()
 	return e
+}
+
+// capField is a /proc/PID/status capability line's mask (0: none).
+func capField(status, name string) uint64 {
+	m := regexp.MustCompile(`(?m)^` + name + `:\s+([0-9a-f]+)$`).FindStringSubmatch(status)
+	if m == nil {
+		return 0
+	}
+	v, _ := strconv.ParseUint(m[1], 16, 64)
+	return v
 }
 
 func regexpMatch(re, s string) bool { return regexp.MustCompile(re).MatchString(s) }
@@ -282,10 +311,28 @@ func testContainerdShim(t *testing.T, e *containerdEnv) {
 		t.Errorf("capsa ps = %d %q %q, want the pod VM capsa-test-c3", ps.code, ps.stdout, ps.stderr)
 	}
 
+	// The spec's capabilities: ctr's default set, without CAP_SYS_ADMIN,
+	// so a mount is refused.
+	out = e.ctrWant(0, "", "task", "exec", "--exec-id", "caps", "c3", "sh", "-c", "grep -E '^Cap(Bnd|Eff)' /proc/self/status; mount -t tmpfs none /mnt 2>&1; echo mount=$?")
+	bnd, eff := capField(out, "CapBnd"), capField(out, "CapEff")
+	if bnd == 0 || bnd&(1<<21) != 0 || bnd&(1<<12) != 0 || bnd&1 == 0 || eff != bnd || strings.Contains(out, "mount=0") {
+		t.Errorf("capabilities in the container: %q; want the spec's (CAP_CHOWN, not CAP_SYS_ADMIN or CAP_NET_ADMIN) as the bounding and effective sets, and mount refused", out)
+	}
+
 	// Stats: the pod VM's real figures, as cgroup v2 metrics.
 	out = e.ctrWant(0, "", "task", "metrics", "c3")
 	if !regexpMatch(`memory\.usage_limit\s+536870912\b`, out) || !regexpMatch(`cpu\.usage_usec\s+[1-9]\d*`, out) || !regexpMatch(`memory\.usage\s+[1-9]\d*`, out) {
 		t.Errorf("ctr task metrics c3 = %q, want the VM's 512 MiB as the memory limit, and CPU time and memory used", out)
+	}
+
+	// containerd restarts: it finds the shim again, which still runs the
+	// container and its VM.
+	e.restart()
+	if out = e.ctrWant(0, "", "task", "ls"); !regexpMatch(`c3\s+\d+\s+RUNNING`, out) {
+		t.Errorf("ctr task ls after containerd restarted = %q, want c3 RUNNING", out)
+	}
+	if out = e.ctrWant(0, "", "task", "exec", "--exec-id", "after-restart", "c3", "cat", "/tmp/mark"); !strings.Contains(out, "started") {
+		t.Errorf("ctr task exec after containerd restarted = %q, want the container's file", out)
 	}
 
 	// Two containers at once, each in its own VM with its own root.
