@@ -62,6 +62,11 @@ type Container struct {
 	// Capabilities are the process's capability sets by their OCI
 	// names (CAP_CHOWN, ...); nil: the agent's own (all).
 	Capabilities *Capabilities `json:"capabilities,omitempty"`
+	// MaskedPaths are hidden (an empty read-only tmpfs over a directory,
+	// /dev/null over a file) and ReadonlyPaths made read-only, after the
+	// mounts, as the OCI spec's linux.maskedPaths and readonlyPaths.
+	MaskedPaths   []string `json:"masked_paths,omitempty"`
+	ReadonlyPaths []string `json:"readonly_paths,omitempty"`
 }
 
 // Capabilities are a process's five capability sets, as the OCI spec has
@@ -216,6 +221,14 @@ func (c *Container) Check() error {
 			return err
 		}
 	}
+	if len(c.MaskedPaths)+len(c.ReadonlyPaths) > maxContainerMounts {
+		return fmt.Errorf("container: more than %d masked and read-only paths", maxContainerMounts)
+	}
+	for _, p := range append(append([]string(nil), c.MaskedPaths...), c.ReadonlyPaths...) {
+		if !filepath.IsAbs(p) {
+			return fmt.Errorf("container path %q to mask or make read-only: not absolute", p)
+		}
+	}
 	for _, r := range c.Rlimits {
 		if _, ok := rlimitNumbers[r.Type]; !ok {
 			return fmt.Errorf("container rlimit %q: not a resource limit this guest knows", r.Type)
@@ -289,6 +302,16 @@ func enterContainer(req *containerRequest) error {
 	}
 	if devTmpfs {
 		if err := populateDev(root); err != nil {
+			return err
+		}
+	}
+	for _, p := range c.MaskedPaths {
+		if err := maskPath(root, p); err != nil {
+			return err
+		}
+	}
+	for _, p := range c.ReadonlyPaths {
+		if err := readonlyPath(root, p); err != nil {
 			return err
 		}
 	}
@@ -550,6 +573,72 @@ func openIn(root, path string, isFile bool) (*os.File, error) {
 		unix.Close(fd)
 	}
 	return nil, errors.New("unreachable")
+}
+
+// existingIn opens path inside root if it exists (nil if it does not).
+func existingIn(root, path string) (*os.File, error) {
+	rootFD, err := unix.Open(root, unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return nil, err
+	}
+	defer unix.Close(rootFD)
+	fd, err := unix.Openat2(rootFD, strings.TrimPrefix(filepath.Clean("/"+path), "/"),
+		&unix.OpenHow{Flags: unix.O_PATH | unix.O_CLOEXEC, Resolve: unix.RESOLVE_IN_ROOT | unix.RESOLVE_NO_MAGICLINKS})
+	if errors.Is(err, unix.ENOENT) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, err
+	}
+	return os.NewFile(uintptr(fd), path), nil
+}
+
+// maskPath hides path in the container, if it exists: /dev/null bound over
+// a file, an empty read-only tmpfs over a directory.
+func maskPath(root, path string) error {
+	f, err := existingIn(root, path)
+	if err != nil || f == nil {
+		return err
+	}
+	defer f.Close()
+	var st unix.Stat_t
+	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
+		return err
+	}
+	at := fmt.Sprintf("/proc/self/fd/%d", f.Fd())
+	if st.Mode&unix.S_IFMT == unix.S_IFDIR {
+		err = unix.Mount("tmpfs", at, "tmpfs", unix.MS_RDONLY, "size=0")
+	} else {
+		err = unix.Mount("/dev/null", at, "", unix.MS_BIND, "")
+	}
+	if err != nil {
+		return fmt.Errorf("mask %s: %w", path, err)
+	}
+	return nil
+}
+
+// readonlyPath makes path, if it exists, read-only in the container.
+func readonlyPath(root, path string) error {
+	f, err := existingIn(root, path)
+	if err != nil || f == nil {
+		return err
+	}
+	at := fmt.Sprintf("/proc/self/fd/%d", f.Fd())
+	err = unix.Mount(at, at, "", unix.MS_BIND|unix.MS_REC, "")
+	f.Close()
+	if err != nil {
+		return fmt.Errorf("read-only %s: %w", path, err)
+	}
+	// The remount needs the new mount, found again by its path.
+	g, err := existingIn(root, path)
+	if err != nil || g == nil {
+		return fmt.Errorf("read-only %s: %v", path, err)
+	}
+	defer g.Close()
+	if err := unix.Mount("", fmt.Sprintf("/proc/self/fd/%d", g.Fd()), "", unix.MS_REMOUNT|unix.MS_BIND|unix.MS_RDONLY|unix.MS_REC, ""); err != nil {
+		return fmt.Errorf("read-only %s: %w", path, err)
+	}
+	return nil
 }
 
 // populateDev gives a container's tmpfs /dev the devices every container

@@ -1,9 +1,11 @@
 package agent
 
 import (
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
+	"runtime"
 	"strings"
 	"testing"
 
@@ -106,5 +108,55 @@ func TestCapabilities(t *testing.T) {
 	}
 	if len(capNumbers) != unix.CAP_LAST_CAP+1 {
 		t.Errorf("capNumbers names %d capabilities, want every one up to CAP_LAST_CAP (%d)", len(capNumbers), unix.CAP_LAST_CAP)
+	}
+}
+
+// TestMaskAndReadonlyPaths masks a directory and a file and makes a
+// directory read-only inside a root, in a mount namespace of the test's
+// own; paths that do not exist are left alone.
+func TestMaskAndReadonlyPaths(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("mounting needs root")
+	}
+	runtime.LockOSThread() // never unlocked: the thread ends with the test
+	if err := unix.Unshare(unix.CLONE_NEWNS); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Mount("", "/", "", unix.MS_REC|unix.MS_PRIVATE, ""); err != nil {
+		t.Fatal(err)
+	}
+	root := t.TempDir()
+	defer func() {
+		for _, p := range []string{"secret", "file", "ro"} {
+			unix.Unmount(filepath.Join(root, p), unix.MNT_DETACH)
+		}
+	}()
+	for _, d := range []string{"secret", "ro"} {
+		os.MkdirAll(filepath.Join(root, d), 0o755)
+	}
+	os.WriteFile(filepath.Join(root, "secret", "key"), []byte("k"), 0o600)
+	os.WriteFile(filepath.Join(root, "file"), []byte("contents"), 0o644)
+	for _, p := range []string{"/secret", "/file", "/missing"} {
+		if err := maskPath(root, p); err != nil {
+			t.Fatalf("maskPath(%s): %v", p, err)
+		}
+	}
+	if err := readonlyPath(root, "/ro"); err != nil {
+		t.Fatal(err)
+	}
+	if err := readonlyPath(root, "/missing"); err != nil {
+		t.Errorf("readonlyPath of a missing path = %v, want nil", err)
+	}
+	if ents, _ := os.ReadDir(filepath.Join(root, "secret")); len(ents) != 0 {
+		t.Errorf("the masked directory shows %d entries, want none", len(ents))
+	}
+	if b, _ := os.ReadFile(filepath.Join(root, "file")); len(b) != 0 {
+		t.Errorf("the masked file reads %q, want nothing", b)
+	}
+	if err := os.WriteFile(filepath.Join(root, "ro", "x"), nil, 0o644); !errors.Is(err, unix.EROFS) {
+		t.Errorf("a write in the read-only directory = %v, want EROFS", err)
+	}
+	if _, err := os.Stat(filepath.Join(root, "missing")); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("a missing path was made: %v", err)
 	}
 }

@@ -209,6 +209,9 @@ func containerOf(s *specs.Spec, p *specs.Process, root string, binds map[string]
 	for _, r := range p.Rlimits {
 		c.Rlimits = append(c.Rlimits, agent.Rlimit{Type: r.Type, Soft: r.Soft, Hard: r.Hard})
 	}
+	if s.Linux != nil {
+		c.MaskedPaths, c.ReadonlyPaths = s.Linux.MaskedPaths, s.Linux.ReadonlyPaths
+	}
 	if caps := p.Capabilities; caps != nil {
 		c.Capabilities = &agent.Capabilities{Bounding: caps.Bounding, Effective: caps.Effective,
 			Permitted: caps.Permitted, Inheritable: caps.Inheritable, Ambient: caps.Ambient}

@@ -311,12 +311,19 @@ func testContainerdShim(t *testing.T, e *containerdEnv) {
 		t.Errorf("capsa ps = %d %q %q, want the pod VM capsa-test-c3", ps.code, ps.stdout, ps.stderr)
 	}
 
-	// The spec's capabilities: ctr's default set, without CAP_SYS_ADMIN,
-	// so a mount is refused.
-	out = e.ctrWant(0, "", "task", "exec", "--exec-id", "caps", "c3", "sh", "-c", "grep -E '^Cap(Bnd|Eff)' /proc/self/status; mount -t tmpfs none /mnt 2>&1; echo mount=$?")
+	// The spec's capabilities (ctr's default set, without CAP_SYS_ADMIN,
+	// so a mount is refused), masked paths and read-only paths.
+	out = e.ctrWant(0, "", "task", "exec", "--exec-id", "caps", "c3", "sh", "-c", "grep -E '^Cap(Bnd|Eff)' /proc/self/status; mount -t tmpfs none /mnt 2>&1; echo mount=$?; "+
+		"echo firmware=$(ls -A /sys/firmware | wc -l); grep -E ' /(sys/firmware|proc/fs) ' /proc/mounts")
 	bnd, eff := capField(out, "CapBnd"), capField(out, "CapEff")
 	if bnd == 0 || bnd&(1<<21) != 0 || bnd&(1<<12) != 0 || bnd&1 == 0 || eff != bnd || strings.Contains(out, "mount=0") {
 		t.Errorf("capabilities in the container: %q; want the spec's (CAP_CHOWN, not CAP_SYS_ADMIN or CAP_NET_ADMIN) as the bounding and effective sets, and mount refused", out)
+	}
+	// Its masked and read-only paths (of ctr's defaults, those the guest
+	// kernel has): /sys/firmware an empty read-only tmpfs, /proc/fs
+	// mounted read-only.
+	if !strings.Contains(out, "firmware=0\n") || !regexpMatch(`(?m)^tmpfs /sys/firmware tmpfs ro[, ]`, out) || !regexpMatch(`(?m)^proc /proc/fs proc ro[, ]`, out) {
+		t.Errorf("masked and read-only paths in the container: %q; want /sys/firmware masked by an empty read-only tmpfs and /proc/fs read-only", out)
 	}
 
 	// Stats: the pod VM's real figures, as cgroup v2 metrics.
