@@ -402,44 +402,30 @@ func enterContainer(req *containerRequest) error {
 	return nil
 }
 
+// mountOptions are the mount options that are flags. rw and the defaults
+// are none; propagation is private in the container's own namespace.
+var mountOptions = map[string]uintptr{
+	"ro": unix.MS_RDONLY, "nosuid": unix.MS_NOSUID, "nodev": unix.MS_NODEV, "noexec": unix.MS_NOEXEC,
+	"noatime": unix.MS_NOATIME, "nodiratime": unix.MS_NODIRATIME, "relatime": unix.MS_RELATIME,
+	"strictatime": unix.MS_STRICTATIME, "sync": unix.MS_SYNCHRONOUS,
+	"bind": unix.MS_BIND, "rbind": unix.MS_BIND | unix.MS_REC,
+	"rw": 0, "defaults": 0, "suid": 0, "dev": 0, "exec": 0, "atime": 0, "diratime": 0,
+	"private": 0, "rprivate": 0, "slave": 0, "rslave": 0, "shared": 0, "rshared": 0, "unbindable": 0, "runbindable": 0,
+}
+
 // mountFlags splits a mount's options into flags, flags for a bind's
 // remount, and the filesystem's own data.
 func mountFlags(m ContainerMount) (flags, remount uintptr, data string, err error) {
 	var extra []string
 	for _, o := range m.Options {
-		switch o {
-		case "ro":
-			flags |= unix.MS_RDONLY
-		case "rw", "defaults", "private", "rprivate", "slave", "rslave", "shared", "rshared", "unbindable", "runbindable":
-			// rw is the default; propagation is private in the
-			// container's own namespace.
-		case "nosuid":
-			flags |= unix.MS_NOSUID
-		case "nodev":
-			flags |= unix.MS_NODEV
-		case "noexec":
-			flags |= unix.MS_NOEXEC
-		case "suid", "dev", "exec", "atime", "diratime":
-		case "noatime":
-			flags |= unix.MS_NOATIME
-		case "nodiratime":
-			flags |= unix.MS_NODIRATIME
-		case "relatime":
-			flags |= unix.MS_RELATIME
-		case "strictatime":
-			flags |= unix.MS_STRICTATIME
-		case "sync":
-			flags |= unix.MS_SYNCHRONOUS
-		case "bind":
-			flags |= unix.MS_BIND
-		case "rbind":
-			flags |= unix.MS_BIND | unix.MS_REC
-		default:
-			if strings.ContainsAny(o, ",\x00") {
-				return 0, 0, "", fmt.Errorf("container mount %s: bad option %q", m.Destination, o)
-			}
-			extra = append(extra, o)
+		if f, ok := mountOptions[o]; ok {
+			flags |= f
+			continue
 		}
+		if strings.ContainsAny(o, ",\x00") {
+			return 0, 0, "", fmt.Errorf("container mount %s: bad option %q", m.Destination, o)
+		}
+		extra = append(extra, o)
 	}
 	if m.Type == "bind" {
 		flags |= unix.MS_BIND

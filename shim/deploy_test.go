@@ -12,6 +12,19 @@ import (
 	"go.yaml.in/yaml/v3"
 )
 
+// containerdConfig is what the tests read of a containerd configuration:
+// its version and its CRI plugins' runtimes.
+type containerdConfig struct {
+	Version int `toml:"version"`
+	Plugins map[string]struct {
+		Containerd struct {
+			Runtimes map[string]struct {
+				RuntimeType string `toml:"runtime_type"`
+			} `toml:"runtimes"`
+		} `toml:"containerd"`
+	} `toml:"plugins"`
+}
+
 // readDeploy reads a file of the repository's deploy/ directory.
 func readDeploy(t *testing.T, name string) []byte {
 	t.Helper()
@@ -28,16 +41,7 @@ func readDeploy(t *testing.T, name string) []byte {
 // DaemonSet and the SandboxTemplate name what the others define; and the
 // installer links the binary name containerd looks for.
 func TestDeployFilesAgree(t *testing.T) {
-	var conf struct {
-		Version int `toml:"version"`
-		Plugins map[string]struct {
-			Containerd struct {
-				Runtimes map[string]struct {
-					RuntimeType string `toml:"runtime_type"`
-				} `toml:"runtimes"`
-			} `toml:"containerd"`
-		} `toml:"plugins"`
-	}
+	var conf containerdConfig
 	if _, err := toml.Decode(string(readDeploy(t, "containerd-config.toml")), &conf); err != nil {
 		t.Fatalf("containerd-config.toml: %v", err)
 	}
@@ -178,16 +182,7 @@ func TestInstallerScript(t *testing.T) {
 			t.Errorf("the shim's link = %q, %v; want capsa", l, err)
 		}
 		b, _ := os.ReadFile(conf)
-		var parsed struct {
-			Version int `toml:"version"`
-			Plugins map[string]struct {
-				Containerd struct {
-					Runtimes map[string]struct {
-						RuntimeType string `toml:"runtime_type"`
-					} `toml:"runtimes"`
-				} `toml:"containerd"`
-			} `toml:"plugins"`
-		}
+		var parsed containerdConfig
 		if _, err := toml.Decode(string(b), &parsed); err != nil {
 			t.Fatalf("containerd's configuration after the installer does not parse: %v\n%s", err, b)
 		}

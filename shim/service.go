@@ -84,6 +84,7 @@ type container struct {
 	// podSandbox: CRI's sandbox (pause) container, which is the pod VM
 	// itself: it runs no process of its own, and ends when killed.
 	podSandbox bool
+	paused     bool // its pod VM is paused (Pause)
 	binds      map[string]string // bind mounts' host sources to guest paths
 	init       *process
 	execs      map[string]*process
@@ -225,6 +226,17 @@ func (s *service) startPod(ctx context.Context, spec *specs.Spec, group string) 
 		p.pid = uint32(r.PID)
 	}
 	return p, nil
+}
+
+// podPID is the pod VM's supervisor's host PID, the task's PID containerd
+// sees (0 without a VM).
+func (s *service) podPID() uint32 {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.pod == nil {
+		return 0
+	}
+	return s.pod.pid
 }
 
 // stopPod stops and removes the pod VM, if there is one.
@@ -415,6 +427,9 @@ func (s *service) Start(ctx context.Context, r *taskAPI.StartRequest) (*taskAPI.
 	if err != nil {
 		return nil, err
 	}
+	if s.isPaused(c) {
+		return nil, fmt.Errorf("start %s: its VM is paused (resume it first): %w", r.ID, errdefs.ErrFailedPrecondition)
+	}
 	if r.ExecID != "" && c.init.state() != task.Status_RUNNING {
 		return nil, fmt.Errorf("start exec %s: container %s is not running: %w", r.ExecID, r.ID, errdefs.ErrFailedPrecondition)
 	}
@@ -557,12 +572,7 @@ func (s *service) waitProcess(p *process, proc *agent.Process, outs []io.Closer)
 			<-e.doneIfStarted()
 		}
 	}
-	s.mu.Lock()
-	pid := uint32(0)
-	if s.pod != nil {
-		pid = s.pod.pid
-	}
-	s.mu.Unlock()
+	pid := s.podPID()
 	id := p.execID
 	if id == "" {
 		id = p.c.id
@@ -610,11 +620,8 @@ func (s *service) Delete(ctx context.Context, r *taskAPI.DeleteRequest) (*taskAP
 	if st := p.state(); st == task.Status_RUNNING {
 		return nil, fmt.Errorf("delete %s: the process is running: %w", r.ID, errdefs.ErrFailedPrecondition)
 	}
+	pid := s.podPID()
 	s.mu.Lock()
-	pid := uint32(0)
-	if s.pod != nil {
-		pid = s.pod.pid
-	}
 	if r.ExecID != "" {
 		delete(c.execs, r.ExecID)
 		s.mu.Unlock()
@@ -700,28 +707,74 @@ func (s *service) State(ctx context.Context, r *taskAPI.StateRequest) (*taskAPI.
 	if err != nil {
 		return nil, err
 	}
-	s.mu.Lock()
-	pid := uint32(0)
-	if s.pod != nil {
-		pid = s.pod.pid
-	}
-	s.mu.Unlock()
+	pid := s.podPID()
+	paused := s.isPaused(c)
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	status := p.status
+	if paused && status == task.Status_RUNNING {
+		status = task.Status_PAUSED
+	}
 	return &taskAPI.StateResponse{
-		ID: r.ID, ExecID: r.ExecID, Bundle: c.bundle, Pid: pid, Status: p.status,
+		ID: r.ID, ExecID: r.ExecID, Bundle: c.bundle, Pid: pid, Status: status,
 		Stdin: p.stdin, Stdout: p.stdout, Stderr: p.stderr, Terminal: p.terminal,
 		ExitStatus: p.exitCode, ExitedAt: protobuf.ToTimestamp(p.exitedAt),
 	}, nil
 }
 
-// Pause and Resume would pause the whole pod VM: not offered per container.
+// Pause pauses the pod VM (its vCPUs stop; capsa pause), which is only
+// offered for a pod of one container: pausing the VM pauses every one.
 func (s *service) Pause(ctx context.Context, r *taskAPI.PauseRequest) (*ptypes.Empty, error) {
-	return nil, fmt.Errorf("pause %s: %w", r.ID, errdefs.ErrNotImplemented)
+	return s.pauseResume(ctx, r.ID, true)
 }
 
+// Resume runs a paused pod VM again.
 func (s *service) Resume(ctx context.Context, r *taskAPI.ResumeRequest) (*ptypes.Empty, error) {
-	return nil, fmt.Errorf("resume %s: %w", r.ID, errdefs.ErrNotImplemented)
+	return s.pauseResume(ctx, r.ID, false)
+}
+
+func (s *service) pauseResume(ctx context.Context, id string, pause bool) (*ptypes.Empty, error) {
+	what := map[bool]string{true: "pause", false: "resume"}[pause]
+	c, p, err := s.get(id, "")
+	if err != nil {
+		return nil, err
+	}
+	s.mu.Lock()
+	pd, n := s.pod, len(s.containers)
+	s.mu.Unlock()
+	if pd == nil {
+		return nil, fmt.Errorf("%s %s: the pod VM is gone: %w", what, id, errdefs.ErrFailedPrecondition)
+	}
+	if n > 1 {
+		return nil, fmt.Errorf("%s %s: the pod's %d containers share its VM, which pauses as a whole: %w", what, id, n, errdefs.ErrNotImplemented)
+	}
+	if st := p.state(); st != task.Status_RUNNING && st != task.Status_PAUSED {
+		return nil, fmt.Errorf("%s %s: it is %s: %w", what, id, st, errdefs.ErrFailedPrecondition)
+	}
+	if pause {
+		err = pd.mgr.Pause(ctx, pd.Name)
+	} else {
+		err = pd.mgr.Resume(ctx, pd.Name)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("%s %s: %w", what, id, err)
+	}
+	s.mu.Lock()
+	c.paused = pause
+	s.mu.Unlock()
+	if pause {
+		s.publish(runtime.TaskPausedEventTopic, &eventstypes.TaskPaused{ContainerID: id})
+	} else {
+		s.publish(runtime.TaskResumedEventTopic, &eventstypes.TaskResumed{ContainerID: id})
+	}
+	return &ptypes.Empty{}, nil
+}
+
+// isPaused reports whether c's pod VM is paused.
+func (s *service) isPaused(c *container) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return c.paused
 }
 
 // Kill signals a process; with All, every process of the container.
@@ -729,6 +782,9 @@ func (s *service) Kill(ctx context.Context, r *taskAPI.KillRequest) (*ptypes.Emp
 	c, p, err := s.get(r.ID, r.ExecID)
 	if err != nil {
 		return nil, err
+	}
+	if s.isPaused(c) {
+		return nil, fmt.Errorf("kill %s: its VM is paused (resume it first): %w", r.ID, errdefs.ErrFailedPrecondition)
 	}
 	sig := syscall.Signal(r.Signal)
 	if unix.SignalName(sig) == "" {
@@ -774,12 +830,7 @@ func (s *service) endPodSandbox(p *process, sig syscall.Signal) error {
 	p.status, p.exitCode, p.exitedAt = task.Status_STOPPED, 128+uint32(sig), time.Now()
 	close(p.done)
 	p.mu.Unlock()
-	s.mu.Lock()
-	pid := uint32(0)
-	if s.pod != nil {
-		pid = s.pod.pid
-	}
-	s.mu.Unlock()
+	pid := s.podPID()
 	s.publish(runtime.TaskExitEventTopic, &eventstypes.TaskExit{ContainerID: p.c.id, ID: p.c.id, Pid: pid,
 		ExitStatus: p.exitCode, ExitedAt: protobuf.ToTimestamp(p.exitedAt)})
 	return nil
@@ -821,12 +872,7 @@ func (s *service) Checkpoint(ctx context.Context, r *taskAPI.CheckpointTaskReque
 
 // Connect reports the shim's PID and the pod VM's.
 func (s *service) Connect(ctx context.Context, r *taskAPI.ConnectRequest) (*taskAPI.ConnectResponse, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	pid := uint32(0)
-	if s.pod != nil {
-		pid = s.pod.pid
-	}
+	pid := s.podPID()
 	return &taskAPI.ConnectResponse{ShimPid: uint32(os.Getpid()), TaskPid: pid, Version: "capsa"}, nil
 }
 

@@ -9,7 +9,6 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
-	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -185,17 +184,23 @@ func tailLines(s string, lines int) string {
 // run runs ctr against the test's containerd in its namespace e.ns,
 // with stdin (if not empty), and returns its output and exit code.
 func (e *containerdEnv) run(timeout time.Duration, stdin string, args ...string) (stdout, stderr string, code int) {
+	return runTool(timeout, e.env, stdin, e.ctr, append([]string{"--address", e.address, "--namespace", e.ns}, args...)...)
+}
+
+// runTool runs a program with env and stdin (if not empty) for at most
+// timeout, and returns its output and exit code (-1: it did not run or
+// was killed).
+func runTool(timeout time.Duration, env []string, stdin, name string, args ...string) (stdout, stderr string, code int) {
 	ctx, cancel := context.WithTimeout(context.Background(), timeout)
 	defer cancel()
-	cmd := exec.CommandContext(ctx, e.ctr, append([]string{"--address", e.address, "--namespace", e.ns}, args...)...)
-	cmd.Env = e.env
+	cmd := exec.CommandContext(ctx, name, args...)
+	cmd.Env = env
 	var out, errb bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &out, &errb
 	if stdin != "" {
 		cmd.Stdin = strings.NewReader(stdin)
 	}
 	err := cmd.Run()
-	code = 0
 	var ee *exec.ExitError
 	switch {
 	case errors.As(err, &ee):
@@ -332,6 +337,19 @@ func testContainerdShim(t *testing.T, e *containerdEnv) {
 		t.Errorf("ctr task metrics c3 = %q, want the VM's 512 MiB as the memory limit, and CPU time and memory used", out)
 	}
 
+	// Pause and resume: the pod VM's vCPUs stop and run again.
+	e.ctrWant(0, "", "task", "pause", "c3")
+	if out = e.ctrWant(0, "", "task", "ls"); !regexpMatch(`c3\s+\d+\s+PAUSED`, out) {
+		t.Errorf("ctr task ls after pause = %q, want c3 PAUSED", out)
+	}
+	if ps := capsaWith(t, time.Minute, func(c *exec.Cmd) { c.Env = e.env }, "ps"); !regexpMatch(`capsa-test-c3\s+paused`, ps.stdout) {
+		t.Errorf("capsa ps with c3 paused = %q, want its VM paused", ps.stdout)
+	}
+	e.ctrWant(0, "", "task", "resume", "c3")
+	if out = e.ctrWant(0, "", "task", "exec", "--exec-id", "resumed", "c3", "cat", "/tmp/mark"); !strings.Contains(out, "started") {
+		t.Errorf("ctr task exec after resume = %q, want the container's file", out)
+	}
+
 	// containerd restarts: it finds the shim again, which still runs the
 	// container and its VM.
 	e.restart()
@@ -401,22 +419,7 @@ func containerdTerminal(t *testing.T, e *containerdEnv, ref string) {
 	pane := fmt.Sprintf("%s --address %s --namespace capsa-test run -t --rm --snapshotter native --runtime io.containerd.capsa.v2 %s ctty sh; echo ctr-exit-$?; sleep 3600",
 		e.ctr, e.address, ref)
 	tm("new-session", "-d", "-s", "ctr", "-x", "100", "-y", "30", pane)
-	screen := func() string { return tm("capture-pane", "-p", "-t", "ctr") }
-	seen := func(want string) {
-		t.Helper()
-		deadline := time.Now().Add(2 * time.Minute)
-		has := func(s string) bool { return strings.Contains(s, want) }
-		if want == "#" {
-			has = func(s string) bool { return slices.Contains(strings.Split(s, "\n"), "#") }
-		}
-		for !has(screen()) {
-			if time.Now().After(deadline) {
-				t.Fatalf("the pane never showed %q; it shows:\n%s", want, screen())
-			}
-			time.Sleep(100 * time.Millisecond)
-		}
-	}
-	keys := func(keys ...string) { tm(append([]string{"send-keys", "-t", "ctr"}, keys...)...) }
+	seen, keys, _ := paneDriver(t, tm, "ctr", 2*time.Minute)
 	seen("#")
 	keys("stty size", "Enter")
 	seen("30 100")

@@ -1,8 +1,6 @@
 package e2e
 
 import (
-	"bytes"
-	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -90,28 +88,11 @@ func (e *criEnv) cri(stdin string, args ...string) string {
 }
 
 func (e *criEnv) criRun(stdin string, args ...string) (string, string, int) {
-	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
-	defer cancel()
 	ep := "unix://" + e.address
-	cmd := exec.CommandContext(ctx, e.crictl, append([]string{"--runtime-endpoint", ep, "--image-endpoint", ep, "--timeout", "3m"}, args...)...)
-	cmd.Env = e.env
-	var out, errb bytes.Buffer
-	cmd.Stdout, cmd.Stderr = &out, &errb
-	if stdin != "" {
-		cmd.Stdin = strings.NewReader(stdin)
-	}
 	start := time.Now()
-	err := cmd.Run()
-	code := 0
-	var ee *exec.ExitError
-	if errors.As(err, &ee) {
-		code = ee.ExitCode()
-	} else if err != nil {
-		code = -1
-		errb.WriteString(err.Error())
-	}
-	e.t.Logf("crictl %s: exit %d after %v\nstdout: %q\nstderr: %q", strings.Join(args, " "), code, time.Since(start).Round(time.Millisecond), tailLines(out.String(), 10), tailLines(errb.String(), 10))
-	return out.String(), errb.String(), code
+	out, errs, code := runTool(3*time.Minute, e.env, stdin, e.crictl, append([]string{"--runtime-endpoint", ep, "--image-endpoint", ep, "--timeout", "3m"}, args...)...)
+	e.t.Logf("crictl %s: exit %d after %v\nstdout: %q\nstderr: %q", strings.Join(args, " "), code, time.Since(start).Round(time.Millisecond), tailLines(out, 10), tailLines(errs, 10))
+	return out, errs, code
 }
 
 // writeJSON writes v as JSON to a file in dir and returns its path.

@@ -172,6 +172,30 @@ func tmuxServer(t *testing.T) func(args ...string) string {
 	return tm
 }
 
+// paneDriver drives the tmux session's pane as a person at it would:
+// seen waits up to wait for want on the screen ("#": a line that is dash's
+// prompt and nothing else, as capture-pane drops trailing spaces), keys
+// types, screen is what the pane shows.
+func paneDriver(t *testing.T, tm func(args ...string) string, session string, wait time.Duration) (seen func(want string), keys func(keys ...string), screen func() string) {
+	screen = func() string { return tm("capture-pane", "-p", "-t", session) }
+	seen = func(want string) {
+		t.Helper()
+		deadline := time.Now().Add(wait)
+		has := func(s string) bool { return strings.Contains(s, want) }
+		if want == "#" {
+			has = func(s string) bool { return slices.Contains(strings.Split(s, "\n"), "#") }
+		}
+		for !has(screen()) {
+			if time.Now().After(deadline) {
+				t.Fatalf("the pane never showed %q; it shows:\n%s", want, screen())
+			}
+			time.Sleep(100 * time.Millisecond)
+		}
+	}
+	keys = func(keys ...string) { tm(append([]string{"send-keys", "-t", session}, keys...)...) }
+	return seen, keys, screen
+}
+
 // TestTerminal: `capsa exec -it NAME sh` in a tmux pane, typed at through
 // send-keys as a person does and read with capture-pane: the shell's
 // prompt, `stty size` as the pane's, a resize followed, ^C interrupting
@@ -190,24 +214,7 @@ func TestTerminal(t *testing.T) {
 	pane := fmt.Sprintf("stty -g > %[1]s/before; CAPSA_STATE=%[2]s %[3]s exec -it tty -- sh; echo capsa-exit-$?; stty -g > %[1]s/after; sleep 3600",
 		work, dir, artifact(t, "capsa"))
 	tm("new-session", "-d", "-s", "e2e", "-x", "100", "-y", "30", pane)
-	screen := func() string { return tm("capture-pane", "-p", "-t", "e2e") }
-	// seen waits for want on the screen ("#": a line that is dash's
-	// prompt and nothing else, as capture-pane drops trailing spaces).
-	seen := func(want string) {
-		t.Helper()
-		deadline := time.Now().Add(90 * time.Second)
-		has := func(s string) bool { return strings.Contains(s, want) }
-		if want == "#" {
-			has = func(s string) bool { return slices.Contains(strings.Split(s, "\n"), "#") }
-		}
-		for !has(screen()) {
-			if time.Now().After(deadline) {
-				t.Fatalf("the pane never showed %q; it shows:\n%s", want, screen())
-			}
-			time.Sleep(100 * time.Millisecond)
-		}
-	}
-	keys := func(keys ...string) { tm(append([]string{"send-keys", "-t", "e2e"}, keys...)...) }
+	seen, keys, screen := paneDriver(t, tm, "e2e", 90*time.Second)
 	seen("#")
 	keys("stty size", "Enter")
 	seen("30 100")
