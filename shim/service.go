@@ -10,6 +10,8 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strconv"
+	"strings"
 	"sync"
 	"syscall"
 	"time"
@@ -97,6 +99,10 @@ type process struct {
 	spec                  *specs.Process
 	stdin, stdout, stderr string
 	terminal              bool
+
+	// oomKills is the guest's count of OOM kills when the process
+	// started: one more when it ends by SIGKILL is reported as its OOM.
+	oomKills int64
 
 	mu       sync.Mutex
 	status   task.Status
@@ -517,6 +523,7 @@ func (s *service) startProcess(ctx context.Context, pd *pod, p *process) error {
 	if p.terminal {
 		opts.TTY = &agent.WindowSize{Rows: 24, Cols: 80}
 	}
+	p.oomKills = guestOOMKills(ctx, pd)
 	proc, err := pd.handle.Stream(bg, opts)
 	if err != nil {
 		return fail(err)
@@ -524,6 +531,33 @@ func (s *service) startProcess(ctx context.Context, pd *pod, p *process) error {
 	p.proc, p.status = proc, task.Status_RUNNING
 	go s.waitProcess(p, proc, outsAndIn)
 	return nil
+}
+
+// guestOOMKills is the guest kernel's count of OOM kills (/proc/vmstat's
+// oom_kill), -1 if it cannot be read. A process that ends by SIGKILL
+// while the count rose is reported as killed for memory: the guest's
+// OOM killer took it, or a process beside it (the pod's containers share
+// the guest's memory).
+func guestOOMKills(ctx context.Context, pd *pod) int64 {
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	b, err := pd.handle.ReadFile(ctx, "/proc/vmstat")
+	if err != nil {
+		return -1
+	}
+	return oomKillsOf(b)
+}
+
+// oomKillsOf reads oom_kill from /proc/vmstat's text (-1: none).
+func oomKillsOf(vmstat []byte) int64 {
+	for _, l := range strings.Split(string(vmstat), "\n") {
+		if v, ok := strings.CutPrefix(l, "oom_kill "); ok {
+			if n, err := strconv.ParseInt(strings.TrimSpace(v), 10, 64); err == nil {
+				return n
+			}
+		}
+	}
+	return -1
 }
 
 // lenient is a process's output fifo: once containerd's reader has gone,
@@ -547,6 +581,14 @@ func (s *service) waitProcess(p *process, proc *agent.Process, outs []io.Closer)
 		s.log.Warn("shim: a process ended without an exit status (the pod VM was lost?)", "container", p.c.id, "exec", p.execID, "err", err)
 	} else {
 		code = uint32(st.Code)
+		if st.Signal == "SIGKILL" && p.oomKills >= 0 {
+			s.mu.Lock()
+			pd := s.pod
+			s.mu.Unlock()
+			if pd != nil && guestOOMKills(context.Background(), pd) > p.oomKills {
+				s.publish(runtime.TaskOOMEventTopic, &eventstypes.TaskOOM{ContainerID: p.c.id})
+			}
+		}
 	}
 	for _, c := range outs {
 		c.Close()

@@ -201,3 +201,13 @@ func TestMetricsOf(t *testing.T) {
 		t.Errorf("the metrics do not marshal as containerd reads them: %v", err)
 	}
 }
+
+func TestOOMKillsOf(t *testing.T) {
+	vmstat := []byte("nr_free_pages 1234\noom_kill 3\npgfault 99\n")
+	if n := oomKillsOf(vmstat); n != 3 {
+		t.Errorf("oomKillsOf = %d, want 3", n)
+	}
+	if n := oomKillsOf([]byte("nr_free_pages 1\n")); n != -1 {
+		t.Errorf("oomKillsOf without the counter = %d, want -1", n)
+	}
+}

@@ -295,6 +295,25 @@ func testContainerdShim(t *testing.T, e *containerdEnv) {
 		t.Errorf("ctr run output = %q, want the image's /etc/debian_version (12.x), uid 0 and cwd /", out)
 	}
 
+	// A process the guest's OOM killer ends: exit 137, and containerd
+	// hears /tasks/oom for its container. The VM is sized by the spec's
+	// memory limit (256 MiB).
+	events := exec.Command(e.ctr, "--address", e.address, "--namespace", e.ns, "events")
+	var evOut bytes.Buffer
+	events.Stdout, events.Env = &evOut, e.env
+	if err := events.Start(); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(time.Second)
+	e.ctrWant(137, "", append(run, "--rm", "--memory-limit", "268435456", ref, "coom", "python3", "-c",
+		"a = []\nwhile True: a.append(bytearray(32 << 20))")...)
+	time.Sleep(2 * time.Second)
+	events.Process.Kill()
+	events.Wait()
+	if !regexpMatch(`/tasks/oom\s.*coom`, evOut.String()) {
+		t.Errorf("ctr events while coom ran out of memory = %q, want /tasks/oom for coom", tailLines(evOut.String(), 20))
+	}
+
 	// Stdin reaches the container's process and its end closes it.
 	out = e.ctrWant(0, "line one\nline two\n", append(run, "--rm", ref, "c2", "sh", "-c", "wc -l; python3 -c 'import sys; print(sys.version_info[0])'")...)
 	if !strings.Contains(out, "2\n3") {
