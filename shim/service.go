@@ -86,7 +86,7 @@ type container struct {
 	// podSandbox: CRI's sandbox (pause) container, which is the pod VM
 	// itself: it runs no process of its own, and ends when killed.
 	podSandbox bool
-	paused     bool // its pod VM is paused (Pause)
+	paused     bool              // its pod VM is paused (Pause)
 	binds      map[string]string // bind mounts' host sources to guest paths
 	init       *process
 	execs      map[string]*process
