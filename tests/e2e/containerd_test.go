@@ -369,6 +369,32 @@ func testContainerdShim(t *testing.T, e *containerdEnv) {
 		t.Errorf("ctr task exec after resume = %q, want the container's file", out)
 	}
 
+	// A pod VM that dies (its VMM killed): the container is reported
+	// exited, not hung.
+	e.ctrWant(0, "", append(run, "-d", ref, "clost", "sleep", "1000")...)
+	out = e.ctrWant(0, "", "task", "ls")
+	m := regexp.MustCompile(`clost\s+(\d+)\s+RUNNING`).FindStringSubmatch(out)
+	if m == nil {
+		t.Fatalf("ctr task ls = %q, want clost RUNNING with its VM's PID", out)
+	}
+	vmm, _ := strconv.Atoi(m[1])
+	if err := syscall.Kill(vmm, syscall.SIGKILL); err != nil {
+		t.Fatalf("kill the pod VM's process %d: %v", vmm, err)
+	}
+	deadline := time.Now().Add(time.Minute)
+	for {
+		out, _, _ := e.run(time.Minute, "", "task", "ls")
+		if regexpMatch(`clost\s+\d+\s+STOPPED`, out) {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("clost not STOPPED a minute after its VM was killed: %q", out)
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	e.ctrWant(0, "", "task", "delete", "clost")
+	e.ctrWant(0, "", "container", "delete", "clost")
+
 	// containerd restarts: it finds the shim again, which still runs the
 	// container and its VM.
 	e.restart()
