@@ -162,7 +162,7 @@ test-e2e: capsa testinitrd testimages nested-deps qemu-bundle mcp-client contain
 	l1=$$(scripts/nested-deps.sh) && tests/run-e2e.sh $(NESTED) $(BUILD)/e2e $(E2E_FILES) $(BUILD)/e2e/example-sandbox $(BUILD)/testimages:testimages \
 		'$(BUILD)/mcp-client:mcp-client@^(TestMCP|TestWorkspacePrograms|TestE2BSDK)$$' \
 		$(BUILD)/toolsimage/tools.tar.gz:tools.tar.gz@^TestWorkspacePrograms$$ \
-		$(BUILD)/containerd:containerd@^TestContainerd $(BUILD)/containerd2:containerd2@^TestContainerdShim$$ \
+		$(BUILD)/containerd:containerd@^TestContainerd $(BUILD)/containerd2:containerd2@^TestContainerd \
 		$(BUILD)/cri-tools:cri-tools@^TestContainerdCRI$$ \
 		$(BUILD)/e2e/example-assets@^TestLibraryAssets$$ $(BUILD)/assets:assets@^TestLibraryAssets$$ \
 		$$(ls $$l1/boot/vmlinuz-* | head -1):vmlinuz-debian@^TestDistroKernel$$

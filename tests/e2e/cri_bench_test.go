@@ -18,7 +18,7 @@ import (
 // removed after it is measured. pods/min is how many pods one after
 // another would start in a minute at the measured median.
 func BenchmarkCRIStart(b *testing.B) {
-	e := startCRI(b)
+	e := startCRI(b, "containerd")
 	dir := b.TempDir()
 	for _, handler := range []string{"capsa", "runc"} {
 		b.Run(handler, func(b *testing.B) {

@@ -22,12 +22,13 @@ type criEnv struct {
 	crictl string
 }
 
-// startCRI starts Debian 12's containerd 1.6 with its CRI plugin: capsa's
+// startCRI starts containerd (bundle: Debian 12's 1.6, or 2.x) with its
+// CRI plugin: capsa's
 // shim as the runtime handler "capsa" (a RuntimeClass's), runc as "runc",
 // the overlayfs
 // snapshotter, a CNI bridge network from the CNI plugins' own binaries,
 // and the test's python image as the sandbox image, imported beforehand.
-func startCRI(t testing.TB) *criEnv {
+func startCRI(t testing.TB, bundle string) *criEnv {
 	t.Helper()
 	tools := artifact(t, "cri-tools")
 	// The CRI plugin copies a node's /etc/hosts and /etc/resolv.conf into
@@ -54,6 +55,28 @@ func startCRI(t testing.TB) *criEnv {
 		if err := os.WriteFile(filepath.Join(cniConf, "10-capsa-test.conflist"), []byte(network), 0o644); err != nil {
 			t.Fatal(err)
 		}
+		if bundle == "containerd2" {
+			// containerd 2's configuration (version 3) splits CRI into
+			// its images and runtime plugins; its transfer service
+			// unpacks for the snapshotters it names.
+			return fmt.Sprintf(`version = 3
+[plugins.'io.containerd.cri.v1.images']
+  snapshotter = 'overlayfs'
+  [plugins.'io.containerd.cri.v1.images'.pinned_images]
+    sandbox = 'capsa.test/python:1'
+[plugins.'io.containerd.cri.v1.runtime']
+  [plugins.'io.containerd.cri.v1.runtime'.containerd]
+    default_runtime_name = 'capsa'
+    [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.capsa]
+      runtime_type = 'io.containerd.capsa.v2'
+  [plugins.'io.containerd.cri.v1.runtime'.cni]
+    bin_dirs = [%q]
+    conf_dir = %q
+[[plugins.'io.containerd.transfer.v1.local'.unpack_config]]
+  platform = 'linux/amd64'
+  snapshotter = 'overlayfs'
+`, filepath.Join(tools, "cni"), cniConf)
+		}
 		return fmt.Sprintf(`version = 2
 [plugins."io.containerd.grpc.v1.cri"]
   sandbox_image = "capsa.test/python:1"
@@ -71,7 +94,7 @@ func startCRI(t testing.TB) *criEnv {
 	}
 	// runc and containerd's runc shim, the benchmark's anchor, on
 	// containerd's PATH.
-	e := &criEnv{containerdEnv: startContainerdWith(t, "containerd", conf, filepath.Join(tools, "bin")), crictl: filepath.Join(tools, "bin", "crictl")}
+	e := &criEnv{containerdEnv: startContainerdWith(t, bundle, conf, filepath.Join(tools, "bin")), crictl: filepath.Join(tools, "bin", "crictl")}
 	e.ns = "k8s.io"
 	e.importImageWith("overlayfs")
 	return e
@@ -109,15 +132,24 @@ func writeJSON(t testing.TB, dir, name string, v any) string {
 	return p
 }
 
-// TestContainerdCRI runs a pod through containerd's CRI plugin with
-// crictl, as a kubelet with a RuntimeClass naming capsa would: the pod is
+// TestContainerdCRI runs a pod through containerd's CRI plugin (1.6's,
+// then 2.x's) with crictl, as a kubelet with a RuntimeClass naming capsa
+// would: the pod is
 // one capsa microVM (capsa ps lists it) on a CNI bridge network, which is
 // its guest's: the node reaches a container's server at the pod's IP, and
 // the guest reaches a server on the node from the pod's IP; two containers
 // in it share a file through an emptyDir and reach each other over
 // localhost; exec -s, exec -i, logs, stats, stop and removal work.
 func TestContainerdCRI(t *testing.T) {
-	e := startCRI(t)
+	for _, c := range []struct{ name, bundle string }{
+		{"containerd-1.6", "containerd"},
+		{"containerd-2.x", "containerd2"},
+	} {
+		t.Run(c.name, func(t *testing.T) { testContainerdCRI(t, startCRI(t, c.bundle)) })
+	}
+}
+
+func testContainerdCRI(t *testing.T, e *criEnv) {
 	dir := t.TempDir()
 	emptyDir := filepath.Join(dir, "emptydir")
 	if err := os.MkdirAll(emptyDir, 0o777); err != nil {
