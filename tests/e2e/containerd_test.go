@@ -334,6 +334,9 @@ func testContainerdShim(t *testing.T, e *containerdEnv) {
 	if ps.code != 0 || !strings.Contains(ps.stdout, "capsa-test-c3") {
 		t.Errorf("capsa ps = %d %q %q, want the pod VM capsa-test-c3", ps.code, ps.stdout, ps.stderr)
 	}
+	if st := capsaWith(t, time.Minute, func(c *exec.Cmd) { c.Env = e.env }, "stats", "--no-stream", "--format", "json", "capsa-test-c3"); st.code != 0 || !strings.Contains(st.stdout, "cpu_time_ns") {
+		t.Errorf("capsa stats capsa-test-c3 = %d %q %q, want the pod VM's figures", st.code, st.stdout, st.stderr)
+	}
 
 	// The spec's capabilities (ctr's default set, without CAP_SYS_ADMIN,
 	// so a mount is refused), masked paths and read-only paths.
