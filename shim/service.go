@@ -21,6 +21,7 @@ import (
 	taskAPI "github.com/containerd/containerd/api/runtime/task/v2"
 	"github.com/containerd/containerd/api/types/task"
 	"github.com/containerd/containerd/errdefs"
+	"github.com/containerd/containerd/identifiers"
 	"github.com/containerd/containerd/mount"
 	"github.com/containerd/containerd/namespaces"
 	"github.com/containerd/containerd/pkg/shutdown"
@@ -266,6 +267,9 @@ func (s *service) stopPod() {
 // Create makes a container: the pod VM if it is the first, the
 // container's root mounted into the pod's directory.
 func (s *service) Create(ctx context.Context, r *taskAPI.CreateTaskRequest) (_ *taskAPI.CreateTaskResponse, retErr error) {
+	if err := identifiers.Validate(r.ID); err != nil {
+		return nil, fmt.Errorf("create: the task's id: %w", err)
+	}
 	if r.Checkpoint != "" {
 		return nil, fmt.Errorf("create %s: restoring a checkpoint: %w", r.ID, errdefs.ErrNotImplemented)
 	}
@@ -696,6 +700,9 @@ func (s *service) Exec(ctx context.Context, r *taskAPI.ExecProcessRequest) (*pty
 	c, _, err := s.get(r.ID, "")
 	if err != nil {
 		return nil, err
+	}
+	if err := identifiers.Validate(r.ExecID); err != nil {
+		return nil, fmt.Errorf("exec in %s: the exec's id: %w", r.ID, err)
 	}
 	if r.Spec == nil {
 		return nil, fmt.Errorf("exec %s: no process spec: %w", r.ExecID, errdefs.ErrInvalidArgument)

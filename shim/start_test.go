@@ -104,6 +104,9 @@ func TestStartPrintsAnAddressEveryContainerdReads(t *testing.T) {
 	if _, err := tasks.Create(nctx, &taskAPI.CreateTaskRequest{ID: id, Bundle: "/etc"}); err == nil || !strings.Contains(err.Error(), "not containerd's bundle") {
 		t.Errorf("Create with a bundle outside containerd's = %v, want it refused", err)
 	}
+	if _, err := tasks.Create(nctx, &taskAPI.CreateTaskRequest{ID: "../" + id, Bundle: bundle}); err == nil || !strings.Contains(err.Error(), "the task's id") {
+		t.Errorf("Create with the id ../%s = %v, want it refused", id, err)
+	}
 	tasks.Shutdown(nctx, &taskAPI.ShutdownRequest{ID: id})
 	deadline := time.Now().Add(20 * time.Second)
 	for syscall.Kill(int(resp.ShimPid), 0) == nil {

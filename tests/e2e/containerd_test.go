@@ -461,7 +461,8 @@ func testContainerdShim(t *testing.T, e *containerdEnv) {
 // containerdTerminal: `ctr run -t` in a tmux pane, typed at as a person
 // does: a shell on the container's terminal of the pane's size, a resize
 // followed (ResizePty), ^C interrupting sleep with the shell still there,
-// and its exit code passed through ctr.
+// and its exit code passed through ctr; then `ctr task exec -t` into a
+// running container, at its pane's size, its exit code passed through.
 func containerdTerminal(t *testing.T, e *containerdEnv, ref string) {
 	tm := tmuxServer(t)
 	pane := fmt.Sprintf("%s --address %s --namespace capsa-test run -t --rm --snapshotter native --runtime io.containerd.capsa.v2 %s ctty sh; echo ctr-exit-$?; sleep 3600",
@@ -483,4 +484,31 @@ func containerdTerminal(t *testing.T, e *containerdEnv, ref string) {
 	seen("alive-130")
 	keys("exit 3", "Enter")
 	seen("ctr-exit-3")
+
+	// An exec on a terminal in a running container: ctr task exec -t.
+	run := []string{"run", "--snapshotter", "native", "--runtime", "io.containerd.capsa.v2"}
+	e.ctrWant(0, "", append(run, "-d", ref, "cttyexec", "sleep", "1000")...)
+	pane = fmt.Sprintf("%s --address %s --namespace %s task exec -t --exec-id tty cttyexec sh; echo exec-exit-$?; sleep 3600",
+		e.ctr, e.address, e.ns)
+	tm("new-session", "-d", "-s", "exec", "-x", "90", "-y", "25", pane)
+	eseen, ekeys, _ := paneDriver(t, tm, "exec", 2*time.Minute)
+	eseen("#")
+	ekeys("stty size", "Enter")
+	eseen("25 90")
+	ekeys("exit 5", "Enter")
+	eseen("exec-exit-5")
+	e.ctrWant(0, "", "task", "kill", "--signal", "SIGKILL", "cttyexec")
+	deadline := time.Now().Add(time.Minute)
+	for {
+		out, _, _ := e.run(time.Minute, "", "task", "ls")
+		if regexpMatch(`cttyexec\s+\d+\s+STOPPED`, out) {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("cttyexec not STOPPED a minute after SIGKILL: %q", out)
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	e.ctrWant(0, "", "task", "delete", "cttyexec")
+	e.ctrWant(0, "", "container", "delete", "cttyexec")
 }
