@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"maps"
 	"os"
 	"path/filepath"
 	"slices"
@@ -238,12 +239,24 @@ func (s *service) startPod(ctx context.Context, spec *specs.Spec, group string) 
 // podPID is the pod VM's supervisor's host PID, the task's PID containerd
 // sees (0 without a VM).
 func (s *service) podPID() uint32 {
+	if pd := s.currentPod(); pd != nil {
+		return pd.pid
+	}
+	return 0
+}
+
+// currentPod is the pod VM, or nil once it is gone.
+func (s *service) currentPod() *pod {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if s.pod == nil {
-		return 0
-	}
-	return s.pod.pid
+	return s.pod
+}
+
+// execsOf is a container's execs at this moment.
+func (s *service) execsOf(c *container) []*process {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return slices.Collect(maps.Values(c.execs))
 }
 
 // stopPod stops and removes the pod VM, if there is one.
@@ -283,11 +296,9 @@ func (s *service) Create(ctx context.Context, r *taskAPI.CreateTaskRequest) (_ *
 	if err := checkSpec(spec); err != nil {
 		return nil, fmt.Errorf("create %s: %w: %w", r.ID, err, errdefs.ErrInvalidArgument)
 	}
-	if r.Stdin != "" || r.Stdout != "" || r.Stderr != "" {
-		for _, p := range []string{r.Stdin, r.Stdout, r.Stderr} {
-			if p != "" && !filepath.IsAbs(p) {
-				return nil, fmt.Errorf("create %s: stdio %q: only fifo paths are supported: %w", r.ID, p, errdefs.ErrNotImplemented)
-			}
+	for _, p := range []string{r.Stdin, r.Stdout, r.Stderr} {
+		if p != "" && !filepath.IsAbs(p) {
+			return nil, fmt.Errorf("create %s: stdio %q: only fifo paths are supported: %w", r.ID, p, errdefs.ErrNotImplemented)
 		}
 	}
 	s.mu.Lock()
@@ -404,14 +415,12 @@ func makeTarget(path string, dir bool) error {
 
 // unmountUnder unmounts every mount at or beneath dir, deepest first.
 func unmountUnder(dir string) {
-	for _, sub := range []string{filepath.Join(dir, "mounts"), filepath.Join(dir, "rootfs")} {
-		if entries, err := os.ReadDir(sub); err == nil && filepath.Base(sub) == "mounts" {
-			for _, e := range entries {
-				mount.UnmountAll(filepath.Join(sub, e.Name()), unix.MNT_DETACH)
-			}
-		}
-		mount.UnmountAll(sub, unix.MNT_DETACH)
+	binds := filepath.Join(dir, "mounts")
+	entries, _ := os.ReadDir(binds)
+	for _, e := range entries {
+		mount.UnmountAll(filepath.Join(binds, e.Name()), unix.MNT_DETACH)
 	}
+	mount.UnmountAll(filepath.Join(dir, "rootfs"), unix.MNT_DETACH)
 }
 
 func (s *service) get(id, execID string) (*container, *process, error) {
@@ -443,9 +452,7 @@ func (s *service) Start(ctx context.Context, r *taskAPI.StartRequest) (*taskAPI.
 	if r.ExecID != "" && c.init.state() != task.Status_RUNNING {
 		return nil, fmt.Errorf("start exec %s: container %s is not running: %w", r.ExecID, r.ID, errdefs.ErrFailedPrecondition)
 	}
-	s.mu.Lock()
-	pd := s.pod
-	s.mu.Unlock()
+	pd := s.currentPod()
 	if pd == nil {
 		return nil, fmt.Errorf("start %s: the pod VM is gone: %w", r.ID, errdefs.ErrFailedPrecondition)
 	}
@@ -570,9 +577,7 @@ func oomKillsOf(vmstat []byte) int64 {
 type lenient struct{ w io.Writer }
 
 func (l lenient) Write(b []byte) (int, error) {
-	if _, err := l.w.Write(b); err != nil {
-		return len(b), nil
-	}
+	l.w.Write(b) // an error is containerd's reader gone: dropped
 	return len(b), nil
 }
 
@@ -586,9 +591,7 @@ func (s *service) waitProcess(p *process, proc *agent.Process, outs []io.Closer)
 	} else {
 		code = uint32(st.Code)
 		if st.Signal == "SIGKILL" && p.oomKills >= 0 {
-			s.mu.Lock()
-			pd := s.pod
-			s.mu.Unlock()
+			pd := s.currentPod()
 			if pd != nil && guestOOMKills(context.Background(), pd) > p.oomKills {
 				s.publish(runtime.TaskOOMEventTopic, &eventstypes.TaskOOM{ContainerID: p.c.id})
 			}
@@ -607,13 +610,7 @@ func (s *service) waitProcess(p *process, proc *agent.Process, outs []io.Closer)
 	if p.execID == "" {
 		// The init process's end ends the container's execs, as a pid
 		// namespace's end does.
-		s.mu.Lock()
-		var execs []*process
-		for _, e := range p.c.execs {
-			execs = append(execs, e)
-		}
-		s.mu.Unlock()
-		for _, e := range execs {
+		for _, e := range s.execsOf(p.c) {
 			e.signal(context.Background(), unix.SIGKILL)
 			<-e.doneIfStarted()
 		}
@@ -840,13 +837,7 @@ func (s *service) Kill(ctx context.Context, r *taskAPI.KillRequest) (*ptypes.Emp
 		return nil, fmt.Errorf("kill %s: signal %d: %w", r.ID, r.Signal, errdefs.ErrInvalidArgument)
 	}
 	if r.All && r.ExecID == "" {
-		s.mu.Lock()
-		var execs []*process
-		for _, e := range c.execs {
-			execs = append(execs, e)
-		}
-		s.mu.Unlock()
-		for _, e := range execs {
+		for _, e := range s.execsOf(c) {
 			e.signal(ctx, sig)
 		}
 	}
@@ -945,9 +936,7 @@ func (s *service) Stats(ctx context.Context, r *taskAPI.StatsRequest) (*taskAPI.
 	if _, _, err := s.get(r.ID, ""); err != nil {
 		return nil, err
 	}
-	s.mu.Lock()
-	pd := s.pod
-	s.mu.Unlock()
+	pd := s.currentPod()
 	if pd == nil {
 		return nil, fmt.Errorf("stats %s: the pod VM is gone: %w", r.ID, errdefs.ErrNotFound)
 	}

@@ -215,6 +215,31 @@ func runTool(timeout time.Duration, env []string, stdin, name string, args ...st
 	return out.String(), errb.String(), code
 }
 
+// deleteOnceStopped waits up to a minute for ctr task ls to show the task
+// id STOPPED (after: what ended it, for the failure's message), then
+// deletes the task and its container.
+func (e *containerdEnv) deleteOnceStopped(id, after string) {
+	e.t.Helper()
+	deadline := time.Now().Add(time.Minute)
+	for {
+		out, _, _ := e.run(time.Minute, "", "task", "ls")
+		if regexpMatch(id+`\s+\d+\s+STOPPED`, out) {
+			break
+		}
+		if time.Now().After(deadline) {
+			e.t.Fatalf("%s not STOPPED a minute after %s: %q", id, after, out)
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	e.ctrWant(0, "", "task", "delete", id)
+	e.ctrWant(0, "", "container", "delete", id)
+}
+
+// ctrRun is `ctr run` on capsa's shim with the native snapshotter, a test's
+// flags and arguments appended (its capacity is its length, so each append
+// makes a new slice).
+var ctrRun = []string{"run", "--snapshotter", "native", "--runtime", "io.containerd.capsa.v2"}
+
 // ctr runs ctr and fails the test unless it exits with want.
 func (e *containerdEnv) ctrWant(want int, stdin string, args ...string) string {
 	e.t.Helper()
@@ -286,10 +311,9 @@ func TestContainerdShim(t *testing.T) {
 
 func testContainerdShim(t *testing.T, e *containerdEnv) {
 	ref := e.importImage()
-	run := []string{"run", "--snapshotter", "native", "--runtime", "io.containerd.capsa.v2"}
 
 	// Output, the image's root and environment, and the exit code.
-	out := e.ctrWant(3, "", append(run, "--rm", ref, "c1", "sh", "-c",
+	out := e.ctrWant(3, "", append(ctrRun, "--rm", ref, "c1", "sh", "-c",
 		`echo "hello from debian $(cat /etc/debian_version) as $(id -u) in $PWD"; echo to-stderr >&2; exit 3`)...)
 	if !strings.Contains(out, "hello from debian 12") || !strings.Contains(out, "as 0 in /") {
 		t.Errorf("ctr run output = %q, want the image's /etc/debian_version (12.x), uid 0 and cwd /", out)
@@ -305,7 +329,7 @@ func testContainerdShim(t *testing.T, e *containerdEnv) {
 		t.Fatal(err)
 	}
 	time.Sleep(time.Second)
-	e.ctrWant(137, "", append(run, "--rm", "--memory-limit", "268435456", ref, "coom", "python3", "-c",
+	e.ctrWant(137, "", append(ctrRun, "--rm", "--memory-limit", "268435456", ref, "coom", "python3", "-c",
 		"a = []\nwhile True: a.append(bytearray(32 << 20))")...)
 	time.Sleep(2 * time.Second)
 	events.Process.Kill()
@@ -315,13 +339,13 @@ func testContainerdShim(t *testing.T, e *containerdEnv) {
 	}
 
 	// Stdin reaches the container's process and its end closes it.
-	out = e.ctrWant(0, "line one\nline two\n", append(run, "--rm", ref, "c2", "sh", "-c", "wc -l; python3 -c 'import sys; print(sys.version_info[0])'")...)
+	out = e.ctrWant(0, "line one\nline two\n", append(ctrRun, "--rm", ref, "c2", "sh", "-c", "wc -l; python3 -c 'import sys; print(sys.version_info[0])'")...)
 	if !strings.Contains(out, "2\n3") {
 		t.Errorf("ctr run with stdin: output %q, want 2 lines counted, then python 3", out)
 	}
 
 	// A detached container: exec, the pod VM in capsa ps, kill, delete.
-	e.ctrWant(0, "", append(run, "-d", "--env", "WHO=c3", ref, "c3", "sh", "-c", "echo started > /tmp/mark; exec sleep 1000")...)
+	e.ctrWant(0, "", append(ctrRun, "-d", "--env", "WHO=c3", ref, "c3", "sh", "-c", "echo started > /tmp/mark; exec sleep 1000")...)
 	out = e.ctrWant(4, "", "task", "exec", "--exec-id", "e1", "c3", "sh", "-c", `cat /tmp/mark; echo "exec as $WHO"; exit 4`)
 	if !strings.Contains(out, "started") || !strings.Contains(out, "exec as c3") {
 		t.Errorf("ctr task exec output = %q, want the init's /tmp/mark and the container's environment", out)
@@ -374,7 +398,7 @@ func testContainerdShim(t *testing.T, e *containerdEnv) {
 
 	// A pod VM that dies (its VMM killed): the container is reported
 	// exited, not hung.
-	e.ctrWant(0, "", append(run, "-d", ref, "clost", "sleep", "1000")...)
+	e.ctrWant(0, "", append(ctrRun, "-d", ref, "clost", "sleep", "1000")...)
 	out = e.ctrWant(0, "", "task", "ls")
 	m := regexp.MustCompile(`clost\s+(\d+)\s+RUNNING`).FindStringSubmatch(out)
 	if m == nil {
@@ -384,19 +408,7 @@ func testContainerdShim(t *testing.T, e *containerdEnv) {
 	if err := syscall.Kill(vmm, syscall.SIGKILL); err != nil {
 		t.Fatalf("kill the pod VM's process %d: %v", vmm, err)
 	}
-	deadline := time.Now().Add(time.Minute)
-	for {
-		out, _, _ := e.run(time.Minute, "", "task", "ls")
-		if regexpMatch(`clost\s+\d+\s+STOPPED`, out) {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("clost not STOPPED a minute after its VM was killed: %q", out)
-		}
-		time.Sleep(200 * time.Millisecond)
-	}
-	e.ctrWant(0, "", "task", "delete", "clost")
-	e.ctrWant(0, "", "container", "delete", "clost")
+	e.deleteOnceStopped("clost", "its VM was killed")
 
 	// containerd restarts: it finds the shim again, which still runs the
 	// container and its VM.
@@ -409,7 +421,7 @@ func testContainerdShim(t *testing.T, e *containerdEnv) {
 	}
 
 	// Two containers at once, each in its own VM with its own root.
-	e.ctrWant(0, "", append(run, "-d", ref, "c4", "sleep", "1000")...)
+	e.ctrWant(0, "", append(ctrRun, "-d", ref, "c4", "sleep", "1000")...)
 	e.ctrWant(0, "", "task", "exec", "--exec-id", "w", "c4", "sh", "-c", "echo c4 > /tmp/only-c4")
 	out = e.ctrWant(0, "", "task", "exec", "--exec-id", "r", "c3", "sh", "-c", "ls /tmp; test ! -e /tmp/only-c4 && echo separate")
 	if !strings.Contains(out, "separate") {
@@ -422,19 +434,7 @@ func testContainerdShim(t *testing.T, e *containerdEnv) {
 
 	for _, id := range []string{"c3", "c4"} {
 		e.ctrWant(0, "", "task", "kill", "--signal", "SIGTERM", id)
-		deadline := time.Now().Add(time.Minute)
-		for {
-			out, _, _ := e.run(time.Minute, "", "task", "ls")
-			if regexpMatch(id+`\s+\d+\s+STOPPED`, out) {
-				break
-			}
-			if time.Now().After(deadline) {
-				t.Fatalf("%s not STOPPED a minute after SIGTERM: %q", id, out)
-			}
-			time.Sleep(200 * time.Millisecond)
-		}
-		e.ctrWant(0, "", "task", "delete", id)
-		e.ctrWant(0, "", "container", "delete", id)
+		e.deleteOnceStopped(id, "SIGTERM")
 	}
 	ps = capsaWith(t, time.Minute, func(c *exec.Cmd) { c.Env = e.env }, "ps", "-a")
 	if strings.Contains(ps.stdout, "capsa-test-c3") || strings.Contains(ps.stdout, "capsa-test-c4") {
@@ -450,7 +450,7 @@ func testContainerdShim(t *testing.T, e *containerdEnv) {
 		{"--privileged", "process.capabilities"},
 		{"--net-host", "hostNetwork"},
 	} {
-		_, errs, code := e.run(3*time.Minute, "", append(run, "--rm", c.flag, ref, "bad", "true")...)
+		_, errs, code := e.run(3*time.Minute, "", append(ctrRun, "--rm", c.flag, ref, "bad", "true")...)
 		if code == 0 || !strings.Contains(errs, c.want) {
 			t.Errorf("ctr run %s: exit %d, stderr %q; want a failure naming %s", c.flag, code, errs, c.want)
 		}
@@ -486,8 +486,7 @@ func containerdTerminal(t *testing.T, e *containerdEnv, ref string) {
 	seen("ctr-exit-3")
 
 	// An exec on a terminal in a running container: ctr task exec -t.
-	run := []string{"run", "--snapshotter", "native", "--runtime", "io.containerd.capsa.v2"}
-	e.ctrWant(0, "", append(run, "-d", ref, "cttyexec", "sleep", "1000")...)
+	e.ctrWant(0, "", append(ctrRun, "-d", ref, "cttyexec", "sleep", "1000")...)
 	pane = fmt.Sprintf("%s --address %s --namespace %s task exec -t --exec-id tty cttyexec sh; echo exec-exit-$?; sleep 3600",
 		e.ctr, e.address, e.ns)
 	tm("new-session", "-d", "-s", "exec", "-x", "90", "-y", "25", pane)
@@ -498,17 +497,5 @@ func containerdTerminal(t *testing.T, e *containerdEnv, ref string) {
 	ekeys("exit 5", "Enter")
 	eseen("exec-exit-5")
 	e.ctrWant(0, "", "task", "kill", "--signal", "SIGKILL", "cttyexec")
-	deadline := time.Now().Add(time.Minute)
-	for {
-		out, _, _ := e.run(time.Minute, "", "task", "ls")
-		if regexpMatch(`cttyexec\s+\d+\s+STOPPED`, out) {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("cttyexec not STOPPED a minute after SIGKILL: %q", out)
-		}
-		time.Sleep(200 * time.Millisecond)
-	}
-	e.ctrWant(0, "", "task", "delete", "cttyexec")
-	e.ctrWant(0, "", "container", "delete", "cttyexec")
+	e.deleteOnceStopped("cttyexec", "SIGKILL")
 }
