@@ -6,9 +6,10 @@ package agent
 // that helper mounts what the container's OCI spec asks for into the
 // container's root (a directory the host shares into the guest), pivots
 // into it, takes the spec's rlimits and ids, and executes the process. It
-// follows what runc does for a container's filesystem, reduced to what a
-// guest that is already the isolation boundary needs: no cgroups, seccomp
-// or capabilities of its own (the VM is the pod's boundary, as Kata's).
+// follows what runc does for a container's filesystem, capabilities and
+// seccomp profile (seccomp.go), reduced to what a guest that is already
+// the isolation boundary needs: no cgroups of its own (the VM is the
+// pod's boundary, as Kata's).
 //
 // Every path in the container's root is resolved with openat2's
 // RESOLVE_IN_ROOT: the root is an image's tree, and a symbolic link in it
@@ -67,6 +68,8 @@ type Container struct {
 	// mounts, as the OCI spec's linux.maskedPaths and readonlyPaths.
 	MaskedPaths   []string `json:"masked_paths,omitempty"`
 	ReadonlyPaths []string `json:"readonly_paths,omitempty"`
+	// Seccomp is the process's seccomp profile; nil: none.
+	Seccomp *Seccomp `json:"seccomp,omitempty"`
 }
 
 // Capabilities are a process's five capability sets, as the OCI spec has
@@ -229,6 +232,11 @@ func (c *Container) Check() error {
 			return fmt.Errorf("container path %q to mask or make read-only: not absolute", p)
 		}
 	}
+	if c.Seccomp != nil {
+		if err := c.Seccomp.Check(); err != nil {
+			return fmt.Errorf("container: %w", err)
+		}
+	}
 	for _, r := range c.Rlimits {
 		if _, ok := rlimitNumbers[r.Type]; !ok {
 			return fmt.Errorf("container rlimit %q: not a resource limit this guest knows", r.Type)
@@ -349,6 +357,13 @@ func enterContainer(req *containerRequest) error {
 			return fmt.Errorf("rlimit %s: %w", r.Type, err)
 		}
 	}
+	if c.Seccomp != nil && !c.NoNewPrivileges {
+		// Loading a filter without no_new_privs takes CAP_SYS_ADMIN,
+		// which the next steps may drop.
+		if err := c.Seccomp.load(); err != nil {
+			return err
+		}
+	}
 	if c.Capabilities != nil {
 		if err := c.Capabilities.dropBounding(); err != nil {
 			return err
@@ -395,6 +410,13 @@ func enterContainer(req *containerRequest) error {
 			return err
 		}
 		path = p
+	}
+	if c.Seccomp != nil && c.NoNewPrivileges {
+		// As late as can be, so that the profile governs the process
+		// and as little of the helper as possible.
+		if err := c.Seccomp.load(); err != nil {
+			return err
+		}
 	}
 	if err := syscall.Exec(path, req.Argv, req.Env); err != nil {
 		return fmt.Errorf("exec %s: %w", req.Argv[0], err)

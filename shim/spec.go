@@ -112,8 +112,8 @@ func checkSpec(s *specs.Spec) error {
 			return fmt.Errorf("spec: linux.namespaces: no %s namespace means the host's (%s), which a microVM cannot share", typ, name)
 		}
 	}
-	if s.Linux.Seccomp != nil {
-		return errors.New("spec: linux.seccomp: a container's own seccomp profile is not applied by capsa yet (the VM is the boundary); leave it out (seccompProfile: Unconfined)")
+	if sc := s.Linux.Seccomp; sc != nil && sc.ListenerPath != "" {
+		return errors.New("spec: linux.seccomp.listenerPath: capsa has no seccomp agent to hand notifications to")
 	}
 	if s.Process.User.UID > math.MaxInt32 || s.Process.User.GID > math.MaxInt32 {
 		return fmt.Errorf("spec: process.user: %d:%d out of range", s.Process.User.UID, s.Process.User.GID)
@@ -212,6 +212,9 @@ func containerOf(s *specs.Spec, p *specs.Process, root string, binds map[string]
 	if s.Linux != nil {
 		c.MaskedPaths, c.ReadonlyPaths = s.Linux.MaskedPaths, s.Linux.ReadonlyPaths
 	}
+	if s.Linux != nil && s.Linux.Seccomp != nil {
+		c.Seccomp = seccompOf(s.Linux.Seccomp)
+	}
 	if caps := p.Capabilities; caps != nil {
 		c.Capabilities = &agent.Capabilities{Bounding: caps.Bounding, Effective: caps.Effective,
 			Permitted: caps.Permitted, Inheritable: caps.Inheritable, Ambient: caps.Ambient}
@@ -237,4 +240,22 @@ func containerOf(s *specs.Spec, p *specs.Process, root string, binds map[string]
 		return nil, fmt.Errorf("spec: %w", err)
 	}
 	return c, nil
+}
+
+// seccompOf is the spec's seccomp profile for the guest's helper, which
+// compiles it for the guest's x86-64 ABI (its architectures list is
+// not needed: other ABIs' calls fail there).
+func seccompOf(sc *specs.LinuxSeccomp) *agent.Seccomp {
+	out := &agent.Seccomp{DefaultAction: string(sc.DefaultAction), DefaultErrno: sc.DefaultErrnoRet}
+	for _, f := range sc.Flags {
+		out.Flags = append(out.Flags, string(f))
+	}
+	for _, r := range sc.Syscalls {
+		rule := agent.SeccompRule{Names: r.Names, Action: string(r.Action), Errno: r.ErrnoRet}
+		for _, a := range r.Args {
+			rule.Args = append(rule.Args, agent.SeccompArg{Index: a.Index, Value: a.Value, ValueTwo: a.ValueTwo, Op: string(a.Op)})
+		}
+		out.Rules = append(out.Rules, rule)
+	}
+	return out
 }

@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	seccompprofile "github.com/containerd/containerd/contrib/seccomp"
 	"github.com/containerd/typeurl/v2"
 	specs "github.com/opencontainers/runtime-spec/specs-go"
 
@@ -70,8 +71,8 @@ func TestCheckSpecRefusesFieldByField(t *testing.T) {
 		{"host network", "hostNetwork", withoutNS(specs.NetworkNamespace)},
 		{"host pid", "hostPID", withoutNS(specs.PIDNamespace)},
 		{"host ipc", "hostIPC", withoutNS(specs.IPCNamespace)},
-		{"seccomp", "linux.seccomp", func(s *specs.Spec) {
-			s.Linux.Seccomp = &specs.LinuxSeccomp{DefaultAction: specs.ActErrno}
+		{"seccomp notifications", "linux.seccomp.listenerPath", func(s *specs.Spec) {
+			s.Linux.Seccomp = &specs.LinuxSeccomp{DefaultAction: specs.ActErrno, ListenerPath: "/run/seccomp-agent.sock"}
 		}},
 		{"relative mount", "mounts: destination", func(s *specs.Spec) {
 			s.Mounts = append(s.Mounts, specs.Mount{Destination: "etc/hosts", Type: "bind", Source: file})
@@ -209,5 +210,33 @@ func TestOOMKillsOf(t *testing.T) {
 	}
 	if n := oomKillsOf([]byte("nr_free_pages 1\n")); n != -1 {
 		t.Errorf("oomKillsOf without the counter = %d, want -1", n)
+	}
+}
+
+// TestContainerOfTakesContainerdsDefaultProfile: the profile containerd
+// gives RuntimeDefault and `ctr run --seccomp` reaches the guest whole,
+// and one the guest cannot apply is refused before anything starts.
+func TestContainerOfTakesContainerdsDefaultProfile(t *testing.T) {
+	s := goodSpec()
+	s.Linux.Seccomp = seccompprofile.DefaultProfile(s)
+	c, err := containerOf(s, s.Process, "/capsa-pod/c1/rootfs", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c.Seccomp == nil || c.Seccomp.DefaultAction != "SCMP_ACT_ERRNO" || len(c.Seccomp.Rules) != len(s.Linux.Seccomp.Syscalls) {
+		t.Fatalf("seccomp = %+v, want containerd's default profile's %d rules", c.Seccomp, len(s.Linux.Seccomp.Syscalls))
+	}
+	var masked bool
+	for _, r := range c.Seccomp.Rules {
+		for _, a := range r.Args {
+			masked = masked || a.Op == "SCMP_CMP_MASKED_EQ"
+		}
+	}
+	if !masked {
+		t.Error("no SCMP_CMP_MASKED_EQ comparison came through (containerd's profile has clone's)")
+	}
+	s.Linux.Seccomp.Syscalls = append(s.Linux.Seccomp.Syscalls, specs.LinuxSyscall{Names: []string{"ioctl"}, Action: specs.ActNotify})
+	if _, err := containerOf(s, s.Process, "/capsa-pod/c1/rootfs", nil); err == nil || !strings.Contains(err.Error(), "SCMP_ACT_NOTIFY") {
+		t.Errorf("containerOf with a notify rule = %v, want SCMP_ACT_NOTIFY refused", err)
 	}
 }

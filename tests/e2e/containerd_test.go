@@ -338,10 +338,15 @@ func testContainerdShim(t *testing.T, e *containerdEnv) {
 		t.Errorf("ctr events while coom ran out of memory = %q, want /tasks/oom for coom", tailLines(evOut.String(), 20))
 	}
 
-	// Stdin reaches the container's process and its end closes it.
-	out = e.ctrWant(0, "line one\nline two\n", append(ctrRun, "--rm", ref, "c2", "sh", "-c", "wc -l; python3 -c 'import sys; print(sys.version_info[0])'")...)
-	if !strings.Contains(out, "2\n3") {
-		t.Errorf("ctr run with stdin: output %q, want 2 lines counted, then python 3", out)
+	// Stdin reaches the container's process and its end closes it. The
+	// container runs under containerd's default seccomp profile
+	// (--seccomp, what Kubernetes' RuntimeDefault gives): python runs,
+	// and setarch -R's personality(ADDR_NO_RANDOMIZE), which the profile
+	// leaves out, fails with EPERM (c3 below, unconfined, runs it).
+	out = e.ctrWant(0, "line one\nline two\n", append(ctrRun, "--rm", "--seccomp", ref, "c2", "sh", "-c",
+		"wc -l; python3 -c 'import sys; print(sys.version_info[0])'; grep ^Seccomp: /proc/self/status; setarch x86_64 -R true 2>&1; echo setarch=$?")...)
+	if !strings.Contains(out, "2\n3\nSeccomp:\t2\n") || !strings.Contains(out, "Operation not permitted") || strings.Contains(out, "setarch=0") {
+		t.Errorf("ctr run --seccomp with stdin: output %q, want 2 lines counted, python 3, a seccomp filter (Seccomp: 2) and setarch -R refused", out)
 	}
 
 	// A detached container: exec, the pod VM in capsa ps, kill, delete.
@@ -365,10 +370,14 @@ func testContainerdShim(t *testing.T, e *containerdEnv) {
 	// The spec's capabilities (ctr's default set, without CAP_SYS_ADMIN,
 	// so a mount is refused), masked paths and read-only paths.
 	out = e.ctrWant(0, "", "task", "exec", "--exec-id", "caps", "c3", "sh", "-c", "grep -E '^Cap(Bnd|Eff)' /proc/self/status; mount -t tmpfs none /mnt 2>&1; echo mount=$?; "+
+		"grep ^Seccomp: /proc/self/status; setarch x86_64 -R true; echo setarch=$?; "+
 		"echo firmware=$(ls -A /sys/firmware | wc -l); grep -E ' /(sys/firmware|proc/fs) ' /proc/mounts")
 	bnd, eff := capField(out, "CapBnd"), capField(out, "CapEff")
 	if bnd == 0 || bnd&(1<<21) != 0 || bnd&(1<<12) != 0 || bnd&1 == 0 || eff != bnd || strings.Contains(out, "mount=0") {
 		t.Errorf("capabilities in the container: %q; want the spec's (CAP_CHOWN, not CAP_SYS_ADMIN or CAP_NET_ADMIN) as the bounding and effective sets, and mount refused", out)
+	}
+	if !strings.Contains(out, "Seccomp:\t0\nsetarch=0\n") {
+		t.Errorf("c3, run without --seccomp: %q, want no seccomp filter and setarch -R working", out)
 	}
 	// Its masked and read-only paths (of ctr's defaults, those the guest
 	// kernel has): /sys/firmware an empty read-only tmpfs, /proc/fs

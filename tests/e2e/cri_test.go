@@ -185,6 +185,9 @@ EOF
 exec sleep 1000`},
 		"log_path": "client.log",
 		"mounts":   mounts,
+		// Kubernetes' RuntimeDefault: containerd's default profile,
+		// which the guest applies (the server runs Unconfined).
+		"linux": map[string]any{"security_context": map[string]any{"seccomp": map[string]any{"profile_type": 0}}},
 	})
 
 	podID := strings.TrimSpace(e.cri("", "runp", "--runtime", "capsa", pod))
@@ -271,8 +274,11 @@ exec sleep 1000`},
 		t.Error("the node's server saw no request from the guest")
 	}
 
-	if out := e.cri("", "exec", "-s", clientID, "sh", "-c", "cat /data/shared; id -u"); !strings.Contains(out, "from-server\n0") {
-		t.Errorf("crictl exec -s = %q, want the shared file and uid 0", out)
+	if out := e.cri("", "exec", "-s", clientID, "sh", "-c", "cat /data/shared; id -u; grep ^Seccomp: /proc/self/status"); !strings.Contains(out, "from-server\n0\nSeccomp:\t2") {
+		t.Errorf("crictl exec -s = %q, want the shared file, uid 0 and the RuntimeDefault seccomp filter (Seccomp: 2)", out)
+	}
+	if out := e.cri("", "exec", "-s", serverID, "grep", "^Seccomp:", "/proc/self/status"); !strings.Contains(out, "Seccomp:\t0") {
+		t.Errorf("crictl exec -s into the Unconfined server = %q, want no seccomp filter (Seccomp: 0)", out)
 	}
 	if out := e.cri("two\nlines\n", "exec", "-i", clientID, "wc", "-l"); strings.TrimSpace(out) != "2" {
 		t.Errorf("crictl exec -i wc -l = %q, want 2", out)
