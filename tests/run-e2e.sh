@@ -25,8 +25,71 @@ nested=$1 dir=$2
 shift 2
 batch=${E2E_BATCH:-4}
 solo='^(TestSoak|TestHostileWorkloads|TestRestoresShareMemory|TestStress)$'
-tests=$("$dir/e2e.test" -test.list '^Test' | grep '^Test') || { echo "run-e2e: cannot list the tests"; exit 1; }
+if [ -n "${E2E_TESTS:-}" ]; then
+	tests=$E2E_TESTS # a lane's share (below)
+else
+	tests=$("$dir/e2e.test" -test.list '^Test' | grep '^Test') || { echo "run-e2e: cannot list the tests"; exit 1; }
+fi
 [ -n "$tests" ] || { echo "run-e2e: FAILED: no tests listed"; exit 1; }
+me=run-e2e${E2E_LANE:+[lane $E2E_LANE]}
+
+# Lanes: E2E_LANES L1 hosts (default 2, at most the machine's cores) run
+# at once, each its share of the tests. An L1's work is mostly one vCPU's
+# (a test's guest), so one alone leaves the second core of a 2-core
+# machine idle. The tests go to lanes longest first (the durations of
+# tests/e2e/durations.txt, 20 s for a test it lacks), each to the lane
+# with the least work so far. Each lane is this script on its share, with
+# its own rules; the tier adds their counts up, fails if any lane did,
+# and allows one L1 crash in all, as one lane does. Lane 0's output
+# streams; the others' follow it.
+lanes=${E2E_LANES:-2}
+[ "$lanes" -gt "$(nproc)" ] && lanes=$(nproc)
+if [ -z "${E2E_LANE:-}" ] && [ "$lanes" -gt 1 ]; then
+	durations=$(dirname "$0")/e2e/durations.txt
+	assignment=$(for t in $tests; do
+		echo "$(awk -v t="$t" '$1 == t { print $2 }' "$durations" 2>/dev/null | head -1 | grep . || echo 20) $t"
+	done | sort -k1,1nr -k2 | awk -v n="$lanes" '{
+		best = 0; for (i = 1; i < n; i++) if (load[i] < load[best]) best = i
+		load[best] += $1; print best, $2 }')
+	lanedir=$(mktemp -d)
+	trap 'rm -rf "$lanedir"' EXIT
+	pids=()
+	for ((i = 0; i < lanes; i++)); do
+		share=$(echo "$assignment" | awk -v i="$i" '$1 == i { print $2 }' | tr '\n' ' ')
+		if [ "$i" = 0 ]; then
+			(E2E_LANE=$i E2E_TESTS=$share bash "$0" "$nested" "$dir" "$@" 2>&1 | tee "$lanedir/$i") &
+		else
+			(E2E_LANE=$i E2E_TESTS=$share bash "$0" "$nested" "$dir" "$@" >"$lanedir/$i" 2>&1; true) &
+		fi
+		pids+=($!)
+	done
+	wait "${pids[@]}"
+	n=0 passed=0 nfailed=0 skipped=0 crashes=0 failed=""
+	sumre='([0-9]+) listed: ([0-9]+) passed, ([0-9]+) failed, ([0-9]+) skipped; L1 crashed ([0-9]+)'
+	for ((i = 0; i < lanes; i++)); do
+		if [ "$i" != 0 ]; then
+			echo "=== run-e2e: the output of lane $i"
+			cat "$lanedir/$i"
+		fi
+		sum=$(grep -E "^run-e2e\\[lane $i\\]: [0-9]+ listed: " "$lanedir/$i" || true)
+		if [[ $sum =~ $sumre ]]; then
+			n=$((n + BASH_REMATCH[1])) passed=$((passed + BASH_REMATCH[2])) nfailed=$((nfailed + BASH_REMATCH[3]))
+			skipped=$((skipped + BASH_REMATCH[4])) crashes=$((crashes + BASH_REMATCH[5]))
+		else
+			failed="$failed lane-$i(no-summary)"
+		fi
+		f=$(grep -E "^run-e2e\\[lane $i\\]: FAILED:" "$lanedir/$i" | sed 's/^[^:]*: FAILED://' || true)
+		[ -n "$f" ] && failed="$failed$f"
+	done
+	echo "run-e2e: $n listed in $lanes lanes: $passed passed, $nfailed failed, $skipped skipped; L1 crashed $crashes time(s)"
+	[ "$crashes" -gt 1 ] && failed="$failed (L1 crashed $crashes times in all lanes: more than once in one run)"
+	if [ -n "$failed" ] || [ "$n" -ne "$(echo $tests | wc -w)" ]; then
+		echo "run-e2e: FAILED:${failed:- (tests of a lane went uncounted)}"
+		exit 1
+	fi
+	echo "run-e2e: all $n end-to-end tests passed"
+	exit 0
+fi
 # A file given as SRC[:NAME]@REGEX goes only to the sessions running a
 # test that REGEX matches (the MCP client's Node bundle, 135 MB, is for
 # TestMCP alone and would slow every other session's L1 boot).
@@ -74,7 +137,7 @@ run() {
 			fi
 		done
 	done
-	echo "=== run-e2e: $*"
+	echo "=== $me: $*"
 	# --l1-retries 0: an L1 crash is handled here, so that only the tests
 	# it cut short run again.
 	"$nested" --timeout 30m --l1-retries 0 "${session[@]}" -- ./e2e.test -test.v -test.run "^($re)\$" -test.timeout 25m 2>&1 | tee "$log"
@@ -146,17 +209,17 @@ for t in $tests; do
 	fi
 done
 [ ${#group[@]} -gt 0 ] && run "${group[@]}"
-echo "run-e2e: $n listed: $passed passed, $nfailed failed, $skipped skipped; L1 crashed $crashes time(s)"
-[ -n "$rerun" ] && echo "run-e2e: re-run for the layer below capsa:$rerun"
+echo "$me: $n listed: $passed passed, $nfailed failed, $skipped skipped; L1 crashed $crashes time(s)"
+[ -n "$rerun" ] && echo "$me: re-run for the layer below capsa:$rerun"
 if [ "$crashes" -gt 1 ]; then
 	failed="$failed (L1 crashed $crashes times: more than once in one run)"
 fi
 if [ -n "$failed" ]; then
 	if [ -s "$digest" ]; then
-		echo "run-e2e: what each failed test logged (its own lines; the full output is above):"
+		echo "$me: what each failed test logged (its own lines; the full output is above):"
 		cat "$digest"
 	fi
-	echo "run-e2e: FAILED:$failed"
+	echo "$me: FAILED:$failed"
 	exit 1
 fi
-echo "run-e2e: all $n end-to-end tests passed"
+echo "$me: all $n end-to-end tests passed"

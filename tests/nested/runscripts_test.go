@@ -1,6 +1,7 @@
 package nested
 
 import (
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -12,8 +13,9 @@ import (
 // tests the -test.run pattern names, each as $MODE says.
 const fakeNested = `#!/bin/bash
 re=$(echo "$@" | sed 's/.*-test.run \([^ ]*\).*/\1/')
-session=$(($(cat "$STATE" 2>/dev/null || echo 0) + 1))
-echo $session >"$STATE"
+state=$STATE${E2E_LANE:-} # sessions are counted in each lane
+session=$(($(cat "$state" 2>/dev/null || echo 0) + 1))
+echo $session >"$state"
 crash() { echo "capsa-nested: nested: the nested L1 host kernel crashed (L1 console: BUG: x)" >&2; exit 125; }
 st=0
 for t in TestA TestB TestC TestD; do
@@ -22,6 +24,7 @@ for t in TestA TestB TestC TestD; do
 	fail-then-crash:1:TestB) echo "--- FAIL: TestB (1s)"; crash ;;
 	crash-once:1:TestB) crash ;;
 	two-crashes:1:TestC | two-crashes:2:TestC) crash ;;
+	crash-each-lane:1:*) crash ;;
 	skip:*:TestC) echo "--- SKIP: TestC (0s)" ;;
 	no-result:*:TestD) echo "panic: boom"; st=2 ;;
 	*) echo "--- PASS: $t (1s)" ;;
@@ -51,23 +54,32 @@ func TestRunE2ERules(t *testing.T) {
 	for _, tc := range []struct {
 		mode, want string
 		ok         bool
+		lanes      int
 	}{
-		{"pass", "4 passed, 0 failed, 0 skipped; L1 crashed 0 time(s)", true},
+		{"pass", "4 passed, 0 failed, 0 skipped; L1 crashed 0 time(s)", true, 1},
 		// The crash cut TestC and TestD short: they alone run again,
 		// and pass; TestB's failure before the crash stays.
-		{"fail-then-crash", "3 passed, 1 failed, 0 skipped; L1 crashed 1 time(s)", false},
-		{"crash-once", "4 passed, 0 failed, 0 skipped; L1 crashed 1 time(s)", true},
-		{"skip", "FAILED: TestC(skipped,not-expected)", false},
-		{"no-result", "FAILED: TestD(no-result)", false},
-		{"two-crashes", "TestC(no-result,L1-crashed)", false},
+		{"fail-then-crash", "3 passed, 1 failed, 0 skipped; L1 crashed 1 time(s)", false, 1},
+		{"crash-once", "4 passed, 0 failed, 0 skipped; L1 crashed 1 time(s)", true, 1},
+		{"skip", "FAILED: TestC(skipped,not-expected)", false, 1},
+		{"no-result", "FAILED: TestD(no-result)", false, 1},
+		{"two-crashes", "TestC(no-result,L1-crashed)", false, 1},
+		// Two lanes (TestA and TestC in lane 0, TestB and TestD in
+		// lane 1): their counts add up, a failure in either fails the
+		// tier, and one L1 crash is allowed in all lanes together.
+		{"pass", "4 listed in 2 lanes: 4 passed, 0 failed, 0 skipped; L1 crashed 0 time(s)", true, 2},
+		{"no-result", "FAILED: TestD(no-result)", false, 2},
+		{"fail-then-crash", "4 listed in 2 lanes: 3 passed, 1 failed, 0 skipped; L1 crashed 1 time(s)", false, 2},
+		{"crash-once", "4 listed in 2 lanes: 4 passed, 0 failed, 0 skipped; L1 crashed 1 time(s)", true, 2},
+		{"crash-each-lane", "L1 crashed 2 times in all lanes", false, 2},
 	} {
 		cmd := exec.Command("bash", "../run-e2e.sh", nested, e2e)
-		cmd.Env = append(os.Environ(), "MODE="+tc.mode, "E2E_BATCH=4", "STATE="+filepath.Join(t.TempDir(), "sessions"))
+		cmd.Env = append(os.Environ(), "MODE="+tc.mode, "E2E_BATCH=4", fmt.Sprintf("E2E_LANES=%d", tc.lanes), "STATE="+filepath.Join(t.TempDir(), "sessions"))
 		out, err := cmd.CombinedOutput()
 		if (err == nil) != tc.ok || !strings.Contains(string(out), tc.want) {
-			t.Errorf("%s: run-e2e.sh = %v; want ok=%v and %q in:\n%s", tc.mode, err, tc.ok, tc.want, out)
+			t.Errorf("%s, %d lanes: run-e2e.sh = %v; want ok=%v and %q in:\n%s", tc.mode, tc.lanes, err, tc.ok, tc.want, out)
 		}
-		if tc.mode == "crash-once" && !strings.Contains(string(out), "=== run-e2e: TestB TestC TestD\n") {
+		if tc.mode == "crash-once" && tc.lanes == 1 && !strings.Contains(string(out), "=== run-e2e: TestB TestC TestD\n") {
 			t.Errorf("crash-once: want only the unfinished TestB, TestC and TestD run again:\n%s", out)
 		}
 	}
