@@ -8,8 +8,9 @@ package agent
 // into it, takes the spec's rlimits and ids, and executes the process. It
 // follows what runc does for a container's filesystem, capabilities and
 // seccomp profile (seccomp.go), reduced to what a guest that is already
-// the isolation boundary needs: no cgroups of its own (the VM is the
-// pod's boundary, as Kata's).
+// the isolation boundary needs (the VM is the pod's boundary, as Kata's);
+// a container's cgroup (cgroup.go) is made by the agent, which starts the
+// helper in it.
 //
 // Every path in the container's root is resolved with openat2's
 // RESOLVE_IN_ROOT: the root is an image's tree, and a symbolic link in it
@@ -70,6 +71,10 @@ type Container struct {
 	ReadonlyPaths []string `json:"readonly_paths,omitempty"`
 	// Seccomp is the process's seccomp profile; nil: none.
 	Seccomp *Seccomp `json:"seccomp,omitempty"`
+	// Cgroup is the container's cgroup in the guest (cgroup.go), which
+	// the process starts in, in a cgroup namespace of its own; nil: the
+	// agent's.
+	Cgroup *ContainerCgroup `json:"cgroup,omitempty"`
 }
 
 // Capabilities are a process's five capability sets, as the OCI spec has
@@ -235,6 +240,11 @@ func (c *Container) Check() error {
 	if c.Seccomp != nil {
 		if err := c.Seccomp.Check(); err != nil {
 			return fmt.Errorf("container: %w", err)
+		}
+	}
+	if c.Cgroup != nil {
+		if err := c.Cgroup.Check(); err != nil {
+			return err
 		}
 	}
 	for _, r := range c.Rlimits {

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"reflect"
 	"runtime"
 	"strings"
 	"testing"
@@ -158,5 +159,29 @@ func TestMaskAndReadonlyPaths(t *testing.T) {
 	}
 	if _, err := os.Stat(filepath.Join(root, "missing")); !errors.Is(err, os.ErrNotExist) {
 		t.Errorf("a missing path was made: %v", err)
+	}
+}
+
+func TestCgroupLimits(t *testing.T) {
+	l := CgroupLimits{MemoryMax: 64 << 20, CPUQuota: 50000, CPUWeight: 39}
+	want := [][2]string{{"memory.max", "67108864"}, {"pids.max", "max"}, {"cpu.max", "50000 100000"}, {"cpu.weight", "39"}}
+	if got := l.Files(); !reflect.DeepEqual(got, want) {
+		t.Errorf("Files = %q, want %q", got, want)
+	}
+	if got := (CgroupLimits{}).Files(); !reflect.DeepEqual(got, [][2]string{{"memory.max", "max"}, {"pids.max", "max"}, {"cpu.max", "max 100000"}}) {
+		t.Errorf("no limits: Files = %q, want every limit lifted", got)
+	}
+	for _, bad := range []ContainerCgroup{
+		{Name: "../x"}, {Name: ""}, {Name: "a/b"}, {Name: ".hidden"},
+		{Name: "c", Limits: CgroupLimits{MemoryMax: -1}},
+		{Name: "c", Limits: CgroupLimits{CPUPeriod: 10}},
+		{Name: "c", Limits: CgroupLimits{CPUWeight: 20000}},
+	} {
+		if err := bad.Check(); err == nil {
+			t.Errorf("Check(%+v) = nil, want an error", bad)
+		}
+	}
+	if err := (&ContainerCgroup{Name: "3f2a_b.c-d"}).Check(); err != nil {
+		t.Errorf("Check of a containerd id: %v", err)
 	}
 }

@@ -727,9 +727,20 @@ func (s *Server) exec(ctx context.Context, c *Conn, req *ExecRequest) error {
 		cmd.Env = append(env, req.Env...)
 		cmd.Dir = req.Dir
 	}
-	var unshare uintptr // a container's process gets a mount namespace of its own
+	// A container's process gets a mount namespace of its own, and, in
+	// its container's cgroup, a cgroup namespace.
+	sys := &syscall.SysProcAttr{Credential: cred}
 	if req.Container != nil {
-		unshare = syscall.CLONE_NEWNS
+		sys.Unshareflags = syscall.CLONE_NEWNS
+	}
+	if req.Container != nil && req.Container.Cgroup != nil {
+		cg, err := enterCgroup(req.Container.Cgroup)
+		if err != nil {
+			return fmt.Errorf("exec: %w", err)
+		}
+		defer cg.Close() // the process is in it once started
+		sys.UseCgroupFD, sys.CgroupFD = true, int(cg.Fd())
+		sys.Unshareflags |= syscall.CLONE_NEWCGROUP
 	}
 
 	p := newProc(argv, req.TTY != nil, req.Stdin)
@@ -741,7 +752,7 @@ func (s *Server) exec(ctx context.Context, c *Conn, req *ExecRequest) error {
 	var eof func()   // ends the input
 	var drain func() // after the exit: waits for the last output
 	if req.TTY != nil {
-		ptmx, err := startPTY(cmd, cred, *req.TTY, unshare)
+		ptmx, err := startPTY(cmd, sys, *req.TTY)
 		if err != nil {
 			return fmt.Errorf("exec %s: %w", cmd.Args[0], err)
 		}
@@ -774,7 +785,8 @@ func (s *Server) exec(ctx context.Context, c *Conn, req *ExecRequest) error {
 			<-read
 		}
 	} else {
-		cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Credential: cred, Unshareflags: unshare}
+		sys.Setpgid = true
+		cmd.SysProcAttr = sys
 		cmd.Stdout = procWriter{p, FrameStdout, gate}
 		cmd.Stderr = procWriter{p, FrameStderr, gate}
 		cmd.WaitDelay = 2 * time.Second // background children holding the pipes
@@ -883,8 +895,9 @@ func (s *Server) exec(ctx context.Context, c *Conn, req *ExecRequest) error {
 }
 
 // startPTY starts cmd as the leader of a new session whose controlling
-// terminal is a new pty of size ws, and returns the pty's master side.
-func startPTY(cmd *exec.Cmd, cred *syscall.Credential, ws WindowSize, unshare uintptr) (*os.File, error) {
+// terminal is a new pty of size ws, and returns the pty's master side;
+// sys says the rest of how it starts.
+func startPTY(cmd *exec.Cmd, sys *syscall.SysProcAttr, ws WindowSize) (*os.File, error) {
 	ptmx, tty, err := pty.Open()
 	if err != nil {
 		return nil, fmt.Errorf("open a pty: %w", err)
@@ -894,13 +907,14 @@ func startPTY(cmd *exec.Cmd, cred *syscall.Credential, ws WindowSize, unshare ui
 	if err := pty.Setsize(ptmx, &pty.Winsize{Rows: ws.Rows, Cols: ws.Cols}); err != nil {
 		return fail(fmt.Errorf("size the pty: %w", err))
 	}
-	if cred != nil { // the user's own terminal, as login makes it
+	if cred := sys.Credential; cred != nil { // the user's own terminal, as login makes it
 		if err := tty.Chown(int(cred.Uid), int(cred.Gid)); err != nil {
 			return fail(fmt.Errorf("give the pty to %d: %w", cred.Uid, err))
 		}
 	}
 	cmd.Stdin, cmd.Stdout, cmd.Stderr = tty, tty, tty
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true, Setctty: true, Ctty: 0, Credential: cred, Unshareflags: unshare}
+	sys.Setsid, sys.Setctty, sys.Ctty = true, true, 0
+	cmd.SysProcAttr = sys
 	if err := cmd.Start(); err != nil {
 		return fail(err)
 	}

@@ -129,6 +129,12 @@ func (s *Guest) WriteFileFrom(ctx context.Context, path string, r io.Reader, mod
 	return s.explain(s.client.WriteFile(ctx, path, mode, r))
 }
 
+// AppendFile appends data to a guest file in place (a cgroup's or
+// another kernel interface's files, which a replaced file would not set).
+func (s *Guest) AppendFile(ctx context.Context, path string, data []byte) error {
+	return s.explain(s.client.AppendFile(ctx, path, 0o644, bytes.NewReader(data)))
+}
+
 // Stat describes a guest path.
 func (s *Guest) Stat(ctx context.Context, path string) (*agent.FileInfo, error) {
 	fi, err := s.client.Stat(ctx, path)

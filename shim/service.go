@@ -1,6 +1,7 @@
 package shim
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
@@ -9,6 +10,7 @@ import (
 	"log/slog"
 	"maps"
 	"os"
+	"path"
 	"path/filepath"
 	"slices"
 	"strconv"
@@ -102,7 +104,7 @@ type process struct {
 	stdin, stdout, stderr string
 	terminal              bool
 
-	// oomKills is the guest's count of OOM kills when the process
+	// oomKills is its container's count of OOM kills when the process
 	// started: one more when it ends by SIGKILL is reported as its OOM.
 	oomKills int64
 
@@ -396,7 +398,7 @@ func (s *service) Create(ctx context.Context, r *taskAPI.CreateTaskRequest) (_ *
 
 // containerRequest is the agent's container for a process of c.
 func (s *service) containerRequest(c *container, p *specs.Process, binds map[string]string) (*agent.Container, error) {
-	return containerOf(c.spec, p, filepath.Join(podGuestDir, c.id, "rootfs"), binds)
+	return containerOf(c.spec, p, c.id, filepath.Join(podGuestDir, c.id, "rootfs"), binds)
 }
 
 func makeTarget(path string, dir bool) error {
@@ -534,7 +536,10 @@ func (s *service) startProcess(ctx context.Context, pd *pod, p *process) error {
 	if p.terminal {
 		opts.TTY = &agent.WindowSize{Rows: 24, Cols: 80}
 	}
-	p.oomKills = guestOOMKills(ctx, pd)
+	// The container's cgroup is new when its init starts: no OOM kills.
+	if p.execID != "" {
+		p.oomKills = oomKills(ctx, pd, p.c.id)
+	}
 	proc, err := pd.handle.Stream(bg, opts)
 	if err != nil {
 		return fail(err)
@@ -544,25 +549,26 @@ func (s *service) startProcess(ctx context.Context, pd *pod, p *process) error {
 	return nil
 }
 
-// guestOOMKills is the guest kernel's count of OOM kills (/proc/vmstat's
-// oom_kill), -1 if it cannot be read. A process that ends by SIGKILL
-// while the count rose is reported as killed for memory: the guest's
-// OOM killer took it, or a process beside it (the pod's containers share
-// the guest's memory).
-func guestOOMKills(ctx context.Context, pd *pod) int64 {
+// oomKills is the count of OOM kills in the container's cgroup in the
+// guest (memory.events' oom_kill: the processes of the container that any
+// OOM killer took, its cgroup's or the guest's), -1 if it cannot be read.
+// A process that ends by SIGKILL while the count rose is reported as
+// killed for memory.
+func oomKills(ctx context.Context, pd *pod, id string) int64 {
 	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
-	b, err := pd.handle.ReadFile(ctx, "/proc/vmstat")
+	b, err := pd.handle.ReadFile(ctx, path.Join(agent.ContainerCgroupPath(id), "memory.events"))
 	if err != nil {
 		return -1
 	}
-	return oomKillsOf(b)
+	return statValue(b, "oom_kill")
 }
 
-// oomKillsOf reads oom_kill from /proc/vmstat's text (-1: none).
-func oomKillsOf(vmstat []byte) int64 {
-	for _, l := range strings.Split(string(vmstat), "\n") {
-		if v, ok := strings.CutPrefix(l, "oom_kill "); ok {
+// statValue reads a key's number from a cgroup file's "key value" lines
+// (-1: none).
+func statValue(text []byte, key string) int64 {
+	for _, l := range strings.Split(string(text), "\n") {
+		if v, ok := strings.CutPrefix(l, key+" "); ok {
 			if n, err := strconv.ParseInt(strings.TrimSpace(v), 10, 64); err == nil {
 				return n
 			}
@@ -592,7 +598,7 @@ func (s *service) waitProcess(p *process, proc *agent.Process, outs []io.Closer)
 		code = uint32(st.Code)
 		if st.Signal == "SIGKILL" && p.oomKills >= 0 {
 			pd := s.currentPod()
-			if pd != nil && guestOOMKills(context.Background(), pd) > p.oomKills {
+			if pd != nil && oomKills(context.Background(), pd, p.c.id) > p.oomKills {
 				s.publish(runtime.TaskOOMEventTopic, &eventstypes.TaskOOM{ContainerID: p.c.id})
 			}
 		}
@@ -677,6 +683,11 @@ func (s *service) Delete(ctx context.Context, r *taskAPI.DeleteRequest) (*taskAP
 		os.Remove(filepath.Join(c.bundle, podFile))
 		if last {
 			s.stopPod()
+		} else if pd := s.currentPod(); pd != nil && !c.podSandbox {
+			// Its processes have ended: its cgroup in the guest goes.
+			if err := pd.handle.Remove(ctx, agent.ContainerCgroupPath(r.ID), false); err != nil {
+				s.log.Debug("shim: remove the container's cgroup", "container", r.ID, "err", err)
+			}
 		}
 	}
 	p.mu.Lock()
@@ -841,8 +852,8 @@ func (s *service) Kill(ctx context.Context, r *taskAPI.KillRequest) (*ptypes.Emp
 			e.signal(ctx, sig)
 		}
 	}
-	if c.podSandbox && r.ExecID == "" {
-		if err := s.endPodSandbox(p, sig); err != nil {
+	if p.state() == task.Status_CREATED || c.podSandbox && r.ExecID == "" {
+		if err := s.endWithoutProcess(p, sig); err != nil {
 			return nil, fmt.Errorf("kill %s: %w", r.ID, err)
 		}
 		return &ptypes.Empty{}, nil
@@ -853,25 +864,27 @@ func (s *service) Kill(ctx context.Context, r *taskAPI.KillRequest) (*ptypes.Emp
 	return &ptypes.Empty{}, nil
 }
 
-// endPodSandbox ends CRI's sandbox container at a signal that would end
-// a pause process (its exit code 128+signal); others it ignores, as pause
-// does.
-func (s *service) endPodSandbox(p *process, sig syscall.Signal) error {
+// endWithoutProcess ends a process that has none in the guest, CRI's
+// sandbox container or a process not started (its start may have
+// failed), at a signal that would end a process that waits (pause, or
+// runc's init before its start): its exit code is 128+signal. Others it
+// ignores, as pause does.
+func (s *service) endWithoutProcess(p *process, sig syscall.Signal) error {
 	switch sig {
 	case unix.SIGKILL, unix.SIGTERM, unix.SIGINT, unix.SIGHUP, unix.SIGQUIT:
 	default:
 		return nil
 	}
 	p.mu.Lock()
-	if p.status != task.Status_RUNNING {
+	if p.status != task.Status_CREATED && (p.status != task.Status_RUNNING || p.proc != nil) {
 		p.mu.Unlock()
-		return fmt.Errorf("the sandbox is not running: %w", errdefs.ErrNotFound)
+		return fmt.Errorf("process is not running: %w", errdefs.ErrNotFound)
 	}
 	p.status, p.exitCode, p.exitedAt = task.Status_STOPPED, 128+uint32(sig), time.Now()
 	close(p.done)
 	p.mu.Unlock()
 	pid := s.podPID()
-	s.publish(runtime.TaskExitEventTopic, &eventstypes.TaskExit{ContainerID: p.c.id, ID: p.c.id, Pid: pid,
+	s.publish(runtime.TaskExitEventTopic, &eventstypes.TaskExit{ContainerID: p.c.id, ID: cmp.Or(p.execID, p.c.id), Pid: pid,
 		ExitStatus: p.exitCode, ExitedAt: protobuf.ToTimestamp(p.exitedAt)})
 	return nil
 }
@@ -928,12 +941,15 @@ func (s *service) Shutdown(ctx context.Context, r *taskAPI.ShutdownRequest) (*pt
 	return &ptypes.Empty{}, nil
 }
 
-// Stats reports the pod VM's use as cgroup v2 metrics, the type
-// containerd and its CRI plugin decode: the vCPUs' and the VMM's CPU
-// time, the guest RAM the host holds against the guest's size, and its
-// disks' I/O. Every container of a pod reports its VM's figures.
+// Stats reports a container's use as cgroup v2 metrics, the type
+// containerd and its CRI plugin decode. A container that runs processes
+// reports its cgroup's in the guest (CPU time, memory with its limit,
+// pids, OOM events); CRI's sandbox container, which is the pod VM,
+// reports the VM's: the vCPUs' and the VMM's CPU time, the guest RAM the
+// host holds against the guest's size, and its disks' I/O.
 func (s *service) Stats(ctx context.Context, r *taskAPI.StatsRequest) (*taskAPI.StatsResponse, error) {
-	if _, _, err := s.get(r.ID, ""); err != nil {
+	c, _, err := s.get(r.ID, "")
+	if err != nil {
 		return nil, err
 	}
 	pd := s.currentPod()
@@ -944,7 +960,15 @@ func (s *service) Stats(ctx context.Context, r *taskAPI.StatsRequest) (*taskAPI.
 	if err != nil {
 		return nil, fmt.Errorf("stats %s: %w", r.ID, err)
 	}
-	data, err := typeurl.MarshalAny(metricsOf(st))
+	m := metricsOf(st)
+	if !c.podSandbox {
+		// A container whose first process has not started has no
+		// cgroup yet: the VM's figures stand.
+		if files, err := readCgroup(ctx, pd, r.ID); err == nil {
+			m = containerMetrics(files, st.MemoryBytes)
+		}
+	}
+	data, err := typeurl.MarshalAny(m)
 	if err != nil {
 		return nil, fmt.Errorf("stats %s: %w", r.ID, err)
 	}
@@ -962,8 +986,90 @@ func metricsOf(st *sandbox.Stats) *cgstats.Metrics {
 	}
 }
 
+// cgroupStatFiles are the container cgroup's files Stats reads.
+var cgroupStatFiles = []string{"memory.current", "memory.max", "memory.stat", "memory.events", "cpu.stat", "pids.current", "pids.max"}
+
+// readCgroup reads the container's cgroup files in the guest; an error
+// if its memory.current cannot be read (no cgroup).
+func readCgroup(ctx context.Context, pd *pod, id string) (map[string][]byte, error) {
+	out := map[string][]byte{}
+	for _, f := range cgroupStatFiles {
+		b, err := pd.handle.ReadFile(ctx, path.Join(agent.ContainerCgroupPath(id), f))
+		if err != nil && f == "memory.current" {
+			return nil, err
+		}
+		out[f] = b
+	}
+	return out, nil
+}
+
+// containerMetrics are a container's cgroup files as metrics; a memory
+// limit of "max" is the VM's memory, vmMemory.
+func containerMetrics(files map[string][]byte, vmMemory uint64) *cgstats.Metrics {
+	num := func(name string) uint64 { // a file holding one number; "max" is 0
+		v, _ := strconv.ParseUint(strings.TrimSpace(string(files[name])), 10, 64)
+		return v
+	}
+	stat := func(name, key string) uint64 { return uint64(max(statValue(files[name], key), 0)) }
+	limit := vmMemory
+	if v := num("memory.max"); v > 0 && v < limit {
+		limit = v
+	}
+	mem := func(key string) uint64 { return stat("memory.stat", key) }
+	cpu := func(key string) uint64 { return stat("cpu.stat", key) }
+	ev := func(key string) uint64 { return stat("memory.events", key) }
+	return &cgstats.Metrics{
+		Pids: &cgstats.PidsStat{Current: num("pids.current"), Limit: num("pids.max")},
+		CPU: &cgstats.CPUStat{UsageUsec: cpu("usage_usec"), UserUsec: cpu("user_usec"), SystemUsec: cpu("system_usec"),
+			NrPeriods: cpu("nr_periods"), NrThrottled: cpu("nr_throttled"), ThrottledUsec: cpu("throttled_usec")},
+		Memory: &cgstats.MemoryStat{Usage: num("memory.current"), UsageLimit: limit,
+			Anon: mem("anon"), File: mem("file"), KernelStack: mem("kernel_stack"), Slab: mem("slab"), Sock: mem("sock"),
+			Shmem: mem("shmem"), FileMapped: mem("file_mapped"), FileDirty: mem("file_dirty"), FileWriteback: mem("file_writeback"),
+			AnonThp: mem("anon_thp"), InactiveAnon: mem("inactive_anon"), ActiveAnon: mem("active_anon"),
+			InactiveFile: mem("inactive_file"), ActiveFile: mem("active_file"), Unevictable: mem("unevictable"),
+			Pgfault: mem("pgfault"), Pgmajfault: mem("pgmajfault")},
+		MemoryEvents: &cgstats.MemoryEvents{Low: ev("low"), High: ev("high"), Max: ev("max"), Oom: ev("oom"), OomKill: ev("oom_kill")},
+	}
+}
+
+// Update sets a running container's resource limits: its cgroup's in the
+// guest. CRI's sandbox container is the pod VM, whose size is fixed.
 func (s *service) Update(ctx context.Context, r *taskAPI.UpdateTaskRequest) (*ptypes.Empty, error) {
-	return nil, fmt.Errorf("update %s: %w", r.ID, errdefs.ErrNotImplemented)
+	c, _, err := s.get(r.ID, "")
+	if err != nil {
+		return nil, err
+	}
+	if c.podSandbox {
+		return nil, fmt.Errorf("update %s: a pod VM's vCPUs and memory are fixed when it starts: %w", r.ID, errdefs.ErrNotImplemented)
+	}
+	if r.Resources == nil {
+		return &ptypes.Empty{}, nil
+	}
+	v, err := typeurl.UnmarshalAny(r.Resources)
+	if err != nil {
+		return nil, fmt.Errorf("update %s: the resources: %w: %w", r.ID, err, errdefs.ErrInvalidArgument)
+	}
+	res, ok := v.(*specs.LinuxResources)
+	if !ok {
+		return nil, fmt.Errorf("update %s: resources of type %T, want Linux resources: %w", r.ID, v, errdefs.ErrInvalidArgument)
+	}
+	limits := limitsOf(res)
+	if err := limits.Check(); err != nil {
+		return nil, fmt.Errorf("update %s: %w: %w", r.ID, err, errdefs.ErrInvalidArgument)
+	}
+	pd := s.currentPod()
+	if pd == nil {
+		return nil, fmt.Errorf("update %s: the pod VM is gone: %w", r.ID, errdefs.ErrNotFound)
+	}
+	dir := agent.ContainerCgroupPath(r.ID)
+	for _, f := range limits.Files() {
+		// Appending writes the file in place, as a cgroup's files
+		// must be written.
+		if err := pd.handle.AppendFile(ctx, path.Join(dir, f[0]), []byte(f[1])); err != nil {
+			return nil, fmt.Errorf("update %s: %s %s: %w", r.ID, f[0], f[1], err)
+		}
+	}
+	return &ptypes.Empty{}, nil
 }
 
 // Wait waits for a process to end.

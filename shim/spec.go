@@ -198,11 +198,12 @@ func resources(s *specs.Spec) *specs.LinuxResources {
 }
 
 // containerOf maps a spec's process to the agent's container request:
-// root is the container's root in the guest, and binds maps each bind
-// mount's host source to its guest path.
-func containerOf(s *specs.Spec, p *specs.Process, root string, binds map[string]string) (*agent.Container, error) {
+// id is the container's, root its root in the guest, and binds maps each
+// bind mount's host source to its guest path.
+func containerOf(s *specs.Spec, p *specs.Process, id, root string, binds map[string]string) (*agent.Container, error) {
 	c := &agent.Container{
-		Root: root, Readonly: s.Root.Readonly,
+		Cgroup: &agent.ContainerCgroup{Name: id, Limits: limitsOf(resources(s))},
+		Root:   root, Readonly: s.Root.Readonly,
 		UID: p.User.UID, GID: p.User.GID, Groups: p.User.AdditionalGids,
 		NoNewPrivileges: p.NoNewPrivileges,
 	}
@@ -258,4 +259,32 @@ func seccompOf(sc *specs.LinuxSeccomp) *agent.Seccomp {
 		out.Rules = append(out.Rules, rule)
 	}
 	return out
+}
+
+// limitsOf are a container's cgroup limits in the guest, from its spec's
+// resources: memory, pids, CPU quota and shares (as a weight, by runc's
+// conversion of cgroup v1 shares to v2 weights).
+func limitsOf(r *specs.LinuxResources) agent.CgroupLimits {
+	var l agent.CgroupLimits
+	if r == nil {
+		return l
+	}
+	if r.Memory != nil && r.Memory.Limit != nil && *r.Memory.Limit > 0 {
+		l.MemoryMax = *r.Memory.Limit
+	}
+	if r.Pids != nil && r.Pids.Limit > 0 {
+		l.PidsMax = r.Pids.Limit
+	}
+	if c := r.CPU; c != nil {
+		if c.Quota != nil && *c.Quota > 0 {
+			l.CPUQuota = *c.Quota
+			if c.Period != nil {
+				l.CPUPeriod = *c.Period
+			}
+		}
+		if c.Shares != nil && *c.Shares >= 2 {
+			l.CPUWeight = 1 + ((min(*c.Shares, 262144) - 2) * 9999 / 262142)
+		}
+	}
+	return l
 }

@@ -11,6 +11,7 @@ import (
 	"github.com/containerd/typeurl/v2"
 	specs "github.com/opencontainers/runtime-spec/specs-go"
 
+	"github.com/capsa-sandbox/capsa/agent"
 	"github.com/capsa-sandbox/capsa/sandbox"
 	"github.com/capsa-sandbox/capsa/supervisor"
 )
@@ -114,7 +115,7 @@ func TestContainerOfMapsTheProcessAndMounts(t *testing.T) {
 	p.User = specs.User{UID: 1000, GID: 100, AdditionalGids: []uint32{27}}
 	p.Rlimits = []specs.POSIXRlimit{{Type: "RLIMIT_NOFILE", Soft: 1024, Hard: 4096}}
 	p.NoNewPrivileges = true
-	c, err := containerOf(s, p, "/capsa-pod/c1/rootfs", map[string]string{"/host/hosts": "/capsa-pod/c1/mounts/2"})
+	c, err := containerOf(s, p, "c1", "/capsa-pod/c1/rootfs", map[string]string{"/host/hosts": "/capsa-pod/c1/mounts/2"})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -128,11 +129,11 @@ func TestContainerOfMapsTheProcessAndMounts(t *testing.T) {
 	if last.Source != "/capsa-pod/c1/mounts/2" || last.Type != "bind" || last.Destination != "/etc/hosts" {
 		t.Errorf("the bind mount = %+v, want its guest source", last)
 	}
-	if _, err := containerOf(s, p, "/capsa-pod/c1/rootfs", nil); err == nil || !strings.Contains(err.Error(), "was not shared") {
+	if _, err := containerOf(s, p, "c1", "/capsa-pod/c1/rootfs", nil); err == nil || !strings.Contains(err.Error(), "was not shared") {
 		t.Errorf("containerOf without the bind's share = %v, want an error", err)
 	}
 	p.Rlimits = []specs.POSIXRlimit{{Type: "RLIMIT_BOGUS"}}
-	if _, err := containerOf(s, p, "/capsa-pod/c1/rootfs", map[string]string{"/host/hosts": "/g"}); err == nil || !strings.Contains(err.Error(), "RLIMIT_BOGUS") {
+	if _, err := containerOf(s, p, "c1", "/capsa-pod/c1/rootfs", map[string]string{"/host/hosts": "/g"}); err == nil || !strings.Contains(err.Error(), "RLIMIT_BOGUS") {
 		t.Errorf("containerOf with an unknown rlimit = %v, want it named", err)
 	}
 }
@@ -203,13 +204,64 @@ func TestMetricsOf(t *testing.T) {
 	}
 }
 
-func TestOOMKillsOf(t *testing.T) {
-	vmstat := []byte("nr_free_pages 1234\noom_kill 3\npgfault 99\n")
-	if n := oomKillsOf(vmstat); n != 3 {
-		t.Errorf("oomKillsOf = %d, want 3", n)
+func TestStatValue(t *testing.T) {
+	events := []byte("low 0\nhigh 0\nmax 12\noom 2\noom_kill 3\noom_group_kill 0\n")
+	if n := statValue(events, "oom_kill"); n != 3 {
+		t.Errorf("statValue(oom_kill) = %d, want 3 (not oom's 2 or oom_group_kill's 0)", n)
 	}
-	if n := oomKillsOf([]byte("nr_free_pages 1\n")); n != -1 {
-		t.Errorf("oomKillsOf without the counter = %d, want -1", n)
+	if n := statValue(events, "oom"); n != 2 {
+		t.Errorf("statValue(oom) = %d, want 2", n)
+	}
+	if n := statValue([]byte("low 1\n"), "oom_kill"); n != -1 {
+		t.Errorf("statValue without the key = %d, want -1", n)
+	}
+}
+
+// TestContainerMetrics: a container's cgroup files as CRI reads them; a
+// memory limit of max is the VM's size, one above it the VM's too.
+func TestContainerMetrics(t *testing.T) {
+	files := map[string][]byte{
+		"memory.current": []byte("52428800\n"), "memory.max": []byte("104857600\n"),
+		"memory.stat":   []byte("anon 40000000\nfile 12000000\ninactive_file 8000000\nactive_file 4000000\n"),
+		"memory.events": []byte("low 0\nhigh 0\nmax 5\noom 1\noom_kill 1\n"),
+		"cpu.stat":      []byte("usage_usec 1500\nuser_usec 1000\nsystem_usec 500\nnr_periods 10\nnr_throttled 2\nthrottled_usec 300\n"),
+		"pids.current":  []byte("3\n"), "pids.max": []byte("max\n"),
+	}
+	m := containerMetrics(files, 512<<20)
+	if m.Memory.Usage != 52428800 || m.Memory.UsageLimit != 104857600 || m.Memory.InactiveFile != 8000000 || m.Memory.Anon != 40000000 {
+		t.Errorf("memory = %+v", m.Memory)
+	}
+	if m.CPU.UsageUsec != 1500 || m.CPU.UserUsec != 1000 || m.CPU.NrThrottled != 2 || m.CPU.ThrottledUsec != 300 {
+		t.Errorf("cpu = %+v", m.CPU)
+	}
+	if m.Pids.Current != 3 || m.Pids.Limit != 0 || m.MemoryEvents.OomKill != 1 || m.MemoryEvents.Max != 5 {
+		t.Errorf("pids = %+v, events = %+v", m.Pids, m.MemoryEvents)
+	}
+	for _, max := range []string{"max\n", "1099511627776\n"} {
+		files["memory.max"] = []byte(max)
+		if m := containerMetrics(files, 512<<20); m.Memory.UsageLimit != 512<<20 {
+			t.Errorf("memory.max %q: limit %d, want the VM's 512 MiB", max, m.Memory.UsageLimit)
+		}
+	}
+	if _, err := typeurl.MarshalAny(m); err != nil {
+		t.Errorf("the metrics do not marshal as containerd reads them: %v", err)
+	}
+}
+
+// TestLimitsOf: a spec's resources as the container's cgroup limits.
+func TestLimitsOf(t *testing.T) {
+	mem, pids, quota, period, shares := int64(64<<20), int64(100), int64(50000), uint64(100000), uint64(1024)
+	l := limitsOf(&specs.LinuxResources{Memory: &specs.LinuxMemory{Limit: &mem}, Pids: &specs.LinuxPids{Limit: pids},
+		CPU: &specs.LinuxCPU{Quota: &quota, Period: &period, Shares: &shares}})
+	if l.MemoryMax != 64<<20 || l.PidsMax != 100 || l.CPUQuota != 50000 || l.CPUPeriod != 100000 || l.CPUWeight != 39 {
+		t.Errorf("limitsOf = %+v, want 64 MiB, 100 pids, 50000/100000 µs, weight 39 (runc's for 1024 shares)", l)
+	}
+	if l := limitsOf(nil); l != (agent.CgroupLimits{}) {
+		t.Errorf("limitsOf(nil) = %+v, want none", l)
+	}
+	c, err := containerOf(goodSpec(), goodSpec().Process, "c1", "/capsa-pod/c1/rootfs", nil)
+	if err != nil || c.Cgroup == nil || c.Cgroup.Name != "c1" {
+		t.Errorf("containerOf's cgroup = %+v, %v; want the container's, named by its id", c.Cgroup, err)
 	}
 }
 
@@ -219,7 +271,7 @@ func TestOOMKillsOf(t *testing.T) {
 func TestContainerOfTakesContainerdsDefaultProfile(t *testing.T) {
 	s := goodSpec()
 	s.Linux.Seccomp = seccompprofile.DefaultProfile(s)
-	c, err := containerOf(s, s.Process, "/capsa-pod/c1/rootfs", nil)
+	c, err := containerOf(s, s.Process, "c1", "/capsa-pod/c1/rootfs", nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -236,7 +288,7 @@ func TestContainerOfTakesContainerdsDefaultProfile(t *testing.T) {
 		t.Error("no SCMP_CMP_MASKED_EQ comparison came through (containerd's profile has clone's)")
 	}
 	s.Linux.Seccomp.Syscalls = append(s.Linux.Seccomp.Syscalls, specs.LinuxSyscall{Names: []string{"ioctl"}, Action: specs.ActNotify})
-	if _, err := containerOf(s, s.Process, "/capsa-pod/c1/rootfs", nil); err == nil || !strings.Contains(err.Error(), "SCMP_ACT_NOTIFY") {
+	if _, err := containerOf(s, s.Process, "c1", "/capsa-pod/c1/rootfs", nil); err == nil || !strings.Contains(err.Error(), "SCMP_ACT_NOTIFY") {
 		t.Errorf("containerOf with a notify rule = %v, want SCMP_ACT_NOTIFY refused", err)
 	}
 }

@@ -187,7 +187,17 @@ exec sleep 1000`},
 		"mounts":   mounts,
 		// Kubernetes' RuntimeDefault: containerd's default profile,
 		// which the guest applies (the server runs Unconfined).
-		"linux": map[string]any{"security_context": map[string]any{"seccomp": map[string]any{"profile_type": 0}}},
+		"linux": map[string]any{"security_context": map[string]any{"seccomp": map[string]any{"profile_type": 0}},
+			"resources": map[string]any{"memory_limit_in_bytes": 100 << 20}},
+	})
+	// hog outgrows its 64 MiB: its cgroup's OOM killer ends it, in a
+	// VM of 512 MiB where the other containers go on.
+	hog := writeJSON(t, dir, "hog.json", map[string]any{
+		"metadata": map[string]any{"name": "hog"},
+		"image":    map[string]any{"image": "capsa.test/python:1"},
+		"command":  []string{"python3", "-c", "a = []\nwhile True: a.append(bytearray(8 << 20))"},
+		"log_path": "hog.log",
+		"linux":    map[string]any{"resources": map[string]any{"memory_limit_in_bytes": 64 << 20}},
 	})
 
 	podID := strings.TrimSpace(e.cri("", "runp", "--runtime", "capsa", pod))
@@ -280,6 +290,44 @@ exec sleep 1000`},
 	if out := e.cri("", "exec", "-s", serverID, "grep", "^Seccomp:", "/proc/self/status"); !strings.Contains(out, "Seccomp:\t0") {
 		t.Errorf("crictl exec -s into the Unconfined server = %q, want no seccomp filter (Seccomp: 0)", out)
 	}
+
+	// Each container has its own cgroup in the guest, in a cgroup
+	// namespace: its /sys/fs/cgroup is its own, with its memory limit,
+	// which crictl update changes.
+	if out := e.cri("", "exec", "-s", clientID, "sh", "-c", "cat /proc/self/cgroup /sys/fs/cgroup/memory.max"); !strings.Contains(out, "0::/\n104857600") {
+		t.Errorf("the client's cgroup and memory.max = %q, want its own namespace's root (0::/) and its 100 MiB limit", out)
+	}
+	e.cri("", "update", "--memory", "209715200", clientID)
+	if out := e.cri("", "exec", "-s", clientID, "cat", "/sys/fs/cgroup/memory.max"); strings.TrimSpace(out) != "209715200" {
+		t.Errorf("the client's memory.max after crictl update --memory 209715200 = %q", out)
+	}
+	if out := e.cri("", "exec", "-s", serverID, "cat", "/sys/fs/cgroup/memory.max"); strings.TrimSpace(out) != "max" {
+		t.Errorf("the server's memory.max = %q, want max (no limit)", out)
+	}
+	hogID := strings.TrimSpace(e.cri("", "create", podID, hog, pod))
+	e.cri("", "start", hogID)
+	var hs struct {
+		Status struct {
+			State    string `json:"state"`
+			Reason   string `json:"reason"`
+			ExitCode int    `json:"exitCode"`
+		} `json:"status"`
+	}
+	for deadline := time.Now().Add(2 * time.Minute); ; time.Sleep(time.Second) {
+		if err := json.Unmarshal([]byte(e.cri("", "inspect", hogID)), &hs); err != nil {
+			t.Fatalf("crictl inspect hog: %v", err)
+		}
+		if hs.Status.State == "CONTAINER_EXITED" || time.Now().After(deadline) {
+			break
+		}
+	}
+	if hs.Status.State != "CONTAINER_EXITED" || hs.Status.Reason != "OOMKilled" || hs.Status.ExitCode != 137 {
+		t.Errorf("hog after outgrowing its 64 MiB: %+v, want exited, OOMKilled, 137", hs.Status)
+	}
+	if out := e.cri("", "exec", "-s", clientID, "cat", "/data/shared"); strings.TrimSpace(out) != "from-server" {
+		t.Errorf("the client after hog's OOM = %q, want it running on", out)
+	}
+	e.cri("", "rm", hogID)
 	if out := e.cri("two\nlines\n", "exec", "-i", clientID, "wc", "-l"); strings.TrimSpace(out) != "2" {
 		t.Errorf("crictl exec -i wc -l = %q, want 2", out)
 	}
