@@ -90,7 +90,8 @@ type container struct {
 	// podSandbox: CRI's sandbox (pause) container, which is the pod VM
 	// itself: it runs no process of its own, and ends when killed.
 	podSandbox bool
-	paused     bool              // its pod VM is paused (Pause)
+	paused     bool              // its pod VM is paused (Pause, a pod of one container)
+	frozen     bool              // its cgroup in the guest is frozen (Pause, in a pod of several)
 	binds      map[string]string // bind mounts' host sources to guest paths
 	init       *process
 	execs      map[string]*process
@@ -448,8 +449,8 @@ func (s *service) Start(ctx context.Context, r *taskAPI.StartRequest) (*taskAPI.
 	if err != nil {
 		return nil, err
 	}
-	if s.isPaused(c) {
-		return nil, fmt.Errorf("start %s: its VM is paused (resume it first): %w", r.ID, errdefs.ErrFailedPrecondition)
+	if s.isFrozen(c) {
+		return nil, fmt.Errorf("start %s: it is paused (resume it first): %w", r.ID, errdefs.ErrFailedPrecondition)
 	}
 	if r.ExecID != "" && c.init.state() != task.Status_RUNNING {
 		return nil, fmt.Errorf("start exec %s: container %s is not running: %w", r.ExecID, r.ID, errdefs.ErrFailedPrecondition)
@@ -765,7 +766,7 @@ func (s *service) State(ctx context.Context, r *taskAPI.StateRequest) (*taskAPI.
 		return nil, err
 	}
 	pid := s.podPID()
-	paused := s.isPaused(c)
+	paused := s.isFrozen(c)
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	status := p.status
@@ -779,13 +780,14 @@ func (s *service) State(ctx context.Context, r *taskAPI.StateRequest) (*taskAPI.
 	}, nil
 }
 
-// Pause pauses the pod VM (its vCPUs stop; capsa pause), which is only
-// offered for a pod of one container: pausing the VM pauses every one.
+// Pause pauses a container. A pod of one container pauses its VM (its
+// vCPUs stop; capsa pause); in a pod of several, the container's cgroup
+// in the guest is frozen (cgroup.freeze), and the others run on.
 func (s *service) Pause(ctx context.Context, r *taskAPI.PauseRequest) (*ptypes.Empty, error) {
 	return s.pauseResume(ctx, r.ID, true)
 }
 
-// Resume runs a paused pod VM again.
+// Resume runs a paused container again.
 func (s *service) Resume(ctx context.Context, r *taskAPI.ResumeRequest) (*ptypes.Empty, error) {
 	return s.pauseResume(ctx, r.ID, false)
 }
@@ -797,28 +799,37 @@ func (s *service) pauseResume(ctx context.Context, id string, pause bool) (*ptyp
 		return nil, err
 	}
 	s.mu.Lock()
-	pd, n := s.pod, len(s.containers)
+	pd, n, frozen := s.pod, len(s.containers), c.frozen
 	s.mu.Unlock()
 	if pd == nil {
 		return nil, fmt.Errorf("%s %s: the pod VM is gone: %w", what, id, errdefs.ErrFailedPrecondition)
 	}
-	if n > 1 {
-		return nil, fmt.Errorf("%s %s: the pod's %d containers share its VM, which pauses as a whole: %w", what, id, n, errdefs.ErrNotImplemented)
-	}
 	if st := p.state(); st != task.Status_RUNNING && st != task.Status_PAUSED {
 		return nil, fmt.Errorf("%s %s: it is %s: %w", what, id, st, errdefs.ErrFailedPrecondition)
 	}
-	if pause {
-		err = pd.mgr.Pause(ctx, pd.Name)
+	if n > 1 || frozen {
+		if c.podSandbox {
+			return nil, fmt.Errorf("%s %s: the pod's sandbox is its VM, which its %d containers share: %w", what, id, n, errdefs.ErrNotImplemented)
+		}
+		if err := freeze(ctx, pd, id, pause); err != nil {
+			return nil, fmt.Errorf("%s %s: %w", what, id, err)
+		}
+		s.mu.Lock()
+		c.frozen = pause
+		s.mu.Unlock()
 	} else {
-		err = pd.mgr.Resume(ctx, pd.Name)
+		if pause {
+			err = pd.mgr.Pause(ctx, pd.Name)
+		} else {
+			err = pd.mgr.Resume(ctx, pd.Name)
+		}
+		if err != nil {
+			return nil, fmt.Errorf("%s %s: %w", what, id, err)
+		}
+		s.mu.Lock()
+		c.paused = pause
+		s.mu.Unlock()
 	}
-	if err != nil {
-		return nil, fmt.Errorf("%s %s: %w", what, id, err)
-	}
-	s.mu.Lock()
-	c.paused = pause
-	s.mu.Unlock()
 	if pause {
 		s.publish(runtime.TaskPausedEventTopic, &eventstypes.TaskPaused{ContainerID: id})
 	} else {
@@ -827,11 +838,45 @@ func (s *service) pauseResume(ctx context.Context, id string, pause bool) (*ptyp
 	return &ptypes.Empty{}, nil
 }
 
+// freezeWait bounds how long a freeze may take to settle.
+const freezeWait = 10 * time.Second
+
+// freeze freezes or thaws the container's cgroup in the guest and waits
+// until the kernel says it is done (cgroup.events' frozen).
+func freeze(ctx context.Context, pd *pod, id string, on bool) error {
+	dir := agent.ContainerCgroupPath(id)
+	want := map[bool]string{true: "1", false: "0"}[on]
+	if err := pd.handle.AppendFile(ctx, path.Join(dir, "cgroup.freeze"), []byte(want)); err != nil {
+		return err
+	}
+	deadline := time.Now().Add(freezeWait)
+	for {
+		b, err := pd.handle.ReadFile(ctx, path.Join(dir, "cgroup.events"))
+		if err != nil {
+			return err
+		}
+		if strconv.FormatInt(statValue(b, "frozen"), 10) == want {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("the container's cgroup did not settle (frozen=%s) in %v", want, freezeWait)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
 // isPaused reports whether c's pod VM is paused.
 func (s *service) isPaused(c *container) bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return c.paused
+}
+
+// isFrozen reports whether c is paused, by its VM or its cgroup.
+func (s *service) isFrozen(c *container) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return c.paused || c.frozen
 }
 
 // Kill signals a process; with All, every process of the container.

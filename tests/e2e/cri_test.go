@@ -328,6 +328,22 @@ exec sleep 1000`},
 		t.Errorf("the client after hog's OOM = %q, want it running on", out)
 	}
 	e.cri("", "rm", hogID)
+
+	// Pause in a pod of several containers freezes that container's
+	// cgroup in the guest: the server stops answering while the client
+	// runs on, and answers again once resumed.
+	e.ctrWant(0, "", "task", "pause", serverID)
+	if out := e.ctrWant(0, "", "task", "ls"); !regexpMatch(serverID+`\s+\d+\s+PAUSED`, out) || !regexpMatch(clientID+`\s+\d+\s+RUNNING`, out) {
+		t.Errorf("ctr task ls with the server paused = %q, want it PAUSED and the client RUNNING", out)
+	}
+	get := `import urllib.request; print(urllib.request.urlopen("http://127.0.0.1:8080/shared", timeout=3).read().decode())`
+	if out, errs, code := e.criRun("", "exec", "-s", clientID, "python3", "-c", get); code == 0 || !strings.Contains(out+errs, "timed out") {
+		t.Errorf("the client fetching from the paused server: exit %d, %q %q; want a timeout", code, out, errs)
+	}
+	e.ctrWant(0, "", "task", "resume", serverID)
+	if out := e.cri("", "exec", "-s", clientID, "python3", "-c", get); strings.TrimSpace(out) != "from-server" {
+		t.Errorf("the client fetching from the resumed server = %q, want from-server", out)
+	}
 	if out := e.cri("two\nlines\n", "exec", "-i", clientID, "wc", "-l"); strings.TrimSpace(out) != "2" {
 		t.Errorf("crictl exec -i wc -l = %q, want 2", out)
 	}
