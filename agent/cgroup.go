@@ -107,6 +107,10 @@ func enterCgroup(g *ContainerCgroup) (*os.File, error) {
 	if err := g.Check(); err != nil {
 		return nil, err
 	}
+	path := ContainerCgroupPath(g.Name)
+	if f, err := os.Open(path); err == nil {
+		return f, nil // an exec joins its container's cgroup as it is
+	}
 	var st unix.Statfs_t
 	if err := unix.Statfs(CgroupRoot, &st); err != nil || st.Type != unix.CGROUP2_SUPER_MAGIC {
 		if err := unix.Mount("cgroup2", CgroupRoot, "cgroup2", unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, "nsdelegate"); err != nil {
@@ -123,7 +127,6 @@ func enterCgroup(g *ContainerCgroup) (*os.File, error) {
 			}
 		}
 	}
-	path := ContainerCgroupPath(g.Name)
 	switch err := os.Mkdir(path, 0o755); {
 	case err == nil:
 		for _, f := range g.Limits.Files() {
