@@ -17,6 +17,7 @@ import (
 	"regexp"
 	"strconv"
 	"strings"
+	"time"
 
 	"golang.org/x/sys/unix"
 )
@@ -111,11 +112,8 @@ func enterCgroup(g *ContainerCgroup) (*os.File, error) {
 	if f, err := os.Open(path); err == nil {
 		return f, nil // an exec joins its container's cgroup as it is
 	}
-	var st unix.Statfs_t
-	if err := unix.Statfs(CgroupRoot, &st); err != nil || st.Type != unix.CGROUP2_SUPER_MAGIC {
-		if err := unix.Mount("cgroup2", CgroupRoot, "cgroup2", unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, "nsdelegate"); err != nil {
-			return nil, fmt.Errorf("mount the guest's cgroup hierarchy: %w", err)
-		}
+	if err := mountCgroupRoot(); err != nil {
+		return nil, err
 	}
 	for _, dir := range []string{CgroupRoot, containerCgroups} {
 		if err := os.Mkdir(dir, 0o755); err != nil && !errors.Is(err, os.ErrExist) {
@@ -160,4 +158,75 @@ func writeCgroupFile(dir, name, value string) error {
 		err = cerr
 	}
 	return err
+}
+
+// mountCgroupRoot mounts the guest's cgroup v2 hierarchy at CgroupRoot
+// unless it is there.
+func mountCgroupRoot() error {
+	var st unix.Statfs_t
+	if err := unix.Statfs(CgroupRoot, &st); err == nil && st.Type == unix.CGROUP2_SUPER_MAGIC {
+		return nil
+	}
+	if err := unix.Mount("cgroup2", CgroupRoot, "cgroup2", unix.MS_NOSUID|unix.MS_NODEV|unix.MS_NOEXEC, "nsdelegate"); err != nil {
+		return fmt.Errorf("mount the guest's cgroup hierarchy: %w", err)
+	}
+	return nil
+}
+
+// ExecCgroups is where the guest's agent gives each command it starts
+// outside a container a cgroup of its own (Server.ExecCgroups), with no
+// limits: it is how the command's timeout finds everything the command
+// started, however it forked, set up sessions or process groups, and ends
+// it with one write to cgroup.kill, which the kernel applies to children
+// still being forked too. Killing the process group instead raced a fork
+// bomb's copies forking while the kill went through the group, and those
+// it missed went on forking (TestHostileWorkloads: once in CI, the bomb
+// outlived the exec and the sandbox stopped answering).
+const ExecCgroups = CgroupRoot + "/capsa-exec"
+
+// makeExecCgroup makes the cgroup dir/name for one command, and returns
+// it open, for the command to start in (clone3's CLONE_INTO_CGROUP).
+func makeExecCgroup(dir, name string) (*os.File, error) {
+	if dir == ExecCgroups {
+		if err := mountCgroupRoot(); err != nil {
+			return nil, err
+		}
+	}
+	if err := os.Mkdir(dir, 0o755); err != nil && !errors.Is(err, os.ErrExist) {
+		return nil, fmt.Errorf("exec cgroups: %w", err)
+	}
+	path := filepath.Join(dir, name)
+	if err := os.Mkdir(path, 0o755); err != nil {
+		return nil, fmt.Errorf("exec cgroup: %w", err)
+	}
+	f, err := os.Open(path)
+	if err != nil {
+		os.Remove(path)
+		return nil, fmt.Errorf("exec cgroup: %w", err)
+	}
+	return f, nil
+}
+
+// killCgroup ends every process in the cgroup at path (cgroup.kill),
+// waits, for at most killLeftoversFor, until the kernel reports it empty,
+// and removes it. A cgroup already gone (its command ended with nothing
+// left behind) is no error.
+func killCgroup(path string) error {
+	if err := writeCgroupFile(path, "cgroup.kill", "1"); err != nil {
+		if errors.Is(err, os.ErrNotExist) {
+			return nil
+		}
+		return fmt.Errorf("kill cgroup %s: %w", path, err)
+	}
+	deadline := time.Now().Add(killLeftoversFor)
+	for {
+		err := os.Remove(path)
+		if err == nil || errors.Is(err, os.ErrNotExist) {
+			return nil
+		}
+		if !errors.Is(err, unix.EBUSY) || time.Now().After(deadline) {
+			return fmt.Errorf("remove cgroup %s after its kill: %w", path, err)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
 }

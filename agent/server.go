@@ -17,6 +17,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -42,8 +43,56 @@ type Server struct {
 	Log *slog.Logger
 	// Shutdown is called after a shutdown request is acknowledged.
 	Shutdown func()
+	// ExecCgroups, if set, is the cgroup directory under which each
+	// command started outside a container gets a cgroup of its own, so
+	// that its timeout ends everything it started (the guest's agent sets
+	// ExecCgroups); unset, the timeout ends the command's process group.
+	ExecCgroups string
 
 	procs procTable
+
+	execSeq   atomic.Uint64
+	lingerMu  sync.Mutex
+	lingering map[string]bool // exec cgroups whose command left processes behind
+}
+
+// execCgroup makes the cgroup of a command about to start, and first
+// removes those of earlier commands whose processes have all ended since.
+func (s *Server) execCgroup() (*os.File, string, error) {
+	s.lingerMu.Lock()
+	for path := range s.lingering {
+		if err := os.Remove(path); err == nil || errors.Is(err, os.ErrNotExist) {
+			delete(s.lingering, path)
+		}
+	}
+	s.lingerMu.Unlock()
+	name := "e" + strconv.FormatUint(s.execSeq.Add(1), 10)
+	f, err := makeExecCgroup(s.ExecCgroups, name)
+	if err != nil {
+		return nil, "", err
+	}
+	return f, filepath.Join(s.ExecCgroups, name), nil
+}
+
+// execEnded removes the cgroup of a command whose first process has
+// ended, or, while processes it started live on, remembers it for later.
+func (s *Server) execEnded(path string) {
+	if err := os.Remove(path); err == nil || errors.Is(err, os.ErrNotExist) {
+		return
+	}
+	s.lingerMu.Lock()
+	defer s.lingerMu.Unlock()
+	if s.lingering == nil {
+		s.lingering = map[string]bool{}
+	}
+	s.lingering[path] = true
+}
+
+// execKilled forgets the cgroup of a command that killCgroup ended.
+func (s *Server) execKilled(path string) {
+	s.lingerMu.Lock()
+	defer s.lingerMu.Unlock()
+	delete(s.lingering, path)
 }
 
 func (s *Server) log() *slog.Logger {
@@ -742,6 +791,24 @@ func (s *Server) exec(ctx context.Context, c *Conn, req *ExecRequest) error {
 		sys.UseCgroupFD, sys.CgroupFD = true, int(cg.Fd())
 		sys.Unshareflags |= syscall.CLONE_NEWCGROUP
 	}
+	// Any other command gets a cgroup of its own (ExecCgroups); without
+	// one, its timeout falls back to its process group.
+	var cgPath string
+	if req.Container == nil && s.ExecCgroups != "" {
+		cg, path, err := s.execCgroup()
+		if err != nil {
+			s.log().Warn("exec: no cgroup of its own; its timeout ends its process group", "err", err)
+		} else {
+			defer cg.Close()
+			sys.UseCgroupFD, sys.CgroupFD = true, int(cg.Fd())
+			cgPath = path
+			defer func() {
+				if cmd.Process == nil { // it never started
+					os.Remove(path)
+				}
+			}()
+		}
+	}
 
 	p := newProc(argv, req.TTY != nil, req.Stdin)
 	// Output waits until the client has the process's ID and is attached.
@@ -833,7 +900,16 @@ func (s *Server) exec(ctx context.Context, c *Conn, req *ExecRequest) error {
 			if !ended {
 				p.kill(unix.SIGKILL)
 			}
-			killLeftovers(pgid)
+			if cgPath == "" {
+				killLeftovers(pgid)
+				return
+			}
+			if err := killCgroup(cgPath); err != nil {
+				s.log().Error("exec: ending what the command left at its timeout; its process group next", "argv", argv, "err", err)
+				killLeftovers(pgid)
+				return
+			}
+			s.execKilled(cgPath)
 		})
 	}
 	stop := context.AfterFunc(ctx, func() { p.kill(unix.SIGKILL) })
@@ -859,6 +935,9 @@ func (s *Server) exec(ctx context.Context, c *Conn, req *ExecRequest) error {
 	go func() {
 		werr := cmd.Wait()
 		drain()
+		if cgPath != "" {
+			s.execEnded(cgPath)
+		}
 		mu.Lock()
 		exited = true
 		st := ExitStatus{TimedOut: timedOut}

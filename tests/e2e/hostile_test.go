@@ -4,6 +4,7 @@ import (
 	"context"
 	"os"
 	"path/filepath"
+	"regexp"
 	"strconv"
 	"strings"
 	"testing"
@@ -69,6 +70,33 @@ func TestHostileWorkloads(t *testing.T) {
 		return true
 	}
 
+	// gone waits, for at most a minute, until no process of sb has arg
+	// as an argument.
+	gone := func(sb *sandbox.Sandbox, arg, what string) bool {
+		t.Helper()
+		o := probeCmd("gone", 90*time.Second)
+		o.Argv = append(o.Argv, arg, "60")
+		r, err := sb.Exec(ctx, o)
+		if err != nil || r.Code != 0 {
+			t.Logf("%s still running: %+v, %v", what, r, err)
+			return false
+		}
+		return true
+	}
+
+	// An exec's timeout ends everything the command started, a daemon in
+	// a session of its own too (the command's cgroup, not its process
+	// group); and the command's cgroup is the guest's, under capsa-exec.
+	if r, err := abused.Exec(ctx, sandbox.Command("cat", "/proc/self/cgroup")); err != nil || !regexp.MustCompile(`^0::/capsa-exec/e[0-9]+\n$`).Match(r.Stdout) {
+		t.Errorf("a command's cgroup: %+v, %v; want 0::/capsa-exec/e<N>", r, err)
+	}
+	if r, err := abused.Exec(ctx, probeCmd("daemon", 3*time.Second)); err != nil || !r.TimedOut {
+		t.Errorf("a command that outlives its 3 s timeout: %+v, %v; want it timed out", r, err)
+	}
+	if !gone(abused, "daemon-7777", "the daemon of a timed-out command") {
+		t.Error("a daemon a command started in its own session outlived the command's timeout")
+	}
+
 	// /tmp (tmpfs, half the guest's memory) filled: ENOSPC, then usable again.
 	o := sandbox.Shell("dd if=/dev/zero of=/tmp/fill bs=1048576; echo dd=$?; rm /tmp/fill")
 	o.Timeout = 2 * time.Minute
@@ -105,6 +133,7 @@ func TestHostileWorkloads(t *testing.T) {
 
 	// A fork bomb: the exec's timeout ends it; the guest survives it or
 	// the sandbox ends with a reason, and the bystander never notices.
+	bombEnd := time.Now().Add(20 * time.Second)
 	r, err = abused.Exec(ctx, probeCmd("forkbomb", 20*time.Second))
 	t.Logf("fork bomb: %+v, %v", r, err)
 	if err == nil && !r.TimedOut && r.Signal == "" {
@@ -119,6 +148,10 @@ func TestHostileWorkloads(t *testing.T) {
 		} else {
 			t.Logf("the fork-bombed sandbox ended: %v", e)
 		}
+	} else if time.Sleep(time.Until(bombEnd)); !gone(abused, "forkbomb", "the fork bomb's copies") {
+		// (After the exec's deadline: the bomb's first copy may have
+		// ended before it, OOM-killed, and the exec with it.)
+		t.Error("copies of the fork bomb outlived the exec's timeout")
 	}
 
 	// The host: Close is bounded and gives everything back.

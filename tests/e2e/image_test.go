@@ -12,6 +12,8 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
+	"strconv"
 	"strings"
 	"syscall"
 	"testing"
@@ -31,7 +33,8 @@ const probeEnv = "CAPSA_E2E_PROBE"
 // probe runs one action: report, write PATH TEXT, cat PATH, fill PATH
 // (os.File writes), fillraw PATH (write(2) calls),
 // copy SRC DST (1 MiB read and write calls), hold PATH OUT (reads on
-// from a file kept open), wait (forever), eat (memory), forkbomb, and the
+// from a file kept open), wait (forever), daemon (wait, and a copy waiting
+// in a session of its own), gone (no process left with an argument), eat (memory), forkbomb, and the
 // hub's cas, ping and pong (hubProbe).
 func probe(args []string) int {
 	if len(args) == 0 {
@@ -130,6 +133,45 @@ func probe(args []string) int {
 					break
 				}
 			}
+		}
+	case "gone":
+		// gone ARG SECONDS: waits, for at most SECONDS, until no other
+		// process has ARG as an argument; lists those left if any are.
+		secs, _ := strconv.Atoi(args[2])
+		var left []string
+		for end := time.Now().Add(time.Duration(secs) * time.Second); ; time.Sleep(time.Second) {
+			left = left[:0]
+			procs, _ := filepath.Glob("/proc/[0-9]*/cmdline")
+			for _, f := range procs {
+				b, _ := os.ReadFile(f)
+				if f != fmt.Sprintf("/proc/%d/cmdline", os.Getpid()) && slices.Contains(strings.Split(string(b), "\x00"), args[1]) {
+					left = append(left, f+": "+strings.ReplaceAll(string(b), "\x00", " "))
+				}
+			}
+			if len(left) == 0 {
+				return 0
+			}
+			if time.Now().After(end) {
+				fmt.Printf("%d left, among them:\n%s\n", len(left), strings.Join(left[:min(len(left), 10)], "\n"))
+				return 1
+			}
+		}
+	case "daemon":
+		// Starts a copy of itself that waits forever in a session of its
+		// own (its command line "wait daemon-7777"), then waits too.
+		self, err := os.Executable()
+		if err != nil {
+			fmt.Println(err)
+			return 1
+		}
+		d := exec.Command(self, "wait", "daemon-7777")
+		d.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
+		if err := d.Start(); err != nil {
+			fmt.Println(err)
+			return 1
+		}
+		for {
+			time.Sleep(time.Hour)
 		}
 	case "wait":
 		for {

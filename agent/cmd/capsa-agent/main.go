@@ -368,7 +368,7 @@ func serve(log *slog.Logger) int {
 		log.Warn("serve: exempting the server from the OOM killer", "err", err)
 	}
 	go announceReady(log)
-	srv := &agent.Server{Log: log, Shutdown: func() {
+	srv := &agent.Server{Log: log, ExecCgroups: agent.ExecCgroups, Shutdown: func() {
 		time.Sleep(10 * time.Millisecond) // let the reply reach the host
 		os.Exit(0)                        // init reboots when the agent exits
 	}}
