@@ -153,11 +153,9 @@ func (s *Server) describe(rec *supervisor.Record, token bool) sandboxInfo {
 		}
 		in.EndAt = &end
 	}
-	switch rec.State {
-	case supervisor.Paused:
+	in.State = "running"
+	if paused(rec) {
 		in.State = "paused"
-	default:
-		in.State = "running"
 	}
 	in.Lifecycle = &lifecycle{OnTimeout: "kill"}
 	if rec.PauseAtTTL {
@@ -441,12 +439,22 @@ func envList(m map[string]string) ([]string, error) {
 	return env, nil
 }
 
+// paused reports whether rec is paused as E2B has it: in memory or on
+// disk (suspended).
+func paused(rec *supervisor.Record) bool {
+	return rec.State == supervisor.Paused || rec.State == supervisor.Suspended
+}
+
+// live reports whether rec is a sandbox E2B lists: running, or paused
+// either way.
+func live(rec *supervisor.Record) bool { return rec.Alive() || rec.State == supervisor.Suspended }
+
 // record returns the live sandbox the request's {id} names, if key may
 // reach it, or answers 404 and returns nil.
 func (s *Server) record(w http.ResponseWriter, r *http.Request, key Key) *supervisor.Record {
 	id := r.PathValue("id")
 	rec, err := s.m.Get(id)
-	if err != nil || !rec.Alive() || rec.State == supervisor.Created || !key.reaches(rec) {
+	if err != nil || !live(rec) || rec.State == supervisor.Created || !key.reaches(rec) {
 		apiError(w, http.StatusNotFound, fmt.Sprintf("sandbox %q not found", id))
 		return nil
 	}
@@ -553,7 +561,7 @@ func (s *Server) connect(w http.ResponseWriter, r *http.Request, key Key) {
 		return
 	}
 	status := http.StatusOK
-	if rec.State == supervisor.Paused {
+	if paused(rec) {
 		if err := s.resume(r.Context(), rec, timeout); err != nil {
 			apiError(w, http.StatusInternalServerError, err.Error())
 			return
@@ -588,10 +596,16 @@ func (s *Server) connect(w http.ResponseWriter, r *http.Request, key Key) {
 // resume runs the paused sandbox rec again, to end timeout seconds from
 // now (a sandbox paused at its timeout has none left).
 func (s *Server) resume(ctx context.Context, rec *supervisor.Record, timeout int) error {
+	s.forget(rec.Name)
 	if err := s.m.Resume(ctx, rec.Name); err != nil {
 		return fmt.Errorf("resume %s: %v", rec.Name, err)
 	}
-	if err := s.m.SetTTL(ctx, rec.Name, ttlFrom(rec.Started, timeout)); err != nil {
+	// One restored from disk started again: its TTL counts from then.
+	cur, err := s.m.Get(rec.Name)
+	if err != nil {
+		return fmt.Errorf("resume %s: %v", rec.Name, err)
+	}
+	if err := s.m.SetTTL(ctx, rec.Name, ttlFrom(cur.Started, timeout)); err != nil {
 		return fmt.Errorf("resume %s: %v", rec.Name, err)
 	}
 	s.log.Info("e2b: resumed", "sandbox", rec.Name, "timeout", timeout)
@@ -605,13 +619,23 @@ func (s *Server) pause(w http.ResponseWriter, r *http.Request, key Key) {
 	if rec == nil {
 		return
 	}
-	if rec.State == supervisor.Paused {
+	if paused(rec) {
 		apiError(w, http.StatusConflict, fmt.Sprintf("sandbox %s is paused already", rec.Name))
 		return
 	}
-	if err := s.m.Pause(r.Context(), rec.Name); err != nil {
-		apiError(w, http.StatusInternalServerError, fmt.Sprintf("pause %s: %v", rec.Name, err))
-		return
+	s.forget(rec.Name)
+	// To disk, as E2B pauses: the VM ends and its memory is freed. A
+	// sandbox that cannot be snapshotted pauses in memory instead.
+	if err := s.m.Suspend(r.Context(), rec.Name); err != nil {
+		s.log.Warn("e2b: pause to disk failed; pausing in memory", "sandbox", rec.Name, "err", err)
+		if cur, gerr := s.m.Get(rec.Name); gerr != nil || !cur.Alive() {
+			apiError(w, http.StatusInternalServerError, fmt.Sprintf("pause %s: %v", rec.Name, err))
+			return
+		}
+		if err := s.m.Pause(r.Context(), rec.Name); err != nil {
+			apiError(w, http.StatusInternalServerError, fmt.Sprintf("pause %s: %v", rec.Name, err))
+			return
+		}
 	}
 	w.WriteHeader(http.StatusNoContent)
 }
@@ -696,11 +720,11 @@ func (s *Server) list(w http.ResponseWriter, r *http.Request, key Key, v2 bool) 
 	}
 	var rows []*supervisor.Record
 	for _, rec := range recs {
-		if !rec.Alive() || rec.State == supervisor.Created || rec.State == supervisor.Creating || !key.reaches(rec) {
+		if !live(rec) || rec.State == supervisor.Created || rec.State == supervisor.Creating || !key.reaches(rec) {
 			continue
 		}
 		state := "running"
-		if rec.State == supervisor.Paused {
+		if paused(rec) {
 			state = "paused"
 		}
 		if !states[state] {

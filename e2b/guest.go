@@ -68,13 +68,13 @@ func (s *Server) guest(ctx context.Context, id string) (*guest, error) {
 		s.forget(id)
 		return nil, err
 	}
-	if rec.State == supervisor.Paused && rec.Labels[labelAutoResume] != "" {
+	if paused(rec) && rec.Labels[labelAutoResume] != "" {
 		// Traffic wakes a sandbox made with autoResume, for the
 		// timeout it was made with: one request resumes it, those
 		// that come meanwhile wait for that.
 		s.resumeMu.Lock()
 		rec, err = s.m.Get(id)
-		if err == nil && rec.State == supervisor.Paused {
+		if err == nil && paused(rec) {
 			timeout, _ := strconv.Atoi(rec.Labels[labelTimeout])
 			if err = s.resume(ctx, rec, cmp.Or(timeout, defaultTimeout)); err == nil {
 				rec, err = s.m.Get(id)

@@ -85,7 +85,7 @@ type listArgs struct {
 
 type sandboxRow struct {
 	Name          string `json:"name"`
-	State         string `json:"state" jsonschema:"created, creating, running, paused, exited or crashed"`
+	State         string `json:"state" jsonschema:"created, creating, running, paused, suspended (on disk), exited or crashed"`
 	Command       string `json:"command" jsonschema:"the image and arguments, or the main process"`
 	CPUs          int    `json:"cpus"`
 	MemoryMiB     int    `json:"memory_mib"`
@@ -248,7 +248,7 @@ func (t *tools) list(ctx context.Context, a listArgs) (listResult, error) {
 	}
 	res := listResult{Sandboxes: []sandboxRow{}}
 	for _, r := range recs {
-		if !a.All && !r.Alive() {
+		if !a.All && !r.Alive() && r.State != supervisor.Suspended {
 			continue
 		}
 		row := sandboxRow{Name: r.Name, State: string(r.State), Command: supervisor.CommandLine(r.Spec),

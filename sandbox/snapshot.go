@@ -38,8 +38,8 @@ import (
 // Limit, refused here with its reason: a sandbox with disks (a host file
 // the snapshot would have to copy or trust unchanged).
 func (s *Sandbox) Snapshot(ctx context.Context, dir string) error {
-	if len(s.c.Disks) > 0 {
-		return errors.New("sandbox: snapshot: a sandbox with disks cannot be snapshotted: the snapshot would depend on the disk files staying unchanged")
+	if err := s.Snapshottable(); err != nil {
+		return err
 	}
 	spec, err := json.Marshal(s.c.Spec)
 	if err != nil {
@@ -56,6 +56,15 @@ func (s *Sandbox) Snapshot(ctx context.Context, dir string) error {
 		err = errors.Join(err, s.vm.Continue())
 	}
 	return err
+}
+
+// Snapshottable says why the sandbox cannot be snapshotted, if it cannot:
+// a sandbox with disks.
+func (s *Sandbox) Snapshottable() error {
+	if len(s.c.Disks) > 0 {
+		return errors.New("sandbox: snapshot: a sandbox with disks cannot be snapshotted: the snapshot would depend on the disk files staying unchanged")
+	}
+	return nil
 }
 
 func (s *Sandbox) writeSnapshot(dir string, spec []byte) error {

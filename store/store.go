@@ -20,6 +20,7 @@
 package store
 
 import (
+	"context"
 	"crypto/rand"
 	"encoding/hex"
 	"encoding/json"
@@ -44,9 +45,12 @@ const (
 	Created  State = "created"  // recorded by capsa create, never started
 	Creating State = "creating" // its supervisor is booting it
 	Running  State = "running"
-	Paused   State = "paused"  // running, its guest stopped until resumed
-	Exited   State = "exited"  // stopped, or its main process ended
-	Crashed  State = "crashed" // its supervisor died without recording an end
+	Paused   State = "paused" // running, its guest stopped until resumed
+	// Suspended: its whole state is on disk (RestoreFrom) and its VM is
+	// gone, so it holds no memory; a resume restores it (Store.Start).
+	Suspended State = "suspended"
+	Exited    State = "exited"  // stopped, or its main process ended
+	Crashed   State = "crashed" // its supervisor died without recording an end
 )
 
 // Record is what the store keeps of a sandbox.
@@ -275,6 +279,26 @@ func (s *Store) lock(name string) (*Lock, error) {
 	return &Lock{f}, nil
 }
 
+// WaitUnlocked waits until nobody holds name's lock (its supervisor has
+// exited), or ctx ends.
+func (s *Store) WaitUnlocked(ctx context.Context, name string) error {
+	for {
+		l, err := s.lock(name)
+		if err == nil {
+			l.Close()
+			return nil
+		}
+		if !errors.Is(err, ErrExists) {
+			return err
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("store: %s: its supervisor still runs: %w", name, ctx.Err())
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+}
+
 // RemoveStale removes the directories of sandboxes that have no record,
 // were last changed more than age ago and whose lock nobody holds (taken
 // while the directory goes, as Remove does). Errors are skipped: it is
@@ -330,9 +354,10 @@ func (s *Store) Create(r *Record) (*Lock, error) {
 	return l, nil
 }
 
-// Start claims a sandbox that capsa create recorded (state Created) for
-// its supervisor: it returns the sandbox's lock with the record in state
-// Creating. Any other state is an error that says it.
+// Start claims a sandbox that capsa create recorded (state Created), or
+// one suspended to disk (Suspended), for its supervisor: it returns the
+// sandbox's lock with the record in state Creating. Any other state is an
+// error that says it.
 func (s *Store) Start(name string) (*Lock, error) {
 	if err := CheckName(name); err != nil {
 		return nil, err
@@ -345,8 +370,8 @@ func (s *Store) Start(name string) (*Lock, error) {
 		return nil, fmt.Errorf("store: start %s: it is running", name)
 	}
 	err = s.Update(name, func(r *Record) error {
-		if r.State != Created {
-			return fmt.Errorf("store: start %s: it is %s; only a created sandbox starts (run a new one)", name, r.State)
+		if r.State != Created && r.State != Suspended {
+			return fmt.Errorf("store: start %s: it is %s; only a created or suspended sandbox starts (run a new one)", name, r.State)
 		}
 		r.State = Creating
 		return nil

@@ -1,6 +1,7 @@
 package store
 
 import (
+	"context"
 	"errors"
 	"os"
 	"path/filepath"
@@ -166,6 +167,44 @@ func TestStart(t *testing.T) {
 	}
 	if _, err := s.Start("none"); !errors.Is(err, ErrNotFound) {
 		t.Errorf("Start(none) = %v, want ErrNotFound", err)
+	}
+}
+
+// TestSuspended: a suspended sandbox is not alive (no supervisor holds
+// it, and List does not call it crashed), and Start restores it; while its
+// old supervisor holds the lock, WaitUnlocked waits and Start refuses.
+func TestSuspended(t *testing.T) {
+	s := open(t)
+	l, err := s.Create(&Record{Name: "z"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Update("z", func(r *Record) error { r.State = Suspended; return nil }); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
+	if err := s.WaitUnlocked(ctx, "z"); err == nil {
+		t.Error("WaitUnlocked while the lock is held returned no error at its deadline")
+	}
+	cancel()
+	if _, err := s.Start("z"); err == nil {
+		t.Error("Start of a suspended sandbox whose lock is held succeeded")
+	}
+	go func() { time.Sleep(50 * time.Millisecond); l.Close() }()
+	if err := s.WaitUnlocked(context.Background(), "z"); err != nil {
+		t.Fatalf("WaitUnlocked once the lock goes = %v", err)
+	}
+	rs, err := s.List()
+	if err != nil || len(rs) != 1 || rs[0].State != Suspended || rs[0].Alive() {
+		t.Fatalf("List() = %+v, %v; want z suspended, not alive (not crashed)", rs, err)
+	}
+	l, err = s.Start("z")
+	if err != nil {
+		t.Fatalf("Start of a suspended sandbox = %v", err)
+	}
+	defer l.Close()
+	if r, _ := s.Get("z"); r.State != Creating {
+		t.Errorf("Start(z) left state %s, want creating", r.State)
 	}
 }
 

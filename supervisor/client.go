@@ -111,6 +111,9 @@ func Open(ctx context.Context, st *store.Store, name string) (*Handle, error) {
 	if rec.State == store.Paused {
 		return nil, fmt.Errorf("supervisor: %s: %w (capsa resume %s runs it again)", name, ErrPaused, name)
 	}
+	if rec.State == store.Suspended {
+		return nil, fmt.Errorf("supervisor: %s: %w, suspended to disk (capsa resume %s restores it)", name, ErrNotRunning, name)
+	}
 	if rec.State != store.Running {
 		return nil, fmt.Errorf("supervisor: %s: %w (%s)", name, ErrNotRunning, describeEnd(rec))
 	}

@@ -59,6 +59,7 @@ var (
 	opPause    = controlOp[noBody, noBody]{"pause", http.MethodPost, http.StatusNoContent}
 	opResume   = controlOp[noBody, noBody]{"resume", http.MethodPost, http.StatusNoContent}
 	opSnapshot = controlOp[snapshotBody, noBody]{"snapshot", http.MethodPost, http.StatusNoContent}
+	opSuspend  = controlOp[noBody, noBody]{"suspend", http.MethodPost, http.StatusAccepted}
 	opStats    = controlOp[noBody, sandbox.Stats]{"stats", http.MethodGet, http.StatusOK}
 	opLimits   = controlOp[ratelimit.Limits, ratelimit.Limits]{"limits", http.MethodPut, http.StatusOK}
 	opTTL      = controlOp[ttlBody, noBody]{"ttl", http.MethodPut, http.StatusNoContent}
@@ -74,7 +75,7 @@ type controlRoute interface {
 }
 
 // controlOps is the protocol's table.
-var controlOps = []controlRoute{opStop, opPause, opResume, opSnapshot, opStats, opLimits, opTTL}
+var controlOps = []controlRoute{opStop, opPause, opResume, opSnapshot, opSuspend, opStats, opLimits, opTTL}
 
 func (o controlOp[Req, Resp]) opName() string  { return o.name }
 func (o controlOp[Req, Resp]) path() string    { return "/v1/" + o.name }

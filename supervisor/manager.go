@@ -6,6 +6,8 @@ import (
 	"io"
 	"log/slog"
 	"os"
+	"path/filepath"
+	"strings"
 	"time"
 
 	"github.com/capsa-sandbox/capsa/ratelimit"
@@ -33,12 +35,13 @@ type (
 
 // A sandbox's states.
 const (
-	Creating = store.Creating
-	Created  = store.Created
-	Running  = store.Running
-	Paused   = store.Paused
-	Exited   = store.Exited
-	Crashed  = store.Crashed
+	Creating  = store.Creating
+	Created   = store.Created
+	Running   = store.Running
+	Paused    = store.Paused
+	Suspended = store.Suspended
+	Exited    = store.Exited
+	Crashed   = store.Crashed
 )
 
 // Errors a Manager's methods wrap.
@@ -106,8 +109,86 @@ func (m *Manager) Remove(ctx context.Context, name string) error { return Destro
 // Pause pauses the running sandbox name.
 func (m *Manager) Pause(ctx context.Context, name string) error { return Pause(ctx, m.st, name) }
 
-// Resume runs the paused sandbox name again.
-func (m *Manager) Resume(ctx context.Context, name string) error { return Resume(ctx, m.st, name) }
+// Resume runs the paused sandbox name again; a suspended one is restored
+// from its snapshot (its supervisor starts again, and Resume returns once
+// the sandbox runs), and the snapshot goes.
+func (m *Manager) Resume(ctx context.Context, name string) error {
+	rec, err := m.st.Get(name)
+	if err != nil {
+		return err
+	}
+	if rec.State != Suspended {
+		err := Resume(ctx, m.st, name)
+		if err == nil || !strings.Contains(err.Error(), errBeingSuspended.Error()) {
+			return err
+		}
+		// Its suspension was under way: restore it once it is done.
+		if err := waitEnded(ctx, m.st, name); err != nil {
+			return err
+		}
+		if rec, err = m.st.Get(name); err != nil {
+			return err
+		}
+		if rec.State != Suspended {
+			return fmt.Errorf("supervisor: resume %s: it ended (%s)", name, describeEnd(rec))
+		}
+	}
+	// The supervisor that suspended it may still be on its way out.
+	wctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	err = m.st.WaitUnlocked(wctx, name)
+	cancel()
+	if err != nil {
+		return fmt.Errorf("supervisor: resume %s: %w", name, err)
+	}
+	lock, err := m.st.Start(name)
+	if err != nil {
+		return fmt.Errorf("supervisor: resume %s: %w", name, err)
+	}
+	if err := Spawn(ctx, m.st, name, lock, rec.AutoRemove); err != nil {
+		return fmt.Errorf("supervisor: resume %s from disk: %w", name, err)
+	}
+	// The restored VM maps the snapshot's memory copy-on-write and has its
+	// own copy of the root disk: the files can go (the mapping keeps what
+	// it reads until the VM ends).
+	dir := rec.RestoreFrom
+	if err := m.st.Update(name, func(r *Record) error {
+		if r.RestoreFrom == dir {
+			r.RestoreFrom = ""
+		}
+		return nil
+	}); err != nil {
+		return fmt.Errorf("supervisor: resume %s: %w", name, err)
+	}
+	if filepath.Dir(dir) == m.st.SandboxDir(name) {
+		os.RemoveAll(dir)
+	}
+	return nil
+}
+
+// Suspend writes the whole running or paused sandbox name to disk and
+// ends its VM, so that it holds no memory; Resume restores it, processes,
+// memory and all. Its record says Suspended once Suspend returns. A
+// sandbox that cannot be snapshotted (one with disks) is refused and runs
+// on as it was.
+func (m *Manager) Suspend(ctx context.Context, name string) error {
+	if err := callLive(ctx, m.st, name, opSuspend, noBody{}); err != nil {
+		return err
+	}
+	if err := waitEnded(ctx, m.st, name); err != nil {
+		return err
+	}
+	if err := m.st.WaitUnlocked(ctx, name); err != nil {
+		return err
+	}
+	rec, err := m.st.Get(name)
+	if err != nil {
+		return err
+	}
+	if rec.State != Suspended {
+		return fmt.Errorf("supervisor: suspend %s: it ended instead (%s)", name, describeEnd(rec))
+	}
+	return nil
+}
 
 // SaveSnapshot writes the running sandbox name to the state directory's
 // snapshot snap ("": DefaultSnapshotName's) and returns snap.
@@ -155,8 +236,12 @@ func (m *Manager) Create(rec *Record, secrets map[string]string) (string, error)
 }
 
 // Start starts the sandbox name that Create recorded, and waits until it
-// runs or says why it cannot; only a created sandbox starts.
+// runs or says why it cannot; only a created sandbox starts (and a
+// suspended one, which Resume restores).
 func (m *Manager) Start(ctx context.Context, name string) error {
+	if rec, err := m.st.Get(name); err == nil && rec.State == Suspended {
+		return m.Resume(ctx, name)
+	}
 	lock, err := m.st.Start(name)
 	if err != nil {
 		return err
@@ -184,6 +269,9 @@ func (m *Manager) Supervise(ctx context.Context, name string, lock, ready *os.Fi
 	}})
 	if err != nil {
 		log.Error("supervisor", "err", err)
+	}
+	if rec, gerr := m.st.Get(name); rm && gerr == nil && rec.State == Suspended {
+		rm = false // kept for its resume; removed when it ends
 	}
 	if rm {
 		lock.Close()

@@ -82,7 +82,7 @@ func TestManagerCreateAndStart(t *testing.T) {
 	if err := m.st.Update("c", func(r *Record) error { r.State = Exited; return nil }); err != nil {
 		t.Fatal(err)
 	}
-	if err := m.Start(context.Background(), "c"); err == nil || !strings.Contains(err.Error(), "only a created sandbox starts") {
+	if err := m.Start(context.Background(), "c"); err == nil || !strings.Contains(err.Error(), "only a created or suspended sandbox starts") {
 		t.Errorf("Start of an exited sandbox = %v", err)
 	}
 }

@@ -207,7 +207,8 @@ func Run(ctx context.Context, o Options) error {
 	defer sb.Close()
 	log.Info("supervisor: the sandbox runs", "restored", rec.RestoreFrom != "", "timeline", sb.Timeline().String())
 
-	c := &control{sb: sb, st: st, name: o.Name, stopc: make(chan stopRequest, 1), ttlc: make(chan time.Duration), started: time.Now()}
+	c := &control{sb: sb, st: st, name: o.Name, stopc: make(chan stopRequest, 1), ttlc: make(chan time.Duration),
+		suspendc: make(chan struct{}, 1), suspendDir: filepath.Join(dir, SuspendDir), started: time.Now()}
 	srv, err := c.serve(filepath.Join(dir, ControlSocket), log)
 	if err != nil {
 		return fail(err)
@@ -233,6 +234,7 @@ func Run(ctx context.Context, o Options) error {
 	}
 	err = st.Update(o.Name, func(r *store.Record) error {
 		r.State, r.PID, r.Started, r.Env, r.Dir, r.Ports = store.Running, os.Getpid(), c.started, env, wd, ports
+		r.Reason, r.Ended, r.ExitCode = "", time.Time{}, nil // a suspension's, if it was one
 		r.Confinement = layers
 		return nil
 	})
@@ -298,8 +300,11 @@ func Run(ctx context.Context, o Options) error {
 	setTTL(rec.TTL)
 	idle := watchIdle(sb, rec.IdleTimeout)
 	var reason string
+	suspended, suspendedAtTTL := false, false
 	for reason == "" {
 		select {
+		case <-c.suspendc:
+			reason, suspended = "suspended to disk", true
 		case <-mainDone:
 			reason = "its main process ended"
 		case <-sb.Done():
@@ -316,6 +321,12 @@ func Run(ctx context.Context, o Options) error {
 		case <-ttl:
 			if rec.PauseAtTTL {
 				ttl = nil
+				// To disk, where the sandbox can be snapshotted; else in
+				// memory.
+				if err := c.suspend(ctx, log); err == nil {
+					reason, suspended, suspendedAtTTL = fmt.Sprintf("suspended to disk at its TTL of %v", curTTL.Round(time.Second)), true, true
+					continue
+				}
 				if err := c.setPaused(ctx, true, log); err == nil {
 					log.Info("supervisor: paused at its TTL", "ttl", curTTL.Round(time.Second))
 					continue
@@ -330,6 +341,26 @@ func Run(ctx context.Context, o Options) error {
 			reason = "its supervisor was told to stop"
 			c.stopMain(mainDone, DefaultStopTimeout, false, log)
 		}
+	}
+	if suspended {
+		// The guest stays as the snapshot has it: no signal, no
+		// shutdown; the VM goes with sb.Close. The record says where the
+		// sandbox is now (a resume restores it, Store.Start) and, paused
+		// at its TTL, that it has none (as an in-memory pause).
+		srv.Close()
+		err := st.Update(o.Name, func(r *store.Record) error {
+			r.State, r.PID, r.RestoreFrom, r.Reason, r.Ended = store.Suspended, 0, c.suspendDir, reason, time.Now()
+			if suspendedAtTTL {
+				r.TTL = 0
+			}
+			return nil
+		})
+		if err != nil {
+			log.Error("supervisor: record the suspension", "err", err)
+			return err
+		}
+		log.Info("supervisor: suspended", "name", o.Name, "dir", c.suspendDir)
+		return nil
 	}
 	var code *int
 	select {
@@ -405,6 +436,68 @@ type control struct {
 	ttlc    chan time.Duration // a new TTL, from its start
 	started time.Time
 	pauseMu sync.Mutex // one pause or resume at a time
+	// suspendc says the sandbox was written to suspendDir and is to end
+	// there (suspend); suspending is set then, under pauseMu, so that
+	// nothing runs the guest on past its snapshot.
+	suspendc   chan struct{}
+	suspendDir string
+	suspending bool
+}
+
+// errBeingSuspended refuses a pause, resume or second suspension of a
+// sandbox whose suspension is under way.
+var errBeingSuspended = errors.New("the sandbox is being suspended")
+
+// SuspendDir is where a suspended sandbox's snapshot is kept, in its
+// directory.
+const SuspendDir = "suspended"
+
+// suspend writes the whole sandbox to c.suspendDir, its guest paused
+// from then on, and has the supervisor end there (suspendc): the record
+// then says Suspended, and a resume restores the sandbox from the
+// directory. A sandbox that cannot be snapshotted (it has disks) stays
+// as it was, with the error.
+func (c *control) suspend(ctx context.Context, log *slog.Logger) error {
+	c.pauseMu.Lock()
+	defer c.pauseMu.Unlock()
+	if c.suspending {
+		return &controlError{http.StatusConflict, errBeingSuspended}
+	}
+	if err := c.sb.Snapshottable(); err != nil {
+		return fmt.Errorf("suspend: %w", err)
+	}
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Minute)
+	defer cancel()
+	wasPaused := c.sb.Paused()
+	if err := c.sb.Pause(ctx); err != nil {
+		return fmt.Errorf("suspend: %w", err)
+	}
+	c.recordState(store.Paused, log) // while the snapshot is written
+	// Written beside, then renamed: a suspension that fails leaves the
+	// last one (if any) whole.
+	tmp := c.suspendDir + ".new"
+	os.RemoveAll(tmp)
+	err := c.sb.Snapshot(ctx, tmp)
+	if err == nil {
+		os.RemoveAll(c.suspendDir)
+		err = os.Rename(tmp, c.suspendDir)
+	}
+	if err != nil {
+		os.RemoveAll(tmp)
+		if !wasPaused {
+			if rerr := c.sb.Resume(context.WithoutCancel(ctx)); rerr != nil {
+				log.Warn("supervisor: resume after a failed suspension", "err", rerr)
+			} else {
+				c.recordState(store.Running, log)
+			}
+		}
+		log.Warn("supervisor: suspend", "err", err)
+		return fmt.Errorf("suspend: %w", err)
+	}
+	c.suspending = true
+	c.suspendc <- struct{}{}
+	log.Info("supervisor: snapshot for the suspension written", "dir", c.suspendDir)
+	return nil
 }
 
 // stopMain ends the main process: SIGTERM, then SIGKILL after timeout (at
@@ -492,6 +585,9 @@ func (c *control) mux(log *slog.Logger) *http.ServeMux {
 		log.Info("supervisor: snapshot written", "dir", req.Dir)
 		return noBody{}, nil
 	})
+	opSuspend.register(mux, func(ctx context.Context, _ noBody) (noBody, error) {
+		return noBody{}, c.suspend(ctx, log)
+	})
 	opLimits.register(mux, func(_ context.Context, l ratelimit.Limits) (ratelimit.Limits, error) {
 		if err := l.Check(); err != nil {
 			return ratelimit.Limits{}, badRequest("bad limits: %v", err)
@@ -531,10 +627,27 @@ func (c *control) mux(log *slog.Logger) *http.ServeMux {
 	return mux
 }
 
+// recordState records the live sandbox's state (running or paused).
+func (c *control) recordState(state store.State, log *slog.Logger) error {
+	err := c.st.Update(c.name, func(rec *store.Record) error {
+		if rec.Alive() {
+			rec.State = state
+		}
+		return nil
+	})
+	if err != nil {
+		log.Warn("supervisor: record the state", "state", state, "err", err)
+	}
+	return err
+}
+
 // setPaused pauses or resumes the sandbox and records its state.
 func (c *control) setPaused(ctx context.Context, pause bool, log *slog.Logger) error {
 	c.pauseMu.Lock()
 	defer c.pauseMu.Unlock()
+	if c.suspending {
+		return &controlError{http.StatusConflict, errBeingSuspended}
+	}
 	ctx, cancel := context.WithTimeout(ctx, pauseTimeout)
 	defer cancel()
 	op, state := "resume", store.Running
@@ -546,12 +659,7 @@ func (c *control) setPaused(ctx context.Context, pause bool, log *slog.Logger) e
 		err = c.sb.Resume(ctx)
 	}
 	if err == nil {
-		err = c.st.Update(c.name, func(rec *store.Record) error {
-			if rec.Alive() {
-				rec.State = state
-			}
-			return nil
-		})
+		err = c.recordState(state, log)
 	}
 	if err != nil {
 		log.Warn("supervisor: "+op, "err", err)

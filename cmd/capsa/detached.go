@@ -244,7 +244,7 @@ func runPs(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	}
 	rows := []psRow{}
 	for _, r := range recs {
-		if !*all && !r.Alive() {
+		if !*all && !r.Alive() && r.State != supervisor.Suspended {
 			continue
 		}
 		row := psRow{Name: r.Name, State: r.State, Command: supervisor.CommandLine(r.Spec), CPUs: r.Spec.CPUs,
@@ -319,6 +319,10 @@ func stopByName(ctx context.Context, m *supervisor.Manager, name string, timeout
 
 func runPause(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	return pauseOrResume(ctx, "pause", (*supervisor.Manager).Pause, args, stdout, stderr)
+}
+
+func runSuspend(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	return pauseOrResume(ctx, "suspend", (*supervisor.Manager).Suspend, args, stdout, stderr)
 }
 
 func runResume(ctx context.Context, args []string, stdout, stderr io.Writer) int {

@@ -195,7 +195,7 @@ func (c *sandboxCollector) collect() ([]family, error) {
 	if err != nil {
 		return nil, err
 	}
-	states := map[supervisor.State]int{supervisor.Created: 0, supervisor.Creating: 0, supervisor.Running: 0, supervisor.Paused: 0, supervisor.Exited: 0, supervisor.Crashed: 0}
+	states := map[supervisor.State]int{supervisor.Created: 0, supervisor.Creating: 0, supervisor.Running: 0, supervisor.Paused: 0, supervisor.Suspended: 0, supervisor.Exited: 0, supervisor.Crashed: 0}
 	running := map[string]bool{}
 	for _, r := range recs {
 		states[r.State]++

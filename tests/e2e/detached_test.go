@@ -433,7 +433,7 @@ func TestCreateStart(t *testing.T) {
 	if r := cli(time.Minute, "stop", "c"); r.code != 0 {
 		t.Fatalf("capsa stop c = exit %d, stderr %q", r.code, r.stderr)
 	}
-	if r := cli(time.Minute, "start", "c"); r.code == 0 || !strings.Contains(r.stderr, "only a created sandbox starts") {
+	if r := cli(time.Minute, "start", "c"); r.code == 0 || !strings.Contains(r.stderr, "only a created or suspended sandbox starts") {
 		t.Errorf("capsa start of an exited sandbox = exit %d, stderr %q; want a clear refusal", r.code, r.stderr)
 	}
 	if r := cli(time.Minute, "start", "nosuch"); r.code == 0 || !strings.Contains(r.stderr, "no such sandbox") {

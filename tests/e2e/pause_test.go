@@ -2,13 +2,20 @@ package e2e
 
 import (
 	"context"
+	"encoding/json"
 	"math"
+	"os"
+	"os/exec"
+	"path/filepath"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
+	"github.com/capsa-sandbox/capsa/agent"
 	"github.com/capsa-sandbox/capsa/sandbox"
+	"github.com/capsa-sandbox/capsa/store"
 )
 
 // TestPauseResume: a busy loop makes no progress while its sandbox is
@@ -150,4 +157,121 @@ func TestPauseResumeCLI(t *testing.T) {
 	if e := psAll(t, cli)["p"]; e.State != "exited" {
 		t.Errorf("capsa ps: p is %q (%s) after stop, want exited", e.State, e.Reason)
 	}
+}
+
+// TestSuspendResumeCLI: capsa suspend writes a detached sandbox to disk
+// and ends its VM (its supervisor process is gone and ps says suspended);
+// capsa resume restores it where it was: a file in the guest's memory
+// (/tmp) and a process an exec left running are still there, and the
+// snapshot goes. A sandbox with a disk cannot be suspended and runs on.
+func TestSuspendResumeCLI(t *testing.T) {
+	dir, cli := detachedState(t)
+	st, err := store.Open(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r := cli(3*time.Minute, "run", "-d", "--name", "s", "--memory", "256M", "--", "sleep", "3600"); r.code != 0 {
+		t.Fatalf("capsa run -d --name s = exit %d, stderr %q", r.code, r.stderr)
+	}
+	if r := cli(time.Minute, "exec", "s", "--", "sh", "-c", "echo kept > /tmp/mark"); r.code != 0 {
+		t.Fatalf("capsa exec s (a file in /tmp) = exit %d, stdout %q, stderr %q", r.code, r.stdout, r.stderr)
+	}
+	// A process that outlives its exec's client, in the agent's table.
+	bg := exec.Command(artifact(t, "capsa"), "exec", "s", "--", "sleep", "7777")
+	bg.Env = append(os.Environ(), "CAPSA_STATE="+dir, "CAPSA_METRICS_TOKEN=metrics-test-token")
+	if err := bg.Start(); err != nil {
+		t.Fatal(err)
+	}
+	var before agent.ProcessInfo
+	for deadline := time.Now().Add(time.Minute); before.PID == 0; time.Sleep(200 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			bg.Process.Kill()
+			t.Fatal("capsa top s never listed sleep 7777")
+		}
+		before, _ = sleeper(t, cli)
+	}
+	bg.Process.Kill()
+	bg.Wait()
+	rec, err := st.Get("s")
+	if err != nil || rec.PID == 0 {
+		t.Fatalf("the record of s: %+v, %v", rec, err)
+	}
+	supervisorPID := rec.PID
+	if r := cli(2*time.Minute, "suspend", "s"); r.code != 0 || r.stdout != "s\n" {
+		t.Fatalf("capsa suspend s = exit %d, stdout %q, stderr %q; want 0 and s", r.code, r.stdout, r.stderr)
+	}
+	if e := psAll(t, cli)["s"]; e.State != "suspended" {
+		t.Errorf("capsa ps: s is %q (%s) after suspend, want suspended", e.State, e.Reason)
+	}
+	if err := syscall.Kill(supervisorPID, 0); err != syscall.ESRCH {
+		t.Errorf("the supervisor of the suspended sandbox (pid %d): kill -0 = %v, want ESRCH (it ends with its VM)", supervisorPID, err)
+	}
+	snap := filepath.Join(st.SandboxDir("s"), "suspended")
+	if _, err := os.Stat(filepath.Join(snap, "manifest.json")); err != nil {
+		t.Errorf("the suspended sandbox's snapshot: %v", err)
+	}
+	if r := cli(time.Minute, "exec", "s", "--", "true"); r.code == 0 || !strings.Contains(r.stderr, "suspended") || !strings.Contains(r.stderr, "capsa resume s") {
+		t.Errorf("capsa exec into a suspended sandbox = exit %d, stderr %q; want a failure naming the suspension and capsa resume", r.code, r.stderr)
+	}
+	if r := cli(3*time.Minute, "resume", "s"); r.code != 0 || r.stdout != "s\n" {
+		t.Fatalf("capsa resume s (from disk) = exit %d, stdout %q, stderr %q; want 0 and s", r.code, r.stdout, r.stderr)
+	}
+	if e := psAll(t, cli)["s"]; e.State != "running" {
+		t.Errorf("capsa ps: s is %q (%s) after resume, want running", e.State, e.Reason)
+	}
+	if r := cli(time.Minute, "exec", "s", "--", "cat", "/tmp/mark"); r.code != 0 || r.stdout != "kept\n" {
+		t.Errorf("after resume from disk: cat /tmp/mark = exit %d, stdout %q, stderr %q; want kept", r.code, r.stdout, r.stderr)
+	}
+	if after, top := sleeper(t, cli); after.ID != before.ID || after.PID != before.PID || after.Exit != nil {
+		t.Errorf("after resume from disk: sleep 7777 in capsa top = %+v, want %+v still running\n%s", after, before, top)
+	}
+	if _, err := os.Stat(snap); !os.IsNotExist(err) {
+		t.Errorf("the snapshot of a resumed sandbox: stat = %v, want it gone", err)
+	}
+
+	// A sandbox with a disk cannot be snapshotted: refused, and it runs on.
+	disk := filepath.Join(t.TempDir(), "disk.img")
+	if err := os.WriteFile(disk, make([]byte, 1<<20), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if r := cli(3*time.Minute, "run", "-d", "--name", "d", "--memory", "256M", "--disk", disk, "--", "sleep", "3600"); r.code != 0 {
+		t.Fatalf("capsa run -d --name d --disk = exit %d, stderr %q", r.code, r.stderr)
+	}
+	if r := cli(2*time.Minute, "suspend", "d"); r.code == 0 || !strings.Contains(r.stderr, "disks") {
+		t.Errorf("capsa suspend of a sandbox with a disk = exit %d, stderr %q; want a refusal naming its disks", r.code, r.stderr)
+	}
+	if r := cli(time.Minute, "exec", "d", "--", "echo", "on"); r.code != 0 || r.stdout != "on\n" {
+		t.Errorf("capsa exec d after a refused suspend = exit %d, stdout %q, stderr %q", r.code, r.stdout, r.stderr)
+	}
+
+	// A suspended sandbox is removed as an ended one is, snapshot and all.
+	if r := cli(2*time.Minute, "suspend", "s"); r.code != 0 {
+		t.Fatalf("capsa suspend s (again) = exit %d, stderr %q", r.code, r.stderr)
+	}
+	if r := cli(time.Minute, "rm", "s"); r.code != 0 {
+		t.Fatalf("capsa rm of a suspended sandbox = exit %d, stderr %q", r.code, r.stderr)
+	}
+	if _, ok := psAll(t, cli)["s"]; ok {
+		t.Error("capsa ps -a still lists s after capsa rm")
+	}
+	if _, err := os.Stat(st.SandboxDir("s")); !os.IsNotExist(err) {
+		t.Errorf("the removed sandbox's directory: stat = %v, want it gone", err)
+	}
+}
+
+// sleeper is the process sleep 7777 in capsa top s, if listed, and top's
+// output.
+func sleeper(t *testing.T, cli func(time.Duration, ...string) result) (agent.ProcessInfo, string) {
+	t.Helper()
+	r := cli(time.Minute, "top", "--format", "json", "s")
+	var procs []agent.ProcessInfo
+	if r.code != 0 || json.Unmarshal([]byte(r.stdout), &procs) != nil {
+		t.Fatalf("capsa top --format json s = exit %d, stdout %q, stderr %q", r.code, r.stdout, r.stderr)
+	}
+	for _, p := range procs {
+		if len(p.Argv) == 2 && p.Argv[1] == "7777" {
+			return p, r.stdout
+		}
+	}
+	return agent.ProcessInfo{}, r.stdout
 }
