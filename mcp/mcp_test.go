@@ -107,7 +107,7 @@ func TestToolList(t *testing.T) {
 	slices.Sort(names)
 	want := []string{"file_list", "file_read", "file_write", "kv_cas", "kv_get", "kv_list", "kv_set",
 		"mailbox_publish", "mailbox_receive", "sandbox_create", "sandbox_destroy", "sandbox_exec",
-		"sandbox_fork", "sandbox_list", "snapshot_create", "snapshot_restore"}
+		"sandbox_fork", "sandbox_list", "sandbox_resume", "sandbox_suspend", "snapshot_create", "snapshot_restore"}
 	if !slices.Equal(names, want) {
 		t.Errorf("ListTools names = %v, want %v", names, want)
 	}

@@ -102,13 +102,18 @@ type nameArgs struct {
 	Name string `json:"name" jsonschema:"the sandbox's name"`
 }
 
+type stateResult struct {
+	Name  string `json:"name"`
+	State string `json:"state" jsonschema:"the sandbox's state now: suspended, or running"`
+}
+
 type destroyResult struct {
 	Name      string `json:"name"`
 	Destroyed bool   `json:"destroyed"`
 }
 
-// registerSandboxTools adds sandbox_create, sandbox_list and
-// sandbox_destroy.
+// registerSandboxTools adds sandbox_create, sandbox_list, sandbox_suspend,
+// sandbox_resume and sandbox_destroy.
 func registerSandboxTools(s *sdk.Server, t *tools) {
 	addTool(s, t, &sdk.Tool{Name: "sandbox_create", Title: "Create a sandbox",
 		Description: "Start a sandbox: a microVM with its own kernel, running until sandbox_destroy or its TTL. Returns its name. Booting takes about a second; pulling an image the first time takes longer.",
@@ -118,6 +123,14 @@ func registerSandboxTools(s *sdk.Server, t *tools) {
 		Description: "List the detached sandboxes (running ones; with all, the ended ones too): the agent's and any other started with capsa run -d.",
 		Annotations: &sdk.ToolAnnotations{ReadOnlyHint: true},
 	}, t.list)
+	addTool(s, t, &sdk.Tool{Name: "sandbox_suspend", Title: "Suspend a sandbox to disk",
+		Description: "Write a sandbox to disk and end its VM: it holds no memory until sandbox_resume, which brings it back with its files, memory and running processes. Refused for a sandbox with disks.",
+		Annotations: &sdk.ToolAnnotations{DestructiveHint: boolPtr(false)},
+	}, t.suspend)
+	addTool(s, t, &sdk.Tool{Name: "sandbox_resume", Title: "Resume a sandbox",
+		Description: "Run a suspended sandbox again (restored from disk, its processes going on where they were), or a paused one.",
+		Annotations: &sdk.ToolAnnotations{DestructiveHint: boolPtr(false)},
+	}, t.resume)
 	addTool(s, t, &sdk.Tool{Name: "sandbox_destroy", Title: "Destroy a sandbox",
 		Description: "Kill a sandbox if it runs and remove it with everything in it (files written inside are gone).",
 		Annotations: &sdk.ToolAnnotations{DestructiveHint: boolPtr(true), IdempotentHint: true},
@@ -259,6 +272,20 @@ func (t *tools) list(ctx context.Context, a listArgs) (listResult, error) {
 		res.Sandboxes = append(res.Sandboxes, row)
 	}
 	return res, nil
+}
+
+func (t *tools) suspend(ctx context.Context, a nameArgs) (stateResult, error) {
+	if err := t.m.Suspend(ctx, a.Name); err != nil {
+		return stateResult{}, err
+	}
+	return stateResult{Name: a.Name, State: string(supervisor.Suspended)}, nil
+}
+
+func (t *tools) resume(ctx context.Context, a nameArgs) (stateResult, error) {
+	if err := t.m.Resume(ctx, a.Name); err != nil {
+		return stateResult{}, err
+	}
+	return stateResult{Name: a.Name, State: string(supervisor.Running)}, nil
 }
 
 func (t *tools) destroy(ctx context.Context, a nameArgs) (destroyResult, error) {

@@ -131,7 +131,8 @@ func structured(t *testing.T, l mcpLine, v any) {
 // lists and reads files; the sandbox is an ordinary detached one that
 // `capsa ps` and `capsa exec` see; a missing sandbox is a tool error; the
 // same server over streamable HTTP on loopback serves a client with its
-// token and refuses one without; the sandbox is destroyed.
+// token and refuses one without, and suspends the sandbox to disk and
+// resumes it with its files; the sandbox is destroyed.
 func TestMCP(t *testing.T) {
 	bin := artifact(t, "capsa")
 	dir, cli := detachedState(t)
@@ -162,7 +163,7 @@ func TestMCP(t *testing.T) {
 	}
 	want := []string{"file_list", "file_read", "file_write", "kv_cas", "kv_get", "kv_list", "kv_set",
 		"mailbox_publish", "mailbox_receive", "sandbox_create", "sandbox_destroy", "sandbox_exec",
-		"sandbox_fork", "sandbox_list", "snapshot_create", "snapshot_restore"}
+		"sandbox_fork", "sandbox_list", "sandbox_resume", "sandbox_suspend", "snapshot_create", "snapshot_restore"}
 	if got := slices.Sorted(slices.Values(lines[0].Tools)); !slices.Equal(got, want) {
 		t.Errorf("tools/list = %v, want %v", got, want)
 	}
@@ -275,6 +276,11 @@ func TestMCP(t *testing.T) {
 	lines, err = client(3*time.Minute, []mcpCall{
 		{Tool: "sandbox_list", Args: map[string]any{}},
 		{Tool: "sandbox_exec", Args: map[string]any{"name": "agent", "shell": "cat /tmp/mcp/note.txt; echo err >&2; exit 3"}},
+		// Suspended to disk and back, its /tmp (the guest's memory) kept.
+		{Tool: "sandbox_suspend", Args: map[string]any{"name": "agent"}},
+		{Tool: "sandbox_list", Args: map[string]any{}},
+		{Tool: "sandbox_resume", Args: map[string]any{"name": "agent"}},
+		{Tool: "file_read", Args: map[string]any{"name": "agent", "path": "/tmp/mcp/note.txt"}},
 	}, "http", url, token)
 	if err != nil {
 		t.Fatalf("mcp-client over HTTP: %v", err)
@@ -288,6 +294,20 @@ func TestMCP(t *testing.T) {
 	var shell execResult
 	if structured(t, lines[1], &shell); shell.ExitCode != 3 || shell.Stdout != note || shell.Stderr != "err\n" {
 		t.Errorf("sandbox_exec over HTTP = %+v, want exit 3, the note, err", shell)
+	}
+	var state struct{ Name, State string }
+	if structured(t, lines[2], &state); state.State != "suspended" {
+		t.Errorf("sandbox_suspend = %+v, want suspended", state)
+	}
+	if structured(t, lines[3], &list); len(list.Sandboxes) != 1 || list.Sandboxes[0].State != "suspended" {
+		t.Errorf("sandbox_list after sandbox_suspend = %+v, want agent suspended", list.Sandboxes)
+	}
+	if structured(t, lines[4], &state); state.State != "running" {
+		t.Errorf("sandbox_resume = %+v, want running", state)
+	}
+	var again struct{ Content string }
+	if structured(t, lines[5], &again); again.Content != note {
+		t.Errorf("file_read after suspend and resume = %q, want %q", again.Content, note)
 	}
 
 	lines, err = client(3*time.Minute, []mcpCall{

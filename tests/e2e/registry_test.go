@@ -224,6 +224,7 @@ print(json.loads(s.makefile().readline())["code"])
 // the host: an ordinary user whose only privilege is the kvm group does it
 // all, with the cache in its own home.
 func TestImageAsKVMGroupUser(t *testing.T) {
+	artifact(t, "capsa") // skips where no /dev/kvm boots Linux (the unit tier)
 	if os.Geteuid() != 0 {
 		t.Skip("needs root to set up the unprivileged user (the nested host runs the tests as root)")
 	}

@@ -54,12 +54,24 @@ func TestSummarize(t *testing.T) {
 func TestReadExpected(t *testing.T) {
 	p := filepath.Join(t.TempDir(), "skips")
 	os.WriteFile(p, []byte("# comment\np TestB: no KVM here\n\nq  TestD/sub: as root\n"), 0o644)
-	m, err := readExpected(p)
+	m, err := readExpected(p, true)
 	if err != nil || len(m) != 2 || !m["p TestB"] || !m["q TestD/sub"] {
 		t.Errorf("readExpected = %v, %v", m, err)
 	}
 	os.WriteFile(p, []byte("p TestB\n"), 0o644)
-	if _, err := readExpected(p); err == nil {
+	if _, err := readExpected(p, true); err == nil {
 		t.Error("a line without a reason was taken")
+	}
+	// A skip expected only where there is no /dev/kvm.
+	os.WriteFile(p, []byte("p TestB: always\nk TestK without-kvm: its KVM tests need one\n"), 0o644)
+	if m, err := readExpected(p, true); err != nil || len(m) != 1 || !m["p TestB"] {
+		t.Errorf("readExpected with /dev/kvm = %v, %v; want only p TestB", m, err)
+	}
+	if m, err := readExpected(p, false); err != nil || len(m) != 2 || !m["k TestK"] {
+		t.Errorf("readExpected without /dev/kvm = %v, %v; want k TestK too", m, err)
+	}
+	os.WriteFile(p, []byte("k TestK with-kvm: no such condition\n"), 0o644)
+	if _, err := readExpected(p, false); err == nil {
+		t.Error("a line with an unknown condition was taken")
 	}
 }

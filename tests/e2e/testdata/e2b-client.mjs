@@ -25,13 +25,17 @@ const { Sandbox, CommandExitError, TimeoutError, NotFoundError, AuthenticationEr
 const template = process.env.TEMPLATE
 let failed = 0
 
+// step runs one check and prints its result and how long it took (where
+// the test's time goes).
 async function step(name, fn) {
+  const start = Date.now()
+  const took = () => `(${((Date.now() - start) / 1000).toFixed(1)} s)`
   try {
     const detail = await fn()
-    console.log(`ok ${name}${detail === undefined ? '' : ' ' + JSON.stringify(detail)}`)
+    console.log(`ok ${name}${detail === undefined ? '' : ' ' + JSON.stringify(detail)} ${took()}`)
   } catch (e) {
     failed++
-    console.log(`FAIL ${name}: ${e?.constructor?.name}: ${e?.message ?? e}`.replaceAll('\n', ' | '))
+    console.log(`FAIL ${name}: ${e?.constructor?.name}: ${e?.message ?? e}`.replaceAll('\n', ' | ') + ` ${took()}`)
   }
 }
 
