@@ -445,16 +445,12 @@ func paused(rec *supervisor.Record) bool {
 	return rec.State == supervisor.Paused || rec.State == supervisor.Suspended
 }
 
-// live reports whether rec is a sandbox E2B lists: running, or paused
-// either way.
-func live(rec *supervisor.Record) bool { return rec.Alive() || rec.State == supervisor.Suspended }
-
 // record returns the live sandbox the request's {id} names, if key may
 // reach it, or answers 404 and returns nil.
 func (s *Server) record(w http.ResponseWriter, r *http.Request, key Key) *supervisor.Record {
 	id := r.PathValue("id")
 	rec, err := s.m.Get(id)
-	if err != nil || !live(rec) || rec.State == supervisor.Created || !key.reaches(rec) {
+	if err != nil || !rec.Live() || rec.State == supervisor.Created || !key.reaches(rec) {
 		apiError(w, http.StatusNotFound, fmt.Sprintf("sandbox %q not found", id))
 		return nil
 	}
@@ -720,7 +716,7 @@ func (s *Server) list(w http.ResponseWriter, r *http.Request, key Key, v2 bool) 
 	}
 	var rows []*supervisor.Record
 	for _, rec := range recs {
-		if !live(rec) || rec.State == supervisor.Created || rec.State == supervisor.Creating || !key.reaches(rec) {
+		if !rec.Live() || rec.State == supervisor.Created || rec.State == supervisor.Creating || !key.reaches(rec) {
 			continue
 		}
 		state := "running"

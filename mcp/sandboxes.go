@@ -261,7 +261,7 @@ func (t *tools) list(ctx context.Context, a listArgs) (listResult, error) {
 	}
 	res := listResult{Sandboxes: []sandboxRow{}}
 	for _, r := range recs {
-		if !a.All && !r.Alive() && r.State != supervisor.Suspended {
+		if !a.All && !r.Live() {
 			continue
 		}
 		row := sandboxRow{Name: r.Name, State: string(r.State), Command: supervisor.CommandLine(r.Spec),

@@ -109,6 +109,10 @@ type Record struct {
 // Alive reports whether the sandbox's supervisor may still be running.
 func (r *Record) Alive() bool { return r.State == Creating || r.State == Running || r.State == Paused }
 
+// Live reports whether the sandbox has not ended: alive, or suspended to
+// disk (what ps lists without -a).
+func (r *Record) Live() bool { return r.Alive() || r.State == Suspended }
+
 var (
 	// ErrNotFound is returned for a name with no record.
 	ErrNotFound = errors.New("no such sandbox")

@@ -122,8 +122,9 @@ func (m *Manager) Resume(ctx context.Context, name string) error {
 		if err == nil || !strings.Contains(err.Error(), errBeingSuspended.Error()) {
 			return err
 		}
-		// Its suspension was under way: restore it once it is done.
-		if err := waitEnded(ctx, m.st, name); err != nil {
+		// Its suspension was under way: restore it once it is done (its
+		// supervisor records it, then exits).
+		if err := m.st.WaitUnlocked(ctx, name); err != nil {
 			return err
 		}
 		if rec, err = m.st.Get(name); err != nil {
@@ -174,9 +175,7 @@ func (m *Manager) Suspend(ctx context.Context, name string) error {
 	if err := callLive(ctx, m.st, name, opSuspend, noBody{}); err != nil {
 		return err
 	}
-	if err := waitEnded(ctx, m.st, name); err != nil {
-		return err
-	}
+	// Its supervisor records the suspension, then exits.
 	if err := m.st.WaitUnlocked(ctx, name); err != nil {
 		return err
 	}

@@ -244,7 +244,7 @@ func runPs(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	}
 	rows := []psRow{}
 	for _, r := range recs {
-		if !*all && !r.Alive() && r.State != supervisor.Suspended {
+		if !*all && !r.Live() {
 			continue
 		}
 		row := psRow{Name: r.Name, State: r.State, Command: supervisor.CommandLine(r.Spec), CPUs: r.Spec.CPUs,
