@@ -119,20 +119,22 @@ func (m *Manager) Resume(ctx context.Context, name string) error {
 	}
 	if rec.State != Suspended {
 		err := Resume(ctx, m.st, name)
-		if err == nil || !strings.Contains(err.Error(), errBeingSuspended.Error()) {
-			return err
+		if err == nil {
+			return nil
 		}
 		// Its suspension was under way: restore it once it is done (its
-		// supervisor records it, then exits).
-		if err := m.st.WaitUnlocked(ctx, name); err != nil {
+		// supervisor records it, then exits). One that has just ended
+		// suspended is restored too.
+		if strings.Contains(err.Error(), errBeingSuspended.Error()) {
+			if werr := m.st.WaitUnlocked(ctx, name); werr != nil {
+				return werr
+			}
+		}
+		cur, gerr := m.st.Get(name)
+		if gerr != nil || cur.State != Suspended {
 			return err
 		}
-		if rec, err = m.st.Get(name); err != nil {
-			return err
-		}
-		if rec.State != Suspended {
-			return fmt.Errorf("supervisor: resume %s: it ended (%s)", name, describeEnd(rec))
-		}
+		rec = cur
 	}
 	// The supervisor that suspended it may still be on its way out.
 	wctx, cancel := context.WithTimeout(ctx, 10*time.Second)

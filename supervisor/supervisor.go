@@ -346,8 +346,11 @@ func Run(ctx context.Context, o Options) error {
 		// The guest stays as the snapshot has it: no signal, no
 		// shutdown; the VM goes with sb.Close. The record says where the
 		// sandbox is now (a resume restores it, Store.Start) and, paused
-		// at its TTL, that it has none (as an in-memory pause).
-		srv.Close()
+		// at its TTL, that it has none (as an in-memory pause). The record
+		// first, the control socket after: a resume that read the record
+		// just before either reaches the socket (and hears that the
+		// suspension is under way) or reads Suspended, never a closed
+		// socket beside a record saying paused.
 		err := st.Update(o.Name, func(r *store.Record) error {
 			r.State, r.PID, r.RestoreFrom, r.Reason, r.Ended = store.Suspended, 0, c.suspendDir, reason, time.Now()
 			if suspendedAtTTL {
@@ -355,6 +358,7 @@ func Run(ctx context.Context, o Options) error {
 			}
 			return nil
 		})
+		srv.Close()
 		if err != nil {
 			log.Error("supervisor: record the suspension", "err", err)
 			return err
