@@ -6,6 +6,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"math"
 	"net"
 	"net/http"
 	"net/netip"
@@ -168,20 +169,28 @@ func netProbe(f []string) error {
 }
 
 // rateProbe measures a rate in the guest and prints "N bytes in S
-// seconds": "rate ADDR" reads a TCP connection to ADDR to its end,
+// seconds": "rate ADDR [BYTES]" reads a TCP connection to ADDR to its end
+// or for BYTES,
 // "diskwrite PATH BYTES" writes BYTES to PATH (a disk) in 256 KiB
 // synchronous writes.
 func rateProbe(f []string) error {
 	start := time.Now()
 	var n int64
 	switch {
-	case f[0] == "rate" && len(f) == 2:
+	case f[0] == "rate" && (len(f) == 2 || len(f) == 3):
+		limit := int64(math.MaxInt64)
+		if len(f) == 3 {
+			var err error
+			if limit, err = strconv.ParseInt(f[2], 10, 64); err != nil {
+				return err
+			}
+		}
 		c, err := net.Dial("tcp", f[1])
 		if err != nil {
 			return err
 		}
 		defer c.Close()
-		if n, err = io.Copy(io.Discard, c); err != nil {
+		if n, err = io.Copy(io.Discard, io.LimitReader(c, limit)); err != nil {
 			return err
 		}
 	case f[0] == "diskwrite" && len(f) == 3:
