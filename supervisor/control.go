@@ -101,6 +101,25 @@ type controlError struct {
 func (e *controlError) Error() string { return e.err.Error() }
 func (e *controlError) Unwrap() error { return e.err }
 
+// controlErrorCodes are the errors a client tells apart, each answered
+// with its code in the errorCodeHeader: the client's error then wraps the
+// same one, so that errors.Is works across the socket as in the process.
+var controlErrorCodes = map[string]error{
+	"being-suspended": ErrBeingSuspended,
+}
+
+const errorCodeHeader = "Capsa-Error"
+
+// remoteError is the server's refusal, as the client has it.
+type remoteError struct {
+	status string // the HTTP status line's text: "409 Conflict"
+	msg    string
+	is     error // the sentinel its code names, or nil
+}
+
+func (e *remoteError) Error() string { return e.status + ": " + e.msg }
+func (e *remoteError) Unwrap() error { return e.is }
+
 // badRequest is a request the server refuses (400).
 func badRequest(format string, args ...any) error {
 	return &controlError{http.StatusBadRequest, fmt.Errorf(format, args...)}
@@ -124,6 +143,11 @@ func (o controlOp[Req, Resp]) register(mux *http.ServeMux, h func(context.Contex
 			var ce *controlError
 			if errors.As(err, &ce) {
 				status = ce.status
+			}
+			for code, sentinel := range controlErrorCodes {
+				if errors.Is(err, sentinel) {
+					w.Header().Set(errorCodeHeader, code)
+				}
 			}
 			http.Error(w, err.Error(), status)
 			return
@@ -169,7 +193,8 @@ func (o controlOp[Req, Resp]) call(ctx context.Context, hc *http.Client, req Req
 		return nil, &transportError{err}
 	}
 	if resp.StatusCode != o.ok {
-		return nil, fmt.Errorf("%s: %s", resp.Status, strings.TrimSpace(string(body)))
+		// An unknown code is no sentinel: the message stands alone.
+		return nil, &remoteError{resp.Status, strings.TrimSpace(string(body)), controlErrorCodes[resp.Header.Get(errorCodeHeader)]}
 	}
 	var out Resp
 	if _, none := any(out).(noBody); !none {

@@ -3,6 +3,7 @@ package supervisor
 import (
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
 	"net"
 	"net/http"
@@ -76,7 +77,7 @@ func TestControlStopAndSnapshotRequests(t *testing.T) {
 // TestControlOpRoundTrip: an operation's request and reply cross as
 // typed values; a malformed or oversized request is refused with 400 and
 // the operation's name, a handler's failure reaches the client with its
-// status and message, and a server unreachable is a transport error.
+// status and message (wrapping the sentinel its code names), and a server unreachable is a transport error.
 func TestControlOpRoundTrip(t *testing.T) {
 	type reply struct {
 		Echo string `json:"echo"`
@@ -89,6 +90,8 @@ func TestControlOpRoundTrip(t *testing.T) {
 			return reply{}, errors.New("cannot now")
 		case "bad":
 			return reply{}, badRequest("bad thing %d", 7)
+		case "suspending":
+			return reply{}, fmt.Errorf("wrapped: %w", &controlError{http.StatusConflict, ErrBeingSuspended})
 		}
 		return reply{Echo: req.Dir}, nil
 	})
@@ -109,6 +112,13 @@ func TestControlOpRoundTrip(t *testing.T) {
 	}
 	if _, err := op.call(ctx, hc, snapshotBody{Dir: "bad"}); err == nil || !strings.Contains(err.Error(), "400") || !strings.Contains(err.Error(), "bad thing 7") {
 		t.Errorf("a refused request = %v; want 400 and its message", err)
+	}
+	// A known sentinel crosses the socket: the client's error wraps it.
+	if _, err := op.call(ctx, hc, snapshotBody{Dir: "suspending"}); !errors.Is(err, ErrBeingSuspended) || !strings.Contains(err.Error(), "409") {
+		t.Errorf("a refusal for a suspension under way = %v; want 409 wrapping ErrBeingSuspended", err)
+	}
+	if _, err := op.call(ctx, hc, snapshotBody{Dir: "conflict"}); errors.Is(err, ErrBeingSuspended) {
+		t.Errorf("another refusal = %v wraps ErrBeingSuspended", err)
 	}
 	for _, body := range []string{"{not json", `{"dir":"` + strings.Repeat("x", maxControlRequest) + `"}`} {
 		resp, err := hc.Post("http://supervisor/v1/echo", "application/json", strings.NewReader(body))

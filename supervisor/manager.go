@@ -2,12 +2,12 @@ package supervisor
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
 	"os"
 	"path/filepath"
-	"strings"
 	"time"
 
 	"github.com/capsa-sandbox/capsa/ratelimit"
@@ -125,7 +125,7 @@ func (m *Manager) Resume(ctx context.Context, name string) error {
 		// Its suspension was under way: restore it once it is done (its
 		// supervisor records it, then exits). One that has just ended
 		// suspended is restored too.
-		if strings.Contains(err.Error(), errBeingSuspended.Error()) {
+		if errors.Is(err, ErrBeingSuspended) {
 			if werr := m.st.WaitUnlocked(ctx, name); werr != nil {
 				return werr
 			}

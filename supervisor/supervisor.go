@@ -448,9 +448,10 @@ type control struct {
 	suspending bool
 }
 
-// errBeingSuspended refuses a pause, resume or second suspension of a
-// sandbox whose suspension is under way.
-var errBeingSuspended = errors.New("the sandbox is being suspended")
+// ErrBeingSuspended refuses a pause, resume or second suspension of a
+// sandbox whose suspension is under way; a client's error wraps it too
+// (controlErrorCodes).
+var ErrBeingSuspended = errors.New("the sandbox is being suspended")
 
 // SuspendDir is where a suspended sandbox's snapshot is kept, in its
 // directory.
@@ -465,7 +466,7 @@ func (c *control) suspend(ctx context.Context, log *slog.Logger) error {
 	c.pauseMu.Lock()
 	defer c.pauseMu.Unlock()
 	if c.suspending {
-		return &controlError{http.StatusConflict, errBeingSuspended}
+		return &controlError{http.StatusConflict, ErrBeingSuspended}
 	}
 	if err := c.sb.Snapshottable(); err != nil {
 		return fmt.Errorf("suspend: %w", err)
@@ -650,7 +651,7 @@ func (c *control) setPaused(ctx context.Context, pause bool, log *slog.Logger) e
 	c.pauseMu.Lock()
 	defer c.pauseMu.Unlock()
 	if c.suspending {
-		return &controlError{http.StatusConflict, errBeingSuspended}
+		return &controlError{http.StatusConflict, ErrBeingSuspended}
 	}
 	ctx, cancel := context.WithTimeout(ctx, pauseTimeout)
 	defer cancel()
