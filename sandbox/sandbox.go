@@ -159,6 +159,10 @@ func (c config) logger() *slog.Logger {
 // error Start would return before booting anything.
 func (b *Builder) Err() error { return b.c.err() }
 
+// Err reports what is wrong with the workload's settings so far, its
+// builder's included; Start and Spec report the same.
+func (w *Workload) Err() error { return w.c.err() }
+
 func (c *config) err() error { return errors.Join(append(c.errs, c.checkNetwork())...) }
 
 // Run chooses the sandbox's main process: argv, run once the guest is up.
@@ -205,7 +209,13 @@ func (w *Workload) Dir(dir string) *Workload { w.c.Main.Dir = dir; return w }
 func (w *Workload) User(u string) *Workload { w.c.Main.User = u; return w }
 
 // Timeout kills the main process after d.
-func (w *Workload) Timeout(d time.Duration) *Workload { w.c.Main.Timeout = d; return w }
+func (w *Workload) Timeout(d time.Duration) *Workload {
+	if d < 0 {
+		w.c.errs = append(w.c.errs, fmt.Errorf("sandbox: timeout %v: must not be negative", d))
+	}
+	w.c.Main.Timeout = d
+	return w
+}
 
 // ExecOptions describe a process to run in the sandbox.
 type ExecOptions = agent.ExecOptions
@@ -245,6 +255,10 @@ type Sandbox struct {
 	closeErr error
 	closed   bool
 }
+
+// Spec is what the sandbox was built from (its Builder's settings, or a
+// restored one's), a copy.
+func (s *Sandbox) Spec() Spec { return s.c.Spec }
 
 // Start boots the sandbox, waits for its agent and starts the main process.
 func (w *Workload) Start(ctx context.Context) (*Sandbox, error) {

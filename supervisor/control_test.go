@@ -8,6 +8,7 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"os"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -134,5 +135,22 @@ func TestControlOpRoundTrip(t *testing.T) {
 	var te *transportError
 	if _, err := op.call(ctx, hc, snapshotBody{Dir: "hello"}); !errors.As(err, &te) {
 		t.Errorf("a call to a closed server = %v; want a transport error", err)
+	}
+}
+
+// TestForegroundNeedsJail: a foreground run starts itself again in a
+// mount namespace only when it is to be jailed (confined, as root) and is
+// not already the process started so.
+func TestForegroundNeedsJail(t *testing.T) {
+	t.Setenv(foregroundJailEnv, "")
+	if (Foreground{NoConfine: true}).NeedsJail() {
+		t.Error("an unconfined run needs a jail")
+	}
+	if got, want := (Foreground{}).NeedsJail(), os.Geteuid() == 0; got != want {
+		t.Errorf("a confined run as uid %d: NeedsJail = %v; want %v", os.Geteuid(), got, want)
+	}
+	t.Setenv(foregroundJailEnv, t.TempDir())
+	if (Foreground{}).NeedsJail() {
+		t.Error("the process started in its own mount namespace needs another")
 	}
 }

@@ -22,11 +22,9 @@ import (
 	"net"
 	"net/http"
 	"os"
-	"os/signal"
 	"path/filepath"
 	"runtime/debug"
 	"sync"
-	"syscall"
 	"time"
 
 	"github.com/capsa-sandbox/capsa/agent"
@@ -76,15 +74,12 @@ func confineSelf(st *store.Store, rec *store.Record, sb *sandbox.Sandbox, spec s
 	if err := os.MkdirAll(snaps, 0o700); err != nil {
 		return confine.Layers{}, fmt.Errorf("supervisor: confine: %w", err)
 	}
-	read, write := sb.HostPaths()
+	c := vmmConfinement(sb, spec, rec.Name, rec.JailUser)
 	db := st.DBPath()
-	write = append(write, st.SandboxDir(rec.Name), db, snaps)
-	return confine.Apply(confine.Config{
-		Read: read, Write: write, Name: rec.Name,
-		MemoryBytes: int64(spec.MemoryMiB)<<20 + VMMOverhead, CPUs: spec.EffectiveCPUQuota(),
-		User: rec.JailUser, Own: []string{st.SandboxDir(rec.Name)}, NoJail: rec.HostMounts,
-		Shared: append(SharedFiles(st.Dir(), write), db, snaps),
-	}, log)
+	c.Write = append(c.Write, st.SandboxDir(rec.Name), db, snaps)
+	c.Own, c.NoJail = []string{st.SandboxDir(rec.Name)}, rec.HostMounts
+	c.Shared = append(SharedFiles(st.Dir(), c.Write), db, snaps)
+	return confine.Apply(c, log)
 }
 
 // SharedFiles are the paths in write that lie directly in the state
@@ -190,6 +185,9 @@ func Run(ctx context.Context, o Options) error {
 	if spec.Hub.Dir == "" {
 		spec.Hub.Dir = o.Store.Dir()
 	}
+	// A SIGQUIT while the sandbox boots waits for its state (below).
+	quit := CatchQuit()
+	defer quit.Stop()
 	var sb *sandbox.Sandbox
 	if rec.RestoreFrom != "" {
 		sb, err = sandbox.Restore(ctx, rec.RestoreFrom, sandbox.RestoreOptions{
@@ -266,21 +264,7 @@ func Run(ctx context.Context, o Options) error {
 	}()
 	// SIGQUIT asks for the VM's state (vCPUs, interrupts, virtqueues,
 	// console), into the supervisor's log; the sandbox runs on.
-	quit := make(chan os.Signal, 1)
-	signal.Notify(quit, syscall.SIGQUIT)
-	defer signal.Stop(quit)
-	go func() {
-		for {
-			select {
-			case <-quit:
-				dctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-				log.Warn("supervisor: the VM's state, on SIGQUIT\n" + sb.Debug(dctx).String())
-				cancel()
-			case <-sb.Done():
-				return
-			}
-		}
-	}()
+	quit.Dump(sb, func(state string) { log.Warn("supervisor: the VM's state, on SIGQUIT\n" + state) })
 	// The TTL counts from the start; the ttl operation sets a new one
 	// (0: none) while the sandbox runs.
 	ttlTimer := time.NewTimer(time.Hour)

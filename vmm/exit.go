@@ -84,3 +84,13 @@ func (e *Exit) String() string {
 	}
 	return s
 }
+
+// Unexplained is the VM's state to show with a stop the host did not ask
+// for and the guest did not end cleanly (nil otherwise): what a front end
+// prints beside the error.
+func (e *Exit) Unexplained() *Debug {
+	if e == nil || e.Reason == StopCanceled || e.Reason.Clean() {
+		return nil
+	}
+	return e.Debug
+}

@@ -10,10 +10,8 @@ import (
 	"time"
 
 	"github.com/capsa-sandbox/capsa/agent"
-	"github.com/capsa-sandbox/capsa/confine"
 	"github.com/capsa-sandbox/capsa/sandbox"
 	"github.com/capsa-sandbox/capsa/supervisor"
-	"github.com/capsa-sandbox/capsa/vmm"
 )
 
 // exitTimedOut is the exit code when --timeout kills the command, as
@@ -110,7 +108,7 @@ func runOrCreate(ctx context.Context, cmdName string, args []string, stdout, std
 			}
 		}
 	}
-	var jailAs *confine.User
+	var jailAs *supervisor.JailUser
 	if *jailUser != "" {
 		switch {
 		case *noConfine:
@@ -118,14 +116,11 @@ func runOrCreate(ctx context.Context, cmdName string, args []string, stdout, std
 		case os.Geteuid() != 0:
 			return fail("--jail-user %s: capsa must run as root to change the VMM's user", *jailUser)
 		}
-		u, err := confine.ParseUser(*jailUser)
+		u, err := supervisor.ParseJailUser(*jailUser)
 		if err != nil {
 			return fail("--jail-user: %v", err)
 		}
-		jailAs = &u
-	}
-	if *cpus < 1 || *cpus > vmm.MaxCPUs {
-		return fail("--cpus %d: must be between 1 and %d", *cpus, vmm.MaxCPUs)
+		jailAs = u
 	}
 	mem, err := parseSize(*memory)
 	if err != nil {
@@ -133,17 +128,6 @@ func runOrCreate(ctx context.Context, cmdName string, args []string, stdout, std
 	}
 	if mem%(1<<20) != 0 {
 		return fail("--memory %s: must be a whole number of MiB", *memory)
-	}
-	for _, e := range *env {
-		if k, _, ok := strings.Cut(e, "="); !ok || k == "" {
-			return fail("-e %q: want KEY=VALUE", e)
-		}
-	}
-	if *timeout < 0 {
-		return fail("--timeout %v: must not be negative", *timeout)
-	}
-	if *watchdog < 0 {
-		return fail("--watchdog %v: must not be negative", *watchdog)
 	}
 	var term *terminal
 	var window agent.WindowSize
@@ -181,7 +165,7 @@ func runOrCreate(ctx context.Context, cmdName string, args []string, stdout, std
 	if *verbose {
 		logger = slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: slog.LevelDebug}))
 		b.Logger(logger).Console(stderr)
-	} else if os.Getenv(confine.ProbeEnv) != "" {
+	} else if supervisor.ProbeRequested() {
 		logger = slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))
 	}
 	if err := b.Err(); err != nil {
@@ -208,14 +192,21 @@ func runOrCreate(ctx context.Context, cmdName string, args []string, stdout, std
 	} else {
 		w = b.Run(fs.Arg(0), fs.Args()[1:]...)
 	}
-	w.Dir(*dir).User(*userFlag).Timeout(*timeout)
+	if err := w.Dir(*dir).User(*userFlag).Timeout(*timeout).Err(); err != nil {
+		return fail("%v", err)
+	}
 	if *detach {
 		rec := &supervisor.Record{Name: *name, TTL: *ttl, IdleTimeout: *idle, AutoRemove: *rm, NoConfine: *noConfine, JailUser: jailAs}
 		return startDetached(ctx, w, rec, create, stdout, stderr)
 	}
-	jailTmp := os.Getenv(jailEnv)
-	if supervisor.Jailed(*noConfine) && jailTmp == "" {
-		return runInJail(args, jailAs, stdout, stderr)
+	fg := supervisor.Foreground{NoConfine: *noConfine, User: jailAs, Terminal: term != nil, Log: logger}
+	if fg.NeedsJail() {
+		code, err := fg.Reexec(append([]string{"run"}, args...), stdout, stderr)
+		if err != nil {
+			fmt.Fprintf(stderr, "capsa run: %v\n", err)
+			return 125
+		}
+		return code
 	}
 	if term != nil {
 		w.TTY(window)
@@ -232,31 +223,20 @@ func runOrCreate(ctx context.Context, cmdName string, args []string, stdout, std
 	if *interactive {
 		w.Stdin(os.Stdin)
 	}
+	// From here Ctrl-\ asks for the VM's state, once there is one.
+	quit := supervisor.CatchQuit()
+	defer quit.Stop()
 	sb, err := w.Start(ctx)
 	if err != nil {
 		fmt.Fprintf(stderr, "capsa run: %v\n", err)
 		return 125
 	}
-	if !*noConfine {
-		read, write := sb.HostPaths()
-		c := confine.Config{Read: read, Write: write, Terminal: term != nil, Name: "run",
-			MemoryBytes: int64(mem) + supervisor.VMMOverhead, CPUs: sandbox.Spec{CPUs: *cpus, CPUQuota: *host.cpuQuota}.EffectiveCPUQuota(), User: jailAs}
-		if jailTmp != "" {
-			c.Own = []string{jailTmp}
-		}
-		if dir, err := supervisor.DefaultDir(); err == nil {
-			c.Shared = supervisor.SharedFiles(dir, write)
-		}
-		start := time.Now()
-		layers, err := confine.Apply(c, logger)
-		if err != nil {
-			sb.Close()
-			fmt.Fprintf(stderr, "capsa run: %v\n", err)
-			return 125
-		}
-		logger.Debug("capsa run: confined", "layers", layers.String(), "took", time.Since(start))
-		confine.Probe(logger)
+	if _, err := fg.Confine(sb); err != nil {
+		sb.Close()
+		fmt.Fprintf(stderr, "capsa run: %v\n", err)
+		return 125
 	}
+	quit.Dump(sb, func(state string) { fmt.Fprintf(stderr, "capsa run: the VM's state, on SIGQUIT\n%s", state) })
 	if term != nil && *interactive {
 		if err := term.raw(sb.Resize); err != nil {
 			sb.Close()
@@ -275,8 +255,8 @@ func runOrCreate(ctx context.Context, cmdName string, args []string, stdout, std
 	switch {
 	case err != nil:
 		fmt.Fprintf(stderr, "capsa run: %v\n", err)
-		if e := sb.Exit(); e != nil && e.Reason != vmm.StopCanceled && !e.Reason.Clean() && e.Debug != nil {
-			fmt.Fprintf(stderr, "capsa run: %s", e.Debug)
+		if d := sb.Exit().Unexplained(); d != nil {
+			fmt.Fprintf(stderr, "capsa run: %s", d)
 		}
 		return 125
 	case st.TimedOut:

@@ -9,10 +9,7 @@ import (
 	"os/signal"
 	"syscall"
 
-	"github.com/capsa-sandbox/capsa/internal/assets"
 	"github.com/capsa-sandbox/capsa/sandbox"
-	virtioblk "github.com/capsa-sandbox/capsa/virtio/blk"
-	"github.com/capsa-sandbox/capsa/vmm"
 )
 
 // defaultCmdline keeps the console quiet (every byte costs a VM exit),
@@ -41,67 +38,32 @@ func runVM(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	if fs.NArg() > 0 {
 		return fail("unexpected argument %q", fs.Arg(0))
 	}
-	if *cpus < 1 || *cpus > vmm.MaxCPUs {
-		return fail("--cpus %d: must be between 1 and %d", *cpus, vmm.MaxCPUs)
-	}
 	mem, err := parseSize(*memory)
 	if err != nil {
 		return fail("--memory: %v", err)
 	}
-	cfg := vmm.Config{CPUs: *cpus, MemoryBytes: mem, Cmdline: *cmdline, Start: startTime}
+	raw := sandbox.RawVM{Kernel: *kernel, Initrd: *initrd, Cmdline: *cmdline, CPUs: *cpus, MemoryBytes: mem,
+		Disks: *disks, Console: stdout, ConsoleInput: os.Stdin, Start: startTime}
 	if *appendArgs != "" {
-		cfg.Cmdline += " " + *appendArgs
+		raw.Cmdline += " " + *appendArgs
 	}
-	// The files are mapped, not read: the VMM copies them into guest
-	// memory once, from the page cache.
-	if *kernel != "" {
-		var release func()
-		if cfg.Kernel, release, err = assets.MapFile(*kernel); err != nil {
-			return fail("--kernel: %v", err)
-		}
-		defer release()
-	} else if cfg.Kernel, err = assets.Kernel(); err != nil {
-		return fail("%v", err)
-	}
-	if *initrd != "" {
-		var release func()
-		if cfg.Initrd, release, err = assets.MapFile(*initrd); err != nil {
-			return fail("--initrd: %v", err)
-		}
-		defer release()
-	}
-	cfg.Console = stdout
 	if *console != "-" {
 		f, err := os.Create(*console)
 		if err != nil {
 			return fail("--console: %v", err)
 		}
 		defer f.Close()
-		cfg.Console = f
+		raw.Console = f
 	}
-	cfg.ConsoleInput = os.Stdin
+	if err := raw.Check(); err != nil {
+		return fail("%v", err)
+	}
 	level := slog.LevelWarn
 	if *verbose {
 		level = slog.LevelDebug
 	}
-	cfg.Log = slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: level}))
-	for i, d := range *disks {
-		path, mode, err := sandbox.ParseDisk(d)
-		if err != nil {
-			return fail("--disk: %v", err)
-		}
-		dev, err := virtioblk.OpenDevice(path, virtioblk.Options{ReadOnly: mode == sandbox.ReadOnly, ID: fmt.Sprintf("capsa-disk-%d", i)}, cfg.Log)
-		if err != nil {
-			return fail("--disk %s: %v", d, err)
-		}
-		defer dev.Close()
-		cfg.Devices = append(cfg.Devices, vmm.Device{ID: fmt.Sprintf("blk:capsa-disk-%d", i), Device: dev})
-	}
-
-	m, err := vmm.New(ctx, cfg)
-	// The guest's memory has them now: the VMM's RSS need not.
-	assets.Evict(cfg.Kernel)
-	assets.Evict(cfg.Initrd)
+	raw.Log = slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: level}))
+	m, err := raw.Boot(ctx)
 	if err != nil {
 		fmt.Fprintf(stderr, "capsa vm: %v\n", err)
 		return 1
@@ -131,8 +93,8 @@ func runVM(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		}
 	}
 	fmt.Fprintf(stderr, "capsa vm: %s\n", exit)
-	if exit.Debug != nil && exit.Reason != vmm.StopCanceled {
-		fmt.Fprintf(stderr, "capsa vm: %s", exit.Debug)
+	if d := exit.Unexplained(); d != nil {
+		fmt.Fprintf(stderr, "capsa vm: %s", d)
 	}
 	if exit.Reason.Clean() {
 		return 0
