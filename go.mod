@@ -36,6 +36,7 @@ require (
 	golang.org/x/time v0.15.0
 	google.golang.org/protobuf v1.36.12
 	gvisor.dev/gvisor v0.0.0-20260701204157-69c2d17aea96
+	kernel.org/pub/linux/libs/security/libcap/cap v1.2.77
 )
 
 require (

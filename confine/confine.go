@@ -18,6 +18,9 @@
 //     bound at their own places (read-only where only read), and
 //     optionally another user and group (Config.User) with no
 //     capability.
+//   - capabilities (caps.go): a VMM run by root keeps only those a file
+//     server over other users' files needs (KeptCapabilities), and loses
+//     the rest from its bounding set too.
 //   - a cgroup of its own with memory and pids limits, where cgroup v2 is
 //     delegated to the user; rlimits always (no core dumps, descriptor and
 //     process limits fixed where they are).
@@ -87,15 +90,16 @@ var SystemRead = []string{
 // Layers says which layers a process got: "on" with details, or why
 // not.
 type Layers struct {
-	Seccomp    string `json:"seccomp"`
-	Landlock   string `json:"landlock"`
-	Namespaces string `json:"namespaces"`
-	Cgroup     string `json:"cgroup"`
-	Rlimits    string `json:"rlimits"`
+	Seccomp      string `json:"seccomp"`
+	Landlock     string `json:"landlock"`
+	Namespaces   string `json:"namespaces"`
+	Capabilities string `json:"capabilities"`
+	Cgroup       string `json:"cgroup"`
+	Rlimits      string `json:"rlimits"`
 }
 
 func (l Layers) String() string {
-	return fmt.Sprintf("seccomp: %s; landlock: %s; namespaces: %s; cgroup: %s; rlimits: %s", l.Seccomp, l.Landlock, l.Namespaces, l.Cgroup, l.Rlimits)
+	return fmt.Sprintf("seccomp: %s; landlock: %s; namespaces: %s; capabilities: %s; cgroup: %s; rlimits: %s", l.Seccomp, l.Landlock, l.Namespaces, l.Capabilities, l.Cgroup, l.Rlimits)
 }
 
 // Apply confines the calling process as c says, every thread of it, for
@@ -146,6 +150,12 @@ func Apply(c Config, log *slog.Logger) (Layers, error) {
 		if l.Namespaces, err = status("namespaces", d, e); err != nil {
 			return l, err
 		}
+	}
+	// After the jail, which needs its mounts and chowns, and before
+	// seccomp, which refuses capset.
+	d, e = dropCapabilities()
+	if l.Capabilities, err = status("capabilities", d, e); err != nil {
+		return l, err
 	}
 	d, e = restrictPaths(read, c.Write)
 	if l.Landlock, err = status("landlock", d, e); err != nil {

@@ -28,6 +28,9 @@ func TestMain(m *testing.M) {
 	if os.Getenv(childEnv) == "jail" {
 		os.Exit(jailChild())
 	}
+	if os.Getenv(childEnv) == "caps" {
+		os.Exit(capsChild())
+	}
 	if layer := os.Getenv(childEnv); layer != "" {
 		os.Exit(child(layer))
 	}

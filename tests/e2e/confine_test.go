@@ -76,6 +76,9 @@ func TestConfinement(t *testing.T) {
 	if os.Geteuid() == 0 && !strings.HasPrefix(l.Namespaces, "on (mount namespace") {
 		t.Errorf("confinement = %s; want the namespaces layer on, as root", l)
 	}
+	// As root it keeps only what serving others' files takes, in every
+	// thread and in its bounding set.
+	checkCapabilities(t, l, rec.PID)
 
 	// Everything the sandbox uses still works.
 	if r := cli(time.Minute, "exec", "c", "--", "sh", "-c", "cat /mnt/share/in.txt && echo out > /mnt/share/out.txt && echo kept > /vol/f && cat /vol/f"); r.code != 0 || r.stdout != "from the hostkept\n" {
@@ -213,6 +216,52 @@ func checkCgroup(t *testing.T, l *confine.Layers, pid, memMiB int) {
 	for file, want := range want {
 		if b, err := os.ReadFile(filepath.Join(dir, file)); err != nil || strings.TrimSpace(string(b)) != want {
 			t.Errorf("the VMM's cgroup's %s = %q, %v; want %s", file, b, err, want)
+		}
+	}
+}
+
+// checkCapabilities checks the capabilities layer of the VMM process pid
+// and, as root, each of its threads' sets in /proc: only
+// confine.KeptCapabilities, permitted, effective and bounding.
+func checkCapabilities(t *testing.T, l *confine.Layers, pid int) {
+	t.Helper()
+	if os.Geteuid() != 0 {
+		if l.Capabilities != "on (none held)" {
+			t.Errorf("the capabilities layer = %q; want on, none held (not root)", l.Capabilities)
+		}
+		return
+	}
+	var mask uint64
+	var names []string
+	for _, v := range confine.KeptCapabilities {
+		mask |= 1 << uint(v)
+		names = append(names, v.String())
+	}
+	if want := "on (kept " + strings.Join(names, ",") + ")"; l.Capabilities != want {
+		t.Errorf("the capabilities layer = %q; want %q", l.Capabilities, want)
+	}
+	tasks, err := os.ReadDir(fmt.Sprintf("/proc/%d/task", pid))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, task := range tasks {
+		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/task/%s/status", pid, task.Name()))
+		if err != nil {
+			continue // the thread ended
+		}
+		for _, line := range strings.Split(string(b), "\n") {
+			k, v, _ := strings.Cut(line, ":")
+			want := uint64(0)
+			switch k {
+			case "CapPrm", "CapEff", "CapBnd":
+				want = mask
+			case "CapInh", "CapAmb":
+			default:
+				continue
+			}
+			if got, err := strconv.ParseUint(strings.TrimSpace(v), 16, 64); err != nil || got != want {
+				t.Errorf("the VMM's thread %s: %s = %s; want %016x", task.Name(), k, strings.TrimSpace(v), want)
+			}
 		}
 	}
 }

@@ -105,6 +105,9 @@ func TestJail(t *testing.T) {
 	if m := regexp.MustCompile(`(?m)^CapEff:\s+(.*)$`).FindSubmatch(status); m == nil || string(m[1]) != "0000000000000000" {
 		t.Errorf("the supervisor's CapEff = %q, want none", m)
 	}
+	if l.Capabilities != "on (none held)" {
+		t.Errorf("the capabilities layer = %q; want on, none held (the jail's user has none)", l.Capabilities)
+	}
 	// What its root holds: the system files a VMM reads and the first
 	// directories of its own paths, nothing else.
 	ents, err = os.ReadDir(filepath.Join("/proc", strconv.Itoa(pid), "root"))
