@@ -8,10 +8,12 @@ import (
 
 // HostPaths are the host files and directories the running sandbox's VMM
 // still opens: its shares and disks (read-only when the guest may only
-// read them), its volumes' directories, an image's writable layer, and
-// the hub's files when it was granted any. A process that confines
-// itself (package confine) after Start gives these to Landlock; the VMM's
-// other descriptors are open already.
+// read them), its volumes' directories, an image's writable layer, the
+// hub's files when it was granted any, and what its copy patches read
+// (Builder.CopyIn), which are copied once the guest runs. A process that
+// confines itself (package confine) in Workload.BeforeRun, or after
+// Start, gives these to Landlock; the VMM's other descriptors are open
+// already.
 func (s *Sandbox) HostPaths() (read, write []string) {
 	add := func(p string, mode ShareMode) {
 		if mode == ReadOnly {
@@ -36,6 +38,14 @@ func (s *Sandbox) HostPaths() (read, write []string) {
 	if s.rootfs != nil {
 		write = append(write, s.rootfs.upperDir)
 		read = append(read, s.rootfs.erofs)
+	}
+	for _, p := range s.c.Patches {
+		if p.Op != PatchCopy {
+			continue
+		}
+		if abs, err := filepath.Abs(p.Source); err == nil {
+			read = append(read, abs)
+		}
 	}
 	if s.hub != nil && s.hub.h != nil {
 		write = append(write, s.hub.h.Files()...)

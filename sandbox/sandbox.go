@@ -54,6 +54,9 @@ type config struct {
 	netAudit io.Writer         // the audit log of intercepted requests
 	ca       *tlsproxy.CA      // a restored sandbox's CA
 	start    time.Time         // when a restore began (zero: at boot), for the timeline
+	// beforeRun runs once the VM is built and before its vCPUs first run
+	// (Workload.BeforeRun, RestoreOptions.BeforeRun).
+	beforeRun func(*Sandbox) error
 }
 
 // Builder configures a sandbox. Choose its workload with Run to get a
@@ -207,6 +210,14 @@ func (w *Workload) Dir(dir string) *Workload { w.c.Main.Dir = dir; return w }
 // User runs the main process as USER, UID, USER:GROUP or UID:GID, looked
 // up in the guest's /etc/passwd and /etc/group (an image's, with OCI).
 func (w *Workload) User(u string) *Workload { w.c.Main.User = u; return w }
+
+// BeforeRun has fn called once the VM is built (its memory, devices and
+// KVM state made) and before its vCPUs first run: where a process
+// confines itself (package confine, with the sandbox's HostPaths), so
+// that nothing a guest does, from its kernel's first instruction, runs
+// beside an unconfined VMM. Only the sandbox's HostPaths and Spec are
+// meaningful then. An error from fn ends the start with it.
+func (w *Workload) BeforeRun(fn func(*Sandbox) error) *Workload { w.c.beforeRun = fn; return w }
 
 // Timeout kills the main process after d.
 func (w *Workload) Timeout(d time.Duration) *Workload {
@@ -474,6 +485,11 @@ func boot(ctx context.Context, c config, root *rootfs, snap *snapshot.Snapshot, 
 	}
 	if err != nil {
 		return nil, fmt.Errorf("sandbox: %w", err)
+	}
+	if c.beforeRun != nil {
+		if err = c.beforeRun(s); err != nil {
+			return nil, fmt.Errorf("sandbox: before the guest runs: %w", err)
+		}
 	}
 	runCtx, cancel := context.WithCancel(context.WithoutCancel(ctx))
 	s.cancel = cancel

@@ -132,6 +132,10 @@ type RestoreOptions struct {
 	// NetAudit receives the audit log of intercepted requests
 	// (Workload.NetAudit).
 	NetAudit io.Writer
+	// BeforeRun is called once the VM is restored and before its vCPUs
+	// run again (Workload.BeforeRun): a restored guest's memory is the
+	// snapshot's, as hostile as any input, from its first instruction.
+	BeforeRun func(*Sandbox) error
 }
 
 // Restore starts a sandbox from the snapshot in dir: the guest goes on
@@ -166,7 +170,7 @@ func Restore(ctx context.Context, dir string, o RestoreOptions) (*Sandbox, error
 		spec.Hub.Identity = o.Identity
 	}
 	w := FromSpec(spec).Secrets(o.Secrets).NetAudit(o.NetAudit)
-	w.c.log, w.c.console = o.Logger, o.Console
+	w.c.log, w.c.console, w.c.beforeRun = o.Logger, o.Console, o.BeforeRun
 	if n := spec.Network; n != nil && (len(n.Intercept) > 0 || len(n.Secrets) > 0) {
 		b, err := snap.ReadFile(snapshotCAFile, 1<<20)
 		if err == nil {

@@ -48,7 +48,8 @@ func ProbeRequested() bool { return os.Getenv(confine.ProbeEnv) != "" }
 const foregroundJailEnv = "CAPSA_JAIL_TMP"
 
 // Foreground is a foreground VMM process's confinement: Reexec first
-// where NeedsJail says so, then Confine once the sandbox runs.
+// where NeedsJail says so, then Confine in the sandbox's BeforeRun, once
+// its VM is built and before its guest runs.
 type Foreground struct {
 	NoConfine bool
 	User      *JailUser // nil: root's jail keeps root

@@ -188,15 +188,32 @@ func Run(ctx context.Context, o Options) error {
 	// A SIGQUIT while the sandbox boots waits for its state (below).
 	quit := CatchQuit()
 	defer quit.Stop()
+	// The VM is built: from before its guest's first instruction on,
+	// the supervisor needs only its own files, the sandbox's, and the
+	// calls a running VMM makes.
+	var layers *confine.Layers
+	confineHook := func(sb *sandbox.Sandbox) error {
+		if rec.NoConfine {
+			return nil
+		}
+		l, err := confineSelf(st, rec, sb, spec, log)
+		if err != nil {
+			return err
+		}
+		log.Info("supervisor: confined", "layers", l.String())
+		confine.Probe(log)
+		layers = &l
+		return nil
+	}
 	var sb *sandbox.Sandbox
 	if rec.RestoreFrom != "" {
 		sb, err = sandbox.Restore(ctx, rec.RestoreFrom, sandbox.RestoreOptions{
 			Logger: log, Console: consoleLog, Stdout: mainLog, Stderr: mainLog,
 			VsockSocket: spec.VsockSocket, Settings: &spec, Hostname: rec.Hostname,
-			Identity: o.Name, Secrets: secrets, NetAudit: netAudit,
+			Identity: o.Name, Secrets: secrets, NetAudit: netAudit, BeforeRun: confineHook,
 		})
 	} else {
-		sb, err = sandbox.FromSpec(spec).Secrets(secrets).NetAudit(netAudit).
+		sb, err = sandbox.FromSpec(spec).Secrets(secrets).NetAudit(netAudit).BeforeRun(confineHook).
 			Logger(log).Console(consoleLog).Stdout(mainLog).Stderr(mainLog).Start(ctx)
 	}
 	if err != nil {
@@ -217,18 +234,6 @@ func Run(ctx context.Context, o Options) error {
 	var ports []string
 	for _, p := range sb.Published() {
 		ports = append(ports, fmt.Sprintf("%s->%d/%s", p.Addr, p.Mapping.GuestPort, p.Addr.Network()))
-	}
-	// The sandbox is built: from here on the supervisor needs only its
-	// own files, the sandbox's, and the calls a running VMM makes.
-	var layers *confine.Layers
-	if !rec.NoConfine {
-		l, err := confineSelf(st, rec, sb, spec, log)
-		if err != nil {
-			return fail(err)
-		}
-		log.Info("supervisor: confined", "layers", l.String())
-		confine.Probe(log)
-		layers = &l
 	}
 	err = st.Update(o.Name, func(r *store.Record) error {
 		r.State, r.PID, r.Started, r.Env, r.Dir, r.Ports = store.Running, os.Getpid(), c.started, env, wd, ports

@@ -223,16 +223,13 @@ func runOrCreate(ctx context.Context, cmdName string, args []string, stdout, std
 	if *interactive {
 		w.Stdin(os.Stdin)
 	}
+	// Confined once the VM is built, before its guest runs.
+	w.BeforeRun(func(sb *sandbox.Sandbox) error { _, err := fg.Confine(sb); return err })
 	// From here Ctrl-\ asks for the VM's state, once there is one.
 	quit := supervisor.CatchQuit()
 	defer quit.Stop()
 	sb, err := w.Start(ctx)
 	if err != nil {
-		fmt.Fprintf(stderr, "capsa run: %v\n", err)
-		return 125
-	}
-	if _, err := fg.Confine(sb); err != nil {
-		sb.Close()
 		fmt.Fprintf(stderr, "capsa run: %v\n", err)
 		return 125
 	}
