@@ -225,7 +225,7 @@ exec sleep 1000`},
 		t.Helper()
 		// A bound, not a speed: the server's Python, started from a
 		// root shared over 9P, took over 2 minutes once on a slow machine.
-		deadline := time.Now().Add(5 * time.Minute)
+		deadline := time.Now().Add(10 * time.Minute)
 		for {
 			out, errs, _ := e.criRun("", "logs", id)
 			if strings.Contains(out+errs, want) {

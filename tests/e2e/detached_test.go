@@ -230,11 +230,9 @@ func checkStats(t *testing.T, cli func(time.Duration, ...string) result) {
 		// Sent even if cli gives up on this goroutine (t.Fatal).
 		var r result
 		defer func() { busy <- r }()
-		r = cli(time.Minute, "exec", "--timeout", "8s", "w", "--", "sh", "-c", "while :; do :; done")
+		r = cli(time.Minute, "exec", "--timeout", "20s", "w", "--", "sh", "-c", "while :; do :; done")
 	}()
-	time.Sleep(2 * time.Second)
-	r := cli(time.Minute, "stats", "--no-stream", "--format", "json", "w")
-	var rows []struct {
+	type row struct {
 		Name       string  `json:"name"`
 		CPUPercent float64 `json:"cpu_percent"`
 		CPUTime    int64   `json:"cpu_time_ns"`
@@ -243,15 +241,26 @@ func checkStats(t *testing.T, cli func(time.Duration, ...string) result) {
 		Uptime     int64   `json:"uptime_ns"`
 		Error      string  `json:"error"`
 	}
-	if err := json.Unmarshal([]byte(r.stdout), &rows); r.code != 0 || err != nil || len(rows) != 1 {
-		t.Fatalf("capsa stats --no-stream --format json w = exit %d, %v, %q (stderr %q); want one row", r.code, err, r.stdout, r.stderr)
+	// Until the loop runs (its exec's start is slow on a slow host), up
+	// to 15 s of its 20.
+	var s row
+	for deadline := time.Now().Add(15 * time.Second); ; {
+		time.Sleep(2 * time.Second)
+		r := cli(time.Minute, "stats", "--no-stream", "--format", "json", "w")
+		var rows []row
+		if err := json.Unmarshal([]byte(r.stdout), &rows); r.code != 0 || err != nil || len(rows) != 1 {
+			t.Fatalf("capsa stats --no-stream --format json w = exit %d, %v, %q (stderr %q); want one row", r.code, err, r.stdout, r.stderr)
+		}
+		s = rows[0]
+		if s.CPUPercent >= 20 || time.Now().After(deadline) {
+			break
+		}
 	}
-	s := rows[0]
 	if s.Name != "w" || s.CPUPercent < 20 || s.CPUTime <= 0 || s.Resident == 0 || s.Resident > s.Memory || s.Memory != 512<<20 || s.Uptime <= 0 {
 		t.Errorf("capsa stats of w running a busy loop = %+v; want its name, CPU above 20%%, some of its 512 MiB resident", s)
 	}
 	if b := <-busy; b.code != 124 {
-		t.Errorf("the busy loop's exec --timeout 8s = exit %d, stderr %q; want 124, its timeout", b.code, b.stderr)
+		t.Errorf("the busy loop's exec --timeout 20s = exit %d, stderr %q; want 124, its timeout", b.code, b.stderr)
 	}
 	if r := cli(time.Minute, "stats", "--no-stream", "nosuch"); r.code == 0 || !strings.Contains(r.stderr, "no such sandbox") {
 		t.Errorf("capsa stats nosuch = exit %d, stderr %q; want an error naming the missing sandbox", r.code, r.stderr)

@@ -172,6 +172,35 @@ func tmuxServer(t *testing.T) func(args ...string) string {
 	return tm
 }
 
+// seenResize types `stty size` until the shell in the pane reports want:
+// a resize reaches the guest apart from the keys typed after it, so one
+// try may come before it; up to wait.
+func seenResize(t *testing.T, keys func(...string), screen func() string, want string, wait time.Duration) {
+	t.Helper()
+	deadline := time.Now().Add(wait)
+	for {
+		keys("clear", "Enter")
+		keys("stty size", "Enter")
+		for end := time.Now().Add(3 * time.Second); time.Now().Before(end); time.Sleep(100 * time.Millisecond) {
+			if strings.Contains(screen(), want) {
+				return
+			}
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the shell never reported the size %s; the pane shows:\n%s", want, screen())
+		}
+	}
+}
+
+// startSleep has the pane's shell run sleep 100 behind a line it prints
+// first, and waits for that line: a ^C typed then ends the sleep, not the
+// command line before the shell has read it.
+func startSleep(seen func(string), keys func(...string)) {
+	keys("echo go-$((1+1)); sleep 100", "Enter")
+	seen("go-2")
+	time.Sleep(time.Second)
+}
+
 // paneDriver drives the tmux session's pane as a person at it would:
 // seen waits up to wait for want on the screen ("#": a line that is dash's
 // prompt and nothing else, as capture-pane drops trailing spaces), keys
@@ -220,13 +249,9 @@ func TestTerminal(t *testing.T) {
 	seen("30 100")
 
 	tm("resize-window", "-t", "e2e", "-x", "120", "-y", "40") // SIGWINCH to capsa
-	time.Sleep(time.Second)
-	keys("clear", "Enter")
-	keys("stty size", "Enter")
-	seen("40 120")
+	seenResize(t, keys, screen, "40 120", 90*time.Second)
 
-	keys("sleep 100", "Enter")
-	time.Sleep(2 * time.Second)
+	startSleep(seen, keys)
 	start := time.Now()
 	keys("C-c")
 	keys("echo alive-$?", "Enter")

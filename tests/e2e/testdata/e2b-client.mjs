@@ -224,7 +224,9 @@ if (mode === 'main') {
     await w.kill()
   })
   await step('8 sandboxes created at once, each running a command', async () => {
-    const all = await Promise.all(Array.from({ length: 8 }, (_, i) => Sandbox.create('web', { timeoutMs: 60_000 })
+    // Five minutes each to be made and to live: eight at once take 6 to
+    // 10 s here, and several times that on a slow host.
+    const all = await Promise.all(Array.from({ length: 8 }, (_, i) => Sandbox.create('web', { timeoutMs: 300_000, requestTimeoutMs: 300_000 })
       .then(async (s) => [s, (await s.commands.run(`echo ${i} $(hostname)`)).stdout])))
     const outs = all.map(([, out]) => out.trim())
     eq(outs.map((o) => o.split(' ')[0]), ['0', '1', '2', '3', '4', '5', '6', '7'], 'each its own command')
@@ -265,7 +267,18 @@ if (mode === 'main') {
     eq((await Sandbox.list({ query: { metadata: { run: 'other' } } }).nextItems()).length, 0, 'another run')
   })
   await step('a sandbox ends at its timeout', async () => {
-    await sleep(12_000)
+    // Its 8 s, then the stop's grace (10 s) at most; polled for up to a
+    // minute, for a slow host.
+    await sleep(8_000)
+    for (let i = 0; i < 60; i++) {
+      try {
+        await Sandbox.getInfo(short.sandboxId)
+      } catch (e) {
+        if (e instanceof NotFoundError) break
+        throw e
+      }
+      await sleep(1_000)
+    }
     await expectThrow(() => Sandbox.getInfo(short.sandboxId), NotFoundError, 'getInfo after the timeout')
   })
   await step("another API key reaches none of this key's sandboxes", async () => {
@@ -323,13 +336,21 @@ if (mode === 'main') {
   })
   await step('at its timeout, a sandbox made to pause pauses; connect, or with autoResume any request, resumes it', async () => {
     const [a, b] = await Promise.all([
-      Sandbox.create('web', { timeoutMs: 4_000, lifecycle: { onTimeout: 'pause' } }),
-      Sandbox.create('web', { timeoutMs: 4_000, lifecycle: { onTimeout: 'pause', autoResume: true } }),
+      Sandbox.create('web', { timeoutMs: 60_000, lifecycle: { onTimeout: 'pause' } }),
+      Sandbox.create('web', { timeoutMs: 60_000, lifecycle: { onTimeout: 'pause', autoResume: true } }),
     ])
     await a.files.write('kept.txt', 'a')
     eq((await a.getInfo()).lifecycle, { onTimeout: 'pause', autoResume: false }, 'lifecycle')
-    await sleep(9_000)
-    eq([(await a.getInfo()).state, (await b.getInfo()).state], ['paused', 'paused'], 'after the timeout')
+    // Short timeouts only now: on a slow host the creates and the write
+    // must not race them. Then up to 90 s for both to be on disk.
+    await Promise.all([a.setTimeout(2_000), b.setTimeout(2_000)])
+    let states
+    for (let i = 0; i < 90; i++) {
+      states = [(await a.getInfo()).state, (await b.getInfo()).state]
+      if (states[0] === 'paused' && states[1] === 'paused') break
+      await sleep(1_000)
+    }
+    eq(states, ['paused', 'paused'], 'after the timeout')
     // A request reaches the autoResume one; the other is connected to.
     eq((await b.commands.run('echo woke')).stdout, 'woke\n', 'a command wakes it')
     eq((await b.getInfo()).state, 'running', 'resumed by the request')
