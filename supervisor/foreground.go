@@ -144,7 +144,7 @@ func (f Foreground) Confine(sb *sandbox.Sandbox) (string, error) {
 	if err != nil {
 		return "", err
 	}
-	log.Debug("supervisor: the foreground VMM confined", "layers", layers.String(), "took", time.Since(start))
+	log.Debug("capsa run: confined", "layers", layers.String(), "took", time.Since(start))
 	confine.Probe(log)
 	return layers.String(), nil
 }

@@ -136,6 +136,27 @@ func TestJail(t *testing.T) {
 		t.Errorf("the file the guest wrote to the share: owner %d, %v; want 65534", st.Uid, err)
 	}
 	checkNATAndPort(t, cli, "j", rec.Ports, "served jailed\n", "jailed")
+	// Suspended to disk by its jailed supervisor, as 65534, and resumed
+	// by root into a new one, jailed as the same user: its memory and
+	// files come back, and the snapshot goes.
+	if r := cli(time.Minute, "exec", "j", "--", "sh", "-c", "echo before-suspend > /tmp/mark"); r.code != 0 {
+		t.Errorf("capsa exec j: exit %d, stderr %q", r.code, r.stderr)
+	}
+	if r := cli(3*time.Minute, "suspend", "j"); r.code != 0 {
+		t.Errorf("capsa suspend j (jailed as 65534) = exit %d, stderr %q", r.code, r.stderr)
+	} else if r := cli(3*time.Minute, "resume", "j"); r.code != 0 {
+		t.Errorf("capsa resume j (suspended as 65534) = exit %d, stderr %q", r.code, r.stderr)
+	} else {
+		if r := cli(time.Minute, "exec", "j", "--", "cat", "/tmp/mark"); r.code != 0 || r.stdout != "before-suspend\n" {
+			t.Errorf("after suspend and resume, jailed: exit %d, %q (stderr %q); want the guest's file", r.code, r.stdout, r.stderr)
+		}
+		if l := inspectConfined(t, cli, "j").Confinement; !strings.HasSuffix(l.Namespaces, "uid 65534 gid 65534)") {
+			t.Errorf("the resumed supervisor's namespaces layer = %q; want jailed as 65534 again", l.Namespaces)
+		}
+		if _, err := os.Stat(filepath.Join(dir, "sandboxes", "j", "suspended")); !os.IsNotExist(err) {
+			t.Errorf("the suspension's snapshot after the resume: %v; want it gone", err)
+		}
+	}
 	if r := cli(time.Minute, "rm", "-f", "j"); r.code != 0 {
 		t.Errorf("capsa rm -f j = exit %d, stderr %q", r.code, r.stderr)
 	}
