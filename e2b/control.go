@@ -654,14 +654,13 @@ func (s *Server) metrics(w http.ResponseWriter, r *http.Request, key Key) {
 	if rec == nil {
 		return
 	}
-	h, err := s.m.Open(r.Context(), rec.Name)
+	st, err := s.m.Stats(r.Context(), rec.Name)
 	if err != nil {
-		apiError(w, http.StatusConflict, fmt.Sprintf("metrics %s: %v", rec.Name, err))
-		return
-	}
-	st, err := h.Stats(r.Context())
-	if err != nil {
-		apiError(w, http.StatusInternalServerError, fmt.Sprintf("metrics %s: %v", rec.Name, err))
+		status := http.StatusInternalServerError
+		if errors.Is(err, supervisor.ErrNotRunning) || errors.Is(err, supervisor.ErrPaused) {
+			status = http.StatusConflict
+		}
+		apiError(w, status, fmt.Sprintf("metrics %s: %v", rec.Name, err))
 		return
 	}
 	m := metric{Timestamp: st.Taken.UTC(), CPUCount: st.CPUs, MemUsed: st.MemoryResident, MemTotal: st.MemoryBytes}

@@ -23,7 +23,8 @@ import (
 // containerd shim) are adapters over a Manager, as gVisor's runsc
 // commands are over container.Container.
 type Manager struct {
-	st *store.Store
+	st    *store.Store
+	stats statsHandles // Stats's
 }
 
 // The records a Manager keeps, and their states, as package store has

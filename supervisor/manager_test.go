@@ -4,9 +4,12 @@ import (
 	"context"
 	"errors"
 	"io"
+	"net"
+	"net/http"
 	"os"
 	"path/filepath"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -128,5 +131,81 @@ func TestManagerSnapshotCatalog(t *testing.T) {
 	}
 	if _, err := m.Restore(context.Background(), "s1", "bad name", "", false, nil, nil); err == nil || !strings.Contains(err.Error(), "bad name") {
 		t.Errorf("Restore as a bad sandbox name = %v", err)
+	}
+}
+
+// countingListener counts the connections it accepts.
+type countingListener struct {
+	net.Listener
+	n atomic.Int64
+}
+
+func (l *countingListener) Accept() (net.Conn, error) {
+	c, err := l.Listener.Accept()
+	if err == nil {
+		l.n.Add(1)
+	}
+	return c, err
+}
+
+// TestManagerStatsKeepsHandles: Stats measures a running sandbox over its
+// control socket (served here by the control protocol's own table) and
+// keeps the handle, so a second measurement reuses its connection; a
+// sandbox started again under the name gets a new one; one that ended is
+// an error saying it does not run.
+func TestManagerStatsKeepsHandles(t *testing.T) {
+	m := newManager(t)
+	lock, err := m.st.Create(&Record{Name: "s", Spec: sandbox.Spec{CPUs: 1, MemoryMiB: 256}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer lock.Close()
+	started := time.Now().Add(-time.Minute).Truncate(time.Second)
+	setRec := func(state State, at time.Time) {
+		t.Helper()
+		if err := m.st.Update("s", func(r *Record) error { r.State, r.Started = state, at; return nil }); err != nil {
+			t.Fatal(err)
+		}
+	}
+	setRec(Running, started)
+	mux := http.NewServeMux()
+	var served atomic.Int64
+	opStats.register(mux, func(context.Context, noBody) (sandbox.Stats, error) {
+		return sandbox.Stats{CPUs: int(served.Add(1))}, nil
+	})
+	l, err := net.Listen("unix", filepath.Join(m.st.SandboxDir("s"), ControlSocket))
+	if err != nil {
+		t.Fatal(err)
+	}
+	cl := &countingListener{Listener: l}
+	srv := &http.Server{Handler: mux}
+	go srv.Serve(cl)
+	defer srv.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	for i := 1; i <= 2; i++ {
+		if s, err := m.Stats(ctx, "s"); err != nil || s.CPUs != i {
+			t.Fatalf("Stats #%d = %+v, %v; want the server's answer %d", i, s, err, i)
+		}
+	}
+	if n := cl.n.Load(); n != 1 {
+		t.Errorf("two measurements made %d connections; want 1, the kept handle's", n)
+	}
+	setRec(Running, started.Add(time.Second)) // started again under the name
+	if _, err := m.Stats(ctx, "s"); err != nil {
+		t.Fatal(err)
+	}
+	if n := cl.n.Load(); n != 2 {
+		t.Errorf("a measurement of a sandbox started again made %d connections in all; want a new one (2)", n)
+	}
+	setRec(Exited, started)
+	if _, err := m.Stats(ctx, "s"); !errors.Is(err, ErrNotRunning) {
+		t.Errorf("Stats of an ended sandbox = %v; want ErrNotRunning", err)
+	}
+	m.stats.mu.Lock()
+	_, kept := m.stats.handles["s"]
+	m.stats.mu.Unlock()
+	if kept {
+		t.Error("the ended sandbox's handle is still kept")
 	}
 }

@@ -102,12 +102,11 @@ type sandboxCollector struct {
 	ctx context.Context
 	m   *supervisor.Manager
 
-	mu      sync.Mutex // scrapes may come at once
-	handles *statsHandles
+	mu sync.Mutex // scrapes may come at once: one measures at a time
 }
 
 func newSandboxCollector(ctx context.Context, m *supervisor.Manager) *sandboxCollector {
-	return &sandboxCollector{ctx: ctx, m: m, handles: newStatsHandles(m)}
+	return &sandboxCollector{ctx: ctx, m: m}
 }
 
 // metric describes one per-sandbox series and how to read it from Stats.
@@ -214,10 +213,9 @@ func (c *sandboxCollector) collect() ([]family, error) {
 	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	c.handles.keep(running)
 	for name := range running {
 		ctx, cancel := context.WithTimeout(c.ctx, scrapeTimeout)
-		s, err := c.handles.stats(ctx, name)
+		s, err := c.m.Stats(ctx, name)
 		cancel()
 		if err != nil {
 			up.samples = append(up.samples, sample{label: name, value: 0})

@@ -63,7 +63,6 @@ func runStats(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 		clear = term.IsTerminal(int(f.Fd()))
 	}
 	prev := map[string]*sandbox.Stats{}
-	handles := newStatsHandles(m)
 	// measure takes one round; rows for names that stopped say so.
 	measure := func() []statsRow {
 		if all {
@@ -79,7 +78,6 @@ func runStats(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 					running[r.Name] = true
 				}
 			}
-			handles.keep(running)
 			for n := range prev { // sandboxes that ended since
 				if !running[n] {
 					delete(prev, n)
@@ -90,7 +88,7 @@ func runStats(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 		for _, n := range names {
 			row := statsRow{Name: n}
 			var err error
-			if row.Stats, err = handles.stats(ctx, n); err != nil {
+			if row.Stats, err = m.Stats(ctx, n); err != nil {
 				row.Err = err.Error()
 				delete(prev, n)
 			} else {
@@ -122,45 +120,6 @@ func runStats(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 		case <-tick.C:
 		}
 		printStats(stdout, measure(), *format, clear)
-	}
-}
-
-// statsHandles measures sandboxes through one supervisor handle each,
-// kept from one measurement to the next: a handle keeps its connection to
-// the supervisor, so opening one each time would leave one more idle
-// connection behind every time. Not safe for concurrent use.
-type statsHandles struct {
-	m       *supervisor.Manager
-	handles map[string]*supervisor.Handle
-}
-
-func newStatsHandles(m *supervisor.Manager) *statsHandles {
-	return &statsHandles{m: m, handles: map[string]*supervisor.Handle{}}
-}
-
-// stats measures the sandbox name; a handle that fails is dropped, to be
-// opened again next time.
-func (h *statsHandles) stats(ctx context.Context, name string) (*sandbox.Stats, error) {
-	hd, err := h.handles[name], error(nil)
-	if hd == nil {
-		if hd, err = h.m.Open(ctx, name); err != nil {
-			return nil, err
-		}
-		h.handles[name] = hd
-	}
-	s, err := hd.Stats(ctx)
-	if err != nil {
-		delete(h.handles, name)
-	}
-	return s, err
-}
-
-// keep drops the handles of sandboxes not in running (they ended).
-func (h *statsHandles) keep(running map[string]bool) {
-	for n := range h.handles {
-		if !running[n] {
-			delete(h.handles, n)
-		}
 	}
 }
 
