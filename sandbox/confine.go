@@ -40,11 +40,8 @@ func (s *Sandbox) HostPaths() (read, write []string) {
 		read = append(read, s.rootfs.erofs)
 	}
 	for _, p := range s.c.Patches {
-		if p.Op != PatchCopy {
-			continue
-		}
-		if abs, err := filepath.Abs(p.Source); err == nil {
-			read = append(read, abs)
+		if p.Op == PatchCopy {
+			read = append(read, p.Source) // absolute (Builder.Patch)
 		}
 	}
 	if s.hub != nil && s.hub.h != nil {

@@ -74,6 +74,17 @@ func (b *Builder) Patch(patches ...Patch) *Builder {
 			b.c.errs = append(b.c.errs, err)
 			continue
 		}
+		if p.Op == PatchCopy {
+			// Read once the guest runs, by a VMM that may by then be
+			// jailed at / (package confine): a relative path would
+			// name another file there.
+			abs, err := filepath.Abs(p.Source)
+			if err != nil {
+				b.c.errs = append(b.c.errs, fmt.Errorf("sandbox: copy patch to %s: %w", p.Path, err))
+				continue
+			}
+			p.Source = abs
+		}
 		b.c.Patches = append(b.c.Patches, p)
 	}
 	return b

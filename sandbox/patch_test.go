@@ -1,6 +1,9 @@
 package sandbox
 
 import (
+	"os"
+	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 
@@ -28,5 +31,27 @@ func TestBadPatchesAreRefusedBeforeBoot(t *testing.T) {
 	}
 	if err := New().CopyIn(dir, "/opt/x").Patch(Patch{Op: PatchWrite, Path: "/etc/motd", Data: []byte("hi")}).Err(); err != nil {
 		t.Errorf("good patches: Err() = %v", err)
+	}
+}
+
+// TestCopyPatchSourceIsAbsolute: a copy patch's host source is made
+// absolute when it is added: it is read once the guest runs, by a VMM
+// that may be jailed at / by then, and HostPaths names it for the jail.
+func TestCopyPatchSourceIsAbsolute(t *testing.T) {
+	dir := t.TempDir()
+	if err := os.Mkdir(filepath.Join(dir, "src"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	t.Chdir(dir)
+	spec, err := New().CopyIn("src", "/opt/x").Run("true").Spec()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := filepath.Join(dir, "src"); len(spec.Patches) != 1 || spec.Patches[0].Source != want {
+		t.Fatalf("the copy patch = %+v; want its source %s", spec.Patches, want)
+	}
+	sb := &Sandbox{c: config{Spec: spec}}
+	if read, _ := sb.HostPaths(); !slices.Contains(read, filepath.Join(dir, "src")) {
+		t.Errorf("HostPaths() reads %v; want the copy's source", read)
 	}
 }

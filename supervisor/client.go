@@ -174,6 +174,10 @@ func (h *Handle) Stats(ctx context.Context) (*sandbox.Stats, error) {
 // WaitEnded waits until the sandbox's record says it no longer runs.
 func (h *Handle) WaitEnded(ctx context.Context) error { return waitEnded(ctx, h.store, h.Name) }
 
+// Close lets go of the handle's idle connections to the supervisor; the
+// sandbox runs on.
+func (h *Handle) Close() { h.http.CloseIdleConnections() }
+
 func waitEnded(ctx context.Context, st *store.Store, name string) error {
 	tick := time.NewTicker(100 * time.Millisecond)
 	defer tick.Stop()

@@ -11,6 +11,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 )
@@ -152,5 +153,25 @@ func TestForegroundNeedsJail(t *testing.T) {
 	t.Setenv(foregroundJailEnv, t.TempDir())
 	if (Foreground{}).NeedsJail() {
 		t.Error("the process started in its own mount namespace needs another")
+	}
+}
+
+// TestQuitCatcherBeforeTheVM: a SIGQUIT before any sandbox is watched
+// (a boot that hangs) is answered with the process's goroutines, and the
+// process goes on instead of dying of it.
+func TestQuitCatcherBeforeTheVM(t *testing.T) {
+	got := make(chan string, 1)
+	q := CatchQuit(func(state string) { got <- state })
+	defer q.Stop()
+	if err := syscall.Kill(os.Getpid(), syscall.SIGQUIT); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case s := <-got:
+		if !strings.HasPrefix(s, "no VM runs; the process's goroutines:") || !strings.Contains(s, "TestQuitCatcherBeforeTheVM") {
+			t.Errorf("on SIGQUIT before the VM: %.200q; want the goroutines, this test's among them", s)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("no answer to SIGQUIT")
 	}
 }

@@ -16,7 +16,9 @@ import (
 	"os"
 	"os/exec"
 	"os/signal"
+	"runtime"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -161,43 +163,54 @@ func vmmConfinement(sb *sandbox.Sandbox, spec sandbox.Spec, name string, user *J
 	}
 }
 
-// QuitCatcher catches SIGQUIT from its making on: one that comes while
-// the sandbox boots waits for Dump instead of ending the process (Go's
-// default: a goroutine dump and exit 2).
+// QuitCatcher answers SIGQUIT from its making on, with what there is to
+// see: the VM's state (vCPUs, interrupts, virtqueues, console) while the
+// sandbox it watches runs, and the process's goroutines before the VM
+// runs (a boot that hangs) or after it ended (a shutdown that does). The
+// process goes on either way, where Go's default would end it.
 type QuitCatcher struct {
 	c    chan os.Signal
+	sb   atomic.Pointer[sandbox.Sandbox]
 	done chan struct{}
 	once sync.Once
 }
 
-// CatchQuit starts catching SIGQUIT; Stop ends it.
-func CatchQuit() *QuitCatcher {
+// CatchQuit starts answering SIGQUIT with dump; Watch gives it the
+// sandbox, and Stop ends it.
+func CatchQuit(dump func(state string)) *QuitCatcher {
 	q := &QuitCatcher{c: make(chan os.Signal, 1), done: make(chan struct{})}
 	signal.Notify(q.c, syscall.SIGQUIT)
-	return q
-}
-
-// Dump writes the VM's state (vCPUs, interrupts, virtqueues, console)
-// with dump for each SIGQUIT caught, until sb ends or Stop; the sandbox
-// runs on. It returns at once.
-func (q *QuitCatcher) Dump(sb *sandbox.Sandbox, dump func(state string)) {
 	go func() {
 		for {
 			select {
 			case <-q.c:
-				ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-				dump(sb.Debug(ctx).String())
-				cancel()
-			case <-sb.Done():
-				return
+				dump(q.state())
 			case <-q.done:
 				return
 			}
 		}
 	}()
+	return q
 }
 
-// Stop stops catching SIGQUIT and dumping.
+// Watch makes sb the sandbox whose state a SIGQUIT shows.
+func (q *QuitCatcher) Watch(sb *sandbox.Sandbox) { q.sb.Store(sb) }
+
+func (q *QuitCatcher) state() string {
+	if sb := q.sb.Load(); sb != nil {
+		select {
+		case <-sb.Done():
+		default:
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			defer cancel()
+			return "the VM's state:\n" + sb.Debug(ctx).String()
+		}
+	}
+	buf := make([]byte, 1<<20)
+	return "no VM runs; the process's goroutines:\n" + string(buf[:runtime.Stack(buf, true)])
+}
+
+// Stop stops answering SIGQUIT.
 func (q *QuitCatcher) Stop() {
 	q.once.Do(func() {
 		signal.Stop(q.c)

@@ -151,8 +151,8 @@ func (l *countingListener) Accept() (net.Conn, error) {
 // TestManagerStatsKeepsHandles: Stats measures a running sandbox over its
 // control socket (served here by the control protocol's own table) and
 // keeps the handle, so a second measurement reuses its connection; a
-// sandbox started again under the name gets a new one; one that ended is
-// an error saying it does not run.
+// sandbox started again under the name gets a new one; one paused or
+// ended is an error saying so, and its handle is let go.
 func TestManagerStatsKeepsHandles(t *testing.T) {
 	m := newManager(t)
 	lock, err := m.st.Create(&Record{Name: "s", Spec: sandbox.Spec{CPUs: 1, MemoryMiB: 256}})
@@ -198,7 +198,17 @@ func TestManagerStatsKeepsHandles(t *testing.T) {
 	if n := cl.n.Load(); n != 2 {
 		t.Errorf("a measurement of a sandbox started again made %d connections in all; want a new one (2)", n)
 	}
-	setRec(Exited, started)
+	// Paused, its start unchanged: refused as paused, the handle let go.
+	again := started.Add(time.Second)
+	setRec(Paused, again)
+	if _, err := m.Stats(ctx, "s"); !errors.Is(err, ErrPaused) {
+		t.Errorf("Stats of a paused sandbox = %v; want ErrPaused", err)
+	}
+	setRec(Running, again)
+	if _, err := m.Stats(ctx, "s"); err != nil {
+		t.Fatal(err)
+	}
+	setRec(Exited, again)
 	if _, err := m.Stats(ctx, "s"); !errors.Is(err, ErrNotRunning) {
 		t.Errorf("Stats of an ended sandbox = %v; want ErrNotRunning", err)
 	}

@@ -2,6 +2,7 @@ package supervisor
 
 import (
 	"context"
+	"fmt"
 	"sync"
 	"time"
 
@@ -31,13 +32,24 @@ const statsPruneEvery = time.Minute
 // Stats measures the running sandbox name: its vCPUs' and the VMM's CPU
 // time, memory, network and block I/O, its NAT's flows. It keeps the
 // sandbox's handle for the next measurement; a handle that fails, or
-// whose sandbox has ended or started again since, is opened afresh.
-// sandbox.CPUPercent of two measurements is its CPU use between them.
+// whose sandbox has ended or started again since, is dropped and opened
+// afresh. A sandbox that does not run is an error saying so (ErrPaused,
+// ErrNotRunning). sandbox.CPUPercent of two measurements is its CPU use
+// between them.
 func (m *Manager) Stats(ctx context.Context, name string) (*sandbox.Stats, error) {
 	m.pruneStats()
 	rec, err := m.st.Get(name)
 	if err != nil {
-		m.dropStats(name)
+		m.dropStats(name, nil)
+		return nil, err
+	}
+	if rec.State != Running {
+		m.dropStats(name, nil)
+		h, err := m.Open(ctx, name) // says why it does not run
+		if err == nil {
+			h.Close()
+			err = fmt.Errorf("supervisor: stats of %s: %w", name, ErrNotRunning)
+		}
 		return nil, err
 	}
 	m.stats.mu.Lock()
@@ -46,7 +58,7 @@ func (m *Manager) Stats(ctx context.Context, name string) (*sandbox.Stats, error
 	if !ok || !c.started.Equal(rec.Started) {
 		h, err := m.Open(ctx, name)
 		if err != nil {
-			m.dropStats(name)
+			m.dropStats(name, nil)
 			return nil, err
 		}
 		c = statsHandle{h, rec.Started}
@@ -54,20 +66,34 @@ func (m *Manager) Stats(ctx context.Context, name string) (*sandbox.Stats, error
 		if m.stats.handles == nil {
 			m.stats.handles = map[string]statsHandle{}
 		}
-		m.stats.handles[name] = c
+		if cur, ok := m.stats.handles[name]; ok && cur.started.Equal(rec.Started) {
+			// Another measurement opened one meanwhile: use it.
+			h.Close()
+			c = cur
+		} else {
+			if ok {
+				cur.h.Close()
+			}
+			m.stats.handles[name] = c
+		}
 		m.stats.mu.Unlock()
 	}
 	s, err := c.h.Stats(ctx)
 	if err != nil {
-		m.dropStats(name)
+		m.dropStats(name, c.h)
 	}
 	return s, err
 }
 
-func (m *Manager) dropStats(name string) {
+// dropStats drops and closes the kept handle of name: any, or only h
+// (not one another measurement has put there since).
+func (m *Manager) dropStats(name string, h *Handle) {
 	m.stats.mu.Lock()
-	delete(m.stats.handles, name)
-	m.stats.mu.Unlock()
+	defer m.stats.mu.Unlock()
+	if c, ok := m.stats.handles[name]; ok && (h == nil || c.h == h) {
+		c.h.Close()
+		delete(m.stats.handles, name)
+	}
 }
 
 // pruneStats drops, at most once every statsPruneEvery, the kept handles
@@ -93,8 +119,9 @@ func (m *Manager) pruneStats() {
 		}
 	}
 	m.stats.mu.Lock()
-	for n := range m.stats.handles {
+	for n, c := range m.stats.handles {
 		if !running[n] {
+			c.h.Close()
 			delete(m.stats.handles, n)
 		}
 	}

@@ -185,8 +185,10 @@ func Run(ctx context.Context, o Options) error {
 	if spec.Hub.Dir == "" {
 		spec.Hub.Dir = o.Store.Dir()
 	}
-	// A SIGQUIT while the sandbox boots waits for its state (below).
-	quit := CatchQuit()
+	// SIGQUIT asks for the VM's state (vCPUs, interrupts, virtqueues,
+	// console), into the supervisor's log; the sandbox runs on. Before
+	// the VM runs, and after, the goroutines'.
+	quit := CatchQuit(func(state string) { log.Warn("supervisor: on SIGQUIT, " + state) })
 	defer quit.Stop()
 	// The VM is built: from before its guest's first instruction on,
 	// the supervisor needs only its own files, the sandbox's, and the
@@ -267,9 +269,7 @@ func Run(ctx context.Context, o Options) error {
 		mainStatus, mainErr = sb.Wait(context.WithoutCancel(ctx))
 		close(mainDone)
 	}()
-	// SIGQUIT asks for the VM's state (vCPUs, interrupts, virtqueues,
-	// console), into the supervisor's log; the sandbox runs on.
-	quit.Dump(sb, func(state string) { log.Warn("supervisor: the VM's state, on SIGQUIT\n" + state) })
+	quit.Watch(sb)
 	// The TTL counts from the start; the ttl operation sets a new one
 	// (0: none) while the sandbox runs.
 	ttlTimer := time.NewTimer(time.Hour)

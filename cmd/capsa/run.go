@@ -225,15 +225,16 @@ func runOrCreate(ctx context.Context, cmdName string, args []string, stdout, std
 	}
 	// Confined once the VM is built, before its guest runs.
 	w.BeforeRun(func(sb *sandbox.Sandbox) error { _, err := fg.Confine(sb); return err })
-	// From here Ctrl-\ asks for the VM's state, once there is one.
-	quit := supervisor.CatchQuit()
+	// From here Ctrl-\ asks for the VM's state (before it runs, the
+	// goroutines').
+	quit := supervisor.CatchQuit(func(state string) { fmt.Fprintf(stderr, "capsa run: on SIGQUIT, %s", state) })
 	defer quit.Stop()
 	sb, err := w.Start(ctx)
 	if err != nil {
 		fmt.Fprintf(stderr, "capsa run: %v\n", err)
 		return 125
 	}
-	quit.Dump(sb, func(state string) { fmt.Fprintf(stderr, "capsa run: the VM's state, on SIGQUIT\n%s", state) })
+	quit.Watch(sb)
 	if term != nil && *interactive {
 		if err := term.raw(sb.Resize); err != nil {
 			sb.Close()

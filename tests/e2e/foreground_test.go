@@ -62,7 +62,7 @@ func TestForegroundSIGQUIT(t *testing.T) {
 	if stdout.String() != "done\n" {
 		t.Errorf("stdout %q; want the command's done", stdout.String())
 	}
-	if n := strings.Count(stderr.String(), "the VM's state, on SIGQUIT"); n != 1 {
+	if n := strings.Count(stderr.String(), "capsa run: on SIGQUIT, the VM's state:"); n != 1 {
 		t.Errorf("the VM's state printed %d times for one SIGQUIT", n)
 	}
 	if strings.Contains(stderr.String(), "goroutine ") {
