@@ -64,7 +64,7 @@ var (
 // doorbells (a guest may activate or reset a device at any time), the
 // clock, pausing and snapshots. Making VMs or vCPUs, mapping memory and
 // the other setup calls are not among them: package confine lets no other
-// KVM request through once a sandbox runs.
+// KVM request through once a sandbox's VM is built.
 func RunningIoctls() []uint64 {
 	reqs := []uintptr{
 		kvmCheckExtension, kvmGetSupportedCPUID, kvmGetMSRIndexList, kvmGetTSCKHz,

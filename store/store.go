@@ -91,7 +91,7 @@ type Record struct {
 	NoConfine   bool            `json:"no_confine,omitempty"`
 	Confinement *confine.Layers `json:"confinement,omitempty"`
 	// JailUser is the user and group the supervisor, jailed, drops to
-	// once the sandbox runs (run --jail-user; root only). nil: it stays
+	// before the guest runs (run --jail-user; root only). nil: it stays
 	// root.
 	JailUser *confine.User `json:"jail_user,omitempty"`
 	// HostMounts: the host mounts on the sandbox's shares while it runs

@@ -54,8 +54,8 @@ func runOrCreate(ctx context.Context, cmdName string, args []string, stdout, std
 	userFlag := fs.StringP("user", "u", "", "run as USER, UID, USER:GROUP or UID:GID (in an image: resolved in its /etc/passwd)")
 	disks := fs.StringArray("disk", nil, "attach a host file as a block device, /dev/vda, /dev/vdb... in order: PATH[:ro] (repeatable)")
 	host := addHostFlags(fs)
-	noConfine := fs.Bool("no-confine", false, "do not confine the VMM process once the sandbox runs (seccomp, Landlock, the jail, capabilities, cgroup, rlimits: see docs/security.md)")
-	jailUser := fs.String("jail-user", "", "as root: the VMM process, jailed, runs as this user and group once the sandbox runs, UID[:GID] (numbers; GID defaults to UID)")
+	noConfine := fs.Bool("no-confine", false, "do not confine the VMM process before its guest runs (seccomp, Landlock, the jail, capabilities, cgroup, rlimits: see docs/security.md)")
+	jailUser := fs.String("jail-user", "", "as root: the VMM process, jailed, runs as this user and group from before its guest runs, UID[:GID] (numbers; GID defaults to UID)")
 	verbose := fs.Bool("verbose", false, "log VMM events and the guest console to stderr")
 	detach := fs.BoolP("detach", "d", false, "run detached: print the sandbox's name and leave it running (manage it with exec, ps, logs, stop, rm)")
 	create := cmdName == "create"

@@ -17,8 +17,8 @@ import (
 	"github.com/capsa-sandbox/capsa/supervisor"
 )
 
-// TestConfinement: a detached sandbox's supervisor confines itself once
-// the sandbox runs (every other end-to-end test runs confined too, which
+// TestConfinement: a detached sandbox's supervisor confines itself before
+// its guest runs (every other end-to-end test runs confined too, which
 // is what shows the allowlist is complete). A test hook makes the
 // confined VMM try to run a program, read a file outside its paths and
 // trace its parent: each is refused. A share, a volume, the NAT, a
