@@ -344,6 +344,7 @@ exec sleep 1000`},
 	if out := e.cri("two\nlines\n", "exec", "-i", clientID, "wc", "-l"); strings.TrimSpace(out) != "2" {
 		t.Errorf("crictl exec -i wc -l = %q, want 2", out)
 	}
+	criTerminal(t, e, clientID)
 	if out := e.cri("", "stats", "-o", "json"); !strings.Contains(out, clientID) || !strings.Contains(out, serverID) || !strings.Contains(out, "usageBytes") {
 		t.Errorf("crictl stats = %q, want both containers with memory figures", out)
 	}
@@ -366,4 +367,25 @@ exec sleep 1000`},
 func httpGet(addr, path string) string {
 	host, port, _ := net.SplitHostPort(addr)
 	return fmt.Sprintf(`exec 3<>/dev/tcp/%s/%s || exit 1; printf 'GET %s HTTP/1.0\r\nHost: %s\r\n\r\n' >&3; sed '1,/^\r$/d' <&3`, host, port, path, host)
+}
+
+// criTerminal: `crictl exec -it` into the running container id, in a tmux
+// pane, typed at as a person does, through CRI's streaming server and the
+// shim's terminal: a shell at the pane's size, a resize followed
+// (ResizePty), and its exit code passed back to crictl, which prints it
+// ("command terminated with exit code N") and itself exits 1.
+func criTerminal(t *testing.T, e *criEnv, id string) {
+	tm := tmuxServer(t)
+	ep := "unix://" + e.address
+	pane := fmt.Sprintf("%s --runtime-endpoint %s --image-endpoint %s --timeout 3m exec -it %s sh; echo cri-exit-$?; sleep 3600", e.crictl, ep, ep, id)
+	tm("new-session", "-d", "-s", "cri", "-x", "100", "-y", "30", pane)
+	seen, keys, screen := paneDriver(t, tm, "cri", 2*time.Minute)
+	seen("#")
+	keys("stty size", "Enter")
+	seen("30 100")
+	tm("resize-window", "-t", "cri", "-x", "120", "-y", "40")
+	seenResize(t, keys, screen, "40 120", 2*time.Minute)
+	keys("exit 4", "Enter")
+	seen("exit code 4") // the pane wraps crictl's long line
+	seen("cri-exit-1")
 }
