@@ -69,8 +69,11 @@ func TestRelease(t *testing.T) {
 	if err != nil {
 		t.Fatalf("Release() = %v", err)
 	}
-	if freed <= 0 || freed != before {
-		t.Errorf("Release() freed %d bytes, want the %d resident before", freed, before)
+	// Release reads what is resident itself, a moment later: code that
+	// ran in between (this test's, the runtime's) may have faulted in a
+	// few more pages, or the kernel reclaimed some.
+	if slack := max(256<<10, before/4); freed <= 0 || freed < before-slack || freed > before+slack {
+		t.Errorf("Release() freed %d bytes, want about the %d resident before", freed, before)
 	}
 	after := exeRSS(t)
 	// Reading smaps and this test's own code fault some back (with their
