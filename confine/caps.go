@@ -2,6 +2,7 @@ package confine
 
 import (
 	"fmt"
+	"slices"
 	"strings"
 
 	"kernel.org/pub/linux/libs/security/libcap/cap"
@@ -45,7 +46,7 @@ func dropCapabilities() (string, error) {
 	} else if ok {
 		var drop []cap.Value
 		for v := range cap.MaxBits() {
-			if !keptCapability(v) {
+			if !slices.Contains(KeptCapabilities, v) {
 				drop = append(drop, v)
 			}
 		}
@@ -69,13 +70,4 @@ func dropCapabilities() (string, error) {
 		return "none held", nil
 	}
 	return "kept " + strings.Join(names, ","), nil
-}
-
-func keptCapability(v cap.Value) bool {
-	for _, k := range KeptCapabilities {
-		if v == k {
-			return true
-		}
-	}
-	return false
 }

@@ -37,6 +37,18 @@ func TestMain(m *testing.M) {
 	os.Exit(m.Run())
 }
 
+// recorder returns what a confined child calls with each thing it tried
+// and the error it got: got[name] becomes "ok" or the error's text, which
+// the child prints for the test.
+func recorder(got map[string]string) func(name string, err error) {
+	return func(name string, err error) {
+		got[name] = "ok"
+		if err != nil {
+			got[name] = err.Error()
+		}
+	}
+}
+
 // attempt is one call the child tries: its name, and the call.
 type attempt struct {
 	name string
@@ -196,19 +208,13 @@ func child(layer string) int {
 		return 3
 	}
 	got := map[string]string{}
+	try := recorder(got)
 	for _, a := range calls(dir) {
-		if err := a.call(); err != nil {
-			got[a.name] = err.Error()
-		} else {
-			got[a.name] = "ok"
-		}
+		try(a.name, a.call())
 	}
 	if layer == "all" {
-		if _, err := os.ReadFile(os.Getenv("CONFINE_TEST_OUTSIDE")); err != nil {
-			got["read outside"] = err.Error()
-		} else {
-			got["read outside"] = "ok"
-		}
+		_, err := os.ReadFile(os.Getenv("CONFINE_TEST_OUTSIDE"))
+		try("read outside", err)
 	}
 	json.NewEncoder(os.Stdout).Encode(got)
 	return 0

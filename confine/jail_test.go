@@ -31,12 +31,7 @@ func jailChild() int {
 		return 0
 	}
 	got := map[string]string{"jail": what, "uid": strconv.Itoa(os.Getuid()), "gid": strconv.Itoa(os.Getgid())}
-	try := func(name string, err error) {
-		got[name] = "ok"
-		if err != nil {
-			got[name] = err.Error()
-		}
-	}
+	try := recorder(got)
 	_, err = os.ReadFile(filepath.Join(ro, "f"))
 	try("read ro", err)
 	try("write ro", os.WriteFile(filepath.Join(ro, "new"), nil, 0o644))

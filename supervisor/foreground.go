@@ -141,14 +141,27 @@ func (f Foreground) Confine(sb *sandbox.Sandbox) (string, error) {
 	if dir, err := DefaultDir(); err == nil {
 		c.Shared = SharedFiles(dir, c.Write)
 	}
-	start := time.Now()
-	layers, err := confine.Apply(c, log)
+	layers, err := applyConfinement(c, log, "capsa run: confined")
 	if err != nil {
 		return "", err
 	}
-	log.Debug("capsa run: confined", "layers", layers.String(), "took", time.Since(start))
-	confine.Probe(log)
 	return layers.String(), nil
+}
+
+// applyConfinement confines this process as c says, logs the layers it
+// got and how long that took under msg (at info level: a supervisor's log
+// has it, and `capsa run --verbose` shows it), and runs the test
+// hook's probe (confine.ProbeEnv): a supervisor's and a foreground run's
+// last step before their guest runs.
+func applyConfinement(c confine.Config, log *slog.Logger, msg string) (confine.Layers, error) {
+	start := time.Now()
+	layers, err := confine.Apply(c, log)
+	if err != nil {
+		return layers, err
+	}
+	log.Info(msg, "layers", layers.String(), "took", time.Since(start))
+	confine.Probe(log)
+	return layers, nil
 }
 
 // vmmConfinement is what a VMM process running sb, of spec, is confined

@@ -132,7 +132,12 @@ func (m *Manager) Resume(ctx context.Context, name string) error {
 			}
 		}
 		cur, gerr := m.st.Get(name)
-		if gerr != nil || cur.State != Suspended {
+		switch {
+		case gerr != nil:
+			return err
+		case cur.State != Suspended && errors.Is(err, ErrBeingSuspended):
+			return fmt.Errorf("supervisor: resume %s: it ended instead of being suspended (%s)", name, describeEnd(cur))
+		case cur.State != Suspended:
 			return err
 		}
 		rec = cur

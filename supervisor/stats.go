@@ -2,7 +2,6 @@ package supervisor
 
 import (
 	"context"
-	"fmt"
 	"sync"
 	"time"
 
@@ -43,19 +42,11 @@ func (m *Manager) Stats(ctx context.Context, name string) (*sandbox.Stats, error
 		m.dropStats(name, nil)
 		return nil, err
 	}
-	if rec.State != Running {
-		m.dropStats(name, nil)
-		h, err := m.Open(ctx, name) // says why it does not run
-		if err == nil {
-			h.Close()
-			err = fmt.Errorf("supervisor: stats of %s: %w", name, ErrNotRunning)
-		}
-		return nil, err
-	}
 	m.stats.mu.Lock()
 	c, ok := m.stats.handles[name]
 	m.stats.mu.Unlock()
-	if !ok || !c.started.Equal(rec.Started) {
+	// Open refuses a sandbox that does not run, saying why.
+	if !ok || !c.started.Equal(rec.Started) || rec.State != Running {
 		h, err := m.Open(ctx, name)
 		if err != nil {
 			m.dropStats(name, nil)

@@ -79,7 +79,7 @@ func confineSelf(st *store.Store, rec *store.Record, sb *sandbox.Sandbox, spec s
 	c.Write = append(c.Write, st.SandboxDir(rec.Name), db, snaps)
 	c.Own, c.NoJail = []string{st.SandboxDir(rec.Name)}, rec.HostMounts
 	c.Shared = append(SharedFiles(st.Dir(), c.Write), db, snaps)
-	return confine.Apply(c, log)
+	return applyConfinement(c, log, "supervisor: confined")
 }
 
 // SharedFiles are the paths in write that lie directly in the state
@@ -202,8 +202,6 @@ func Run(ctx context.Context, o Options) error {
 		if err != nil {
 			return err
 		}
-		log.Info("supervisor: confined", "layers", l.String())
-		confine.Probe(log)
 		layers = &l
 		return nil
 	}

@@ -1,6 +1,7 @@
 package layering
 
 import (
+	"fmt"
 	"go/parser"
 	"go/token"
 	"io/fs"
@@ -9,21 +10,33 @@ import (
 	"sort"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 )
 
 const module = "github.com/capsa-sandbox/capsa"
 
 // imports maps each non-test Go file of the module, by its path from the
-// module's root, to the packages it imports.
+// module's root, to the packages it imports. The tree is parsed once for
+// all the tests.
 func imports(t *testing.T) map[string][]string {
 	t.Helper()
-	root, err := filepath.Abs("../..")
+	out, err := parsed()
 	if err != nil {
 		t.Fatal(err)
 	}
+	return out
+}
+
+var parsed = sync.OnceValues(parseImports)
+
+func parseImports() (map[string][]string, error) {
+	root, err := filepath.Abs("../..")
+	if err != nil {
+		return nil, err
+	}
 	if _, err := os.Stat(filepath.Join(root, "go.mod")); err != nil {
-		t.Fatalf("the module's root: %v", err)
+		return nil, fmt.Errorf("the module's root: %w", err)
 	}
 	out := map[string][]string{}
 	fset := token.NewFileSet()
@@ -57,12 +70,12 @@ func imports(t *testing.T) map[string][]string {
 		return nil
 	})
 	if err != nil {
-		t.Fatal(err)
+		return nil, err
 	}
 	if len(out) < 100 {
-		t.Fatalf("found imports in only %d files: not the module's tree", len(out))
+		return nil, fmt.Errorf("found imports in only %d files: not the module's tree", len(out))
 	}
-	return out
+	return out, nil
 }
 
 // under reports whether the file lies in the package dir or below it.
