@@ -378,13 +378,7 @@ func criTerminal(t *testing.T, e *criEnv, id string) {
 	tm := tmuxServer(t)
 	ep := "unix://" + e.address
 	pane := fmt.Sprintf("%s --runtime-endpoint %s --image-endpoint %s --timeout 3m exec -it %s sh; echo cri-exit-$?; sleep 3600", e.crictl, ep, ep, id)
-	tm("new-session", "-d", "-s", "cri", "-x", "100", "-y", "30", pane)
-	seen, keys, screen := paneDriver(t, tm, "cri", 2*time.Minute)
-	seen("#")
-	keys("stty size", "Enter")
-	seen("30 100")
-	tm("resize-window", "-t", "cri", "-x", "120", "-y", "40")
-	seenResize(t, keys, screen, "40 120", 2*time.Minute)
+	seen, keys, _ := shellPane(t, tm, "cri", pane, 2*time.Minute)
 	keys("exit 4", "Enter")
 	seen("exit code 4") // the pane wraps crictl's long line
 	seen("cri-exit-1")

@@ -172,6 +172,23 @@ func tmuxServer(t *testing.T) func(args ...string) string {
 	return tm
 }
 
+// shellPane starts cmd, which gives a shell on a terminal, in a new tmux
+// session of 100x30; waits for the shell's prompt and its `stty size` of
+// the pane's; then resizes the window to 120x40 and waits for the shell
+// to see that too: how each terminal test starts. It returns the pane's
+// driver (paneDriver), each wait bounded by wait.
+func shellPane(t *testing.T, tm func(args ...string) string, session, cmd string, wait time.Duration) (seen func(string), keys func(...string), screen func() string) {
+	t.Helper()
+	tm("new-session", "-d", "-s", session, "-x", "100", "-y", "30", cmd)
+	seen, keys, screen = paneDriver(t, tm, session, wait)
+	seen("#")
+	keys("stty size", "Enter")
+	seen("30 100")
+	tm("resize-window", "-t", session, "-x", "120", "-y", "40")
+	seenResize(t, keys, screen, "40 120", wait)
+	return seen, keys, screen
+}
+
 // seenResize types `stty size` until the shell in the pane reports want:
 // a resize reaches the guest apart from the keys typed after it, so one
 // try may come before it; up to wait.
@@ -242,14 +259,7 @@ func TestTerminal(t *testing.T) {
 	// code, then a pause so the pane stays to be read.
 	pane := fmt.Sprintf("stty -g > %[1]s/before; CAPSA_STATE=%[2]s %[3]s exec -it tty -- sh; echo capsa-exit-$?; stty -g > %[1]s/after; sleep 3600",
 		work, dir, artifact(t, "capsa"))
-	tm("new-session", "-d", "-s", "e2e", "-x", "100", "-y", "30", pane)
-	seen, keys, screen := paneDriver(t, tm, "e2e", 90*time.Second)
-	seen("#")
-	keys("stty size", "Enter")
-	seen("30 100")
-
-	tm("resize-window", "-t", "e2e", "-x", "120", "-y", "40") // SIGWINCH to capsa
-	seenResize(t, keys, screen, "40 120", 90*time.Second)
+	seen, keys, screen := shellPane(t, tm, "e2e", pane, 90*time.Second) // the resize: SIGWINCH to capsa
 
 	startSleep(seen, keys)
 	start := time.Now()
