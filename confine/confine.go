@@ -36,6 +36,7 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
+	"path/filepath"
 	"strings"
 
 	"golang.org/x/sys/unix"
@@ -168,22 +169,32 @@ func Apply(c Config, log *slog.Logger) (Layers, error) {
 	return l, nil
 }
 
-// ProbeEnv, set to a path outside what the process may reach, makes a
-// confined capsa process try, right after Apply, what confinement must
-// refuse: running a program, opening that path, and tracing its parent.
-// It is a test hook: the guest cannot set the VMM's environment.
+// ProbeEnv, set to paths outside what the process may reach (a list, as
+// PATH is written), makes a confined capsa process try, right after
+// Apply, what confinement must refuse: running a program, reading each
+// path, and tracing its parent. It is a test hook: the guest cannot set
+// the VMM's environment.
 const ProbeEnv = "CAPSA_TEST_CONFINE_PROBE"
 
-// Probe tries what ProbeEnv asks and logs what happened to each.
+// Probe tries what ProbeEnv asks and logs what happened to each: the
+// reads as open, open2, open3 and so on.
 func Probe(log *slog.Logger) {
-	path := os.Getenv(ProbeEnv)
-	if path == "" {
+	paths := filepath.SplitList(os.Getenv(ProbeEnv))
+	if len(paths) == 0 {
 		return
 	}
 	execErr := unix.Exec("/proc/self/exe", []string{"capsa", "version"}, nil)
-	_, openErr := os.ReadFile(path)
+	attrs := []any{"execve", errString(execErr)}
+	for i, p := range paths {
+		key := "open"
+		if i > 0 {
+			key = fmt.Sprintf("open%d", i+1)
+		}
+		_, err := os.ReadFile(p)
+		attrs = append(attrs, key, errString(err))
+	}
 	ptraceErr := unix.PtraceAttach(os.Getppid())
-	log.Warn("confine probe", "execve", errString(execErr), "open", errString(openErr), "ptrace", errString(ptraceErr))
+	log.Warn("confine probe", append(attrs, "ptrace", errString(ptraceErr))...)
 }
 
 func errString(err error) string {

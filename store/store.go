@@ -8,6 +8,8 @@
 //	state.db              the records (bbolt), opened per operation
 //	sandboxes/NAME/       one sandbox's runtime files (0700):
 //	    lock              held (flock) by its supervisor while it lives
+//	    status.json       its supervisor's report of the run (Status)
+//	    suspended/        the snapshot a suspension wrote (SuspendDir)
 //	    agent.sock        the guest agent, hybrid-vsock style
 //	    control.sock      the supervisor's control API
 //	    main.log ...      the main process's output, bounded
@@ -15,6 +17,9 @@
 // A supervisor holds its sandbox's lock for its whole life, so a record
 // that says running while nobody holds the lock belongs to a supervisor
 // that died (killed, or the host rebooted): reading it reports it crashed.
+// Only the user's own processes write the records; a supervisor, confined,
+// reports its run in its status file, of which the store takes only what
+// a run reports (status.go).
 // The directory and the sockets are the user's alone (0700, 0600): another
 // local user gets a permission error, not a sandbox.
 package store
@@ -342,6 +347,18 @@ func (s *Store) Create(r *Record) (*Lock, error) {
 	if err != nil {
 		return nil, err
 	}
+	// A sandbox of this name that has ended since its record was last
+	// read is folded in first: removed, if it asked to be.
+	if _, err := s.settle(r.Name); errors.Is(err, errAutoRemoved) {
+		// Its directory went, and the lock file with it: lock anew.
+		l.Close()
+		if l, err = s.lock(r.Name); err != nil {
+			return nil, err
+		}
+	} else if err != nil && !errors.Is(err, ErrNotFound) {
+		l.Close()
+		return nil, err
+	}
 	var idb [8]byte
 	rand.Read(idb[:])
 	r.ID, r.State, r.Created = hex.EncodeToString(idb[:]), Creating, time.Now()
@@ -355,6 +372,7 @@ func (s *Store) Create(r *Record) (*Lock, error) {
 		l.Close()
 		return nil, err
 	}
+	s.removeStatus(r.Name) // an earlier sandbox's of this name
 	return l, nil
 }
 
@@ -372,6 +390,13 @@ func (s *Store) Start(name string) (*Lock, error) {
 	l, err := s.lock(name)
 	if err != nil {
 		return nil, fmt.Errorf("store: start %s: it is running", name)
+	}
+	// A run that ended since the record was last read is folded in
+	// first (a suspension, say), and its status goes: the next run
+	// writes its own.
+	if _, err := s.settle(name); err != nil {
+		l.Close()
+		return nil, fmt.Errorf("store: start %s: %w", name, err)
 	}
 	err = s.Update(name, func(r *Record) error {
 		if r.State != Created && r.State != Suspended {
@@ -412,7 +437,10 @@ func (s *Store) Get(name string) (*Record, error) {
 	if err != nil {
 		return nil, err
 	}
-	return s.checkAlive(r), nil
+	if r = s.checkAlive(r); r == nil {
+		return nil, fmt.Errorf("store: %s: %w", name, errAutoRemoved)
+	}
+	return r, nil
 }
 
 // List returns every record, by name, liveness checked as Get does.
@@ -434,45 +462,108 @@ func (s *Store) List() ([]*Record, error) {
 	if err != nil {
 		return nil, err
 	}
-	for i, r := range rs {
-		rs[i] = s.checkAlive(r)
+	live := rs[:0]
+	for _, r := range rs {
+		if r = s.checkAlive(r); r != nil {
+			live = append(live, r)
+		}
 	}
+	rs = live
 	sort.Slice(rs, func(i, j int) bool { return rs[i].Name < rs[j].Name })
 	return rs, nil
 }
 
-// checkAlive marks a live-looking record crashed when nobody holds its
-// lock: its supervisor is gone.
+// checkAlive returns r as it is now. A record that is not alive is what
+// it says. One whose supervisor holds its lock gets the supervisor's
+// status laid over it (Status). One whose supervisor is gone gets its
+// status folded in (settle): it ended as the status says, or crashed;
+// nil if that removed it (AutoRemove).
 func (s *Store) checkAlive(r *Record) *Record {
 	if !r.Alive() {
 		return r
 	}
 	l, err := s.lock(r.Name)
 	if err != nil {
-		return r // held: alive (or unknowable; say what the record says)
+		// Held: its supervisor runs (or the lock cannot be read: say
+		// what the record and the status say).
+		st, err := s.readStatus(r.Name)
+		cur := *r
+		switch {
+		case err == nil:
+			s.overlay(&cur, st)
+		case !errors.Is(err, errNoStatus):
+			cur.Reason = err.Error()
+		}
+		return &cur
 	}
 	defer l.Close()
-	reason := fmt.Sprintf("its supervisor (pid %d) ended without recording why (killed, or the host restarted)", r.PID)
-	if r.PID == 0 {
-		reason = "its supervisor never started"
-	}
-	err = s.Update(r.Name, func(cur *Record) error {
-		if cur.ID != r.ID || !cur.Alive() {
-			return errStale // it changed meanwhile: keep what it says now
-		}
-		cur.State, cur.Reason, cur.Ended = Crashed, reason, time.Now()
-		*r = *cur
+	cur, err := s.settle(r.Name)
+	if errors.Is(err, ErrNotFound) {
 		return nil
-	})
-	if err != nil {
-		if cur, err := s.getRaw(r.Name); err == nil {
-			return cur
-		}
 	}
-	return r
+	if err != nil {
+		return r
+	}
+	return cur
 }
 
-var errStale = errors.New("store: record changed")
+// errAutoRemoved: the record went when its sandbox ended (AutoRemove).
+var errAutoRemoved = fmt.Errorf("%w (removed when it ended)", ErrNotFound)
+
+// settle folds the status of name's ended run into its record, the
+// caller holding name's lock (so no supervisor runs it): it ended as the
+// status says (exited, or suspended), or, with no such status, crashed. A
+// record that asked for it (AutoRemove) goes then, with its directory,
+// unless suspended; settle then returns an error wrapping ErrNotFound.
+func (s *Store) settle(name string) (*Record, error) {
+	var out *Record
+	gone := false
+	err := s.db(true, func(b *bolt.Bucket) error {
+		r, err := get(b, name)
+		if err != nil {
+			return err
+		}
+		out = r
+		if !r.Alive() {
+			return nil
+		}
+		st, serr := s.readStatus(name)
+		switch {
+		case serr == nil && (st.State == Exited || st.State == Suspended):
+			s.overlay(r, st)
+			if r.Ended.IsZero() {
+				r.Ended = time.Now()
+			}
+		default:
+			if serr == nil {
+				s.overlay(r, st) // what it last reported, then
+			}
+			r.State, r.Ended = Crashed, time.Now()
+			switch {
+			case serr != nil && !errors.Is(serr, errNoStatus):
+				r.Reason = fmt.Sprintf("its supervisor ended, and %v", serr)
+			case r.PID == 0:
+				r.Reason = "its supervisor never started"
+			default:
+				r.Reason = fmt.Sprintf("its supervisor (pid %d) ended without recording why (killed, or the host restarted)", r.PID)
+			}
+		}
+		if r.AutoRemove && r.State != Suspended {
+			gone = true
+			return b.Delete([]byte(name))
+		}
+		return put(b, r)
+	})
+	if err != nil {
+		return nil, err
+	}
+	if gone {
+		os.RemoveAll(s.SandboxDir(name))
+		return nil, fmt.Errorf("store: %s: %w", name, errAutoRemoved)
+	}
+	s.removeStatus(name)
+	return out, nil
+}
 
 // getRaw reads name's record as it is, liveness unchecked.
 func (s *Store) getRaw(name string) (*Record, error) {

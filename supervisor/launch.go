@@ -55,9 +55,9 @@ func Create(st *store.Store, rec *store.Record) (*store.Lock, error) {
 // Spawn starts the supervisor of the recorded sandbox name (`capsa
 // supervise`, from this process's own executable), handing it lock, and
 // waits until the sandbox runs or says why it cannot (the error then
-// starts with the name). rm removes the record when the sandbox ends. The
-// supervisor outlives ctx and this process; lock is closed here.
-func Spawn(ctx context.Context, st *store.Store, name string, lock *store.Lock, rm bool) error {
+// starts with the name). The store removes a record that asks for it
+// (Record.AutoRemove) once its sandbox has ended. The supervisor outlives ctx and this process; lock is closed here.
+func Spawn(ctx context.Context, st *store.Store, name string, lock *store.Lock) error {
 	defer lock.Close()
 	exe, err := os.Executable()
 	if err != nil {
@@ -79,11 +79,7 @@ func Spawn(ctx context.Context, st *store.Store, name string, lock *store.Lock, 
 		return err
 	}
 	st.RemoveStale(sweepAge)
-	args := []string{"supervise", "--state", st.Dir()}
-	if rm {
-		args = append(args, "--rm")
-	}
-	cmd := exec.Command(exe, append(args, name)...)
+	cmd := exec.Command(exe, "supervise", "--state", st.Dir(), name)
 	cmd.Stdout, cmd.Stderr = logf, logf
 	cmd.ExtraFiles = []*os.File{lock.File(), readyW} // LockFD and ReadyFD
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
@@ -105,7 +101,13 @@ func Spawn(ctx context.Context, st *store.Store, name string, lock *store.Lock, 
 		return fmt.Errorf("start the supervisor: %w", err)
 	}
 	readyW.Close()
+	// The record names the supervisor by what this process started, not
+	// by what the supervisor says.
+	pid := cmd.Process.Pid
 	cmd.Process.Release()
+	if err := st.Update(name, func(r *store.Record) error { r.PID = pid; return nil }); err != nil {
+		return fmt.Errorf("record the supervisor: %w", err)
+	}
 	// The supervisor writes "ok" once the sandbox runs, or why it failed;
 	// if it dies first, the pipe just closes.
 	msg, _ := io.ReadAll(io.LimitReader(readyR, 64<<10))
@@ -124,9 +126,8 @@ func Spawn(ctx context.Context, st *store.Store, name string, lock *store.Lock, 
 
 // sweepAge is how long a sandbox directory with no record stays before
 // Spawn removes it (store.RemoveStale): a new sandbox's directory has no
-// record for a moment. Such directories are what a confined supervisor's
-// --rm leaves: it deletes its record, but the jail and Landlock keep it
-// from removing its directory, which lies in one it may not open.
+// record for a moment. Such directories are what a record's removal
+// leaves when its directory could not go with it.
 const sweepAge = time.Minute
 
 // Launch records rec (Create) and starts it (Spawn), returning its name:
@@ -136,7 +137,7 @@ func Launch(ctx context.Context, st *store.Store, rec *store.Record) (string, er
 	if err != nil {
 		return "", err
 	}
-	return rec.Name, Spawn(ctx, st, rec.Name, lock, rec.AutoRemove)
+	return rec.Name, Spawn(ctx, st, rec.Name, lock)
 }
 
 // RestoreRecord is the record of a detached sandbox named name ("": a new

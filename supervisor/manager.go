@@ -153,7 +153,7 @@ func (m *Manager) Resume(ctx context.Context, name string) error {
 	if err != nil {
 		return fmt.Errorf("supervisor: resume %s: %w", name, err)
 	}
-	if err := Spawn(ctx, m.st, name, lock, rec.AutoRemove); err != nil {
+	if err := Spawn(ctx, m.st, name, lock); err != nil {
 		return fmt.Errorf("supervisor: resume %s from disk: %w", name, err)
 	}
 	// The restored VM maps the snapshot's memory copy-on-write and has its
@@ -253,19 +253,16 @@ func (m *Manager) Start(ctx context.Context, name string) error {
 	if err != nil {
 		return err
 	}
-	rec, err := m.st.Get(name)
-	if err != nil {
-		lock.Close()
-		return err
-	}
-	return Spawn(ctx, m.st, name, lock, rec.AutoRemove)
+	return Spawn(ctx, m.st, name, lock)
 }
 
 // Supervise is the life of the supervisor process of the sandbox name
 // (Run): lock and ready are the files Spawn handed it (LockFD, ReadyFD);
-// it writes "ok" on ready once the sandbox runs, or why it could not. With
-// rm the record is removed when the sandbox ends.
-func (m *Manager) Supervise(ctx context.Context, name string, lock, ready *os.File, rm bool, log *slog.Logger) error {
+// it writes "ok" on ready once the sandbox runs, or why it could not. The
+// lock goes with the process. The supervisor reports its run in a status
+// file (store.Status): it cannot write the records.
+func (m *Manager) Supervise(ctx context.Context, name string, lock, ready *os.File, log *slog.Logger) error {
+	defer lock.Close() // held until here, not left to the file's finalizer
 	err := Run(ctx, Options{Store: m.st, Name: name, Log: log, Ready: func(err error) {
 		if err != nil {
 			fmt.Fprintln(ready, err)
@@ -276,15 +273,6 @@ func (m *Manager) Supervise(ctx context.Context, name string, lock, ready *os.Fi
 	}})
 	if err != nil {
 		log.Error("supervisor", "err", err)
-	}
-	if rec, gerr := m.st.Get(name); rm && gerr == nil && rec.State == Suspended {
-		rm = false // kept for its resume; removed when it ends
-	}
-	if rm {
-		lock.Close()
-		if err := m.st.Remove(name); err != nil {
-			log.Error("supervisor: --rm", "err", err)
-		}
 	}
 	return err
 }
@@ -324,10 +312,15 @@ func (m *Manager) SetTTL(ctx context.Context, name string, ttl time.Duration) er
 	if err != nil {
 		return err
 	}
+	// The record first: a supervisor that restarts the timer has the
+	// record agree with it.
+	if err := m.st.Update(name, func(r *Record) error { r.TTL = ttl; return nil }); err != nil {
+		return err
+	}
 	if rec.Alive() {
 		return callLive(ctx, m.st, name, opTTL, ttlBody{TTL: ttl})
 	}
-	return m.st.Update(name, func(r *Record) error { r.TTL = ttl; return nil })
+	return nil
 }
 
 // SetLabels changes the labels of the sandbox name's record (Record.Labels)

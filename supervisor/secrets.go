@@ -85,7 +85,7 @@ func LaunchSecrets(ctx context.Context, st *store.Store, rec *store.Record, valu
 	if err != nil {
 		return rec.Name, err
 	}
-	return rec.Name, Spawn(ctx, st, rec.Name, lock, rec.AutoRemove)
+	return rec.Name, Spawn(ctx, st, rec.Name, lock)
 }
 
 // CreateSecrets is Create, keeping the values of the sandbox's secrets; if

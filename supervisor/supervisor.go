@@ -64,7 +64,7 @@ type Options struct {
 }
 
 // confineSelf confines the supervisor (package confine) to the sandbox's
-// host paths, its directory, the store's records and snapshots, and a
+// host paths, its directory, the store's snapshots, and a
 // cgroup bounded to the guest's memory and VMMOverhead. As root (spawned
 // in a mount namespace of its own by Spawn) it is also jailed, as
 // rec.JailUser when set: the sandbox's directory becomes that user's, and
@@ -75,10 +75,11 @@ func confineSelf(st *store.Store, rec *store.Record, sb *sandbox.Sandbox, spec s
 		return confine.Layers{}, fmt.Errorf("supervisor: confine: %w", err)
 	}
 	c := vmmConfinement(sb, spec, rec.Name, rec.JailUser)
-	db := st.DBPath()
-	c.Write = append(c.Write, st.SandboxDir(rec.Name), db, snaps)
+	// Not the records' database: the supervisor reports its run in its
+	// own directory (store.Status).
+	c.Write = append(c.Write, st.SandboxDir(rec.Name), snaps)
 	c.Own, c.NoJail = []string{st.SandboxDir(rec.Name)}, rec.HostMounts
-	c.Shared = append(SharedFiles(st.Dir(), c.Write), db, snaps)
+	c.Shared = append(SharedFiles(st.Dir(), c.Write), snaps)
 	return applyConfinement(c, log, "supervisor: confined")
 }
 
@@ -137,18 +138,13 @@ func Run(ctx context.Context, o Options) error {
 	for _, f := range []string{AgentSocket, ControlSocket} {
 		os.Remove(filepath.Join(dir, f))
 	}
-	end := func(state store.State, code *int, reason string) {
-		err := st.Update(o.Name, func(r *store.Record) error {
-			r.State, r.ExitCode, r.Reason, r.Ended = state, code, reason, time.Now()
-			return nil
-		})
-		if err != nil {
-			log.Error("supervisor: record the end", "err", err)
-		}
+	rep := &report{st: st, name: o.Name}
+	end := func(code *int, reason string) {
+		rep.set(log, func(s *store.Status) { s.State, s.ExitCode, s.Reason, s.Ended = store.Exited, code, reason, time.Now() })
 	}
 	// fail records that the sandbox could not start, and says why.
 	fail := func(err error) error {
-		end(store.Exited, nil, err.Error())
+		end(nil, err.Error())
 		ready(err)
 		return err
 	}
@@ -222,8 +218,8 @@ func Run(ctx context.Context, o Options) error {
 	defer sb.Close()
 	log.Info("supervisor: the sandbox runs", "restored", rec.RestoreFrom != "", "timeline", sb.Timeline().String())
 
-	c := &control{sb: sb, st: st, name: o.Name, stopc: make(chan stopRequest, 1), ttlc: make(chan time.Duration),
-		suspendc: make(chan struct{}, 1), suspendDir: filepath.Join(dir, SuspendDir), started: time.Now()}
+	c := &control{sb: sb, rep: rep, stopc: make(chan stopRequest, 1), ttlc: make(chan time.Duration),
+		suspendc: make(chan struct{}, 1), suspendDir: st.SuspendDir(o.Name), started: time.Now()}
 	srv, err := c.serve(filepath.Join(dir, ControlSocket), log)
 	if err != nil {
 		return fail(err)
@@ -235,11 +231,8 @@ func Run(ctx context.Context, o Options) error {
 	for _, p := range sb.Published() {
 		ports = append(ports, fmt.Sprintf("%s->%d/%s", p.Addr, p.Mapping.GuestPort, p.Addr.Network()))
 	}
-	err = st.Update(o.Name, func(r *store.Record) error {
-		r.State, r.PID, r.Started, r.Env, r.Dir, r.Ports = store.Running, os.Getpid(), c.started, env, wd, ports
-		r.Reason, r.Ended, r.ExitCode = "", time.Time{}, nil // a suspension's, if it was one
-		r.Confinement = layers
-		return nil
+	err = rep.set(log, func(s *store.Status) {
+		*s = store.Status{State: store.Running, Started: c.started, Env: env, Dir: wd, Ports: ports, Confinement: layers}
 	})
 	if err != nil {
 		ready(err)
@@ -331,19 +324,16 @@ func Run(ctx context.Context, o Options) error {
 	}
 	if suspended {
 		// The guest stays as the snapshot has it: no signal, no
-		// shutdown; the VM goes with sb.Close. The record says where the
-		// sandbox is now (a resume restores it, Store.Start) and, paused
-		// at its TTL, that it has none (as an in-memory pause). The record
-		// first, the control socket after: a resume that read the record
-		// just before either reaches the socket (and hears that the
-		// suspension is under way) or reads Suspended, never a closed
-		// socket beside a record saying paused.
-		err := st.Update(o.Name, func(r *store.Record) error {
-			r.State, r.PID, r.RestoreFrom, r.Reason, r.Ended = store.Suspended, 0, c.suspendDir, reason, time.Now()
-			if suspendedAtTTL {
-				r.TTL = 0
-			}
-			return nil
+		// shutdown; the VM goes with sb.Close. The status says the
+		// sandbox is suspended (a resume restores it from its
+		// SuspendDir, Store.Start) and, paused at its TTL, that it has
+		// none (as an in-memory pause). The status first, the control
+		// socket after: a resume that read the record just before either
+		// reaches the socket (and hears that the suspension is under way)
+		// or reads Suspended, never a closed socket beside a record
+		// saying paused.
+		err := rep.set(log, func(s *store.Status) {
+			s.State, s.Reason, s.Ended, s.TTLPassed = store.Suspended, reason, time.Now(), suspendedAtTTL
 		})
 		srv.Close()
 		if err != nil {
@@ -370,7 +360,7 @@ func Run(ctx context.Context, o Options) error {
 		log.Warn("supervisor: shutdown", "err", err)
 	}
 	srv.Close()
-	end(store.Exited, code, reason)
+	end(code, reason)
 	log.Info("supervisor: ended", "name", o.Name, "reason", reason)
 	return nil
 }
@@ -421,8 +411,7 @@ type stopRequest struct {
 // control is the supervisor's control API.
 type control struct {
 	sb      *sandbox.Sandbox
-	st      *store.Store
-	name    string
+	rep     *report
 	stopc   chan stopRequest
 	ttlc    chan time.Duration // a new TTL, from its start
 	started time.Time
@@ -439,10 +428,6 @@ type control struct {
 // sandbox whose suspension is under way; a client's error wraps it too
 // (controlErrorCodes).
 var ErrBeingSuspended = errors.New("the sandbox is being suspended")
-
-// SuspendDir is where a suspended sandbox's snapshot is kept, in its
-// directory.
-const SuspendDir = "suspended"
 
 // suspend writes the whole sandbox to c.suspendDir, its guest paused
 // from then on, and has the supervisor end there (suspendc): the record
@@ -464,7 +449,7 @@ func (c *control) suspend(ctx context.Context, log *slog.Logger) error {
 	if err := c.sb.Pause(ctx); err != nil {
 		return fmt.Errorf("suspend: %w", err)
 	}
-	c.recordState(store.Paused, log) // while the snapshot is written
+	c.setState(store.Paused, log) // while the snapshot is written
 	// Written beside, then renamed: a suspension that fails leaves the
 	// last one (if any) whole.
 	tmp := c.suspendDir + ".new"
@@ -480,7 +465,7 @@ func (c *control) suspend(ctx context.Context, log *slog.Logger) error {
 			if rerr := c.sb.Resume(context.WithoutCancel(ctx)); rerr != nil {
 				log.Warn("supervisor: resume after a failed suspension", "err", rerr)
 			} else {
-				c.recordState(store.Running, log)
+				c.setState(store.Running, log)
 			}
 		}
 		log.Warn("supervisor: suspend", "err", err)
@@ -594,12 +579,7 @@ func (c *control) mux(log *slog.Logger) *http.ServeMux {
 		if req.TTL < 0 {
 			return noBody{}, badRequest("bad TTL request: negative TTL")
 		}
-		// The record first: a supervisor that restarts the timer has
-		// the record agree with it.
-		err := c.st.Update(c.name, func(r *store.Record) error { r.TTL = req.TTL; return nil })
-		if err != nil {
-			return noBody{}, err
-		}
+		// The record is the caller's (Manager.SetTTL writes it first).
 		select {
 		case c.ttlc <- req.TTL:
 			return noBody{}, nil
@@ -619,16 +599,33 @@ func (c *control) mux(log *slog.Logger) *http.ServeMux {
 	return mux
 }
 
-// recordState records the live sandbox's state (running or paused).
-func (c *control) recordState(state store.State, log *slog.Logger) error {
-	err := c.st.Update(c.name, func(rec *store.Record) error {
-		if rec.Alive() {
-			rec.State = state
+// setState reports the live sandbox's state (running or paused).
+func (c *control) setState(state store.State, log *slog.Logger) error {
+	return c.rep.set(log, func(s *store.Status) {
+		if s.State == store.Running || s.State == store.Paused {
+			s.State = state
 		}
-		return nil
 	})
+}
+
+// report is the supervisor's status of its run (store.Status), which it
+// writes whole at each change: the record's state, times and exit come
+// from it (the supervisor cannot write the records themselves).
+type report struct {
+	mu   sync.Mutex
+	st   *store.Store
+	name string
+	s    store.Status
+}
+
+// set changes the status with f and writes it.
+func (r *report) set(log *slog.Logger, f func(*store.Status)) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	f(&r.s)
+	err := r.st.WriteStatus(r.name, &r.s)
 	if err != nil {
-		log.Warn("supervisor: record the state", "state", state, "err", err)
+		log.Error("supervisor: record the status", "state", r.s.State, "err", err)
 	}
 	return err
 }
@@ -651,7 +648,7 @@ func (c *control) setPaused(ctx context.Context, pause bool, log *slog.Logger) e
 		err = c.sb.Resume(ctx)
 	}
 	if err == nil {
-		err = c.recordState(state, log)
+		err = c.setState(state, log)
 	}
 	if err != nil {
 		log.Warn("supervisor: "+op, "err", err)

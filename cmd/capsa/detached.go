@@ -98,7 +98,6 @@ func runStart(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 func runSupervise(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	fs := newFlags("supervise", "[flags] NAME (started by `capsa run -d`)", stdout)
 	stateDir := fs.String("state", "", "the state directory")
-	rm := fs.Bool("rm", false, "remove the sandbox's record when it ends")
 	if code := parseFlags(fs, args, stderr); code >= 0 {
 		return code
 	}
@@ -124,7 +123,7 @@ func runSupervise(ctx context.Context, args []string, stdout, stderr io.Writer) 
 		level = slog.LevelDebug
 	}
 	log := slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: level}))
-	if err := m.Supervise(ctx, fs.Arg(0), lock, ready, *rm, log); err != nil {
+	if err := m.Supervise(ctx, fs.Arg(0), lock, ready, log); err != nil {
 		return 1
 	}
 	return 0

@@ -31,7 +31,10 @@ func TestConfinement(t *testing.T) {
 	if err := os.WriteFile(secret, []byte("not for the VMM"), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	t.Setenv(confine.ProbeEnv, secret) // the CLI's environment is the supervisor's
+	// The probe reads the secret and the records' database (the CLI's
+	// environment is the supervisor's).
+	db := filepath.Join(dir, "state.db")
+	t.Setenv(confine.ProbeEnv, secret+string(filepath.ListSeparator)+db)
 	share := t.TempDir()
 	if err := os.WriteFile(filepath.Join(share, "in.txt"), []byte("from the host"), 0o644); err != nil {
 		t.Fatal(err)
@@ -69,9 +72,19 @@ func TestConfinement(t *testing.T) {
 			t.Errorf("the confined supervisor's probe: %q; want %s", probe, want)
 		}
 	}
-	// Landlock refuses the read; the jail (as root) has no such file.
-	if (landlock || os.Geteuid() == 0) && !strings.Contains(probe, "permission denied") && !strings.Contains(probe, "no such file or directory") {
-		t.Errorf("the confined supervisor's probe: %q; want the read of %s refused", probe, secret)
+	// Landlock refuses the reads; the jail (as root) has no such files.
+	// The supervisor reports its run in its own directory: the records
+	// are not its to read or write.
+	if landlock || os.Geteuid() == 0 {
+		for key, path := range map[string]string{"open": secret, "open2": db} {
+			refused := false
+			for _, why := range []string{"permission denied", "no such file or directory"} {
+				refused = refused || strings.Contains(probe, fmt.Sprintf(`%s="open %s: %s"`, key, path, why))
+			}
+			if !refused {
+				t.Errorf("the confined supervisor's probe: %q; want the read of %s refused (%s)", probe, path, key)
+			}
+		}
 	}
 	if os.Geteuid() == 0 && !strings.HasPrefix(l.Namespaces, "on (mount namespace") {
 		t.Errorf("confinement = %s; want the namespaces layer on, as root", l)

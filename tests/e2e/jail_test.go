@@ -74,7 +74,9 @@ func TestJail(t *testing.T) {
 	os.Chtimes(rdir, old, old)
 
 	// Detached as 65534, with a share, the NAT and a published port.
-	t.Setenv(confine.ProbeEnv, secret)
+	// The probe reads the secret and the records' database.
+	db := filepath.Join(dir, "state.db")
+	t.Setenv(confine.ProbeEnv, secret+string(filepath.ListSeparator)+db)
 	r := cli(3*time.Minute, "run", "-d", "--name", "j", "--jail-user", "65534:65534", "--net", "--dns-server", w.dns, "-p", "0:8080",
 		"-v", share+":/mnt/share", "-v", filepath.Dir(self)+":/probe:ro",
 		"-e", serveEnv+"=:8080", "-e", "CAPSA_E2E_SERVE_BODY=served jailed\n", "--", "/probe/"+filepath.Base(self))
@@ -121,6 +123,11 @@ func TestJail(t *testing.T) {
 	probe := probeLine(t, dir, "j")
 	if !strings.Contains(probe, `open="open `+secret+`: no such file or directory"`) || !strings.Contains(probe, `execve="operation not permitted"`) {
 		t.Errorf("the jailed supervisor's probe: %q; want %s not there and execve refused", probe, secret)
+	}
+	// Its run is reported in its own directory (its status), not written
+	// into the records: the database is not in its jail.
+	if !strings.Contains(probe, `open2="open `+db+`: no such file or directory"`) {
+		t.Errorf("the jailed supervisor's probe: %q; want the records' database %s not there", probe, db)
 	}
 
 	if r := cli(time.Minute, "exec", "j", "--", "sh", "-c", "cat /mnt/share/in.txt && echo out > /mnt/share/out.txt"); r.code != 0 || r.stdout != "from the host" {
