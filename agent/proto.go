@@ -60,7 +60,7 @@ const (
 )
 
 // agentFeatures is what this package's agent announces.
-var agentFeatures = []string{FeatureProcesses, FeaturePTY, FeatureResumed, FeatureRename, FeatureWatch, FeatureOwners, FeatureDial, FeatureXattrs, FeatureContainers}
+var agentFeatures = []string{FeatureProcesses, FeaturePTY, FeatureResumed, FeatureRename, FeatureWatch, FeatureOwners, FeatureDial, FeatureXattrs, FeatureContainers, FeatureTree}
 
 // Port is the vsock port the agent listens on; ReadyPort is the host port
 // the agent connects to once it is listening, to announce itself.
@@ -222,6 +222,7 @@ var Operations = []Operation{
 	{Name: OpRename, Path: true, Feature: FeatureRename, Doc: "rename Path to Target (absolute), replacing a file there as rename(2) does"},
 	{Name: OpWatch, Path: true, Feature: FeatureWatch, Doc: "stream the changes in directory Path (and below it with Recursive) as WatchEvent data frames, until the client hangs up"},
 	{Name: OpDial, Feature: FeatureDial, Doc: "connect to the guest's TCP port Port on its loopback, then carry the connection's bytes both ways as Data frames (End: that side is done writing)"},
+	{Name: OpTree, Path: true, Feature: FeatureTree, Doc: "stream the inventory of the tree under directory Path (every entry's path, type, size, times, inode, owner and link target, on Path's file system and below the mount points in Mounts) as data frames of entries, then End"},
 	{Name: OpResumed, Feature: FeatureResumed, Doc: "the guest runs again after a pause or a restore (Request.Resumed): set its wall clock, mix a seed into its random number generator, set its hostname"},
 }
 
@@ -269,6 +270,8 @@ type Request struct {
 	// OpWatch: a directory on a network file system (9P, NFS, SMB) is
 	// watched, though only the guest's own changes show (FeatureXattrs).
 	AllowNetwork bool `json:"allow_network,omitempty"`
+	// OpTree: mount points below Path whose trees are walked too.
+	Mounts []string `json:"mounts,omitempty"`
 }
 
 // Resumed is what the host tells a guest that runs again after a pause or

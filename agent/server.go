@@ -312,6 +312,7 @@ var handlers = map[string]func(s *Server, ctx context.Context, c *Conn, req *Req
 		}
 		return watch(ctx, c, req.Path, req.Recursive)
 	},
+	OpTree: func(_ *Server, ctx context.Context, c *Conn, req *Request) error { return serveTree(ctx, c, req) },
 	OpDial: func(_ *Server, ctx context.Context, c *Conn, req *Request) error {
 		return dialPort(ctx, c, req.Port)
 	},

@@ -38,6 +38,22 @@ import (
 // Limit, refused here with its reason: a sandbox with disks (a host file
 // the snapshot would have to copy or trust unchanged).
 func (s *Sandbox) Snapshot(ctx context.Context, dir string) error {
+	return s.SnapshotWith(ctx, dir, SnapshotOptions{})
+}
+
+// SnapshotOptions choose what a snapshot records beside the sandbox.
+type SnapshotOptions struct {
+	// Inventory: the guest's files and the agent's processes, taken just
+	// before the sandbox pauses (the guest runs meanwhile), so that
+	// DiffSnapshots and DiffSince can compare it with a later state. It
+	// costs a walk of the guest's file systems; a guest without one (a
+	// paused guest, an older agent, a tree beyond agent.MaxTreeEntries)
+	// fails the snapshot.
+	Inventory bool
+}
+
+// SnapshotWith is Snapshot with options.
+func (s *Sandbox) SnapshotWith(ctx context.Context, dir string, o SnapshotOptions) error {
 	if err := s.Snapshottable(); err != nil {
 		return err
 	}
@@ -45,11 +61,20 @@ func (s *Sandbox) Snapshot(ctx context.Context, dir string) error {
 	if err != nil {
 		return fmt.Errorf("sandbox: snapshot: %w", err)
 	}
+	var inv *Inventory
+	if o.Inventory {
+		if s.Paused() {
+			return errors.New("sandbox: snapshot: an inventory needs the guest running: resume it first")
+		}
+		if inv, err = s.Inventory(ctx); err != nil {
+			return fmt.Errorf("sandbox: snapshot: %w", err)
+		}
+	}
 	wasPaused := s.Paused()
 	if err := s.Pause(ctx); err != nil {
 		return fmt.Errorf("sandbox: snapshot: %w", err)
 	}
-	err = s.writeSnapshot(dir, spec)
+	err = s.writeSnapshot(dir, spec, inv)
 	if !wasPaused {
 		// The clock was never stopped for the guest: it runs on as after
 		// a short descheduling, and needs no setting.
@@ -67,7 +92,7 @@ func (s *Sandbox) Snapshottable() error {
 	return nil
 }
 
-func (s *Sandbox) writeSnapshot(dir string, spec []byte) error {
+func (s *Sandbox) writeSnapshot(dir string, spec []byte, inv *Inventory) error {
 	st, err := s.vm.State()
 	if err != nil {
 		return fmt.Errorf("sandbox: snapshot: %w", err)
@@ -96,6 +121,9 @@ func (s *Sandbox) writeSnapshot(dir string, spec []byte) error {
 			}
 			return "", os.WriteFile(path, b, 0o600)
 		}
+	}
+	if inv != nil {
+		extra[InventoryFile] = writeInventory(inv)
 	}
 	return snapshot.Write(dir, m, st, s.vm.Memory(), extra)
 }

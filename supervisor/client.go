@@ -41,13 +41,13 @@ func Resume(ctx context.Context, st *store.Store, name string) error {
 }
 
 // Snapshot writes the running detached sandbox name to the snapshot
-// directory dir (sandbox.Sandbox.Snapshot), through its supervisor.
-func Snapshot(ctx context.Context, st *store.Store, name, dir string) error {
+// directory dir (sandbox.Sandbox.SnapshotWith), through its supervisor.
+func Snapshot(ctx context.Context, st *store.Store, name, dir string, o sandbox.SnapshotOptions) error {
 	abs, err := filepath.Abs(dir)
 	if err != nil {
 		return err
 	}
-	return callLive(ctx, st, name, opSnapshot, snapshotBody{Dir: abs})
+	return callLive(ctx, st, name, opSnapshot, snapshotBody{Dir: abs, Inventory: o.Inventory})
 }
 
 // Stop ends the detached sandbox name as `capsa stop` does: SIGTERM to the

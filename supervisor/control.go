@@ -34,9 +34,12 @@ type stopBody struct {
 	Kill    bool          `json:"kill"`
 }
 
-// snapshotBody is the snapshot operation's request: an absolute directory.
+// snapshotBody is the snapshot operation's request: an absolute
+// directory, and whether the snapshot records an inventory
+// (sandbox.SnapshotOptions).
 type snapshotBody struct {
-	Dir string `json:"dir"`
+	Dir       string `json:"dir"`
+	Inventory bool   `json:"inventory,omitempty"`
 }
 
 // ttlBody is the TTL operation's request: the sandbox's new TTL, counted

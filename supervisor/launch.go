@@ -176,8 +176,9 @@ func DefaultSnapshotName(name string, t time.Time) string {
 }
 
 // SaveSnapshot writes the running detached sandbox name to the state
-// directory's snapshot snap (Store.SnapshotDir) through its supervisor. A
-// snapshot of that name must not exist.
+// directory's snapshot snap (Store.SnapshotDir) through its supervisor,
+// with an inventory (a checkpoint that Manager.Diff compares). A snapshot
+// of that name must not exist.
 func SaveSnapshot(ctx context.Context, st *store.Store, name, snap string) error {
 	if err := store.CheckSnapshotName(snap); err != nil {
 		return err
@@ -189,7 +190,7 @@ func SaveSnapshot(ctx context.Context, st *store.Store, name, snap string) error
 	if err := os.MkdirAll(filepath.Dir(dir), 0o700); err != nil {
 		return err
 	}
-	return Snapshot(ctx, st, name, dir)
+	return Snapshot(ctx, st, name, dir, sandbox.SnapshotOptions{Inventory: true})
 }
 
 // Fork makes count running detached copies of the running detached
@@ -232,7 +233,7 @@ func Fork(ctx context.Context, st *store.Store, name string, count int) (names [
 		}
 	}
 	dir := filepath.Join(tmp, "snapshot")
-	if err := Snapshot(ctx, st, name, dir); err != nil {
+	if err := Snapshot(ctx, st, name, dir, sandbox.SnapshotOptions{}); err != nil {
 		return nil, nil, err
 	}
 	secrets, err := ReadSecrets(st, name) // the copies use the same

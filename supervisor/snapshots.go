@@ -47,6 +47,37 @@ func (m *Manager) SnapshotDir(snap string, allowPath bool) (string, error) {
 	return m.st.SnapshotDir(snap), nil
 }
 
+// Diff says what changed from the snapshot from to the snapshot to (names
+// in the catalog, or paths), each taken with an inventory, as
+// sandbox.DiffSnapshots does.
+func (m *Manager) Diff(from, to string) (*sandbox.Diff, error) {
+	a, err := m.SnapshotDir(from, true)
+	if err != nil {
+		return nil, err
+	}
+	b, err := m.SnapshotDir(to, true)
+	if err != nil {
+		return nil, err
+	}
+	return sandbox.DiffSnapshots(a, b)
+}
+
+// DiffSince says what changed in the running sandbox name since the
+// snapshot from (a name in the catalog, or a path), as
+// sandbox.Guest.DiffSince does.
+func (m *Manager) DiffSince(ctx context.Context, from, name string) (*sandbox.Diff, error) {
+	dir, err := m.SnapshotDir(from, true)
+	if err != nil {
+		return nil, err
+	}
+	h, err := m.Open(ctx, name)
+	if err != nil {
+		return nil, err
+	}
+	defer h.Close()
+	return h.DiffSince(ctx, dir)
+}
+
 // Snapshots lists the named snapshots; one that cannot be read is listed
 // with why.
 func (m *Manager) Snapshots() ([]SnapshotInfo, error) {

@@ -555,7 +555,7 @@ func (c *control) mux(log *slog.Logger) *http.ServeMux {
 		}
 		c.pauseMu.Lock()
 		defer c.pauseMu.Unlock()
-		if err := c.sb.Snapshot(ctx, req.Dir); err != nil {
+		if err := c.sb.SnapshotWith(ctx, req.Dir, sandbox.SnapshotOptions{Inventory: req.Inventory}); err != nil {
 			log.Warn("supervisor: snapshot", "err", err)
 			return noBody{}, err
 		}

@@ -44,6 +44,7 @@ func runVerbs(ctx context.Context, cmd string, verbs map[string]func(context.Con
 func runSnapshot(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	return runVerbs(ctx, "snapshot", map[string]func(context.Context, []string, io.Writer, io.Writer) int{
 		"create": snapshotCreate, "restore": snapshotRestore, "ls": snapshotList, "rm": snapshotRemove, "inspect": snapshotInspect,
+		"diff": snapshotDiff,
 	}, args, stdout, stderr)
 }
 
@@ -170,6 +171,68 @@ func snapshotList(ctx context.Context, args []string, stdout, stderr io.Writer) 
 		}
 		fmt.Fprintf(tw, "%s\t%s\t%d\t%s\t%s\t%s\n", r.Name, r.Created.Local().Format(time.DateTime), r.CPUs,
 			humanBytes(r.MemoryBytes), humanBytes(uint64(r.DiskBytes)), r.Command)
+	}
+	tw.Flush()
+	return 0
+}
+
+// snapshotDiff: capsa snapshot diff FROM TO, or FROM --sandbox NAME.
+func snapshotDiff(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	fs := newFlags("snapshot diff", "[flags] FROM TO | FROM --sandbox NAME  (what changed from snapshot FROM)", stdout)
+	live := fs.String("sandbox", "", "compare FROM with the running sandbox NAME now, not with a snapshot")
+	format := fs.String("format", "text", "text or json")
+	if code := parseFlags(fs, args, stderr); code >= 0 {
+		return code
+	}
+	want := 2 // FROM TO
+	if *live != "" {
+		want = 1 // FROM, and the sandbox
+	}
+	if fs.NArg() != want || (*format != "text" && *format != "json") {
+		fmt.Fprintln(stderr, "capsa snapshot diff: want FROM TO, or FROM --sandbox NAME; --format text or json")
+		return 2
+	}
+	m, err := openManager()
+	if err != nil {
+		fmt.Fprintf(stderr, "capsa snapshot diff: %v\n", err)
+		return 1
+	}
+	var d *sandbox.Diff
+	if *live != "" {
+		d, err = m.DiffSince(ctx, fs.Arg(0), *live)
+	} else {
+		d, err = m.Diff(fs.Arg(0), fs.Arg(1))
+	}
+	if err != nil {
+		fmt.Fprintf(stderr, "capsa snapshot diff: %v\n", err)
+		return 1
+	}
+	if *format == "json" {
+		writeJSON(stdout, d)
+		return 0
+	}
+	tw := tabwriter.NewWriter(stdout, 0, 4, 2, ' ', 0)
+	for _, f := range d.Files {
+		size := humanBytes(uint64(f.Size))
+		switch {
+		case f.Type == "dir":
+			size = ""
+		case f.Change == sandbox.Changed && f.OldSize != f.Size:
+			size = humanBytes(uint64(f.OldSize)) + " -> " + size
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\n", f.Change, f.Type, f.Path, size)
+	}
+	tw.Flush()
+	// The processes in columns of their own: a command line is long.
+	for _, p := range d.Processes {
+		end := "running"
+		if p.Exit != nil {
+			end = fmt.Sprintf("exit %d", p.Exit.Code)
+			if p.Exit.Signal != "" {
+				end += " (" + p.Exit.Signal + ")"
+			}
+		}
+		fmt.Fprintf(tw, "%s\tprocess %d\t%s\t%s\n", p.Change, p.ID, end, strings.Join(p.Argv, " "))
 	}
 	tw.Flush()
 	return 0

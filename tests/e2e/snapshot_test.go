@@ -380,10 +380,32 @@ func TestSnapshotImage(t *testing.T) {
 		t.Fatal(err)
 	}
 	dir := filepath.Join(t.TempDir(), "snap")
-	if err := sb.Snapshot(ctx, dir); err != nil {
+	if err := sb.SnapshotWith(ctx, dir, sandbox.SnapshotOptions{Inventory: true}); err != nil {
 		t.Fatalf("Snapshot() of an image sandbox = %v", err)
 	}
 	if err := sb.WriteFile(ctx, "/data/kept.txt", []byte("after"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	// What changed since, on the overlay of the image: a file of the
+	// writable layer rewritten, one added, one of the image removed.
+	if err := sb.WriteFile(ctx, "/data/new.txt", []byte("new"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := sb.Remove(ctx, "/etc/group", false); err != nil {
+		t.Fatal(err)
+	}
+	if d, err := sb.DiffSince(ctx, dir); err != nil {
+		t.Errorf("DiffSince the snapshot = %v", err)
+	} else {
+		var got []string
+		for _, f := range d.Files {
+			got = append(got, fmt.Sprintf("%s %s %d", f.Change, f.Path, f.Size))
+		}
+		if want := "changed /data/kept.txt 5,added /data/new.txt 3,removed /etc/group 22"; strings.Join(got, ",") != want || len(d.Processes) != 0 {
+			t.Errorf("DiffSince the snapshot: files %v, processes %+v; want %s and no process", got, d.Processes, want)
+		}
+	}
+	if err := sb.Remove(ctx, "/data/new.txt", false); err != nil {
 		t.Fatal(err)
 	}
 	r := restoreSandbox(t, ctx, dir, sandbox.RestoreOptions{})
