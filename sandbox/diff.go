@@ -67,11 +67,18 @@ func (s *Guest) Inventory(ctx context.Context) (*Inventory, error) {
 	return inv, inv.check()
 }
 
-// check refuses an inventory no agent makes: a bad or repeated path, too
-// many entries or processes.
+// check refuses an inventory no agent makes: a bad or repeated path, a
+// repeated process, too many entries or processes.
 func (inv *Inventory) check() error {
 	if len(inv.Files) > agent.MaxTreeEntries || len(inv.Processes) > maxInventoryProcesses {
 		return fmt.Errorf("inventory: %d files and %d processes: at most %d and %d", len(inv.Files), len(inv.Processes), agent.MaxTreeEntries, maxInventoryProcesses)
+	}
+	ids := map[int]bool{}
+	for _, p := range inv.Processes {
+		if ids[p.ID] {
+			return fmt.Errorf("inventory: process %d is listed twice", p.ID)
+		}
+		ids[p.ID] = true
 	}
 	for i := range inv.Files {
 		if err := inv.Files[i].Check(); err != nil {

@@ -14,6 +14,7 @@ import (
 
 	"github.com/capsa-sandbox/capsa/agent"
 	"github.com/capsa-sandbox/capsa/guestmem"
+	"github.com/capsa-sandbox/capsa/internal/strictjson"
 	"github.com/capsa-sandbox/capsa/kvm"
 	"github.com/capsa-sandbox/capsa/snapshot"
 	"github.com/capsa-sandbox/capsa/vmm"
@@ -119,4 +120,22 @@ func TestReadInventory(t *testing.T) {
 	if _, err := ReadInventory(writeSnapshotWith(t, b, true)); err == nil || !strings.Contains(err.Error(), "checksum") {
 		t.Errorf("a changed inventory: %v; want its checksum refused", err)
 	}
+}
+
+// FuzzInventory: whatever a snapshot holds as its inventory, checking it
+// never panics, and one it takes diffs against itself to nothing.
+func FuzzInventory(f *testing.F) {
+	b, _ := json.Marshal(&Inventory{Files: []agent.TreeEntry{file("a", 1, 1), file("a/b", 2, 2)},
+		Processes: []agent.ProcessInfo{{ID: 1, PID: 2, Argv: []string{"x"}}}})
+	f.Add(b)
+	f.Add([]byte(`{"files":[{"p":"../x","m":0,"s":0,"t":0,"c":0,"i":0,"u":0,"g":0}],"processes":[]}`))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		var inv Inventory
+		if strictjson.Decode(b, &inv) != nil || inv.check() != nil {
+			return
+		}
+		if d := DiffInventories(&inv, &inv); len(d.Files) != 0 || len(d.Processes) != 0 {
+			t.Fatalf("an inventory against itself: %+v", d)
+		}
+	})
 }

@@ -218,3 +218,38 @@ func TestWriteStatusCutsALongReason(t *testing.T) {
 		t.Errorf("readStatus = %d bytes, %v; want at most %d, cut", len(st.Reason), err, maxStatusText)
 	}
 }
+
+// FuzzReadStatus: whatever a supervisor writes as its status, reading it
+// neither panics nor takes a status that fails the checks, and laying an
+// accepted one over a record changes no part of its description.
+func FuzzReadStatus(f *testing.F) {
+	f.Add([]byte(`{"state":"running","ports":["127.0.0.1:1->2/tcp"],"env":["A=1"]}`))
+	f.Add([]byte(`{"state":"suspended","ttl_passed":true}`))
+	f.Add([]byte(`{"state":"exited","exit_code":3,"reason":"x"}`))
+	f.Add([]byte(`{"state":"created"}`))
+	s, err := Open(f.TempDir())
+	if err != nil {
+		f.Fatal(err)
+	}
+	if err := os.MkdirAll(s.SandboxDir("f"), 0o700); err != nil {
+		f.Fatal(err)
+	}
+	f.Fuzz(func(t *testing.T, b []byte) {
+		if err := os.WriteFile(filepath.Join(s.SandboxDir("f"), statusFile), b, 0o600); err != nil {
+			t.Fatal(err)
+		}
+		st, err := s.readStatus("f")
+		if err != nil {
+			return
+		}
+		if err := st.check(); err != nil {
+			t.Fatalf("readStatus took %q, which check refuses: %v", b, err)
+		}
+		r := Record{Name: "f", Spec: sandbox.Spec{CPUs: 3}, RestoreFrom: "/kept", AutoRemove: true, Labels: map[string]string{"k": "v"}}
+		s.overlay(&r, st)
+		if r.Name != "f" || r.Spec.CPUs != 3 || !r.AutoRemove || r.Labels["k"] != "v" ||
+			(r.RestoreFrom != "/kept" && r.RestoreFrom != s.SuspendDir("f")) {
+			t.Fatalf("the status %q changed the record's description: %+v", b, r)
+		}
+	})
+}

@@ -331,11 +331,12 @@ func Run(ctx context.Context, o Options) error {
 		// socket after: a resume that read the record just before either
 		// reaches the socket (and hears that the suspension is under way)
 		// or reads Suspended, never a closed socket beside a record
-		// saying paused.
+		// saying paused. The suspend request that ended the loop is
+		// answered before the socket goes (closeControl).
 		err := rep.set(log, func(s *store.Status) {
 			s.State, s.Reason, s.Ended, s.TTLPassed = store.Suspended, reason, time.Now(), suspendedAtTTL
 		})
-		srv.Close()
+		closeControl(srv)
 		if err != nil {
 			log.Error("supervisor: record the suspension", "err", err)
 			return err
@@ -359,10 +360,23 @@ func Run(ctx context.Context, o Options) error {
 	if err := sb.Shutdown(shutdownCtx); err != nil {
 		log.Warn("supervisor: shutdown", "err", err)
 	}
-	srv.Close()
+	closeControl(srv)
 	end(code, reason)
 	log.Info("supervisor: ended", "name", o.Name, "reason", reason)
 	return nil
+}
+
+// closeControl stops the control server: no new connection, and the
+// requests under way (the suspend or stop that ended the sandbox) are
+// answered first, for at most a few seconds. Closing at once lost the
+// answer to a suspension now and then: the client saw EOF for a suspend
+// that had succeeded.
+func closeControl(srv *http.Server) {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	if srv.Shutdown(ctx) != nil {
+		srv.Close()
+	}
 }
 
 // watchIdle returns a channel closed once nobody has been connected to the
