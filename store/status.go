@@ -26,24 +26,35 @@ import (
 	"github.com/capsa-sandbox/capsa/internal/strictjson"
 )
 
-// Status is what a sandbox's supervisor reports of the run it supervises
-// (Store.WriteStatus). The store lays it over the record while the
-// supervisor holds the sandbox's lock, and folds it into the record once
-// the supervisor has gone.
-type Status struct {
-	// State is Running, Paused, Exited or Suspended (to the sandbox's
-	// SuspendDir).
+// Run is the part of a record that its sandbox's run decides: where it
+// is in its life, and what the guest and the host gave it when it
+// started. A supervisor reports it (Status); only the store writes it
+// into the record.
+type Run struct {
 	State   State     `json:"state"`
 	Started time.Time `json:"started,omitzero"`
 	Ended   time.Time `json:"ended,omitzero"`
-	// ExitCode is the main process's, once it has one.
-	ExitCode *int   `json:"exit_code,omitempty"`
-	Reason   string `json:"reason,omitempty"`
-	// Env, Dir and Ports: as Record's.
-	Env         []string        `json:"env,omitempty"`
-	Dir         string          `json:"dir,omitempty"`
-	Ports       []string        `json:"ports,omitempty"`
+	// ExitCode is the main process's exit code once it has one.
+	ExitCode *int `json:"exit_code,omitempty"`
+	// Reason says why the sandbox ended or crashed.
+	Reason string `json:"reason,omitempty"`
+	// Env and Dir are the defaults every exec gets (an image's): see
+	// sandbox.Guest.Defaults.
+	Env []string `json:"env,omitempty"`
+	Dir string   `json:"dir,omitempty"`
+	// Ports are the published ports with the host addresses they got.
+	Ports []string `json:"ports,omitempty"`
+	// Confinement is what the supervisor got (package confine).
 	Confinement *confine.Layers `json:"confinement,omitempty"`
+}
+
+// Status is what a sandbox's supervisor reports of the run it supervises
+// (Store.WriteStatus): its Run, whose State is Running, Paused, Exited or
+// Suspended (to the sandbox's SuspendDir). The store lays it over the
+// record while the supervisor holds the sandbox's lock, and folds it into
+// the record once the supervisor has gone.
+type Status struct {
+	Run
 	// TTLPassed: suspended because its TTL passed (Record.PauseAtTTL), so
 	// the record keeps no TTL.
 	TTLPassed bool `json:"ttl_passed,omitempty"`
@@ -159,8 +170,7 @@ func (st *Status) check() error {
 // what the guest and the published ports got. Nothing else of r changes;
 // a suspension restores from the sandbox's own SuspendDir.
 func (s *Store) overlay(r *Record, st *Status) {
-	r.State, r.Started, r.Env, r.Dir, r.Ports, r.Confinement = st.State, st.Started, st.Env, st.Dir, st.Ports, st.Confinement
-	r.Ended, r.ExitCode, r.Reason = st.Ended, st.ExitCode, st.Reason
+	r.Run = st.Run
 	if st.State == Suspended {
 		r.RestoreFrom, r.PID = s.SuspendDir(r.Name), 0
 		if st.TTLPassed {

@@ -25,8 +25,8 @@ func TestStatusOfARun(t *testing.T) {
 	}
 	defer l.Close()
 	started := time.Now().Add(-time.Second).Round(0)
-	err = s.WriteStatus("r", &Status{State: Running, Started: started, Env: []string{"A=1"}, Dir: "/w",
-		Ports: []string{"127.0.0.1:8080->80/tcp"}, Confinement: &confine.Layers{Seccomp: "on"}})
+	err = s.WriteStatus("r", &Status{Run: Run{State: Running, Started: started, Env: []string{"A=1"}, Dir: "/w",
+		Ports: []string{"127.0.0.1:8080->80/tcp"}, Confinement: &confine.Layers{Seccomp: "on"}}})
 	if err != nil {
 		t.Fatalf("WriteStatus = %v", err)
 	}
@@ -37,14 +37,14 @@ func TestStatusOfARun(t *testing.T) {
 	if raw, _ := s.getRaw("r"); raw.State != Creating {
 		t.Errorf("the database says %s while the supervisor runs; want creating (the status is not written into it)", raw.State)
 	}
-	if err := s.WriteStatus("r", &Status{State: Paused, Started: started}); err != nil {
+	if err := s.WriteStatus("r", &Status{Run: Run{State: Paused, Started: started}}); err != nil {
 		t.Fatal(err)
 	}
 	if r, _ := s.Get("r"); r.State != Paused {
 		t.Errorf("Get(r) after a pause = %s; want paused", r.State)
 	}
 	code := 3
-	if err := s.WriteStatus("r", &Status{State: Exited, Started: started, ExitCode: &code, Reason: "its main process ended"}); err != nil {
+	if err := s.WriteStatus("r", &Status{Run: Run{State: Exited, Started: started, ExitCode: &code, Reason: "its main process ended"}}); err != nil {
 		t.Fatal(err)
 	}
 	if r, _ := s.Get("r"); r.State != Exited || r.ExitCode == nil || *r.ExitCode != 3 || r.Alive() {
@@ -131,7 +131,7 @@ func TestStatusSuspended(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := s.WriteStatus("z", &Status{State: Suspended, TTLPassed: true, Reason: "suspended to disk at its TTL"}); err != nil {
+	if err := s.WriteStatus("z", &Status{TTLPassed: true, Run: Run{State: Suspended, Reason: "suspended to disk at its TTL"}}); err != nil {
 		t.Fatal(err)
 	}
 	l.Close()
@@ -158,7 +158,7 @@ func TestStatusAutoRemove(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := s.WriteStatus("a", &Status{State: Exited}); err != nil {
+	if err := s.WriteStatus("a", &Status{Run: Run{State: Exited}}); err != nil {
 		t.Fatal(err)
 	}
 	l.Close()
@@ -177,7 +177,7 @@ func TestStatusAutoRemove(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := s.WriteStatus("a", &Status{State: Exited}); err != nil {
+	if err := s.WriteStatus("a", &Status{Run: Run{State: Exited}}); err != nil {
 		t.Fatal(err)
 	}
 	l.Close()
@@ -194,7 +194,7 @@ func TestStatusAutoRemove(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	s.WriteStatus("s", &Status{State: Suspended})
+	s.WriteStatus("s", &Status{Run: Run{State: Suspended}})
 	l.Close()
 	if r, err := s.Get("s"); err != nil || r.State != Suspended {
 		t.Errorf("Get(s), suspended with --rm = %v, %v; want it kept", r, err)
@@ -210,7 +210,7 @@ func TestWriteStatusCutsALongReason(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer l.Close()
-	if err := s.WriteStatus("c", &Status{State: Exited, Reason: strings.Repeat("é", maxStatusText)}); err != nil {
+	if err := s.WriteStatus("c", &Status{Run: Run{State: Exited, Reason: strings.Repeat("é", maxStatusText)}}); err != nil {
 		t.Fatalf("WriteStatus with a long reason = %v", err)
 	}
 	st, err := s.readStatus("c")

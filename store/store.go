@@ -63,21 +63,10 @@ type Record struct {
 	Name    string       `json:"name"`
 	ID      string       `json:"id"`
 	Spec    sandbox.Spec `json:"spec"`
-	State   State        `json:"state"`
 	PID     int          `json:"pid,omitempty"` // the supervisor's
 	Created time.Time    `json:"created"`
-	Started time.Time    `json:"started,omitzero"`
-	Ended   time.Time    `json:"ended,omitzero"`
-	// ExitCode is the main process's exit code once it has one.
-	ExitCode *int `json:"exit_code,omitempty"`
-	// Reason says why the sandbox ended or crashed.
-	Reason string `json:"reason,omitempty"`
-	// Env and Dir are the defaults every exec gets (an image's): see
-	// sandbox.Guest.Defaults.
-	Env []string `json:"env,omitempty"`
-	Dir string   `json:"dir,omitempty"`
-	// Ports are the published ports with the host addresses they got.
-	Ports []string `json:"ports,omitempty"`
+	// Run is where its life is: the part its supervisor reports (Status).
+	Run
 	// TTL stops the sandbox this long after it started; IdleTimeout this
 	// long after the last exec or copy. 0: never.
 	TTL         time.Duration `json:"ttl_ns,omitempty"`
@@ -92,9 +81,8 @@ type Record struct {
 	// Hostname the name its guest then takes ("": the snapshot's).
 	RestoreFrom string `json:"restore_from,omitempty"`
 	// NoConfine: the supervisor does not confine itself (run
-	// --no-confine). Confinement is what it got (package confine).
-	NoConfine   bool            `json:"no_confine,omitempty"`
-	Confinement *confine.Layers `json:"confinement,omitempty"`
+	// --no-confine); Run.Confinement is what it got.
+	NoConfine bool `json:"no_confine,omitempty"`
 	// JailUser is the user and group the supervisor, jailed, drops to
 	// before the guest runs (run --jail-user; root only). nil: it stays
 	// root.

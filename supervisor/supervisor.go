@@ -232,7 +232,7 @@ func Run(ctx context.Context, o Options) error {
 		ports = append(ports, fmt.Sprintf("%s->%d/%s", p.Addr, p.Mapping.GuestPort, p.Addr.Network()))
 	}
 	err = rep.set(log, func(s *store.Status) {
-		*s = store.Status{State: store.Running, Started: c.started, Env: env, Dir: wd, Ports: ports, Confinement: layers}
+		*s = store.Status{Run: store.Run{State: store.Running, Started: c.started, Env: env, Dir: wd, Ports: ports, Confinement: layers}}
 	})
 	if err != nil {
 		ready(err)
