@@ -49,6 +49,10 @@ type Inventory struct {
 	// Processes are the agent's table: the running processes and the
 	// most recent that exited.
 	Processes []agent.ProcessInfo `json:"processes"`
+	// Unavailable, when set, says why the snapshot has no inventory (its
+	// guest was paused, or could not give one): Files and Processes are
+	// empty.
+	Unavailable string `json:"unavailable,omitempty"`
 }
 
 // Inventory takes the guest's inventory now: its files and the agent's
@@ -65,6 +69,22 @@ func (s *Guest) Inventory(ctx context.Context) (*Inventory, error) {
 	inv := &Inventory{Taken: time.Now().UTC(), Files: files, Processes: procs}
 	slices.SortFunc(inv.Files, func(a, b agent.TreeEntry) int { return cmp.Compare(a.Path, b.Path) })
 	return inv, inv.check()
+}
+
+// snapshotInventory is what a snapshot taken with an inventory records of
+// its guest: the inventory, or why there is none. A snapshot never fails
+// for want of one, as it did not before inventories.
+func (s *Sandbox) snapshotInventory(ctx context.Context) *Inventory {
+	why := "the sandbox was paused, and its agent cannot answer"
+	if !s.Paused() {
+		inv, err := s.Inventory(ctx)
+		if err == nil {
+			return inv
+		}
+		why = err.Error()
+		s.c.logger().Warn("sandbox: snapshot without an inventory", "err", err)
+	}
+	return &Inventory{Taken: time.Now().UTC(), Files: []agent.TreeEntry{}, Processes: []agent.ProcessInfo{}, Unavailable: why}
 }
 
 // check refuses an inventory no agent makes: a bad or repeated path, a
@@ -103,7 +123,7 @@ func ReadInventory(dir string) (*Inventory, error) {
 	defer snap.Close()
 	f, ok := snap.Manifest.Files[InventoryFile]
 	if !ok {
-		return nil, fmt.Errorf("sandbox: snapshot %s: %w", dir, ErrNoInventory)
+		return nil, fmt.Errorf("sandbox: snapshot %s: %w: it was taken without one (a suspension's, a fork's, or by an older capsa)", dir, ErrNoInventory)
 	}
 	b, err := snap.ReadFile(InventoryFile, maxInventoryFile)
 	if err != nil {
@@ -119,12 +139,17 @@ func ReadInventory(dir string) (*Inventory, error) {
 	if err := inv.check(); err != nil {
 		return nil, fmt.Errorf("sandbox: snapshot %s: %w", dir, err)
 	}
+	if inv.Unavailable != "" {
+		return nil, fmt.Errorf("sandbox: snapshot %s: %w: %.500s", dir, ErrNoInventory, inv.Unavailable)
+	}
 	return &inv, nil
 }
 
-// ErrNoInventory is wrapped when a snapshot was taken without an
-// inventory (SnapshotOptions.Inventory), so nothing can be compared.
-var ErrNoInventory = errors.New("it was taken without an inventory (a suspension's, a fork's, or by an older capsa)")
+// ErrNoInventory is wrapped when a snapshot has no inventory, so nothing
+// can be compared: it was taken without one (a suspension's, a fork's, or
+// by an older capsa), or its guest could not give one (the error says
+// why).
+var ErrNoInventory = errors.New("it has no inventory")
 
 // writeInventory is the snapshot's extra file holding inv.
 func writeInventory(inv *Inventory) snapshot.Extra {

@@ -105,6 +105,10 @@ func TestReadInventory(t *testing.T) {
 	if _, err := ReadInventory(writeSnapshotWith(t, nil, false)); !errors.Is(err, ErrNoInventory) {
 		t.Errorf("a snapshot without one: %v; want ErrNoInventory", err)
 	}
+	none, _ := json.Marshal(&Inventory{Files: []agent.TreeEntry{}, Processes: []agent.ProcessInfo{}, Unavailable: "the sandbox was paused"})
+	if _, err := ReadInventory(writeSnapshotWith(t, none, false)); !errors.Is(err, ErrNoInventory) || !strings.Contains(err.Error(), "paused") {
+		t.Errorf("a snapshot whose guest gave none: %v; want ErrNoInventory saying why", err)
+	}
 	for _, tc := range []struct{ name, body, want string }{
 		{"escaping path", `{"taken":"2020-01-01T00:00:00Z","files":[{"p":"../etc/passwd","m":0,"s":0,"t":0,"c":0,"i":0,"u":0,"g":0}],"processes":[]}`, "bad entry"},
 		{"absolute path", `{"taken":"2020-01-01T00:00:00Z","files":[{"p":"/etc","m":0,"s":0,"t":0,"c":0,"i":0,"u":0,"g":0}],"processes":[]}`, "bad entry"},

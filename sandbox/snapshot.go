@@ -46,9 +46,10 @@ type SnapshotOptions struct {
 	// Inventory: the guest's files and the agent's processes, taken just
 	// before the sandbox pauses (the guest runs meanwhile), so that
 	// DiffSnapshots and DiffSince can compare it with a later state. It
-	// costs a walk of the guest's file systems; a guest without one (a
-	// paused guest, an older agent, a tree beyond agent.MaxTreeEntries)
-	// fails the snapshot.
+	// costs a walk of the guest's file systems. A guest that cannot give
+	// one (paused, an older agent, a tree beyond agent.MaxTreeEntries)
+	// does not fail the snapshot: it records why instead, which a diff
+	// then says.
 	Inventory bool
 }
 
@@ -63,12 +64,7 @@ func (s *Sandbox) SnapshotWith(ctx context.Context, dir string, o SnapshotOption
 	}
 	var inv *Inventory
 	if o.Inventory {
-		if s.Paused() {
-			return errors.New("sandbox: snapshot: an inventory needs the guest running: resume it first")
-		}
-		if inv, err = s.Inventory(ctx); err != nil {
-			return fmt.Errorf("sandbox: snapshot: %w", err)
-		}
+		inv = s.snapshotInventory(ctx)
 	}
 	wasPaused := s.Paused()
 	if err := s.Pause(ctx); err != nil {

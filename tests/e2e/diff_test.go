@@ -95,6 +95,18 @@ func TestSnapshotDiff(t *testing.T) {
 		t.Errorf("the running sandbox since b: %+v; want /work/live added and its shell started", d)
 	}
 
+	// A paused sandbox's agent cannot answer: its snapshot is taken as
+	// before, without an inventory, and a diff says why.
+	if r := cli(time.Minute, "pause", "d"); r.code != 0 {
+		t.Fatalf("capsa pause d = exit %d, stderr %q", r.code, r.stderr)
+	}
+	if r := cli(3*time.Minute, "snapshot", "create", "d", "p"); r.code != 0 {
+		t.Errorf("capsa snapshot create of a paused sandbox = exit %d, stderr %q", r.code, r.stderr)
+	}
+	if r := cli(time.Minute, "snapshot", "diff", "a", "p"); r.code != 1 || !strings.Contains(r.stderr, "no inventory") || !strings.Contains(r.stderr, "paused") {
+		t.Errorf("capsa snapshot diff a p (p of a paused sandbox) = exit %d, stderr %q; want no inventory, because paused", r.code, r.stderr)
+	}
+
 	for _, bad := range []struct {
 		args []string
 		code int
