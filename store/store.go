@@ -156,8 +156,8 @@ func (s *Store) SnapshotDir(name string) string { return filepath.Join(s.Snapsho
 // SnapshotsDir holds the CLI's named snapshots, one directory each.
 func (s *Store) SnapshotsDir() string { return filepath.Join(s.dir, snapshotsDir) }
 
-// DBPath is the records' database file.
-func (s *Store) DBPath() string { return filepath.Join(s.dir, dbFile) }
+// dbPath is the records' database file.
+func (s *Store) dbPath() string { return filepath.Join(s.dir, dbFile) }
 
 // The state directory's layout: only this package names its entries.
 const (
@@ -186,7 +186,7 @@ const sandboxesDir = "sandboxes"
 var bucket = []byte("sandboxes") // name -> Record (JSON)
 
 func (s *Store) db(write bool, fn func(b *bolt.Bucket) error) error {
-	db, err := bolt.Open(s.DBPath(), 0o600, &bolt.Options{Timeout: 30 * time.Second})
+	db, err := bolt.Open(s.dbPath(), 0o600, &bolt.Options{Timeout: 30 * time.Second})
 	if err != nil {
 		return fmt.Errorf("store: open %s: %w", dbFile, err)
 	}
@@ -504,6 +504,14 @@ var errAutoRemoved = fmt.Errorf("%w (removed when it ended)", ErrNotFound)
 // record that asked for it (AutoRemove) goes then, with its directory,
 // unless suspended; settle then returns an error wrapping ErrNotFound.
 func (s *Store) settle(name string) (*Record, error) {
+	// Most calls (Create, Start) find nothing to fold: a read, not a
+	// write transaction and its sync.
+	if r, err := s.getRaw(name); err != nil || !r.Alive() {
+		if err == nil {
+			s.removeStatus(name)
+		}
+		return r, err
+	}
 	var out *Record
 	gone := false
 	err := s.db(true, func(b *bolt.Bucket) error {

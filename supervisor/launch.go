@@ -56,7 +56,8 @@ func Create(st *store.Store, rec *store.Record) (*store.Lock, error) {
 // supervise`, from this process's own executable), handing it lock, and
 // waits until the sandbox runs or says why it cannot (the error then
 // starts with the name). The store removes a record that asks for it
-// (Record.AutoRemove) once its sandbox has ended. The supervisor outlives ctx and this process; lock is closed here.
+// (Record.AutoRemove) once its sandbox has ended. The supervisor outlives
+// ctx and this process; lock is closed here.
 func Spawn(ctx context.Context, st *store.Store, name string, lock *store.Lock) error {
 	defer lock.Close()
 	exe, err := os.Executable()

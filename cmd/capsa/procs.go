@@ -62,10 +62,7 @@ func runTop(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	tw := tabwriter.NewWriter(stdout, 0, 8, 2, ' ', 0)
 	fmt.Fprintln(tw, "ID\tPID\tSTATE\tSTARTED\tCOMMAND")
 	for _, p := range procs {
-		state := "running"
-		if p.Exit != nil {
-			state = "exited (" + strconv.Itoa(p.Exit.Code) + ")"
-		}
+		state := processState(p.Exit)
 		if p.TTY {
 			state += ", tty"
 		}
@@ -74,6 +71,15 @@ func runTop(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	}
 	tw.Flush()
 	return 0
+}
+
+// processState is how capsa top and capsa snapshot diff show a process:
+// running, or exited with its code.
+func processState(exit *agent.ExitStatus) string {
+	if exit == nil {
+		return "running"
+	}
+	return "exited (" + strconv.Itoa(exit.Code) + ")"
 }
 
 // runAttach follows a process of a detached sandbox by its ID (from

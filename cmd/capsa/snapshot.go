@@ -225,14 +225,7 @@ func snapshotDiff(ctx context.Context, args []string, stdout, stderr io.Writer) 
 	tw.Flush()
 	// The processes in columns of their own: a command line is long.
 	for _, p := range d.Processes {
-		end := "running"
-		if p.Exit != nil {
-			end = fmt.Sprintf("exit %d", p.Exit.Code)
-			if p.Exit.Signal != "" {
-				end += " (" + p.Exit.Signal + ")"
-			}
-		}
-		fmt.Fprintf(tw, "%s\tprocess %d\t%s\t%s\n", p.Change, p.ID, end, strings.Join(p.Argv, " "))
+		fmt.Fprintf(tw, "%s\tprocess %d\t%s\t%s\n", p.Change, p.ID, processState(p.Exit), strings.Join(p.Argv, " "))
 	}
 	tw.Flush()
 	return 0
