@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/capsa-sandbox/capsa/sandbox"
+	"golang.org/x/sys/unix"
 )
 
 // metaScript is the metadata workload, timed inside the guest (so that an
@@ -118,6 +119,149 @@ func BenchmarkWorkspaceMeta(b *testing.B) {
 					diskMedian = m
 				} else if diskMedian > 0 {
 					b.ReportMetric(float64(m)/float64(diskMedian), "x-disk")
+				}
+			})
+		}
+	}
+}
+
+// tripScript times one system call pattern n times in a directory,
+// inside the guest, and prints the seconds: stat of a file, fstat of an
+// open one, stat of a missing name, open-read-close of a 100-byte file,
+// and create-close then unlink of a new file.
+const tripScript = `import os, sys, time
+op, d, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+os.makedirs(d, exist_ok=True)
+os.chdir(d)
+with open("exists", "wb") as f: f.write(b"x" * 100)
+if op == "fstat": fd = os.open("exists", os.O_RDONLY)
+t = time.perf_counter()
+if op == "stat":
+    for i in range(n): os.stat("exists")
+elif op == "fstat":
+    for i in range(n): os.fstat(fd)
+elif op == "missing":
+    for i in range(n):
+        try: os.stat("missing")
+        except FileNotFoundError: pass
+elif op == "read":
+    for i in range(n):
+        with open("exists", "rb") as f: f.read()
+elif op == "create":
+    for i in range(n):
+        open("c%d" % i, "wb").close()
+        os.unlink("c%d" % i)
+print(time.perf_counter() - t)
+`
+
+// BenchmarkShareRoundTrips says where a share's system call goes: for
+// each pattern of tripScript, on a read-write share and on the image's
+// root disk in one image sandbox, the time per call, and for the share the
+// 9P requests each call made (the share device's completed requests, read
+// from its virtqueue), the VM exits to capsa per request, and capsa's own
+// CPU time outside the vCPUs per request (the 9P server's work, with the
+// exec's). In the nested host, where the test runs as root with L1's
+// debugfs, it also reports the exits L1's KVM took per request, those
+// handled in L1's kernel included (notifications, halts, interrupt
+// windows), which capsa never sees.
+//
+//	make bench BENCH=ShareRoundTrips
+func BenchmarkShareRoundTrips(b *testing.B) {
+	ctx := context.Background()
+	ref := pythonImage(b, "trips")
+	if r := capsaWith(b, 10*time.Minute, nil, "image", "pull", ref); r.code != 0 {
+		b.Fatalf("capsa image pull %s: exit %d: %s", ref, r.code, r.stderr)
+	}
+	share := b.TempDir()
+	if err := os.WriteFile(filepath.Join(share, "trips.py"), []byte(tripScript), 0o644); err != nil {
+		b.Fatal(err)
+	}
+	sb, err := sandbox.New().Memory(1024).Kernel(artifactB(b, "vmlinux")).Initrd(artifactB(b, "initramfs.cpio")).
+		Share(share, "/w", sandbox.ReadWrite).Pull(sandbox.PullNever).OCI(ref, "sleep", "100000").User("0").Start(ctx)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer sb.Close()
+	// The script runs from the image's disk, so that only the timed calls
+	// ask the share anything (its directory made once, untimed).
+	cp := sandbox.Shell("cp /w/trips.py /root/trips.py")
+	cp.User = "0"
+	if r, err := sb.Exec(ctx, cp); err != nil || r.Code != 0 {
+		b.Fatalf("copy trips.py to the disk: %v %+v", err, r)
+	}
+	// L1's KVM counters, where this runs as root in the nested host.
+	if _, err := os.Stat("/sys/kernel/debug/kvm"); err != nil && os.Geteuid() == 0 {
+		unix.Mount("debugfs", "/sys/kernel/debug", "debugfs", 0, "")
+	}
+	kvmExits := func() (uint64, bool) {
+		s, err := os.ReadFile("/sys/kernel/debug/kvm/exits")
+		if err != nil {
+			return 0, false
+		}
+		n, err := strconv.ParseUint(strings.TrimSpace(string(s)), 10, 64)
+		return n, err == nil
+	}
+	// requests9P sums the completed requests of the sandbox's 9P devices
+	// (virtio type 9): each one's used index, which wraps at 2^16.
+	requests9P := func() []uint16 {
+		var idx []uint16
+		for _, tr := range sb.Debug(ctx).Virtio {
+			if tr.Type == 9 && len(tr.Queues) > 0 {
+				idx = append(idx, tr.Queues[0].UsedIdx)
+			}
+		}
+		return idx
+	}
+	const n = 200
+	for _, op := range []string{"stat", "fstat", "missing", "read", "create"} {
+		for _, place := range []struct{ name, dir string }{{"disk", "/root/trips"}, {"share", "/w/trips"}} {
+			b.Run(place.name+"/"+op, func(b *testing.B) {
+				var samples []time.Duration
+				var requests, exits, l1Exits uint64
+				var vmmCPU time.Duration
+				l1 := true
+				for b.Loop() {
+					st0, err := sb.Stats()
+					if err != nil {
+						b.Fatal(err)
+					}
+					q0 := requests9P()
+					k0, ok0 := kvmExits()
+					o := sandbox.Command("python3", "/root/trips.py", op, place.dir, strconv.Itoa(n))
+					o.User, o.Timeout = "0", 10*time.Minute
+					r, err := sb.Exec(ctx, o)
+					if err != nil || r.Code != 0 {
+						b.Fatalf("trips.py %s %s: %v %+v", op, place.dir, err, r)
+					}
+					k1, ok1 := kvmExits()
+					q1 := requests9P()
+					st1, err := sb.Stats()
+					if err != nil {
+						b.Fatal(err)
+					}
+					s, err := strconv.ParseFloat(strings.TrimSpace(string(r.Stdout)), 64)
+					if err != nil {
+						b.Fatalf("trips.py %s %s printed %q", op, place.dir, r.Stdout)
+					}
+					samples = append(samples, time.Duration(s*float64(time.Second)/n))
+					for i := range min(len(q0), len(q1)) {
+						requests += uint64(q1[i] - q0[i])
+					}
+					exits += st1.Exits - st0.Exits
+					vmmCPU += st1.VMMCPUTime - st0.VMMCPUTime
+					l1 = l1 && ok0 && ok1
+					l1Exits += k1 - k0
+				}
+				reportSpreadAs(b, samples, "call-")
+				if place.name != "share" || requests == 0 {
+					return
+				}
+				calls := float64(n) * float64(len(samples))
+				b.ReportMetric(float64(requests)/calls, "9p-requests/call")
+				b.ReportMetric(float64(exits)/float64(requests), "exits/request")
+				b.ReportMetric(float64(vmmCPU.Microseconds())/float64(requests), "vmm-cpu-us/request")
+				if l1 {
+					b.ReportMetric(float64(l1Exits)/float64(requests), "l1-kvm-exits/request")
 				}
 			})
 		}
