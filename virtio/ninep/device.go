@@ -205,16 +205,24 @@ func (d *Device) Close() error {
 	return err
 }
 
-// Notify implements virtio.Device.
+// Notify implements virtio.Device: the requests the driver made
+// available go to the server at once, on the notifying goroutine (the
+// VMM's ioeventfd reader), which takeRequests never blocks, instead of
+// waking the worker for them: one goroutine hand-off fewer a request
+// (BenchmarkShareRoundTrips).
 func (d *Device) Notify(int) {
 	d.mu.Lock()
-	if d.kick != nil {
-		select {
-		case d.kick <- struct{}{}:
-		default:
-		}
+	act, s := d.act, d.sess
+	if act == nil {
+		d.mu.Unlock()
+		return
+	}
+	irq, err := d.takeRequests(s)
+	if err != nil {
+		d.teardown()
 	}
 	d.mu.Unlock()
+	act.Report(irq, err)
 }
 
 // teardown ends the session; d.mu is held.
