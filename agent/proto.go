@@ -60,7 +60,7 @@ const (
 )
 
 // agentFeatures is what this package's agent announces.
-var agentFeatures = []string{FeatureProcesses, FeaturePTY, FeatureResumed, FeatureRename, FeatureWatch, FeatureOwners, FeatureDial, FeatureXattrs, FeatureContainers, FeatureTree}
+var agentFeatures = []string{FeatureProcesses, FeaturePTY, FeatureResumed, FeatureRename, FeatureWatch, FeatureOwners, FeatureDial, FeatureXattrs, FeatureContainers, FeatureTree, FeatureReadFiles}
 
 // Port is the vsock port the agent listens on; ReadyPort is the host port
 // the agent connects to once it is listening, to announce itself.
@@ -223,6 +223,7 @@ var Operations = []Operation{
 	{Name: OpWatch, Path: true, Feature: FeatureWatch, Doc: "stream the changes in directory Path (and below it with Recursive) as WatchEvent data frames, until the client hangs up"},
 	{Name: OpDial, Feature: FeatureDial, Doc: "connect to the guest's TCP port Port on its loopback, then carry the connection's bytes both ways as Data frames (End: that side is done writing)"},
 	{Name: OpTree, Path: true, Feature: FeatureTree, Doc: "stream the inventory of the tree under directory Path (every entry's path, type, size, times, inode, owner and link target, on Path's file system and below the mount points in Mounts) as data frames of entries, then End"},
+	{Name: OpReadFiles, Feature: FeatureReadFiles, Doc: "read several small files in one reply (Paths: at most MaxReadFiles, each at most MaxReadFileSize bytes): each one's contents, or why it could not be read"},
 	{Name: OpResumed, Feature: FeatureResumed, Doc: "the guest runs again after a pause or a restore (Request.Resumed): set its wall clock, mix a seed into its random number generator, set its hostname"},
 }
 
@@ -272,6 +273,8 @@ type Request struct {
 	AllowNetwork bool `json:"allow_network,omitempty"`
 	// OpTree: mount points below Path whose trees are walked too.
 	Mounts []string `json:"mounts,omitempty"`
+	// OpReadFiles: the files read, absolute paths.
+	Paths []string `json:"paths,omitempty"`
 }
 
 // Resumed is what the host tells a guest that runs again after a pause or
@@ -470,12 +473,26 @@ func (c *Conn) WriteJSON(t FrameType, v any) error {
 
 // WriteError sends an Error frame.
 func (c *Conn) WriteError(err error) error {
+	return c.WriteJSON(FrameError, errorReplyOf(err))
+}
+
+// errorReplyOf is err as the other side reads it: its message, and the
+// errno behind it, if any.
+func errorReplyOf(err error) ErrorReply {
 	r := ErrorReply{Message: err.Error()}
 	var errno syscall.Errno
 	if errors.As(err, &errno) && errno > 0 && errno <= maxErrno {
 		r.Errno = int(errno)
 	}
-	return c.WriteJSON(FrameError, r)
+	return r
+}
+
+// remote is an ErrorReply received as the error it stands for, checked.
+func (e ErrorReply) remote() error {
+	if e.Errno < 0 || e.Errno > maxErrno {
+		return fmt.Errorf("agent: bad %T: errno %d", e, e.Errno)
+	}
+	return &RemoteError{Message: e.Message, Errno: syscall.Errno(e.Errno)}
 }
 
 // ReadFrame reads one frame. The payload is valid until the next call.
@@ -525,10 +542,7 @@ func expectJSON(t FrameType, b []byte, want FrameType, v any) error {
 		if err := decodeStrict(b, &e); err != nil {
 			return err
 		}
-		if e.Errno < 0 || e.Errno > maxErrno {
-			return fmt.Errorf("agent: bad %T: errno %d", e, e.Errno)
-		}
-		return &RemoteError{Message: e.Message, Errno: syscall.Errno(e.Errno)}
+		return e.remote()
 	}
 	return fmt.Errorf("agent: got a %v frame, expected %v", t, want)
 }

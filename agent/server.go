@@ -313,6 +313,13 @@ var handlers = map[string]func(s *Server, ctx context.Context, c *Conn, req *Req
 		return watch(ctx, c, req.Path, req.Recursive)
 	},
 	OpTree: func(_ *Server, ctx context.Context, c *Conn, req *Request) error { return serveTree(ctx, c, req) },
+	OpReadFiles: func(_ *Server, _ context.Context, c *Conn, req *Request) error {
+		files, err := readFiles(req.Paths)
+		if err != nil {
+			return err
+		}
+		return reply(c, files)
+	},
 	OpDial: func(_ *Server, ctx context.Context, c *Conn, req *Request) error {
 		return dialPort(ctx, c, req.Port)
 	},

@@ -4,10 +4,16 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
+	"io"
+	"io/fs"
 	"net"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
+	"sync"
+	"syscall"
 	"testing"
 
 	"github.com/capsa-sandbox/capsa/agent"
@@ -142,5 +148,68 @@ func TestCopyOutHostileGuest(t *testing.T) {
 	g = hostileGuest(t, []agent.FileInfo{{Name: "again", IsDir: true, Mode: uint32(os.ModeDir | 0o755)}})
 	if err := g.CopyOut(ctx, "/d", filepath.Join(out, "deep")); err == nil || !strings.Contains(err.Error(), "deep") {
 		t.Errorf("CopyOut of an endless tree = %v, want the depth bound", err)
+	}
+}
+
+// TestReadFilesFromAnOlderAgent: a guest whose agent does not announce
+// OpReadFiles (one restored from an older snapshot) is read one file at a
+// time, with the same answers and the same bound on each file.
+func TestReadFilesFromAnOlderAgent(t *testing.T) {
+	sock := filepath.Join(t.TempDir(), "agent.sock")
+	l, err := net.Listen("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(func() { cancel(); l.Close() })
+	go (&agent.Server{}).Serve(ctx, l)
+	var asked []string
+	var mu sync.Mutex
+	// The real agent, its Hello without the feature and every request
+	// recorded: an older agent speaks the same protocol less the
+	// operation.
+	older := NewGuest(&agent.Client{Name: "test", Dial: func(ctx context.Context) (net.Conn, error) {
+		var d net.Dialer
+		up, err := d.DialContext(ctx, "unix", sock)
+		if err != nil {
+			return nil, err
+		}
+		mine, theirs := net.Pipe()
+		go func() {
+			defer up.Close()
+			defer theirs.Close()
+			u, c := agent.NewConn(up), agent.NewConn(theirs)
+			var h agent.Hello
+			if c.ReadJSON(agent.FrameHello, &h) != nil || u.WriteJSON(agent.FrameHello, h) != nil || u.ReadJSON(agent.FrameHello, &h) != nil {
+				return
+			}
+			h.Features = slices.DeleteFunc(h.Features, func(f string) bool { return f == agent.FeatureReadFiles })
+			var req agent.Request
+			if c.WriteJSON(agent.FrameHello, h) != nil || c.ReadJSON(agent.FrameRequest, &req) != nil || u.WriteJSON(agent.FrameRequest, req) != nil {
+				return
+			}
+			mu.Lock()
+			asked = append(asked, req.Op)
+			mu.Unlock()
+			go io.Copy(up, theirs)
+			io.Copy(theirs, up)
+		}()
+		return mine, nil
+	}}, nil, "", 0, nil)
+	dir := t.TempDir()
+	os.WriteFile(filepath.Join(dir, "a"), []byte("alpha"), 0o644)
+	os.WriteFile(filepath.Join(dir, "big"), make([]byte, agent.MaxReadFileSize+1), 0o644)
+	got, err := older.ReadFiles(context.Background(), []string{filepath.Join(dir, "a"), filepath.Join(dir, "missing"), filepath.Join(dir, "big")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(got) != 3 || string(got[0].Data) != "alpha" || got[0].Err != nil || !errors.Is(got[1].Err, fs.ErrNotExist) ||
+		!errors.Is(got[2].Err, syscall.EFBIG) {
+		t.Errorf("ReadFiles from an older agent = %+v", got)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if want := []string{agent.OpRead, agent.OpRead, agent.OpRead}; !slices.Equal(asked, want) {
+		t.Errorf("the older agent was asked %v, want %v", asked, want)
 	}
 }

@@ -8,6 +8,7 @@ import (
 	"io"
 	"net"
 	"os"
+	"syscall"
 
 	"github.com/capsa-sandbox/capsa/agent"
 	"github.com/capsa-sandbox/capsa/image"
@@ -111,6 +112,30 @@ func (s *Guest) ReadFile(ctx context.Context, path string) ([]byte, error) {
 		return nil, fmt.Errorf("%w (Builder.OutputLimit; ReadFileTo streams it)", err)
 	}
 	return b, s.explain(err)
+}
+
+// ReadFiles reads several small guest files (at most agent.MaxReadFiles,
+// each at most agent.MaxReadFileSize bytes) in one request: for each path,
+// in order, its contents or the error reading it gave. A guest whose agent
+// predates the operation (one restored from an older snapshot) is asked
+// one file at a time, with the same bound on each.
+func (s *Guest) ReadFiles(ctx context.Context, paths []string) ([]agent.FileResult, error) {
+	files, err := s.client.ReadFiles(ctx, paths)
+	if !errors.Is(err, agent.ErrUnsupported) {
+		return files, s.explain(err)
+	}
+	files = make([]agent.FileResult, len(paths))
+	for i, p := range paths {
+		b, err := s.client.ReadAll(ctx, p, agent.MaxReadFileSize)
+		if errors.Is(err, agent.ErrLimit) {
+			err = fmt.Errorf("read %s: %w (%d bytes at most)", p, syscall.EFBIG, agent.MaxReadFileSize)
+		}
+		if ctx.Err() != nil {
+			return nil, s.explain(err)
+		}
+		files[i] = agent.FileResult{Data: b, Err: err}
+	}
+	return files, nil
 }
 
 // ReadFileTo streams a guest file into w.

@@ -1034,16 +1034,25 @@ func metricsOf(st *sandbox.Stats) *cgstats.Metrics {
 // cgroupStatFiles are the container cgroup's files Stats reads.
 var cgroupStatFiles = []string{"memory.current", "memory.max", "memory.stat", "memory.events", "cpu.stat", "pids.current", "pids.max"}
 
-// readCgroup reads the container's cgroup files in the guest; an error
-// if its memory.current cannot be read (no cgroup).
+// readCgroup reads the container's cgroup files in the guest, in one
+// request (a CRI runtime asks for every container's statistics every few
+// seconds, containerd 2.x every second); an error if its memory.current
+// cannot be read (no cgroup).
 func readCgroup(ctx context.Context, pd *pod, id string) (map[string][]byte, error) {
+	paths := make([]string, len(cgroupStatFiles))
+	for i, f := range cgroupStatFiles {
+		paths[i] = path.Join(agent.ContainerCgroupPath(id), f)
+	}
+	files, err := pd.handle.ReadFiles(ctx, paths)
+	if err != nil {
+		return nil, err
+	}
 	out := map[string][]byte{}
-	for _, f := range cgroupStatFiles {
-		b, err := pd.handle.ReadFile(ctx, path.Join(agent.ContainerCgroupPath(id), f))
-		if err != nil && f == "memory.current" {
-			return nil, err
+	for i, f := range cgroupStatFiles {
+		if files[i].Err != nil && f == "memory.current" {
+			return nil, files[i].Err
 		}
-		out[f] = b
+		out[f] = files[i].Data
 	}
 	return out, nil
 }
