@@ -127,10 +127,12 @@ func (s *Guest) ReadFiles(ctx context.Context, paths []string) ([]agent.FileResu
 	files = make([]agent.FileResult, len(paths))
 	for i, p := range paths {
 		b, err := s.client.ReadAll(ctx, p, agent.MaxReadFileSize)
-		if errors.Is(err, agent.ErrLimit) {
+		var remote *agent.RemoteError
+		switch {
+		case errors.Is(err, agent.ErrLimit):
 			err = fmt.Errorf("read %s: %w (%d bytes at most)", p, syscall.EFBIG, agent.MaxReadFileSize)
-		}
-		if ctx.Err() != nil {
+		case err != nil && !errors.As(err, &remote):
+			// The connection, not the file: the rest would fail too.
 			return nil, s.explain(err)
 		}
 		files[i] = agent.FileResult{Data: b, Err: err}

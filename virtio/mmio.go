@@ -250,7 +250,8 @@ func (t *MMIO) selected() *queueConfig {
 // Write implements devices.Device for the device's MMIO range.
 func (t *MMIO) Write(off uint64, data []byte) {
 	if off == regQueueNotify && len(data) == 4 {
-		// Not under the lock: the device handles it on its own goroutine.
+		// Not under the lock: the device takes the queue's requests
+		// (virtio-9p on this goroutine, others on their own).
 		t.Notify(int(binary.LittleEndian.Uint32(data)))
 		return
 	}

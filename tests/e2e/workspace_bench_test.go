@@ -156,9 +156,7 @@ print(time.perf_counter() - t)
 
 // BenchmarkShareRoundTrips says where a share's system call goes: for
 // each pattern of tripScript, on a read-write share and on the image's
-// root disk in one image sandbox (and on the share with the guest kernel
-// keeping no file's dentry, as before kernel/patches/0002 kept them),
-// the time per call, and for the share the
+// root disk in one image sandbox, the time per call, and for the share the
 // 9P requests each call made (the share device's completed requests, read
 // from its virtqueue), the VM exits to capsa per request, and capsa's own
 // CPU time outside the vCPUs per request (the 9P server's work, with the
@@ -214,24 +212,10 @@ func BenchmarkShareRoundTrips(b *testing.B) {
 		}
 		return idx
 	}
-	// keepFiles sets whether the guest kernel keeps a file's dentry on
-	// the share (kernel/patches/0002's 9p.dentry_keep_files): 0 is the
-	// kernel before it did, each file's dentry gone with its last use.
-	keepFiles := func(b *testing.B, v string) {
-		o := sandbox.Shell("echo " + v + " > /sys/module/9p/parameters/dentry_keep_files")
-		o.User = "0"
-		if r, err := sb.Exec(ctx, o); err != nil || r.Code != 0 {
-			b.Fatalf("set 9p.dentry_keep_files to %s: %+v %v", v, r, err)
-		}
-	}
 	const n = 200
-	places := []struct{ name, dir, keep string }{
-		{"disk", "/root/trips", "1"}, {"share", "/w/trips", "1"}, {"share-files-not-kept", "/w/trips0", "0"},
-	}
 	for _, op := range []string{"stat", "fstat", "missing", "read", "create"} {
-		for _, place := range places {
+		for _, place := range []struct{ name, dir string }{{"disk", "/root/trips"}, {"share", "/w/trips"}} {
 			b.Run(place.name+"/"+op, func(b *testing.B) {
-				keepFiles(b, place.keep)
 				var samples []time.Duration
 				var requests, exits, l1Exits uint64
 				var vmmCPU time.Duration
@@ -269,7 +253,7 @@ func BenchmarkShareRoundTrips(b *testing.B) {
 					l1Exits += k1 - k0
 				}
 				reportSpreadAs(b, samples, "call-")
-				if place.name == "disk" || requests == 0 {
+				if place.name != "share" || requests == 0 {
 					return
 				}
 				calls := float64(n) * float64(len(samples))
