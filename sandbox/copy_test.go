@@ -31,6 +31,13 @@ func unixGuest(sock string) *Guest {
 // would.
 func localGuest(t *testing.T) *Guest {
 	t.Helper()
+	return unixGuest(serveAgent(t))
+}
+
+// serveAgent runs the real agent on a Unix socket until the test ends and
+// returns the socket's path.
+func serveAgent(t *testing.T) string {
+	t.Helper()
 	sock := filepath.Join(t.TempDir(), "agent.sock")
 	l, err := net.Listen("unix", sock)
 	if err != nil {
@@ -39,7 +46,7 @@ func localGuest(t *testing.T) *Guest {
 	ctx, cancel := context.WithCancel(context.Background())
 	t.Cleanup(func() { cancel(); l.Close() })
 	go (&agent.Server{}).Serve(ctx, l)
-	return unixGuest(sock)
+	return sock
 }
 
 func TestCopyInAndOut(t *testing.T) {
@@ -155,14 +162,7 @@ func TestCopyOutHostileGuest(t *testing.T) {
 // OpReadFiles (one restored from an older snapshot) is read one file at a
 // time, with the same answers and the same bound on each file.
 func TestReadFilesFromAnOlderAgent(t *testing.T) {
-	sock := filepath.Join(t.TempDir(), "agent.sock")
-	l, err := net.Listen("unix", sock)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	t.Cleanup(func() { cancel(); l.Close() })
-	go (&agent.Server{}).Serve(ctx, l)
+	sock := serveAgent(t)
 	var asked []string
 	var mu sync.Mutex
 	// The real agent, its Hello without the feature and every request

@@ -44,6 +44,28 @@ elif op == "walk":
 print(time.perf_counter() - t)
 `
 
+// scriptSandbox starts a python image sandbox (1 GiB) whose read-write
+// share at /w holds script as /w/NAME.py, pulled from the test registry
+// under tag name; it is closed when the benchmark ends.
+func scriptSandbox(b *testing.B, ctx context.Context, name, script string) *sandbox.Sandbox {
+	b.Helper()
+	ref := pythonImage(b, name)
+	if r := capsaWith(b, 10*time.Minute, nil, "image", "pull", ref); r.code != 0 {
+		b.Fatalf("capsa image pull %s: exit %d: %s", ref, r.code, r.stderr)
+	}
+	share := b.TempDir()
+	if err := os.WriteFile(filepath.Join(share, name+".py"), []byte(script), 0o644); err != nil {
+		b.Fatal(err)
+	}
+	sb, err := sandbox.New().Memory(1024).Kernel(artifactB(b, "vmlinux")).Initrd(artifactB(b, "initramfs.cpio")).
+		Share(share, "/w", sandbox.ReadWrite).Pull(sandbox.PullNever).OCI(ref, "sleep", "100000").User("0").Start(ctx)
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { sb.Close() })
+	return sb
+}
+
 // BenchmarkWorkspaceMeta runs the metadata workload in one image sandbox
 // on a read-write share and on the image's own root disk, one after the
 // other in the same run, and reports min, median and max of each, and the
@@ -54,20 +76,7 @@ print(time.perf_counter() - t)
 //	make bench   (runs it in the nested host)
 func BenchmarkWorkspaceMeta(b *testing.B) {
 	ctx := context.Background()
-	ref := pythonImage(b, "meta")
-	if r := capsaWith(b, 10*time.Minute, nil, "image", "pull", ref); r.code != 0 {
-		b.Fatalf("capsa image pull %s: exit %d: %s", ref, r.code, r.stderr)
-	}
-	share := b.TempDir()
-	if err := os.WriteFile(filepath.Join(share, "meta.py"), []byte(metaScript), 0o644); err != nil {
-		b.Fatal(err)
-	}
-	sb, err := sandbox.New().Memory(1024).Kernel(artifactB(b, "vmlinux")).Initrd(artifactB(b, "initramfs.cpio")).
-		Share(share, "/w", sandbox.ReadWrite).Pull(sandbox.PullNever).OCI(ref, "sleep", "100000").User("0").Start(ctx)
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer sb.Close()
+	sb := scriptSandbox(b, ctx, "meta", metaScript)
 	run := func(b *testing.B, op, dir string) time.Duration {
 		b.Helper()
 		o := sandbox.Command("python3", "/w/meta.py", op, dir)
@@ -168,20 +177,7 @@ print(time.perf_counter() - t)
 //	make bench BENCH=ShareRoundTrips
 func BenchmarkShareRoundTrips(b *testing.B) {
 	ctx := context.Background()
-	ref := pythonImage(b, "trips")
-	if r := capsaWith(b, 10*time.Minute, nil, "image", "pull", ref); r.code != 0 {
-		b.Fatalf("capsa image pull %s: exit %d: %s", ref, r.code, r.stderr)
-	}
-	share := b.TempDir()
-	if err := os.WriteFile(filepath.Join(share, "trips.py"), []byte(tripScript), 0o644); err != nil {
-		b.Fatal(err)
-	}
-	sb, err := sandbox.New().Memory(1024).Kernel(artifactB(b, "vmlinux")).Initrd(artifactB(b, "initramfs.cpio")).
-		Share(share, "/w", sandbox.ReadWrite).Pull(sandbox.PullNever).OCI(ref, "sleep", "100000").User("0").Start(ctx)
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer sb.Close()
+	sb := scriptSandbox(b, ctx, "trips", tripScript)
 	// The script runs from the image's disk, so that only the timed calls
 	// ask the share anything (its directory made once, untimed).
 	cp := sandbox.Shell("cp /w/trips.py /root/trips.py")
