@@ -10,7 +10,6 @@ import (
 	"context"
 	"fmt"
 	"io"
-	"os"
 	"path/filepath"
 	"strings"
 	"syscall"
@@ -77,18 +76,11 @@ func readFiles(paths []string) (ReadFilesReply, error) {
 // readSmall reads a file that must hold at most MaxReadFileSize bytes
 // (procfs and sysfs files say no size: it reads until the end).
 func readSmall(path string) ([]byte, error) {
-	f, err := os.Open(path)
+	f, _, err := openToRead(path)
 	if err != nil {
-		return nil, opError("read", path, err)
+		return nil, err
 	}
 	defer f.Close()
-	st, err := f.Stat()
-	if err != nil {
-		return nil, opError("read", path, err)
-	}
-	if st.IsDir() {
-		return nil, fmt.Errorf("read %s: is a directory", path)
-	}
 	data, err := io.ReadAll(io.LimitReader(f, MaxReadFileSize+1))
 	if err != nil {
 		return nil, opError("read", path, err)

@@ -506,18 +506,11 @@ func guestInfo() Info {
 }
 
 func readFile(c *Conn, path string) error {
-	f, err := os.Open(path)
+	f, st, err := openToRead(path)
 	if err != nil {
-		return opError("read", path, err)
+		return err
 	}
 	defer f.Close()
-	st, err := f.Stat()
-	if err != nil {
-		return opError("read", path, err)
-	}
-	if st.IsDir() {
-		return fmt.Errorf("read %s: is a directory", path)
-	}
 	if err := c.WriteJSON(FrameReply, (*ownerNames)(nil).fileInfo(path, st)); err != nil {
 		return nil
 	}
@@ -542,6 +535,24 @@ func readFile(c *Conn, path string) error {
 			return opError("read", path, err)
 		}
 	}
+}
+
+// openToRead opens path for reading, refusing a directory, and describes
+// it; errors name the read.
+func openToRead(path string) (*os.File, os.FileInfo, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, nil, opError("read", path, err)
+	}
+	st, err := f.Stat()
+	if err == nil && st.IsDir() {
+		err = errors.New("is a directory")
+	}
+	if err != nil {
+		f.Close()
+		return nil, nil, opError("read", path, err)
+	}
+	return f, st, nil
 }
 
 // writeFile streams Data frames into a temporary file beside the target and

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/capsa-sandbox/capsa/sandbox"
+	"github.com/capsa-sandbox/capsa/virtio"
 	"golang.org/x/sys/unix"
 )
 
@@ -197,12 +198,12 @@ func BenchmarkShareRoundTrips(b *testing.B) {
 		n, err := strconv.ParseUint(strings.TrimSpace(string(s)), 10, 64)
 		return n, err == nil
 	}
-	// requests9P sums the completed requests of the sandbox's 9P devices
-	// (virtio type 9): each one's used index, which wraps at 2^16.
+	// requests9P is each 9P device's used index: its completed requests,
+	// which wrap at 2^16.
 	requests9P := func() []uint16 {
 		var idx []uint16
 		for _, tr := range sb.Debug(ctx).Virtio {
-			if tr.Type == 9 && len(tr.Queues) > 0 {
+			if tr.Type == virtio.Type9P && len(tr.Queues) > 0 {
 				idx = append(idx, tr.Queues[0].UsedIdx)
 			}
 		}

@@ -210,7 +210,11 @@ func (d *Device) Close() error {
 // VMM's ioeventfd reader), which takeRequests never blocks, instead of
 // waking the worker for them: one goroutine hand-off fewer a request
 // (BenchmarkShareRoundTrips).
-func (d *Device) Notify(int) {
+func (d *Device) Notify(int) { d.take() }
+
+// take passes the available requests to the server, if a session runs,
+// and reports the interrupt or failure that brought.
+func (d *Device) take() {
 	d.mu.Lock()
 	act, s := d.act, d.sess
 	if act == nil {
@@ -243,18 +247,7 @@ func (d *Device) worker(kick, stop chan struct{}) {
 			return
 		case <-kick:
 		}
-		d.mu.Lock()
-		act, s := d.act, d.sess
-		var irq bool
-		var err error
-		if act != nil {
-			irq, err = d.takeRequests(s)
-			if err != nil {
-				d.teardown()
-			}
-		}
-		d.mu.Unlock()
-		act.Report(irq, err)
+		d.take()
 	}
 }
 
