@@ -77,7 +77,10 @@ func (g *Gate) drop(n int) {
 // Close stops the queues handing out chains and waits until every chain
 // handed out has been returned. If ctx ends first, the gate stays closed
 // and the error says how many chains the devices still hold; the caller
-// opens it again.
+// opens it again. A device's interrupt for its last chains may come after
+// Close returns (a device reports once it has pushed them all): a state
+// taken then may lack it, and a restore interrupts every running device
+// once for that reason (MMIO.Restore).
 func (g *Gate) Close(ctx context.Context) error {
 	g.mu.Lock()
 	g.closed = true

@@ -146,10 +146,17 @@ func (t *MMIO) Restore(st TransportState) error {
 	if r, ok := t.dev.(Restorer); ok && st.Active {
 		r.Restored()
 	}
-	// An interrupt the guest had not yet acknowledged may have been in
-	// flight when the state was taken: raise it again (a spurious one
-	// costs the driver a look at its rings).
-	if st.Interrupt != 0 {
+	// A running device is always interrupted once: the state may have been
+	// taken between the device's last Push, which let the gate close and
+	// the snapshot go on, and its Report, so that the used ring in memory
+	// holds an entry whose interrupt neither this state nor the vCPU's
+	// LAPIC recorded. The guest would wait for that completion forever (a
+	// restored image sandbox hung on a virtio-blk request this way). A
+	// spurious interrupt costs the driver a look at its rings.
+	switch {
+	case st.Active && st.Status&StatusNeedsReset == 0:
+		t.usedBuffer()
+	case st.Interrupt != 0:
 		t.irq()
 	}
 	return nil
