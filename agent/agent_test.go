@@ -14,6 +14,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 )
@@ -130,6 +131,57 @@ func TestExecContextCancel(t *testing.T) {
 	defer cancel()
 	if _, err := cl.Exec(ctx, ExecOptions{Shell: "sleep 100"}); !errors.Is(err, context.DeadlineExceeded) {
 		t.Errorf("canceled exec: %v", err)
+	}
+}
+
+// abortConn is a connection that records an Abort (vsock.Conn's).
+type abortConn struct {
+	net.Conn
+	aborted atomic.Bool
+}
+
+func (c *abortConn) Abort() error {
+	c.aborted.Store(true)
+	return c.Conn.Close()
+}
+
+// TestContextEndAborts: an operation whose context ends closes its
+// connection with Abort where the transport has one (no close handshake
+// for a guest that stopped answering), and with Close after an answer.
+func TestContextEndAborts(t *testing.T) {
+	var conns []*abortConn
+	cl := &Client{Dial: func(ctx context.Context) (net.Conn, error) {
+		a, b := net.Pipe()
+		go io.Copy(io.Discard, b) // a peer that reads and never answers
+		c := &abortConn{Conn: a}
+		conns = append(conns, c)
+		return c, nil
+	}}
+	ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
+	defer cancel()
+	if _, err := cl.Info(ctx); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("Info() from a silent peer = %v, want the deadline", err)
+	}
+	if len(conns) != 1 || !conns[0].aborted.Load() {
+		t.Errorf("the connection was not aborted when the context ended")
+	}
+
+	answered := serve(t)
+	base := answered.Dial
+	var last *abortConn
+	answered.Dial = func(ctx context.Context) (net.Conn, error) {
+		nc, err := base(ctx)
+		if err != nil {
+			return nil, err
+		}
+		last = &abortConn{Conn: nc}
+		return last, nil
+	}
+	if _, err := answered.Info(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if last == nil || last.aborted.Load() {
+		t.Errorf("an answered operation's connection was aborted; want it closed")
 	}
 }
 

@@ -143,12 +143,24 @@ func (cl *Client) open(ctx context.Context, req Request) (c *Conn, nc net.Conn, 
 	return c, nc, done, err
 }
 
+// abort closes a connection its operation gave up on (its context
+// ended) at once where the transport can (vsock.Conn.Abort: a reset, with
+// no close handshake left for the guest to answer later), with Close
+// otherwise.
+func abort(nc net.Conn) {
+	if a, ok := nc.(interface{ Abort() error }); ok {
+		a.Abort()
+		return
+	}
+	nc.Close()
+}
+
 // errNoHello marks an open that failed reading the agent's Hello.
 var errNoHello = errors.New("no hello from the agent")
 
 // openOn is open on the connection nc.
 func (cl *Client) openOn(ctx context.Context, nc net.Conn, req Request) (*Conn, net.Conn, func(), error) {
-	stop := context.AfterFunc(ctx, func() { nc.Close() })
+	stop := context.AfterFunc(ctx, func() { abort(nc) })
 	done := func() { stop(); nc.Close() }
 	c := NewConn(nc)
 	fail := func(err error) (*Conn, net.Conn, func(), error) {

@@ -28,7 +28,10 @@ func (b *Builder) Watchdog(d time.Duration) *Builder {
 // stops. It asks the agent a small question every quarter of the period.
 // Once no answer has come for the whole period, it looks at the vCPUs
 // twice, a little apart and without asking the agent anything in between
-// (its questions are guest work too), and stops the VM if none moved.
+// (its questions are guest work too), and stops the VM if none moved. An
+// unanswered question's connection is aborted when it times out (the
+// agent client resets it), so the guest is left nothing of the host's to
+// handle while it is watched.
 func (s *Sandbox) watch(period time.Duration) {
 	interval := max(period/4, time.Second)
 	gap := min(interval, 5*time.Second)

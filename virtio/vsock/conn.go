@@ -180,14 +180,7 @@ func (c *Conn) Close() error {
 	if c.closed {
 		return nil
 	}
-	c.closed = true
-	c.fwdCnt += uint32(len(c.rx))
-	c.rx = nil
-	for _, t := range c.deadlineTimers {
-		if t != nil {
-			t.Stop()
-		}
-	}
+	c.markClosed()
 	switch {
 	case d.conns[c.key] != c:
 		// Already reset or closed by the guest.
@@ -199,6 +192,40 @@ func (c *Conn) Close() error {
 	c.cond.Broadcast()
 	d.wake()
 	return nil
+}
+
+// Abort closes the connection at once and tells the guest with RST: what
+// was written and not yet sent is dropped, and no close handshake follows.
+// It is for a caller that gave up on the guest (its deadline passed): a
+// Close would leave the guest a shutdown to answer and, if the guest does
+// not (a stopped reader), a reset closeTimeout later, work the guest is
+// made to do long after the caller left (the watchdog saw it as the guest
+// moving).
+func (c *Conn) Abort() error {
+	d := c.dev
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if !c.closed {
+		c.markClosed()
+	}
+	if d.conns[c.key] == c {
+		d.resetConn(c, true)
+		d.wake()
+	}
+	return nil
+}
+
+// markClosed records that the host closed the connection: what the guest
+// sent is dropped and the deadlines stop. The device lock is held.
+func (c *Conn) markClosed() {
+	c.closed = true
+	c.fwdCnt += uint32(len(c.rx))
+	c.rx = nil
+	for _, t := range c.deadlineTimers {
+		if t != nil {
+			t.Stop()
+		}
+	}
 }
 
 // LocalAddr implements net.Conn.

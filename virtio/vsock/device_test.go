@@ -222,6 +222,58 @@ func TestHostDial(t *testing.T) {
 	}
 }
 
+// TestHostAbort: a connection the host gives up on ends at once with a
+// reset, its unsent data dropped, where Close shuts it down and waits for
+// the guest's reset: a guest that never answers (its reader stopped) is
+// not sent one closeTimeout later.
+func TestHostAbort(t *testing.T) {
+	g := newGuest(t)
+	dial := func(port uint32) *Conn {
+		t.Helper()
+		done := make(chan *Conn, 1)
+		go func() {
+			c, err := g.dev.Dial(context.Background(), port)
+			if err != nil {
+				t.Error(err)
+			}
+			done <- c
+		}()
+		req := g.expect(opRequest)
+		// The guest gives no credit: what the host writes stays queued.
+		g.send(header{SrcPort: port, DstPort: req.h.SrcPort, Op: opResponse}, nil)
+		return <-done
+	}
+	c := dial(60)
+	if _, err := c.Write([]byte("never sent")); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Abort(); err != nil {
+		t.Fatal(err)
+	}
+	if rst := g.expect(opRst); rst.h.DstPort != 60 {
+		t.Errorf("reset for guest port %d, want 60", rst.h.DstPort)
+	}
+	if _, err := c.Read(make([]byte, 1)); err == nil {
+		t.Error("Read() after Abort succeeded")
+	}
+	if err := c.Close(); err != nil {
+		t.Errorf("Close() after Abort = %v", err)
+	}
+	g.dev.mu.Lock()
+	n := len(g.dev.conns)
+	g.dev.mu.Unlock()
+	if n != 0 {
+		t.Errorf("%d connections after Abort, want none", n)
+	}
+
+	// Close, by contrast, shuts down and waits for the guest's reset.
+	c = dial(61)
+	c.Close()
+	if sd := g.expect(opShutdown); sd.h.Flags != shutdownRcv|shutdownSend {
+		t.Errorf("Close sent shutdown flags %#x", sd.h.Flags)
+	}
+}
+
 // TestRestoredTellsTheGuest: a restored device reports a transport reset on
 // the event queue and sends the guest nothing (a host connection request
 // included) until the guest has posted an event buffer again, its sign
