@@ -403,9 +403,9 @@ func (s *Sandbox) awaitAgent(timeout time.Duration, hostname string) {
 		if attempt <= 3 { // the timeline shows what a restore waited on
 			s.vm.Mark(fmt.Sprintf("agent: no answer to attempt %d: %v", attempt, err))
 		}
-		// Often refused once, while the guest's vsock settles after the
-		// transport reset (the timeline shows it): asked again soon,
-		// then less often.
+		// Unanswered while the guest settles after the transport reset
+		// (the timeline shows each attempt): asked again soon, then
+		// less often.
 		wait := 10 * time.Millisecond
 		if attempt > 20 {
 			wait = 100 * time.Millisecond

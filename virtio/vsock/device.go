@@ -3,6 +3,7 @@ package vsock
 import (
 	"context"
 	"encoding/binary"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -10,6 +11,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/capsa-sandbox/capsa/internal/strictjson"
 	"github.com/capsa-sandbox/capsa/virtio"
 )
 
@@ -564,6 +566,47 @@ func (d *Device) Listen(port uint32) (*Listener, error) {
 	l.cond = sync.NewCond(&d.mu)
 	d.listeners[port] = l
 	return l, nil
+}
+
+var _ virtio.Stateful = (*Device)(nil)
+
+// deviceState is what a snapshot keeps of the device beyond its queues:
+// the next local port for a host connection. Connections themselves are
+// not kept (a restore resets them), but the guest may still hold a socket
+// of one when the host connects again (the reset closes them; the
+// guest's programs release them later), and a connection request to the
+// same pair of ports would be refused (the restore's first two questions
+// to the agent were, on the main process's and the spare connection's
+// ports). Ports go on from where the snapshot left them instead.
+type deviceState struct {
+	NextPort uint32 `json:"next_port"`
+}
+
+// SaveState implements virtio.Stateful.
+func (d *Device) SaveState() (json.RawMessage, error) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return json.Marshal(deviceState{NextPort: d.nextPort})
+}
+
+// RestoreState implements virtio.Stateful. The state is untrusted: a port
+// below the host's range is refused. A snapshot that has none (taken
+// before the device kept one) leaves the ports where a new device starts.
+func (d *Device) RestoreState(raw json.RawMessage) error {
+	if len(raw) == 0 || string(raw) == "null" {
+		return nil
+	}
+	var st deviceState
+	if err := strictjson.Decode(raw, &st); err != nil {
+		return fmt.Errorf("vsock: restore: %w", err)
+	}
+	if st.NextPort < firstHostPort {
+		return fmt.Errorf("vsock: restore: next host port %d is below the host's range (%d and up)", st.NextPort, uint32(firstHostPort))
+	}
+	d.mu.Lock()
+	d.nextPort = st.NextPort
+	d.mu.Unlock()
+	return nil
 }
 
 // eventTransportReset is VIRTIO_VSOCK_EVENT_TRANSPORT_RESET (virtio 1.2

@@ -304,6 +304,49 @@ func TestRestoredTellsTheGuest(t *testing.T) {
 	}
 }
 
+// TestRestoredPortsGoOn: a restored device's host connections take ports
+// after every one the snapshotted device used (the guest may still hold a
+// socket of one, and would refuse the same pair again); a state with a
+// port outside the host's range is refused.
+func TestRestoredPortsGoOn(t *testing.T) {
+	g := newGuest(t)
+	var last uint32
+	for port := uint32(70); port < 73; port++ {
+		done := make(chan error, 1)
+		go func() {
+			_, err := g.dev.Dial(context.Background(), port)
+			done <- err
+		}()
+		req := g.expect(opRequest)
+		last = req.h.SrcPort
+		g.send(header{SrcPort: port, DstPort: req.h.SrcPort, Op: opResponse, BufAlloc: 64 << 10}, nil)
+		if err := <-done; err != nil {
+			t.Fatal(err)
+		}
+	}
+	st, err := g.dev.SaveState()
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	r := newGuest(t)
+	if err := r.dev.RestoreState(st); err != nil {
+		t.Fatalf("RestoreState(%s) = %v", st, err)
+	}
+	go r.dev.Dial(context.Background(), 70)
+	if req := r.expect(opRequest); req.h.SrcPort <= last {
+		t.Errorf("the restored device's first connection is from port %d; want one after %d, the last the snapshot's used", req.h.SrcPort, last)
+	}
+	for _, bad := range []string{`{"next_port":5}`, `{"next_port":"x"}`, `{"next_port":1073741824,"extra":1}`, `[]`} {
+		if err := newGuest(t).dev.RestoreState([]byte(bad)); err == nil {
+			t.Errorf("RestoreState(%s) = nil, want an error", bad)
+		}
+	}
+	if err := newGuest(t).dev.RestoreState(nil); err != nil {
+		t.Errorf("RestoreState of a snapshot without device state = %v, want nil", err)
+	}
+}
+
 // TestCreditFlowControl: the host never sends more than the guest granted.
 func TestCreditFlowControl(t *testing.T) {
 	g := newGuest(t)
