@@ -17,33 +17,28 @@ import (
 
 	"github.com/capsa-sandbox/capsa/hub"
 	"github.com/capsa-sandbox/capsa/sandbox"
-	"github.com/capsa-sandbox/capsa/store"
 	"github.com/capsa-sandbox/capsa/supervisor"
+	"github.com/capsa-sandbox/capsa/supervisor/supervisortest"
 )
 
 // connect starts a server on a fresh state directory and returns the SDK's
-// own client connected to it in memory, with the directory's store, for
-// the test to make records the server then finds.
-func connect(t *testing.T) (*sdk.ClientSession, *store.Store) {
+// own client connected to it in memory, with the directory, for the test
+// to make records the server then finds (supervisortest).
+func connect(t *testing.T) (*sdk.ClientSession, string) {
 	t.Helper()
-	m, st := managerAndStore(t)
-	return connectTo(t, NewServer(Options{Manager: m, Version: "test"})), st
+	m, dir := managerAndDir(t)
+	return connectTo(t, NewServer(Options{Manager: m, Version: "test"})), dir
 }
 
-// managerAndStore opens a fresh state directory as a Manager and as a
-// store.
-func managerAndStore(t *testing.T) (*supervisor.Manager, *store.Store) {
+// managerAndDir opens a fresh state directory as a Manager.
+func managerAndDir(t *testing.T) (*supervisor.Manager, string) {
 	t.Helper()
 	dir := t.TempDir()
 	m, err := supervisor.OpenManager(dir)
 	if err != nil {
 		t.Fatal(err)
 	}
-	st, err := store.Open(dir)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return m, st
+	return m, dir
 }
 
 func connectTo(t *testing.T, s *sdk.Server) *sdk.ClientSession {
@@ -198,7 +193,7 @@ func TestArgumentErrors(t *testing.T) {
 // TestMissingSandbox: a sandbox that does not exist, or does not run, is a
 // tool error naming it.
 func TestMissingSandbox(t *testing.T) {
-	cs, st := connect(t)
+	cs, dir := connect(t)
 	for _, c := range []struct {
 		tool string
 		args map[string]any
@@ -219,16 +214,7 @@ func TestMissingSandbox(t *testing.T) {
 	}
 
 	// A sandbox that ended: listed with all, refused by exec, destroyed.
-	lock, err := st.Create(&store.Record{Name: "ended", Spec: sandbox.Spec{CPUs: 1, MemoryMiB: 256, Main: sandbox.ProcessSpec{Argv: []string{"sleep", "1"}}}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	code := 3
-	st.Update("ended", func(r *store.Record) error {
-		r.State, r.ExitCode, r.Reason = store.Exited, &code, "its main process ended"
-		return nil
-	})
-	lock.Close()
+	supervisortest.Exited(t, dir, "ended", sandbox.Spec{CPUs: 1, MemoryMiB: 256, Main: sandbox.ProcessSpec{Argv: []string{"sleep", "1"}}}, 3, "its main process ended")
 	res := call(t, cs, "sandbox_exec", map[string]any{"name": "ended", "shell": "true"})
 	if !res.IsError || !strings.Contains(text(res), "not running") {
 		t.Errorf("sandbox_exec(ended) = IsError %v, %q; want a tool error saying it is not running", res.IsError, text(res))
@@ -254,8 +240,8 @@ func TestMissingSandbox(t *testing.T) {
 	if res := call(t, cs, "sandbox_destroy", map[string]any{"name": "ended"}); res.IsError {
 		t.Errorf("sandbox_destroy(ended) = %q; want it removed", text(res))
 	}
-	if _, err := st.Get("ended"); err == nil {
-		t.Errorf("st.Get(ended) after sandbox_destroy = nil error; want it gone")
+	if supervisortest.Recorded(t, dir, "ended") {
+		t.Errorf("the record of ended is there after sandbox_destroy; want it gone")
 	}
 }
 
@@ -306,7 +292,7 @@ func (b withToken) RoundTrip(r *http.Request) (*http.Response, error) {
 // TestHTTP: streamable HTTP on loopback serves a client with the token,
 // and nobody without it.
 func TestHTTP(t *testing.T) {
-	m, _ := managerAndStore(t)
+	m, _ := managerAndDir(t)
 	l, err := ListenLoopback("127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
@@ -387,7 +373,7 @@ func TestEncode(t *testing.T) {
 // TestHubTools: the mailbox and key-value tools reach the state
 // directory's hub, the one sandboxes and capsa kv and capsa mailbox use.
 func TestHubTools(t *testing.T) {
-	cs, st := connect(t)
+	cs, dir := connect(t)
 	structured := func(res *sdk.CallToolResult, v any) {
 		t.Helper()
 		b, _ := json.Marshal(res.StructuredContent)
@@ -416,7 +402,7 @@ func TestHubTools(t *testing.T) {
 		t.Errorf("kv_list(jobs/) = %+v; want two, the second in base64", l)
 	}
 	// What the CLI's hub holds is what the tools see.
-	h, err := hub.Open(st.Dir())
+	h, err := hub.Open(dir)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -457,7 +443,7 @@ func TestHubTools(t *testing.T) {
 func TestCreateSecretFromEnv(t *testing.T) {
 	t.Setenv("CAPSA_MCP_TEST_KEY", "s3cr3t")
 	t.Setenv(TokenEnv, "t0k3n")
-	m, _ := managerAndStore(t)
+	m, _ := managerAndDir(t)
 	cs := connectTo(t, NewServer(Options{Manager: m, SecretEnv: []string{"CAPSA_MCP_TEST_KEY", "CAPSA_MCP_TEST_UNSET", TokenEnv}}))
 	res := call(t, cs, "sandbox_create", map[string]any{"secrets": []map[string]any{{"name": "API_KEY", "env": "CAPSA_MCP_TEST_KEY", "hosts": []string{"api.example.com"}}}})
 	if !res.IsError || !strings.Contains(text(res), "network") || strings.Contains(text(res), "s3cr3t") {
@@ -480,7 +466,7 @@ func TestShareRoots(t *testing.T) {
 	root, outside := t.TempDir(), t.TempDir()
 	os.Mkdir(filepath.Join(root, "work"), 0o755)
 	os.Symlink(outside, filepath.Join(root, "escape"))
-	m, _ := managerAndStore(t)
+	m, _ := managerAndDir(t)
 	cs := connectTo(t, NewServer(Options{Manager: m, ShareRoots: []string{root}}))
 	for host, want := range map[string]string{
 		outside:                                "not under a share root",

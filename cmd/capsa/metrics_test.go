@@ -14,8 +14,8 @@ import (
 	"github.com/prometheus/common/model"
 
 	"github.com/capsa-sandbox/capsa/sandbox"
-	"github.com/capsa-sandbox/capsa/store"
 	"github.com/capsa-sandbox/capsa/supervisor"
+	"github.com/capsa-sandbox/capsa/supervisor/supervisortest"
 )
 
 // parseExposition parses text with Prometheus's own parser.
@@ -108,15 +108,7 @@ func TestWriteExposition(t *testing.T) {
 // created, none running.
 func TestMetricsHandler(t *testing.T) {
 	dir := t.TempDir()
-	st, err := store.Open(dir)
-	if err != nil {
-		t.Fatal(err)
-	}
-	l, err := st.Create(&store.Record{Name: "one", Spec: sandbox.Spec{}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Close()
+	supervisortest.Creating(t, dir, "one", sandbox.Spec{})
 	m, err := supervisor.OpenManager(dir)
 	if err != nil {
 		t.Fatal(err)

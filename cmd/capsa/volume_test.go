@@ -9,7 +9,7 @@ import (
 	"testing"
 
 	"github.com/capsa-sandbox/capsa/sandbox"
-	"github.com/capsa-sandbox/capsa/store"
+	"github.com/capsa-sandbox/capsa/supervisor/supervisortest"
 	"github.com/capsa-sandbox/capsa/volume"
 )
 
@@ -97,19 +97,11 @@ func TestVolumeCLI(t *testing.T) {
 	if code != 1 || !strings.Contains(errOut, "volume shared is in use by a sandbox that capsa ps does not list") {
 		t.Errorf("capsa volume rm shared (mounted) = %d, %q; want it refused", code, errOut)
 	}
-	st, err := store.Open(state)
-	if err != nil {
-		t.Fatal(err)
-	}
 	spec, err := sandbox.New().Volume("shared", "/shared", sandbox.ReadWrite).Run("true").Spec()
 	if err != nil {
 		t.Fatal(err)
 	}
-	lock, err := st.Create(&store.Record{Name: "worker", Spec: spec})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer lock.Close()
+	supervisortest.Creating(t, state, "worker", spec)
 	code, _, errOut = capsaCLI("volume", "rm", "shared")
 	if code != 1 || !strings.Contains(errOut, "volume shared is in use by worker: stop them first, or volume rm --force") {
 		t.Errorf("capsa volume rm shared (used by worker) = %d, %q; want it refused naming worker", code, errOut)
