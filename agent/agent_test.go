@@ -145,9 +145,10 @@ func (c *abortConn) Abort() error {
 	return c.Conn.Close()
 }
 
-// TestContextEndAborts: an operation whose context ends closes its
-// connection with Abort where the transport has one (no close handshake
-// for a guest that stopped answering), and with Close after an answer.
+// TestContextEndAborts: an operation whose context ends before the agent's
+// Hello closes its connection with Abort where the transport has one (no
+// close handshake for a guest that reads nothing), and with Close after
+// it (what was written still arrives).
 func TestContextEndAborts(t *testing.T) {
 	var conns []*abortConn
 	cl := &Client{Dial: func(ctx context.Context) (net.Conn, error) {
@@ -168,20 +169,28 @@ func TestContextEndAborts(t *testing.T) {
 
 	answered := serve(t)
 	base := answered.Dial
-	var last *abortConn
+	var mu sync.Mutex
+	var dialed []*abortConn
 	answered.Dial = func(ctx context.Context) (net.Conn, error) {
 		nc, err := base(ctx)
 		if err != nil {
 			return nil, err
 		}
-		last = &abortConn{Conn: nc}
-		return last, nil
+		c := &abortConn{Conn: nc}
+		mu.Lock()
+		dialed = append(dialed, c)
+		mu.Unlock()
+		return c, nil
 	}
-	if _, err := answered.Info(context.Background()); err != nil {
-		t.Fatal(err)
+	ctx, cancel = context.WithTimeout(context.Background(), 300*time.Millisecond)
+	defer cancel()
+	if _, err := answered.Exec(ctx, ExecOptions{Shell: "sleep 100"}); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("Exec(sleep 100) = %v, want the deadline", err)
 	}
-	if last == nil || last.aborted.Load() {
-		t.Errorf("an answered operation's connection was aborted; want it closed")
+	mu.Lock()
+	defer mu.Unlock()
+	if len(dialed) == 0 || dialed[0].aborted.Load() {
+		t.Errorf("the exec's connection, which the agent had answered, was aborted when its context ended; want it closed")
 	}
 }
 

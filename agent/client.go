@@ -143,10 +143,10 @@ func (cl *Client) open(ctx context.Context, req Request) (c *Conn, nc net.Conn, 
 	return c, nc, done, err
 }
 
-// abort closes a connection its operation gave up on (its context
-// ended) at once where the transport can (vsock.Conn.Abort: a reset, with
-// no close handshake left for the guest to answer later), with Close
-// otherwise.
+// abort closes a connection whose operation gave up on the guest at once
+// where the transport can (vsock.Conn.Abort: a reset, with no close
+// handshake left for a guest that reads nothing to answer later), with
+// Close otherwise.
 func abort(nc net.Conn) {
 	if a, ok := nc.(interface{ Abort() error }); ok {
 		a.Abort()
@@ -160,7 +160,17 @@ var errNoHello = errors.New("no hello from the agent")
 
 // openOn is open on the connection nc.
 func (cl *Client) openOn(ctx context.Context, nc net.Conn, req Request) (*Conn, net.Conn, func(), error) {
-	stop := context.AfterFunc(ctx, func() { abort(nc) })
+	// A context that ends before the agent's Hello aborts the connection
+	// (nothing in the guest may be reading it); after, it is closed, so
+	// that what was written (an attached process's input) still arrives.
+	var answered atomic.Bool
+	stop := context.AfterFunc(ctx, func() {
+		if answered.Load() {
+			nc.Close()
+		} else {
+			abort(nc)
+		}
+	})
 	done := func() { stop(); nc.Close() }
 	c := NewConn(nc)
 	fail := func(err error) (*Conn, net.Conn, func(), error) {
@@ -207,6 +217,7 @@ func (cl *Client) openOn(ctx context.Context, nc net.Conn, req Request) (*Conn, 
 		}
 		return fail(fmt.Errorf("agent: hello: %w", err))
 	}
+	answered.Store(true)
 	if pipelined {
 		if err := <-sent; err != nil {
 			return fail(fmt.Errorf("agent: %s: %w", req.Op, err))
@@ -494,7 +505,7 @@ func (cl *Client) Attach(ctx context.Context, id int, o AttachOptions) (*Process
 // follow opens req (an exec or an attach) and streams the process on it.
 // kill: the process is killed if the client stops following it first.
 func (cl *Client) follow(ctx context.Context, req Request, name string, stdin io.Reader, stdoutW, stderrW io.Writer, timeout time.Duration, kill bool) (*Process, error) {
-	c, _, done, err := cl.open(ctx, req)
+	c, nc, done, err := cl.open(ctx, req)
 	if err != nil {
 		return nil, err
 	}
@@ -523,6 +534,7 @@ func (cl *Client) follow(ctx context.Context, req Request, name string, stdin io
 				return
 			}
 			hostTimedOut.Store(true)
+			abort(nc) // the guest stopped answering: nothing to hand over
 			done()
 		})
 		stopTimer = t.Stop

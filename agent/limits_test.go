@@ -110,7 +110,8 @@ func TestReadFileRefusesMoreThanAnnounced(t *testing.T) {
 }
 
 // TestHostSideTimeout: a guest that never reports the end of a process
-// with a timeout is given up on HostGrace after it.
+// with a timeout is given up on HostGrace after it, its connection
+// aborted (a guest that stopped answering is left no close handshake).
 func TestHostSideTimeout(t *testing.T) {
 	old := hostGrace
 	hostGrace = 200 * time.Millisecond
@@ -119,6 +120,16 @@ func TestHostSideTimeout(t *testing.T) {
 		c.WriteJSON(FrameReply, ExecStarted{PID: 42})
 		io.Copy(io.Discard, nc) // and never an exit status
 	})
+	var conn *abortConn
+	dial := cl.Dial
+	cl.Dial = func(ctx context.Context) (net.Conn, error) {
+		nc, err := dial(ctx)
+		if err == nil && conn == nil {
+			conn = &abortConn{Conn: nc}
+			return conn, nil
+		}
+		return nc, err
+	}
 	start := time.Now()
 	_, err := cl.Exec(context.Background(), ExecOptions{Argv: []string{"x"}, Timeout: 100 * time.Millisecond})
 	if !errors.Is(err, ErrTimedOut) {
@@ -126,6 +137,9 @@ func TestHostSideTimeout(t *testing.T) {
 	}
 	if d := time.Since(start); d > 5*time.Second {
 		t.Errorf("gave up after %v", d)
+	}
+	if conn == nil || !conn.aborted.Load() {
+		t.Errorf("the exec's connection was not aborted when the host gave up on the guest")
 	}
 }
 

@@ -79,7 +79,7 @@ type TransportState struct {
 }
 
 // Stateful is a device with state of its own beyond its queues (the 9P
-// device: what the guest's fids stand for).
+// device: what the guest's fids stand for; vsock: its next host port).
 type Stateful interface {
 	// SaveState returns the device's state; its queues are still.
 	SaveState() (json.RawMessage, error)
@@ -146,13 +146,15 @@ func (t *MMIO) Restore(st TransportState) error {
 	if r, ok := t.dev.(Restorer); ok && st.Active {
 		r.Restored()
 	}
-	// A running device is always interrupted once: the state may have been
-	// taken between the device's last Push, which let the gate close and
-	// the snapshot go on, and its Report, so that the used ring in memory
-	// holds an entry whose interrupt neither this state nor the vCPU's
-	// LAPIC recorded. The guest would wait for that completion forever (a
-	// restored image sandbox hung on a virtio-blk request this way). A
-	// spurious interrupt costs the driver a look at its rings.
+	// A running device always gets one used-buffer interrupt (vsock gets
+	// its reset event's too): the state may have been taken between the
+	// device's last Push, which let the gate close and the snapshot go
+	// on, and its Report, so that the used ring in memory holds an entry
+	// whose interrupt neither this state nor the vCPU's LAPIC recorded,
+	// and the guest would wait for that completion forever (the likeliest
+	// cause of a restored image sandbox, every request queue drained,
+	// that never answered in CI). A spurious interrupt costs the driver a
+	// look at its rings.
 	switch {
 	case st.Active && st.Status&StatusNeedsReset == 0:
 		t.usedBuffer()

@@ -323,7 +323,7 @@ func testContainerdShim(t *testing.T, e *containerdEnv) {
 	// hears /tasks/oom for its container. The VM is sized by the spec's
 	// memory limit (256 MiB).
 	events := exec.Command(e.ctr, "--address", e.address, "--namespace", e.ns, "events")
-	var evOut bytes.Buffer
+	var evOut syncBuffer
 	events.Stdout, events.Env = &evOut, e.env
 	if err := events.Start(); err != nil {
 		t.Fatal(err)
@@ -331,7 +331,10 @@ func testContainerdShim(t *testing.T, e *containerdEnv) {
 	time.Sleep(time.Second)
 	e.ctrWant(137, "", append(ctrRun, "--rm", "--memory-limit", "268435456", ref, "coom", "python3", "-c",
 		"a = []\nwhile True: a.append(bytearray(32 << 20))")...)
-	time.Sleep(2 * time.Second)
+	// The event may trail the exit a little: watched for up to 10 s.
+	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline) && !regexpMatch(`/tasks/oom\s.*coom`, evOut.String()); {
+		time.Sleep(100 * time.Millisecond)
+	}
 	events.Process.Kill()
 	events.Wait()
 	if !regexpMatch(`/tasks/oom\s.*coom`, evOut.String()) {

@@ -212,6 +212,7 @@ func (c *Conn) Abort() error {
 		d.resetConn(c, true)
 		d.wake()
 	}
+	c.cond.Broadcast()
 	return nil
 }
 

@@ -24,7 +24,8 @@ const (
 	maxAcceptQueue = 64
 	maxCtrlQueue   = 1024
 	closeTimeout   = 5 * time.Second
-	firstHostPort  = 1 << 30 // local ports for host-initiated connections
+	firstHostPort  = 1 << 30   // local ports for host-initiated connections
+	portAny        = 1<<32 - 1 // VMADDR_PORT_ANY: never a connection's port
 )
 
 // Errors a connection reports.
@@ -521,7 +522,7 @@ func (d *Device) Dial(ctx context.Context, port uint32) (*Conn, error) {
 	for {
 		key = connKey{host: d.nextPort, guest: port}
 		d.nextPort++
-		if d.nextPort == 0 {
+		if d.nextPort == portAny {
 			d.nextPort = firstHostPort
 		}
 		if d.conns[key] == nil {
@@ -600,8 +601,8 @@ func (d *Device) RestoreState(raw json.RawMessage) error {
 	if err := strictjson.Decode(raw, &st); err != nil {
 		return fmt.Errorf("vsock: restore: %w", err)
 	}
-	if st.NextPort < firstHostPort {
-		return fmt.Errorf("vsock: restore: next host port %d is below the host's range (%d and up)", st.NextPort, uint32(firstHostPort))
+	if st.NextPort < firstHostPort || st.NextPort == portAny {
+		return fmt.Errorf("vsock: restore: next host port %d is outside the host's range (%d to %d)", st.NextPort, uint32(firstHostPort), uint32(portAny-1))
 	}
 	d.mu.Lock()
 	d.nextPort = st.NextPort

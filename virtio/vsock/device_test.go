@@ -337,7 +337,7 @@ func TestRestoredPortsGoOn(t *testing.T) {
 	if req := r.expect(opRequest); req.h.SrcPort <= last {
 		t.Errorf("the restored device's first connection is from port %d; want one after %d, the last the snapshot's used", req.h.SrcPort, last)
 	}
-	for _, bad := range []string{`{"next_port":5}`, `{"next_port":"x"}`, `{"next_port":1073741824,"extra":1}`, `[]`} {
+	for _, bad := range []string{`{"next_port":5}`, `{"next_port":4294967295}`, `{"next_port":"x"}`, `{"next_port":1073741824,"extra":1}`, `[]`} {
 		if err := newGuest(t).dev.RestoreState([]byte(bad)); err == nil {
 			t.Errorf("RestoreState(%s) = nil, want an error", bad)
 		}
