@@ -31,6 +31,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"syscall"
 	"time"
 
 	"github.com/capsa-sandbox/capsa/internal/cpio"
@@ -488,8 +489,49 @@ func (h *Host) runL1(ctx context.Context, job Job) (*Result, error) {
 	if l1Crashed(tail) {
 		return nil, fmt.Errorf("nested: %w (QEMU TCG's emulated SVM; not the job's doing)\nL1 console tail:\n%s", ErrL1Crashed, tail)
 	}
+	if why, ok := qemuAborted(cmd.ProcessState, qerr.Bytes()); ok {
+		// QEMU itself gave up (an assertion of its own): the machine L1
+		// is died under it, whatever L1 ran; a real CPU does not abort.
+		// It counts as L1's crash, with the same rules (run-e2e.sh: the
+		// tests it cut short run again once; twice in a run fails it).
+		when := "before the job started"
+		if p.ready > 0 {
+			when = "while the job ran"
+		}
+		return nil, fmt.Errorf("nested: %w: QEMU, which runs it, aborted %s (%s)\nL1 console tail:\n%s", ErrL1Crashed, when, why, tail)
+	}
 	return nil, fmt.Errorf("nested: L1 guest ended without reporting the job's status (qemu: %v %s)\nL1 console tail:\n%s",
 		err, strings.TrimSpace(qerr.String()), tail)
+}
+
+// qemuAborted reports whether QEMU ended on SIGABRT, and why: the last
+// line of its stderr that names a failed assertion, else its last line.
+// (Seen once in make test, before the session's job had printed
+// anything: "memory_region_get_ram_ptr: Assertion `mr->ram_block'
+// failed".)
+func qemuAborted(st *os.ProcessState, stderr []byte) (string, bool) {
+	if st == nil {
+		return "", false
+	}
+	ws, ok := st.Sys().(syscall.WaitStatus)
+	if !ok || !ws.Signaled() || ws.Signal() != syscall.SIGABRT {
+		return "", false
+	}
+	return abortReason(stderr), true
+}
+
+// abortReason picks the line of QEMU's stderr that says why it aborted.
+func abortReason(stderr []byte) string {
+	lines := strings.Split(strings.TrimSpace(string(stderr)), "\n")
+	for i := len(lines) - 1; i >= 0; i-- {
+		if strings.Contains(lines[i], "Assertion") || strings.Contains(lines[i], "assertion") {
+			return strings.TrimSpace(lines[i])
+		}
+	}
+	if last := strings.TrimSpace(lines[len(lines)-1]); last != "" {
+		return last
+	}
+	return "no message"
 }
 
 // l1Crashed reports whether L1's console shows its kernel crashed.
