@@ -14,17 +14,12 @@ import (
 )
 
 // Creating records a sandbox called name, of spec, being created in the
-// state directory dir, as a launcher does before its VMM runs. The
-// record's holder stays until release (at the test's end at the latest).
-func Creating(t testing.TB, dir, name string, spec sandbox.Spec) (release func()) {
+// state directory dir, as a launcher does before its VMM runs; the
+// record's holder stays until the test ends.
+func Creating(t testing.TB, dir, name string, spec sandbox.Spec) {
 	t.Helper()
-	st := open(t, dir)
-	lock, err := st.Create(&store.Record{Name: name, Spec: spec})
-	if err != nil {
-		t.Fatalf("supervisortest: record %s: %v", name, err)
-	}
+	lock := create(t, open(t, dir), name, spec)
 	t.Cleanup(func() { lock.Close() })
-	return func() { lock.Close() }
 }
 
 // Exited records a sandbox called name, of spec, that ended with exit
@@ -32,18 +27,25 @@ func Creating(t testing.TB, dir, name string, spec sandbox.Spec) (release func()
 func Exited(t testing.TB, dir, name string, spec sandbox.Spec, code int, reason string) {
 	t.Helper()
 	st := open(t, dir)
-	lock, err := st.Create(&store.Record{Name: name, Spec: spec})
-	if err != nil {
-		t.Fatalf("supervisortest: record %s: %v", name, err)
-	}
+	lock := create(t, st, name, spec)
 	defer lock.Close()
-	err = st.Update(name, func(r *store.Record) error {
+	err := st.Update(name, func(r *store.Record) error {
 		r.State, r.ExitCode, r.Reason = store.Exited, &code, reason
 		return nil
 	})
 	if err != nil {
 		t.Fatalf("supervisortest: record %s as exited: %v", name, err)
 	}
+}
+
+// create makes the record of a sandbox being created and holds it.
+func create(t testing.TB, st *store.Store, name string, spec sandbox.Spec) *store.Lock {
+	t.Helper()
+	lock, err := st.Create(&store.Record{Name: name, Spec: spec})
+	if err != nil {
+		t.Fatalf("supervisortest: record %s: %v", name, err)
+	}
+	return lock
 }
 
 // Recorded reports whether dir holds a record called name.

@@ -332,12 +332,13 @@ func testContainerdShim(t *testing.T, e *containerdEnv) {
 	e.ctrWant(137, "", append(ctrRun, "--rm", "--memory-limit", "268435456", ref, "coom", "python3", "-c",
 		"a = []\nwhile True: a.append(bytearray(32 << 20))")...)
 	// The event may trail the exit a little: watched for up to 10 s.
-	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline) && !regexpMatch(`/tasks/oom\s.*coom`, evOut.String()); {
+	oomEvent := regexp.MustCompile(`/tasks/oom\s.*coom`)
+	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline) && !oomEvent.MatchString(evOut.String()); {
 		time.Sleep(100 * time.Millisecond)
 	}
 	events.Process.Kill()
 	events.Wait()
-	if !regexpMatch(`/tasks/oom\s.*coom`, evOut.String()) {
+	if !oomEvent.MatchString(evOut.String()) {
 		t.Errorf("ctr events while coom ran out of memory = %q, want /tasks/oom for coom", tailLines(evOut.String(), 20))
 	}
 
