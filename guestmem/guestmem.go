@@ -168,6 +168,7 @@ func hashRun(w io.Writer, off int64, run []byte) error {
 	return nil
 }
 
+// pageSize is the x86 page, the guest's and the host's.
 const pageSize = 4096
 
 // dataRuns calls fn with each run of pages that are not all zero (at
@@ -381,6 +382,44 @@ func (m *Memory) PutUint64(gpa uint64, v uint64) error {
 	}
 	binary.LittleEndian.PutUint64(b, v)
 	return nil
+}
+
+// Discard gives the host back the whole 4 KiB pages inside b, which must
+// alias this memory as Slice's results do: the host frees them at once,
+// and the guest's next access finds them zero (memory New mapped) or as
+// the snapshot file holds them (memory Map mapped). It is for pages the
+// guest said it no longer uses (the balloon's), so either is as good. It
+// returns how many bytes it gave back. Memory this package did not map
+// (FromRegions) is cleared instead, its pages left to the Go heap.
+func (m *Memory) Discard(b []byte) (uint64, error) {
+	if len(b) == 0 {
+		return 0, nil
+	}
+	start := addrOf(b)
+	end := start + uint64(len(b))
+	for _, r := range m.regions {
+		if len(r.Host) == 0 {
+			continue
+		}
+		rs := addrOf(r.Host)
+		if start < rs || end > rs+uint64(len(r.Host)) {
+			continue
+		}
+		lo, hi := (start+pageSize-1)&^(pageSize-1), end&^(pageSize-1)
+		if lo >= hi {
+			return 0, nil
+		}
+		p := r.Host[lo-rs : hi-rs]
+		if !m.mapped {
+			clear(p)
+			return uint64(len(p)), nil
+		}
+		if err := unix.Madvise(p, unix.MADV_DONTNEED); err != nil {
+			return 0, fmt.Errorf("discard %d bytes of guest memory at %#x: %w", len(p), r.GPA+(lo-rs), err)
+		}
+		return uint64(len(p)), nil
+	}
+	return 0, fmt.Errorf("%w: discard of %d bytes that do not lie in one region of guest memory", ErrOutOfRange, len(b))
 }
 
 // Resident is how many bytes of guest RAM the host holds in memory now

@@ -241,3 +241,97 @@ func TestNewAlignsOnHugePages(t *testing.T) {
 		}
 	}
 }
+
+// TestDiscard: the whole pages inside a slice go back to the host (no
+// longer resident, zero again); a partial page at either end is kept;
+// a mapped snapshot's page reverts to the file's content; a slice that is
+// not guest memory is refused.
+func TestDiscard(t *testing.T) {
+	m, err := New(8 << 20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	for gpa := uint64(0); gpa < 4<<20; gpa += 4096 {
+		if err := m.PutUint8(gpa+100, 7); err != nil {
+			t.Fatal(err)
+		}
+	}
+	before, err := m.Resident()
+	if err != nil {
+		t.Fatal(err)
+	}
+	// From the middle of page 1 to the middle of page 1+512+1: 512 whole
+	// pages (2 MiB) inside.
+	b, err := m.Slice(4096+2048, 2<<20+4096)
+	if err != nil {
+		t.Fatal(err)
+	}
+	n, err := m.Discard(b)
+	if err != nil || n != 2<<20 {
+		t.Fatalf("Discard() = %d, %v; want %d", n, err, 2<<20)
+	}
+	after, err := m.Resident()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if before-after < 2<<20 {
+		t.Errorf("resident %d before, %d after discarding 2 MiB", before, after)
+	}
+	for _, c := range []struct {
+		gpa  uint64
+		want uint8
+	}{{4096 + 100, 7}, {2*4096 + 100, 0}, {(1+512)*4096 + 100, 0}, {(2+512)*4096 + 100, 7}} {
+		if v, _ := m.Uint8(c.gpa); v != c.want {
+			t.Errorf("byte at %#x after the discard = %d, want %d", c.gpa, v, c.want)
+		}
+	}
+	if n, err := m.Discard(b[:100]); err != nil || n != 0 {
+		t.Errorf("Discard() of less than a page = %d, %v; want 0, nil", n, err)
+	}
+	if _, err := m.Discard(make([]byte, 8192)); !errors.Is(err, ErrOutOfRange) {
+		t.Errorf("Discard() of a slice outside guest memory = %v, want ErrOutOfRange", err)
+	}
+
+	// A snapshot's page discarded reads as the file has it.
+	f, err := os.Create(filepath.Join(t.TempDir(), "mem"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if err := m.WriteFile(f, nil); err != nil {
+		t.Fatal(err)
+	}
+	r, err := Map(f, m.Size())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	if err := r.PutUint8(3<<20+100, 9); err != nil {
+		t.Fatal(err)
+	}
+	p, _ := r.Slice(3<<20, 4096)
+	if n, err := r.Discard(p); err != nil || n != 4096 {
+		t.Fatalf("Discard() of a mapped page = %d, %v", n, err)
+	}
+	if v, _ := r.Uint8(3<<20 + 100); v != 7 {
+		t.Errorf("a discarded page of a mapped file reads %d, want the file's 7", v)
+	}
+
+	// Memory the package did not map is cleared.
+	heap := make([]byte, 3*4096)
+	for i := range heap {
+		heap[i] = 1
+	}
+	h, err := FromRegions(Region{GPA: 0, Host: heap})
+	if err != nil {
+		t.Fatal(err)
+	}
+	n, err = h.Discard(heap)
+	if err != nil || n == 0 || n > uint64(len(heap)) {
+		t.Fatalf("Discard() of FromRegions memory = %d, %v", n, err)
+	}
+	if bytes.Count(heap, []byte{0}) != int(n) {
+		t.Errorf("%d bytes cleared, want %d", bytes.Count(heap, []byte{0}), n)
+	}
+}

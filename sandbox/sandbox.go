@@ -30,6 +30,7 @@ import (
 	"github.com/capsa-sandbox/capsa/internal/assets"
 	"github.com/capsa-sandbox/capsa/snapshot"
 	"github.com/capsa-sandbox/capsa/tlsproxy"
+	virtioballoon "github.com/capsa-sandbox/capsa/virtio/balloon"
 	virtioblk "github.com/capsa-sandbox/capsa/virtio/blk"
 	"github.com/capsa-sandbox/capsa/virtio/ninep"
 	"github.com/capsa-sandbox/capsa/virtio/vsock"
@@ -38,6 +39,9 @@ import (
 
 // guestCID is every sandbox's context id: each VM has its own vsock device.
 const guestCID = 3
+
+// balloonID is the memory balloon's device id.
+const balloonID = "balloon"
 
 // DefaultReadyTimeout bounds the wait for the guest agent.
 const DefaultReadyTimeout = 60 * time.Second
@@ -254,6 +258,7 @@ type Sandbox struct {
 	hub     *hubServer // the guest's mailbox and key-value store
 	shares  []*ninep.Device
 	disks   []*virtioblk.Device
+	balloon *virtioballoon.Device // nil: restored from a snapshot without one
 	rootfs  *rootfs
 	net     *network
 	lim     *limiters // the devices' I/O limits
@@ -469,6 +474,12 @@ func boot(ctx context.Context, c config, root *rootfs, snap *snapshot.Snapshot, 
 	for i, d := range userDisks {
 		devices = append(devices, vmm.Device{ID: "blk:" + diskSerial(i), Device: d})
 	}
+	// The balloon gives the host back the memory the guest frees. A
+	// snapshot taken before capsa had one restores without it.
+	if snap == nil || snap.State.HasDevice(balloonID) {
+		s.balloon = virtioballoon.New(log)
+		devices = append(devices, vmm.Device{ID: balloonID, Device: s.balloon})
+	}
 	vcfg := vmm.Config{
 		Kernel: kernel, Initrd: initrd, CPUs: c.CPUs, MemoryBytes: uint64(c.MemoryMiB) << 20,
 		Cmdline: strings.Join(cmdline, " "), Console: c.console,
@@ -545,6 +556,9 @@ func (s *Sandbox) release() error {
 		err = errors.Join(err, d.Close())
 	}
 	err = errors.Join(err, closeDisks(s.disks), s.rootfs.remove())
+	if s.balloon != nil {
+		err = errors.Join(err, s.balloon.Close())
+	}
 	return errors.Join(err, s.net.close())
 }
 

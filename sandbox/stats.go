@@ -5,6 +5,7 @@ import (
 	"time"
 
 	"github.com/capsa-sandbox/capsa/netstack"
+	virtioballoon "github.com/capsa-sandbox/capsa/virtio/balloon"
 	"github.com/capsa-sandbox/capsa/vmm"
 	"golang.org/x/sys/unix"
 )
@@ -23,6 +24,10 @@ type Stats struct {
 	// guest's configured RAM, its bound.
 	MemoryResident uint64 `json:"memory_resident_bytes"`
 	MemoryBytes    uint64 `json:"memory_bytes"`
+	// MemoryReturned is the guest RAM the guest gave back to the host
+	// since it started (free pages its balloon reported), a total: a
+	// page freed, used again and freed again counts twice.
+	MemoryReturned uint64 `json:"memory_returned_bytes"`
 	// Network: frames and bytes the guest received (Rx) and sent (Tx);
 	// zero without a network.
 	NetRxBytes   uint64 `json:"net_rx_bytes"`
@@ -70,6 +75,10 @@ func (s *Sandbox) Stats() (*Stats, error) {
 	if err := unix.Getrusage(unix.RUSAGE_SELF, &ru); err == nil {
 		proc := time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 		st.VMMCPUTime = max(proc-vs.CPUTime, 0)
+	}
+	if s.balloon != nil {
+		b := s.balloon.Stats()
+		st.MemoryReturned = b.Reported + b.Inflated*virtioballoon.PageSize
 	}
 	for _, d := range s.disks {
 		b := d.Stats()

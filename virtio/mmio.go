@@ -12,10 +12,11 @@ import (
 
 // Device types (virtio 1.2 §5).
 const (
-	TypeNet   = 1
-	TypeBlock = 2
-	Type9P    = 9
-	TypeVsock = 19
+	TypeNet     = 1
+	TypeBlock   = 2
+	TypeBalloon = 5
+	Type9P      = 9
+	TypeVsock   = 19
 )
 
 // FeatureVersion1 is VIRTIO_F_VERSION_1: the device is a modern one. The

@@ -334,6 +334,12 @@ func (c *Chain) TakeWritable(n int) [][]byte {
 	return out
 }
 
+// Writable returns the writable buffers as slices of guest memory without
+// consuming them or counting them as written, for a device that writes
+// nothing into them but acts on the memory they name (the balloon's
+// reported free pages).
+func (c *Chain) Writable() [][]byte { return c.writable }
+
 // take consumes up to n bytes of bufs from position (*idx, *off) and
 // returns them as slices, and how many bytes they hold.
 func take(bufs [][]byte, idx, off *int, n int) ([][]byte, int) {

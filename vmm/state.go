@@ -36,6 +36,18 @@ type State struct {
 	Virtio []DeviceState `json:"virtio"`
 }
 
+// HasDevice reports whether the state holds a virtio device with this id
+// (a device capsa added later than the state was saved is left out of a
+// restore of it).
+func (st *State) HasDevice(id string) bool {
+	for _, d := range st.Virtio {
+		if d.ID == id {
+			return true
+		}
+	}
+	return false
+}
+
 // DeviceState is one virtio device's transport state under its id.
 type DeviceState struct {
 	ID string `json:"id"`

@@ -143,6 +143,8 @@ var (
 			func(s *sandbox.Stats) float64 { return float64(s.MemoryResident) }),
 		perSandbox("memory_bytes", "Guest memory configured.", "gauge",
 			func(s *sandbox.Stats) float64 { return float64(s.MemoryBytes) }),
+		perSandbox("memory_returned_bytes_total", "Guest memory the guest freed and gave back to the host.", "counter",
+			func(s *sandbox.Stats) float64 { return float64(s.MemoryReturned) }),
 		perSandbox("uptime_seconds", "Time since the sandbox started.", "gauge",
 			func(s *sandbox.Stats) float64 { return s.Uptime.Seconds() }),
 		perSandbox("network_receive_bytes_total", "Bytes the guest received.", "counter",

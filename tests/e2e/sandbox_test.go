@@ -31,7 +31,13 @@ func newSandbox(t testing.TB, ctx context.Context, cpus int) *sandbox.Sandbox {
 // state if the test failed.
 func startSandbox(t testing.TB, ctx context.Context, b *sandbox.Builder) *sandbox.Sandbox {
 	t.Helper()
-	sb, err := b.Memory(256).
+	return startSized(t, ctx, b.Memory(256))
+}
+
+// startSized is startSandbox for a builder that sets its own memory size.
+func startSized(t testing.TB, ctx context.Context, b *sandbox.Builder) *sandbox.Sandbox {
+	t.Helper()
+	sb, err := b.
 		Kernel(artifact(t, "vmlinux")).Initrd(artifact(t, "initramfs.cpio")).
 		Run("sleep", "100000").Start(ctx)
 	if err != nil {

@@ -25,6 +25,13 @@ func NewDriver(size int) *Driver {
 	if err != nil {
 		panic(err)
 	}
+	return NewDriverOn(mem)
+}
+
+// NewDriverOn returns a driver allocating in mem (from 4 KiB up, mem's
+// first region starting at 0), for tests that need memory guestmem.New
+// mapped.
+func NewDriverOn(mem *guestmem.Memory) *Driver {
 	return &Driver{Mem: mem, next: 0x1000}
 }
 
@@ -116,6 +123,33 @@ func (q *Queue) AddChain(outs [][]byte, ins []int) (uint16, error) {
 	if len(bufs) == 0 {
 		bufs = append(bufs, buffer{q.d.alloc(8, 8), 0, false})
 	}
+	return q.postLocked(bufs)
+}
+
+// Buffer is one descriptor's buffer at an address the test chose.
+type Buffer struct {
+	Addr  uint64
+	Len   uint32
+	Write bool // device-writable
+}
+
+// AddBuffers makes a chain of bufs, as they are, available to the device:
+// for buffers the test placed itself (pages a balloon driver gives up),
+// or that lie outside memory.
+func (q *Queue) AddBuffers(bufs []Buffer) (uint16, error) {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	var bs []buffer
+	for _, b := range bufs {
+		bs = append(bs, buffer{b.Addr, b.Len, b.Write})
+	}
+	if len(bs) == 0 {
+		return 0, fmt.Errorf("virtiotest: a chain of no buffers")
+	}
+	return q.postLocked(bs)
+}
+
+func (q *Queue) postLocked(bufs []buffer) (uint16, error) {
 	if len(bufs) > len(q.free) {
 		return 0, fmt.Errorf("virtiotest: queue full")
 	}
