@@ -1,6 +1,7 @@
 package image
 
 import (
+	"bytes"
 	"errors"
 	"os"
 	"os/exec"
@@ -8,6 +9,7 @@ import (
 	"testing"
 
 	v1 "github.com/google/go-containerregistry/pkg/v1"
+	"golang.org/x/sys/unix"
 )
 
 func TestResolve(t *testing.T) {
@@ -74,5 +76,62 @@ func TestCreateUpper(t *testing.T) {
 		if out, err := exec.Command(e2fsck, "-fn", p).CombinedOutput(); err != nil {
 			t.Errorf("e2fsck -fn: %v\n%s", err, out)
 		}
+	}
+	// A 1 GiB layer takes the disk of its metadata, not of its inode
+	// tables' zeros (32 MiB).
+	big := t.TempDir() + "/big.ext4"
+	if err := CreateUpper(big, 1<<30); err != nil {
+		t.Fatal(err)
+	}
+	var st unix.Stat_t
+	if err := unix.Stat(big, &st); err != nil || st.Blocks*512 > 4<<20 {
+		t.Errorf("a 1 GiB layer takes %d bytes on disk (%v), want at most 4 MiB", st.Blocks*512, err)
+	}
+}
+
+// TestSparseFile: zeros written to a block never written are skipped (the
+// file stays a hole there); zeros over data, whole or partial, are
+// written; the file reads as the writes in order would leave it.
+func TestSparseFile(t *testing.T) {
+	f, err := os.Create(t.TempDir() + "/f")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	const size = 64 << 10
+	if err := f.Truncate(size); err != nil {
+		t.Fatal(err)
+	}
+	want := make([]byte, size)
+	s := newSparseFile(f, size)
+	write := func(p []byte, off int64) {
+		t.Helper()
+		if n, err := s.WriteAt(p, off); err != nil || n != len(p) {
+			t.Fatalf("WriteAt(%d bytes at %d) = %d, %v", len(p), off, n, err)
+		}
+		copy(want[off:], p)
+	}
+	data := bytes.Repeat([]byte{7}, 6000)
+	write(make([]byte, size), 0)    // all zeros: nothing written
+	write(data, 5000)               // blocks 1 and 2
+	write(make([]byte, 100), 5100)  // zeros into data: written
+	write(make([]byte, 4096), 8192) // block 2 (data) zeroed: written
+	write([]byte{0, 0, 9}, 40000)   // a partial block, data after zeros
+	got := make([]byte, size)
+	if _, err := f.ReadAt(got, 0); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(got, want) {
+		t.Error("the file differs from the writes in order")
+	}
+	var st unix.Stat_t
+	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
+		t.Fatal(err)
+	}
+	if st.Blocks*512 > 4*4096 {
+		t.Errorf("%d bytes on disk, want at most the 4 blocks written with data", st.Blocks*512)
+	}
+	if _, err := s.WriteAt([]byte{1}, -1); err == nil {
+		t.Error("WriteAt at a negative offset = nil error")
 	}
 }

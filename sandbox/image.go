@@ -9,6 +9,7 @@ import (
 
 	"github.com/capsa-sandbox/capsa/image"
 	"github.com/capsa-sandbox/capsa/ratelimit"
+	"github.com/capsa-sandbox/capsa/snapshot"
 	virtioblk "github.com/capsa-sandbox/capsa/virtio/blk"
 )
 
@@ -126,7 +127,18 @@ func prepareImage(ctx context.Context, c config) (*rootfs, error) {
 	if img.RootfsSize > ic.RootfsSize {
 		return nil, fmt.Errorf("sandbox: image %s is %d MiB, more than the root filesystem size of %d MiB", ic.Ref, img.RootfsSize>>20, ic.RootfsSize>>20)
 	}
-	return newRootfs(c, store, img, func(path string) error { return image.CreateUpper(path, ic.RootfsSize) })
+	return newRootfs(c, store, img, func(path string) error { return newUpper(store, ic.RootfsSize, path) })
+}
+
+// newUpper makes path an empty writable layer of size bytes: a copy of
+// the store's template.
+func newUpper(store *image.Store, size int64, path string) error {
+	f, err := store.OpenUpperTemplate(size)
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	return snapshot.CloneFrom(f, path)
 }
 
 // openImageStore opens the image store c's image comes from.

@@ -74,7 +74,10 @@ func (m *Machine) MarkAt(what string, at time.Duration) {
 }
 
 // virtioNames name the device types capsa attaches.
-var virtioNames = map[uint32]string{1: "net", 2: "block", 9: "9p", 19: "vsock"}
+var virtioNames = map[uint32]string{
+	virtio.TypeNet: "net", virtio.TypeBlock: "block", virtio.TypeBalloon: "balloon",
+	virtio.Type9P: "9p", virtio.TypeVsock: "vsock",
+}
 
 // markVirtio notes the guest's first virtio-mmio access and, after a
 // write, a driver that just set DRIVER_OK.
