@@ -215,6 +215,9 @@ func TestRestoreMatchesDevicesByID(t *testing.T) {
 	if err := saved().Check(cfg); err != nil {
 		t.Fatalf("Check(the same devices in another order) = %v", err)
 	}
+	if st := saved(); !st.HasDevice("9p:/mnt/data") || st.HasDevice("balloon") {
+		t.Error(`HasDevice("9p:/mnt/data"), HasDevice("balloon") = false, true; want true, false`)
+	}
 	got := saved().deviceOrder(devs)
 	if len(got) != 3 || got[0].ID != "vsock" || got[1].ID != "9p:/mnt/work" || got[2].ID != "9p:/mnt/data" ||
 		got[1].Device != virtio.Device(work) || got[2].Device != virtio.Device(data) {
