@@ -88,6 +88,11 @@ type Stateful interface {
 	RestoreState(json.RawMessage) error
 }
 
+// NoState reports whether a Stateful device's saved state is absent (a
+// snapshot taken before the device kept one, or of a device that was not
+// running): RestoreState then leaves the device as a new one.
+func NoState(raw json.RawMessage) bool { return len(raw) == 0 || string(raw) == "null" }
+
 // Restorer is a device that has something to tell the guest when it
 // comes back from a snapshot, once running on its restored queues
 // (vsock: that its transport was reset).

@@ -312,7 +312,7 @@ func (st *sessionSnapshot) check() error {
 // an error. The state is untrusted: checked first, and every path is
 // walked by the file server, which keeps it inside the share.
 func (d *Device) RestoreState(raw json.RawMessage) error {
-	if len(raw) == 0 || string(raw) == "null" {
+	if virtio.NoState(raw) {
 		return nil
 	}
 	var st sessionSnapshot

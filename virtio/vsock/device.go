@@ -594,7 +594,7 @@ func (d *Device) SaveState() (json.RawMessage, error) {
 // below the host's range is refused. A snapshot that has none (taken
 // before the device kept one) leaves the ports where a new device starts.
 func (d *Device) RestoreState(raw json.RawMessage) error {
-	if len(raw) == 0 || string(raw) == "null" {
+	if virtio.NoState(raw) {
 		return nil
 	}
 	var st deviceState
