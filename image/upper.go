@@ -2,7 +2,6 @@ package image
 
 import (
 	"bytes"
-	"errors"
 	"fmt"
 	"io/fs"
 	"os"
@@ -66,7 +65,9 @@ func makeUpper(f *os.File, size int64) error {
 // or a copy of its megabyte of metadata): go-diskfs makes the file system
 // in 0.15 s of CPU on the development machine, but in 1.4 s in the nested
 // host, which every image sandbox's start paid. The file is opened
-// without following a symlink and must be a regular file of the size.
+// without following a symlink and must be a regular file of the size;
+// anything else in its place (a symlink, a short file) is replaced by a
+// new template, the rename taking the name without following it.
 func (s *Store) OpenUpperTemplate(size int64) (*os.File, error) {
 	if size < MinUpperSize {
 		return nil, fmt.Errorf("image: writable layer of %d bytes: at least %d", size, MinUpperSize)
@@ -76,11 +77,11 @@ func (s *Store) OpenUpperTemplate(size int64) (*os.File, error) {
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return nil, fmt.Errorf("image: writable layer template: %w", err)
 	}
-	p := filepath.Join(dir, fmt.Sprintf("%d.ext4", size))
+	p := filepath.Join(dir, fmt.Sprintf("v%d-%d.ext4", upperTemplateVersion, size))
 	f, err := openTemplate(p, size)
-	if errors.Is(err, fs.ErrNotExist) {
+	if err != nil {
 		if err := s.writeAtomic(p, func(f *os.File) error { return makeUpper(f, size) }, nil); err != nil {
-			return nil, err
+			return nil, fmt.Errorf("image: make the writable layer template %s: %w", p, err)
 		}
 		f, err = openTemplate(p, size)
 	}
@@ -90,6 +91,13 @@ func (s *Store) OpenUpperTemplate(size int64) (*os.File, error) {
 	return f, nil
 }
 
+// upperTemplateVersion names the templates makeUpper makes: a change to
+// the file system it makes (or to go-diskfs's) bumps it, so that an
+// older template is not used again.
+const upperTemplateVersion = 1
+
+// openTemplate opens the template at p: a regular file of size bytes,
+// not through a symlink.
 func openTemplate(p string, size int64) (*os.File, error) {
 	f, err := os.OpenFile(p, os.O_RDONLY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
 	if err != nil {

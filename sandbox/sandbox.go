@@ -475,8 +475,10 @@ func boot(ctx context.Context, c config, root *rootfs, snap *snapshot.Snapshot, 
 		devices = append(devices, vmm.Device{ID: "blk:" + diskSerial(i), Device: d})
 	}
 	// The balloon gives the host back the memory the guest frees. A
-	// snapshot taken before capsa had one restores without it.
-	if snap == nil || snap.State.HasDevice(balloonID) {
+	// snapshot taken before capsa had one restores without it, and a
+	// sandbox whose shares, volumes and disks take every device slot
+	// has none.
+	if (snap == nil && len(devices) < vmm.MaxVirtioDevices) || (snap != nil && snap.State.HasDevice(balloonID)) {
 		s.balloon = virtioballoon.New(log)
 		devices = append(devices, vmm.Device{ID: balloonID, Device: s.balloon})
 	}
@@ -545,8 +547,16 @@ func (s *Sandbox) release() error {
 	if s.client != nil {
 		s.client.Close()
 	}
+	// The devices that act on guest memory from goroutines of their own
+	// stop, and wait for them, before the VM's Close unmaps that memory:
+	// a balloon still at work would discard pages of whatever is mapped
+	// there next.
+	if s.balloon != nil {
+		err = s.balloon.Close()
+	}
+	err = errors.Join(err, closeDisks(s.disks))
 	if s.vm != nil {
-		err = s.vm.Close()
+		err = errors.Join(err, s.vm.Close())
 	}
 	if s.hybrid != nil {
 		err = errors.Join(err, s.hybrid.Close())
@@ -555,10 +565,7 @@ func (s *Sandbox) release() error {
 	for _, d := range s.shares {
 		err = errors.Join(err, d.Close())
 	}
-	err = errors.Join(err, closeDisks(s.disks), s.rootfs.remove())
-	if s.balloon != nil {
-		err = errors.Join(err, s.balloon.Close())
-	}
+	err = errors.Join(err, s.rootfs.remove())
 	return errors.Join(err, s.net.close())
 }
 

@@ -24,9 +24,11 @@ type Stats struct {
 	// guest's configured RAM, its bound.
 	MemoryResident uint64 `json:"memory_resident_bytes"`
 	MemoryBytes    uint64 `json:"memory_bytes"`
-	// MemoryReturned is the guest RAM the guest gave back to the host
-	// since it started (free pages its balloon reported), a total: a
-	// page freed, used again and freed again counts twice.
+	// MemoryReturned is the guest RAM the guest reported free through
+	// its balloon and the host discarded since it started, a total: it
+	// counts free memory the host never held too (the guest reports all
+	// its free memory over its first half minute), and a page freed,
+	// used again and freed again twice.
 	MemoryReturned uint64 `json:"memory_returned_bytes"`
 	// Network: frames and bytes the guest received (Rx) and sent (Tx);
 	// zero without a network.

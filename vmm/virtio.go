@@ -15,7 +15,11 @@ import (
 // virtio-mmio devices sit at the bottom of the MMIO hole, one 4 KiB window
 // each, with interrupts on IOAPIC pins from 5 up (0-4 and 8 are the legacy
 // timer, keyboard, cascade, COM ports and RTC).
-var virtioGSIs = []uint32{5, 6, 7, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23}
+var virtioGSIs = [...]uint32{5, 6, 7, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23}
+
+// MaxVirtioDevices is how many virtio devices a VM can have: one
+// interrupt line each.
+const MaxVirtioDevices = len(virtioGSIs)
 
 const virtioMMIOBase = guestmem.MMIOStart
 

@@ -143,7 +143,7 @@ var (
 			func(s *sandbox.Stats) float64 { return float64(s.MemoryResident) }),
 		perSandbox("memory_bytes", "Guest memory configured.", "gauge",
 			func(s *sandbox.Stats) float64 { return float64(s.MemoryBytes) }),
-		perSandbox("memory_returned_bytes_total", "Guest memory the guest freed and gave back to the host.", "counter",
+		perSandbox("memory_returned_bytes_total", "Guest memory the guest reported free and the host discarded (free memory it never held included).", "counter",
 			func(s *sandbox.Stats) float64 { return float64(s.MemoryReturned) }),
 		perSandbox("uptime_seconds", "Time since the sandbox started.", "gauge",
 			func(s *sandbox.Stats) float64 { return s.Uptime.Seconds() }),

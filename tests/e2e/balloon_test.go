@@ -39,6 +39,7 @@ func TestBalloonGivesMemoryBack(t *testing.T) {
 	if full.MemoryResident < base+fill*9/10 {
 		t.Fatalf("the host holds %d MiB of guest memory after the guest filled 200 MiB, %d MiB before: the test's premise fails", full.MemoryResident>>20, base>>20)
 	}
+	returned := full.MemoryReturned
 	run("rm /tmp/fill")
 	freed := time.Now()
 	var st *sandbox.Stats
@@ -53,10 +54,13 @@ func TestBalloonGivesMemoryBack(t *testing.T) {
 		}
 		time.Sleep(200 * time.Millisecond)
 	}
-	t.Logf("guest memory the host holds: %d MiB at the start, %d MiB filled, %d MiB %v after the free (%d MiB returned in all)",
-		base>>20, full.MemoryResident>>20, st.MemoryResident>>20, time.Since(freed).Round(100*time.Millisecond), st.MemoryReturned>>20)
-	if st.MemoryReturned < fill*3/4 {
-		t.Errorf("Stats().MemoryReturned = %d MiB, want at least what the host gave back", st.MemoryReturned>>20)
+	t.Logf("guest memory the host holds: %d MiB at the start, %d MiB filled, %d MiB %v after the free (%d MiB reported since the free, %d MiB in all)",
+		base>>20, full.MemoryResident>>20, st.MemoryResident>>20, time.Since(freed).Round(100*time.Millisecond), (st.MemoryReturned-returned)>>20, st.MemoryReturned>>20)
+	// The counter is checked exactly by the device's unit test; here only
+	// that it accounts for what came back (the guest's report of its
+	// untouched free memory, over its first half minute, may add to it).
+	if got := st.MemoryReturned - returned; got < full.MemoryResident-st.MemoryResident {
+		t.Errorf("Stats().MemoryReturned grew by %d MiB after the free, want at least the %d MiB the host gave back", got>>20, (full.MemoryResident-st.MemoryResident)>>20)
 	}
 	// The memory works after it came back: fill and check it again.
 	run("dd if=/dev/zero of=/tmp/fill bs=1M count=100 && rm /tmp/fill")

@@ -123,7 +123,7 @@ func TestReportingGivesPagesBack(t *testing.T) {
 	if u.Len != 0 {
 		t.Errorf("the device wrote %d bytes into reported pages, want 0", u.Len)
 	}
-	if after := g.resident(); before-after < 4<<20 {
+	if after := g.resident(); after+4<<20 > before {
 		t.Errorf("resident %d bytes before the report, %d after; want 4 MiB less", before, after)
 	}
 	for _, c := range []struct {
