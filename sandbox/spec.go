@@ -28,6 +28,9 @@ type Spec struct {
 	// its vCPUs and its own threads together (Builder.CPUQuota); 0: as
 	// many as it has vCPUs.
 	CPUQuota float64 `json:"cpu_quota,omitempty"`
+	// Balloon gives the host back the memory the guest frees
+	// (Builder.Balloon).
+	Balloon bool `json:"balloon,omitempty"`
 	// Limits are the sandbox's I/O limits (Builder.Limits); zero: none.
 	Limits ratelimit.Limits `json:"limits,omitzero"`
 	Env    []string         `json:"env,omitempty"`    // KEY=VALUE for every process
@@ -187,6 +190,7 @@ func FromSpec(s Spec) *Workload {
 	if s.CPUQuota != 0 {
 		b.CPUQuota(s.CPUQuota)
 	}
+	b.Balloon(s.Balloon)
 	if s.Limits != (ratelimit.Limits{}) {
 		b.Limits(s.Limits)
 	}

@@ -37,7 +37,7 @@ func TestSpecRoundTrip(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	b := New().CPUs(2).Memory(256).Env("A=1", "B=two words").Kernel("/k").Initrd("/i").
+	b := New().CPUs(2).Memory(256).Balloon(true).Env("A=1", "B=two words").Kernel("/k").Initrd("/i").
 		Watchdog(time.Minute).ReadyTimeout(30*time.Second).OutputLimit(1<<20).
 		Share(dir, "/data", ReadOnly).Disk(diskPath, ReadWrite).
 		Network(policy).Publish("8080:80").DNSServer("1.1.1.1:53").
@@ -47,7 +47,7 @@ func TestSpecRoundTrip(t *testing.T) {
 	if err != nil {
 		t.Fatalf("Spec() = %v", err)
 	}
-	if run.CPUs != 2 || run.Shares[0].Host != dir || run.Network.Publish[0] != "8080:80" || run.Main.Argv[2] != "echo hi" {
+	if run.CPUs != 2 || !run.Balloon || run.Shares[0].Host != dir || run.Network.Publish[0] != "8080:80" || run.Main.Argv[2] != "echo hi" {
 		t.Fatalf("Spec() = %+v, missing what the builder set", run)
 	}
 	got, err := roundTrip(t, run)

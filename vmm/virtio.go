@@ -43,8 +43,8 @@ func newEventFD() (*os.File, error) {
 // attachVirtio places each configured device behind a virtio-mmio transport
 // and returns the kernel command line arguments that declare them.
 func (m *Machine) attachVirtio() (string, error) {
-	if len(m.cfg.Devices) > len(virtioGSIs) {
-		return "", fmt.Errorf("vmm: %d virtio devices, at most %d", len(m.cfg.Devices), len(virtioGSIs))
+	if len(m.cfg.Devices) > MaxVirtioDevices {
+		return "", fmt.Errorf("vmm: %d virtio devices, at most %d", len(m.cfg.Devices), MaxVirtioDevices)
 	}
 	var args string
 	for i, dev := range m.cfg.Devices {

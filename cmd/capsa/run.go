@@ -38,6 +38,7 @@ func runOrCreate(ctx context.Context, cmdName string, args []string, stdout, std
 	fs := newFlags(cmdName, "[flags] -- CMD [ARGS...]", stdout)
 	cpus := fs.Int("cpus", 1, "number of vCPUs")
 	memory := fs.String("memory", "512M", "guest memory (e.g. 512M, 2G)")
+	balloon := fs.Bool("balloon", false, "give the host back the memory the guest frees, about 2 s after (a virtio-balloon with free page reporting)")
 	env := fs.StringArrayP("env", "e", nil, "set K=V in the command's environment (repeatable)")
 	dir := fs.StringP("workdir", "w", "", "working directory in the guest")
 	interactive := fs.BoolP("interactive", "i", false, "pass standard input to the command")
@@ -137,7 +138,7 @@ func runOrCreate(ctx context.Context, cmdName string, args []string, stdout, std
 		}
 		*env = append([]string{"TERM=" + termName()}, *env...)
 	}
-	b := sandbox.New().CPUs(*cpus).Memory(int(mem >> 20)).Env(*env...).Watchdog(*watchdog)
+	b := sandbox.New().CPUs(*cpus).Memory(int(mem >> 20)).Balloon(*balloon).Env(*env...).Watchdog(*watchdog)
 	if err := host.apply(fs, b, *detach); err != nil {
 		return fail("%v", err)
 	}

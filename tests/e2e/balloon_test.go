@@ -16,7 +16,7 @@ import (
 func TestBalloonGivesMemoryBack(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 	defer cancel()
-	sb := startSized(t, ctx, sandbox.New().CPUs(1).Memory(512))
+	sb := startSized(t, ctx, sandbox.New().CPUs(1).Memory(512).Balloon(true))
 	stats := func() *sandbox.Stats {
 		t.Helper()
 		st, err := sb.Stats()
