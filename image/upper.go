@@ -13,34 +13,15 @@ import (
 	"github.com/diskfs/go-diskfs/filesystem/ext4"
 )
 
-// MinUpperSize is the smallest writable layer CreateUpper makes.
+// MinUpperSize is the smallest writable layer OpenUpperTemplate makes.
 const MinUpperSize = 64 << 20
 
-// CreateUpper makes path a sparse file of size bytes holding an empty ext4
-// filesystem: a sandbox's writable layer, which the guest puts over the
-// image with overlayfs. The file never grows past size, so the guest gets
-// ENOSPC there. It is written in Go (go-diskfs), with no host tool and
-// no root; without a journal, since the layer lives as long as its
-// sandbox, and without an fsync for the same reason (the VMM reads it
-// through the page cache).
-func CreateUpper(path string, size int64) (err error) {
-	if size < MinUpperSize {
-		return fmt.Errorf("image: writable layer of %d bytes: at least %d", size, MinUpperSize)
-	}
-	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o600)
-	if err != nil {
-		return fmt.Errorf("image: writable layer: %w", err)
-	}
-	defer func() {
-		f.Close()
-		if err != nil {
-			os.Remove(path)
-		}
-	}()
-	return makeUpper(f, size)
-}
-
-// makeUpper writes CreateUpper's file system into f, an empty file.
+// makeUpper makes f, a new empty file, a sparse file of size bytes
+// holding an empty ext4 filesystem: a sandbox's writable layer, which the
+// guest puts over the image with overlayfs. The file never grows past
+// size, so the guest gets ENOSPC there. It is written in Go (go-diskfs),
+// with no host tool and no root; without a journal, since the layer lives
+// as long as its sandbox.
 func makeUpper(f *os.File, size int64) error {
 	size &^= 4095
 	if err := f.Truncate(size); err != nil {
@@ -60,7 +41,7 @@ func makeUpper(f *os.File, size int64) error {
 }
 
 // OpenUpperTemplate opens an empty writable layer of size bytes that the
-// store keeps, made with CreateUpper's file system the first time one of
+// store keeps, made by makeUpper the first time one of
 // that size is asked for. A sandbox's layer is a copy of it (a reflink,
 // or a copy of its megabyte of metadata): go-diskfs makes the file system
 // in 0.15 s of CPU on the development machine, but in 1.4 s in the nested
@@ -140,7 +121,7 @@ func (s *sparseFile) Stat() (fs.FileInfo, error)                { return s.f.Sta
 func (s *sparseFile) Read(p []byte) (int, error)                { return s.f.Read(p) }
 func (s *sparseFile) ReadAt(p []byte, off int64) (int, error)   { return s.f.ReadAt(p, off) }
 func (s *sparseFile) Seek(off int64, whence int) (int64, error) { return s.f.Seek(off, whence) }
-func (s *sparseFile) Close() error                              { return nil } // CreateUpper closes f
+func (s *sparseFile) Close() error                              { return nil } // makeUpper's caller closes f
 func (s *sparseFile) isWritten(b int64) bool {
 	return b/64 < int64(len(s.written)) && s.written[b/64]&(1<<(b%64)) != 0
 }

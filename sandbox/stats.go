@@ -5,7 +5,6 @@ import (
 	"time"
 
 	"github.com/capsa-sandbox/capsa/netstack"
-	virtioballoon "github.com/capsa-sandbox/capsa/virtio/balloon"
 	"github.com/capsa-sandbox/capsa/vmm"
 	"golang.org/x/sys/unix"
 )
@@ -79,8 +78,7 @@ func (s *Sandbox) Stats() (*Stats, error) {
 		st.VMMCPUTime = max(proc-vs.CPUTime, 0)
 	}
 	if s.balloon != nil {
-		b := s.balloon.Stats()
-		st.MemoryReturned = b.Reported + b.Inflated*virtioballoon.PageSize
+		st.MemoryReturned = s.balloon.Stats().Returned()
 	}
 	for _, d := range s.disks {
 		b := d.Stats()

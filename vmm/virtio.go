@@ -17,9 +17,9 @@ import (
 // timer, keyboard, cascade, COM ports and RTC).
 var virtioGSIs = [...]uint32{5, 6, 7, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23}
 
-// MaxVirtioDevices is how many virtio devices a VM can have: one
+// maxVirtioDevices is how many virtio devices a VM can have: one
 // interrupt line each.
-const MaxVirtioDevices = len(virtioGSIs)
+const maxVirtioDevices = len(virtioGSIs)
 
 const virtioMMIOBase = guestmem.MMIOStart
 
@@ -43,8 +43,8 @@ func newEventFD() (*os.File, error) {
 // attachVirtio places each configured device behind a virtio-mmio transport
 // and returns the kernel command line arguments that declare them.
 func (m *Machine) attachVirtio() (string, error) {
-	if len(m.cfg.Devices) > MaxVirtioDevices {
-		return "", fmt.Errorf("vmm: %d virtio devices, at most %d", len(m.cfg.Devices), MaxVirtioDevices)
+	if len(m.cfg.Devices) > maxVirtioDevices {
+		return "", fmt.Errorf("vmm: %d virtio devices, at most %d", len(m.cfg.Devices), maxVirtioDevices)
 	}
 	var args string
 	for i, dev := range m.cfg.Devices {

@@ -64,9 +64,6 @@ const (
 	pageSize    = 1 << pageShift
 )
 
-// PageSize is the size of the pages the balloon counts (Stats.Inflated).
-const PageSize = pageSize
-
 // Config space offsets (struct virtio_balloon_config).
 const (
 	cfgNumPages = 0  // le32, pages the host asks for: always 0
@@ -89,6 +86,9 @@ type Stats struct {
 	// host failed.
 	Errors uint64
 }
+
+// Returned is the bytes the guest gave back in all: reported and inflated.
+func (s Stats) Returned() uint64 { return s.Reported + s.Inflated*pageSize }
 
 // Device is a virtio-balloon device. Its methods are safe for concurrent
 // use.
