@@ -970,7 +970,7 @@ func (s *Server) createSnapshot(w http.ResponseWriter, r *http.Request, key Key)
 	if rec == nil {
 		return
 	}
-	snap, err := s.m.SaveSnapshot(context.WithoutCancel(r.Context()), rec.Name, body.Name)
+	snap, err := s.m.SaveSnapshot(context.WithoutCancel(r.Context()), rec.Name, body.Name, "")
 	if err != nil {
 		apiError(w, http.StatusInternalServerError, fmt.Sprintf("snapshot %s: %v", rec.Name, err))
 		return

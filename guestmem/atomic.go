@@ -77,3 +77,22 @@ func mincore(b, vec []byte) error {
 // addrOf is the host address of b's first byte (to align guest memory on
 // huge pages).
 func addrOf(b []byte) uint64 { return uint64(uintptr(unsafe.Pointer(&b[0]))) }
+
+// mapFixed maps len(b) bytes of fd at off over b (which must be page
+// aligned), private and copy-on-write: mmap(2) with MAP_FIXED, which
+// golang.org/x/sys/unix's Mmap cannot ask for.
+func mapFixed(b []byte, fd int, off int64) error {
+	if len(b) == 0 {
+		return nil
+	}
+	addr := uintptr(unsafe.Pointer(&b[0]))
+	got, _, errno := unix.Syscall6(unix.SYS_MMAP, addr, uintptr(len(b)), unix.PROT_READ|unix.PROT_WRITE,
+		unix.MAP_PRIVATE|unix.MAP_FIXED|unix.MAP_NORESERVE, uintptr(fd), uintptr(off))
+	if errno != 0 {
+		return errno
+	}
+	if got != addr {
+		return fmt.Errorf("mmap placed the mapping at %#x, not %#x", got, addr)
+	}
+	return nil
+}

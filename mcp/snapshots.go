@@ -18,6 +18,7 @@ const maxFork = 16
 type snapshotArgs struct {
 	Name     string `json:"name" jsonschema:"the running sandbox to snapshot"`
 	Snapshot string `json:"snapshot,omitempty" jsonschema:"the snapshot's name (letters, digits, '_', '.', '-'); default NAME-YYYYMMDD-HHMMSS"`
+	Parent   string `json:"parent,omitempty" jsonschema:"an earlier snapshot of the same size to write this one as a layer over: only the memory that differs from it is written, and it must stay while this one is kept"`
 }
 
 type snapshotResult struct {
@@ -61,7 +62,7 @@ func registerSnapshotTools(s *sdk.Server, t *tools) {
 }
 
 func (t *tools) snapshot(ctx context.Context, a snapshotArgs) (snapshotResult, error) {
-	snap, err := t.m.SaveSnapshot(ctx, a.Name, a.Snapshot)
+	snap, err := t.m.SaveSnapshot(ctx, a.Name, a.Snapshot, a.Parent)
 	if err != nil {
 		return snapshotResult{}, err
 	}

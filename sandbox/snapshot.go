@@ -51,6 +51,14 @@ type SnapshotOptions struct {
 	// does not fail the snapshot: it records why instead, which a diff
 	// then says.
 	Inventory bool
+	// Parent, when not empty, is a snapshot directory beside dir (of a
+	// sandbox of the same vCPUs and memory: this one's earlier snapshot,
+	// or the one it was restored from) that this snapshot is a layer
+	// over: its memory file holds only the pages that differ from the
+	// parent's, and restoring it needs the parent in place, unchanged
+	// (package snapshot). The comparison reads both memories while the
+	// sandbox is paused.
+	Parent string
 }
 
 // SnapshotWith is Snapshot with options.
@@ -62,6 +70,13 @@ func (s *Sandbox) SnapshotWith(ctx context.Context, dir string, o SnapshotOption
 	if err != nil {
 		return fmt.Errorf("sandbox: snapshot: %w", err)
 	}
+	var parent *snapshot.Snapshot
+	if o.Parent != "" {
+		if parent, err = snapshot.Open(o.Parent); err != nil {
+			return fmt.Errorf("sandbox: snapshot: the parent: %w", err)
+		}
+		defer parent.Close()
+	}
 	var inv *Inventory
 	if o.Inventory {
 		inv = s.snapshotInventory(ctx)
@@ -70,7 +85,7 @@ func (s *Sandbox) SnapshotWith(ctx context.Context, dir string, o SnapshotOption
 	if err := s.Pause(ctx); err != nil {
 		return fmt.Errorf("sandbox: snapshot: %w", err)
 	}
-	err = s.writeSnapshot(dir, spec, inv)
+	err = s.writeSnapshot(dir, spec, inv, parent)
 	if !wasPaused {
 		// The clock was never stopped for the guest: it runs on as after
 		// a short descheduling, and needs no setting.
@@ -88,7 +103,7 @@ func (s *Sandbox) Snapshottable() error {
 	return nil
 }
 
-func (s *Sandbox) writeSnapshot(dir string, spec []byte, inv *Inventory) error {
+func (s *Sandbox) writeSnapshot(dir string, spec []byte, inv *Inventory, parent *snapshot.Snapshot) error {
 	st, err := s.vm.State()
 	if err != nil {
 		return fmt.Errorf("sandbox: snapshot: %w", err)
@@ -120,6 +135,9 @@ func (s *Sandbox) writeSnapshot(dir string, spec []byte, inv *Inventory) error {
 	}
 	if inv != nil {
 		extra[InventoryFile] = writeInventory(inv)
+	}
+	if parent != nil {
+		return snapshot.WriteLayer(dir, parent, m, st, s.vm.Memory(), extra)
 	}
 	return snapshot.Write(dir, m, st, s.vm.Memory(), extra)
 }

@@ -16,6 +16,15 @@
 // write a snapshot can write its checksums too, which is why everything
 // is checked as untrusted anyway. Firecracker's snapshot files (a
 // versioned state beside a memory file mapped on restore) are the model.
+//
+// A layer (WriteLayer) is a snapshot written over an earlier one, its
+// parent, in the same directory: its memory file holds only the pages
+// that differ from the parent's (Manifest.MemoryRuns), and a restore maps
+// the parent's memory and the layer's runs over it (MapMemory), down a
+// chain of at most MaxChain snapshots. The layer names its parent by
+// directory name and by its manifest's SHA-256: a parent changed since,
+// replaced, or owned by someone else is refused. Squash writes a layer's
+// flattened copy, a snapshot that needs no parent.
 package snapshot
 
 import (
@@ -30,6 +39,7 @@ import (
 	"os"
 	"path/filepath"
 	"runtime/debug"
+	"slices"
 	"strings"
 	"time"
 
@@ -44,6 +54,18 @@ import (
 const (
 	Format  = "capsa-snapshot"
 	Version = 2 // 2: manifest.sha256
+	// LayerVersion is a layer's: a capsa that reads only version 2
+	// refuses it by its version, not by a field it does not know.
+	LayerVersion = 3
+)
+
+// Bounds on layers: how many snapshots a chain holds, the one without a
+// parent included, and how many runs of pages a layer's memory holds
+// (each is one mapping of a restored sandbox's process: their product
+// stays well under the kernel's 65530 per process).
+const (
+	MaxChain     = 8
+	MaxLayerRuns = 1024
 )
 
 // The files of a snapshot directory.
@@ -82,6 +104,19 @@ type Manifest struct {
 	// Files are the snapshot's files by name, with their sizes and
 	// checksums.
 	Files map[string]File `json:"files"`
+	// Parent is, for a layer, the snapshot it lies over.
+	Parent *Parent `json:"parent,omitempty"`
+	// MemoryRuns are, for a layer, the runs of its memory file that hold
+	// pages; every other page is the parent's.
+	MemoryRuns []guestmem.Run `json:"memory_runs,omitempty"`
+}
+
+// Parent names a layer's parent: a directory beside the layer's own (so
+// that a snapshot from elsewhere cannot point a restore at any directory
+// of the user's), and its manifest's SHA-256 when the layer was written.
+type Parent struct {
+	Name           string `json:"name"`
+	ManifestSHA256 string `json:"manifest_sha256"`
 }
 
 // File is one file of a snapshot: its size and a checksum, SHA-256 or,
@@ -100,22 +135,42 @@ type File struct {
 type Snapshot struct {
 	Dir      string
 	Manifest Manifest
-	State    *vmm.State
-	files    map[string]*os.File // every file the manifest names, opened and checked once
+	// ManifestSHA256 is the manifest's checksum: what a layer over this
+	// snapshot records of it.
+	ManifestSHA256 string
+	State          *vmm.State
+	// Parent is a layer's parent, opened and checked as this snapshot
+	// was (nil for a snapshot that has none).
+	Parent *Snapshot
+	files  map[string]*os.File // every file the manifest names, opened and checked once
 }
 
 // File is the snapshot's file name as Open opened and checked it (nil
 // if the manifest names none): read it through this, never by its path.
 func (s *Snapshot) File(name string) *os.File { return s.files[name] }
 
-// Close closes the snapshot's files (a memory mapped from one stays).
+// Close closes the snapshot's files, and its parent's (a memory mapped
+// from them stays).
 func (s *Snapshot) Close() error {
 	var errs []error
 	for _, f := range s.files {
 		errs = append(errs, f.Close())
 	}
 	s.files = nil
+	if s.Parent != nil {
+		errs = append(errs, s.Parent.Close())
+	}
 	return errors.Join(errs...)
+}
+
+// Chain is how many snapshots a restore of this one maps: 1, and one
+// more for each parent.
+func (s *Snapshot) Chain() int {
+	n := 1
+	for p := s.Parent; p != nil; p = p.Parent {
+		n++
+	}
+	return n
 }
 
 // Extra writes one more file of the snapshot at path (a root disk's
@@ -125,8 +180,51 @@ type Extra func(path string) (sum string, err error)
 // Write writes a snapshot of a paused VM to dir, which must not exist:
 // everything goes to a temporary directory beside it, renamed to dir once
 // complete, so a failed or interrupted Write leaves no half snapshot. m's
-// Format, Version, CapsaVersion, Created and Files are filled here.
+// Format, Version, CapsaVersion, Files, Parent and MemoryRuns are filled
+// here, and Created where it is zero.
 func Write(dir string, m Manifest, st *vmm.State, mem *guestmem.Memory, extra map[string]Extra) error {
+	m.Version, m.Parent, m.MemoryRuns = Version, nil, nil
+	return write(dir, m, st, mem.Size(), extra, func(f *os.File, h io.Writer) error { return mem.WriteFile(f, h) })
+}
+
+// WriteLayer is Write of a layer over parent, a snapshot in the same
+// directory as dir, of the same vCPUs and memory size: the memory file
+// holds only the pages of mem that differ from the parent's memory. It
+// reads the parent's whole memory (compared page by page), and the
+// parent must stay, unchanged, for as long as the layer is restored.
+func WriteLayer(dir string, parent *Snapshot, m Manifest, st *vmm.State, mem *guestmem.Memory, extra map[string]Extra) error {
+	pdir, err := filepath.Abs(parent.Dir)
+	if err != nil {
+		return fmt.Errorf("snapshot: %w", err)
+	}
+	adir, err := filepath.Abs(dir)
+	if err != nil {
+		return fmt.Errorf("snapshot: %w", err)
+	}
+	switch pm := parent.Manifest; {
+	case filepath.Dir(pdir) != filepath.Dir(adir) || pdir == adir:
+		return fmt.Errorf("snapshot: a layer's parent must be a snapshot in the same directory: %s is not beside %s", parent.Dir, dir)
+	case pm.MemoryBytes != mem.Size() || pm.CPUs != m.CPUs:
+		return fmt.Errorf("snapshot: the parent %s is of %d vCPUs and %d bytes of memory, the sandbox of %d and %d", parent.Dir, pm.CPUs, pm.MemoryBytes, m.CPUs, mem.Size())
+	case parent.Chain() >= MaxChain:
+		return fmt.Errorf("snapshot: the parent %s is a chain of %d snapshots already, the most a layer may lie over is %d: squash it first", parent.Dir, parent.Chain(), MaxChain-1)
+	}
+	base, layers, err := parent.memoryFiles()
+	if err != nil {
+		return err
+	}
+	runs, err := mem.Delta(guestmem.LayersReader(base, layers), MaxLayerRuns)
+	if err != nil {
+		return fmt.Errorf("snapshot: %w", err)
+	}
+	m.Version, m.MemoryRuns = LayerVersion, runs
+	m.Parent = &Parent{Name: filepath.Base(pdir), ManifestSHA256: parent.ManifestSHA256}
+	return write(dir, m, st, mem.Size(), extra, func(f *os.File, h io.Writer) error { return mem.WriteRuns(f, runs, h) })
+}
+
+// write is Write and WriteLayer, with writeMem writing the memory file
+// and its checksum's bytes.
+func write(dir string, m Manifest, st *vmm.State, memSize uint64, extra map[string]Extra, writeMem func(f *os.File, h io.Writer) error) error {
 	if _, err := os.Lstat(dir); err == nil {
 		return fmt.Errorf("snapshot: %s already exists", dir)
 	}
@@ -135,7 +233,10 @@ func Write(dir string, m Manifest, st *vmm.State, mem *guestmem.Memory, extra ma
 		return fmt.Errorf("snapshot: %w", err)
 	}
 	defer os.RemoveAll(tmp)
-	m.Format, m.Version, m.CapsaVersion, m.Created = Format, Version, capsaVersion(), time.Now().UTC()
+	m.Format, m.CapsaVersion = Format, capsaVersion()
+	if m.Created.IsZero() {
+		m.Created = time.Now().UTC()
+	}
 	m.Files = map[string]File{}
 	b, err := json.Marshal(st)
 	if err != nil {
@@ -152,7 +253,7 @@ func Write(dir string, m Manifest, st *vmm.State, mem *guestmem.Memory, extra ma
 		return fmt.Errorf("snapshot: %w", err)
 	}
 	h := crc32.New(crc32.MakeTable(crc32.Castagnoli))
-	err = mem.WriteFile(f, h)
+	err = writeMem(f, h)
 	if err == nil {
 		err = f.Sync()
 	}
@@ -162,7 +263,7 @@ func Write(dir string, m Manifest, st *vmm.State, mem *guestmem.Memory, extra ma
 	if err != nil {
 		return fmt.Errorf("snapshot: %w", err)
 	}
-	m.Files[MemoryFile] = File{Size: int64(mem.Size()), CRC32C: hex.EncodeToString(h.Sum(nil))}
+	m.Files[MemoryFile] = File{Size: int64(memSize), CRC32C: hex.EncodeToString(h.Sum(nil))}
 
 	for name, write := range extra {
 		if !validName(name) {
@@ -197,6 +298,29 @@ func Write(dir string, m Manifest, st *vmm.State, mem *guestmem.Memory, extra ma
 	return nil
 }
 
+// Squash writes to out (which must not exist) the snapshot s flattened:
+// the same state, files and manifest, its memory whole, no parent. A
+// snapshot without a parent is copied.
+func Squash(s *Snapshot, out string) error {
+	mem, err := s.MapMemory()
+	if err != nil {
+		return err
+	}
+	defer mem.Close()
+	extra := map[string]Extra{}
+	for name, f := range s.Manifest.Files {
+		if name == StateFile || name == MemoryFile {
+			continue
+		}
+		in := s.files[name]
+		if in == nil {
+			return fmt.Errorf("snapshot %s: closed", s.Dir)
+		}
+		extra[name] = func(path string) (string, error) { return f.SHA256, CloneFrom(in, path) }
+	}
+	return Write(out, s.Manifest, s.State, mem, extra)
+}
+
 // validName is a plain file name: no directories, nothing hidden.
 func validName(name string) bool {
 	return name != "" && !strings.ContainsAny(name, "/\\\x00") && !strings.HasPrefix(name, ".") && len(name) <= 64
@@ -212,9 +336,13 @@ func capsaVersion() string {
 // Open reads the snapshot in dir: its manifest and state, checked against
 // their sizes and checksums and decoded strictly, and every file the
 // manifest names, each opened once (never through a symbolic link) and
-// checked (see the package doc). The memory's own checksum is left to
-// Verify (it reads every page). Close the snapshot when done.
-func Open(dir string) (_ *Snapshot, err error) {
+// checked (see the package doc), and a layer's parents likewise. The
+// memory's own checksum is left to Verify (it reads every page). Close
+// the snapshot when done.
+func Open(dir string) (*Snapshot, error) { return open(dir, 1) }
+
+// open is Open of the depth'th snapshot of a chain.
+func open(dir string, depth int) (_ *Snapshot, err error) {
 	s := &Snapshot{Dir: dir, files: map[string]*os.File{}}
 	defer func() {
 		if err != nil {
@@ -236,11 +364,29 @@ func Open(dir string) (_ *Snapshot, err error) {
 	if err != nil {
 		return nil, err
 	}
-	if ms := sha256.Sum256(mb); strings.TrimSpace(string(sum)) != hex.EncodeToString(ms[:]) {
+	ms := sha256.Sum256(mb)
+	s.ManifestSHA256 = hex.EncodeToString(ms[:])
+	if strings.TrimSpace(string(sum)) != s.ManifestSHA256 {
 		return nil, fmt.Errorf("%s does not match %s: corrupted", ManifestFile, ManifestSumFile)
 	}
 	if err := ParseManifest(mb, &s.Manifest); err != nil {
 		return nil, err
+	}
+	if p := s.Manifest.Parent; p != nil {
+		if depth >= MaxChain {
+			return nil, fmt.Errorf("a chain of more than %d snapshots: refused", MaxChain)
+		}
+		// Beside this one, by name (ParseManifest checked it is one).
+		if s.Parent, err = open(filepath.Join(filepath.Dir(filepath.Clean(dir)), p.Name), depth+1); err != nil {
+			return nil, fmt.Errorf("its parent: %w", err)
+		}
+		pm := s.Parent.Manifest
+		switch {
+		case s.Parent.ManifestSHA256 != p.ManifestSHA256:
+			return nil, fmt.Errorf("its parent %s is not the snapshot it was written over (its manifest's checksum differs): refused", p.Name)
+		case pm.CPUs != s.Manifest.CPUs || pm.MemoryBytes != s.Manifest.MemoryBytes:
+			return nil, fmt.Errorf("its parent %s is of %d vCPUs and %d bytes, it of %d and %d: refused", p.Name, pm.CPUs, pm.MemoryBytes, s.Manifest.CPUs, s.Manifest.MemoryBytes)
+		}
 	}
 	for name, want := range s.Manifest.Files {
 		f, err := openChecked(dfd, name, false)
@@ -348,8 +494,10 @@ func ParseManifest(b []byte, m *Manifest) error {
 	switch {
 	case m.Format != Format:
 		return fmt.Errorf("manifest: format %q, not a capsa snapshot", m.Format)
-	case m.Version != Version:
-		return fmt.Errorf("manifest: snapshot version %d (written by capsa %s); this capsa reads version %d", m.Version, m.CapsaVersion, Version)
+	case m.Version != Version && m.Version != LayerVersion:
+		return fmt.Errorf("manifest: snapshot version %d (written by capsa %s); this capsa reads versions %d and %d", m.Version, m.CapsaVersion, Version, LayerVersion)
+	case (m.Version == LayerVersion) != (m.Parent != nil) || m.Parent == nil && m.MemoryRuns != nil:
+		return fmt.Errorf("manifest: version %d with a parent %v and %d runs of memory", m.Version, m.Parent != nil, len(m.MemoryRuns))
 	case m.CPUs < 1 || m.CPUs > vmm.MaxCPUs:
 		return fmt.Errorf("manifest: %d vCPUs", m.CPUs)
 	case m.MemoryBytes == 0 || m.MemoryBytes%4096 != 0:
@@ -372,6 +520,17 @@ func ParseManifest(b []byte, m *Manifest) error {
 	}
 	if m.Files[MemoryFile].Size != int64(m.MemoryBytes) {
 		return fmt.Errorf("manifest: a memory file of %d bytes for %d bytes of memory", m.Files[MemoryFile].Size, m.MemoryBytes)
+	}
+	if p := m.Parent; p != nil {
+		if !validName(p.Name) {
+			return fmt.Errorf("manifest: parent %q: not the name of a directory beside this one", p.Name)
+		}
+		if b, err := hex.DecodeString(p.ManifestSHA256); err != nil || len(b) != sha256.Size {
+			return fmt.Errorf("manifest: parent %s: checksum %q", p.Name, p.ManifestSHA256)
+		}
+		if err := guestmem.CheckRuns(m.MemoryRuns, m.MemoryBytes, MaxLayerRuns); err != nil {
+			return fmt.Errorf("manifest: %w", err)
+		}
 	}
 	return nil
 }
@@ -401,27 +560,62 @@ func readBounded(f *os.File, limit int64) ([]byte, error) {
 }
 
 // MapMemory maps the snapshot's memory copy-on-write (guestmem.Map): every
-// sandbox restored from it shares the pages it has not written.
+// sandbox restored from it shares the pages it has not written. A layer's
+// is its chain's, each layer's runs mapped over its parent's memory
+// (guestmem.MapLayers).
 func (s *Snapshot) MapMemory() (*guestmem.Memory, error) {
-	f := s.files[MemoryFile]
-	if f == nil {
-		return nil, fmt.Errorf("snapshot %s: closed", s.Dir)
+	base, layers, err := s.memoryFiles()
+	if err != nil {
+		return nil, err
 	}
-	m, err := guestmem.Map(f, s.Manifest.MemoryBytes)
+	m, err := guestmem.MapLayers(base, s.Manifest.MemoryBytes, layers)
 	if err != nil {
 		return nil, fmt.Errorf("snapshot %s: %w", s.Dir, err)
 	}
 	return m, nil
 }
 
-// Verify reads every file the manifest hashes and checks it: a corrupted
-// memory file is found here, not by Open.
+// memoryFiles are the memory files of the chain: the first snapshot's,
+// and the layers over it in order.
+func (s *Snapshot) memoryFiles() (*os.File, []guestmem.Layer, error) {
+	var layers []guestmem.Layer
+	base := s
+	for ; base.Parent != nil; base = base.Parent {
+		f := base.files[MemoryFile]
+		if f == nil {
+			return nil, nil, fmt.Errorf("snapshot %s: closed", base.Dir)
+		}
+		layers = append(layers, guestmem.Layer{File: f, Runs: base.Manifest.MemoryRuns})
+	}
+	slices.Reverse(layers)
+	f := base.files[MemoryFile]
+	if f == nil {
+		return nil, nil, fmt.Errorf("snapshot %s: closed", base.Dir)
+	}
+	return f, layers, nil
+}
+
+// Verify reads every file the manifest hashes and checks it, and a
+// layer's parents' likewise: a corrupted memory file is found here, not
+// by Open.
 func Verify(dir string) error {
 	s, err := Open(dir)
 	if err != nil {
 		return err
 	}
 	defer s.Close()
+	for ; s != nil; s = s.Parent {
+		if err := s.verify(); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// verify checks the files of s itself; a layer's memory file holds the
+// pages of its runs.
+func (s *Snapshot) verify() error {
+	dir := s.Dir
 	for name, f := range s.Manifest.Files {
 		if name == StateFile { // checked by Open
 			continue
@@ -437,11 +631,15 @@ func Verify(dir string) error {
 			continue
 		}
 		if name == MemoryFile {
-			mem, err := s.MapMemory()
+			mem, err := guestmem.Map(s.files[name], s.Manifest.MemoryBytes)
 			if err != nil {
-				return err
+				return fmt.Errorf("snapshot %s: %w", dir, err)
 			}
-			err = mem.Hash(h)
+			if s.Parent != nil {
+				err = mem.HashRuns(h, s.Manifest.MemoryRuns)
+			} else {
+				err = mem.Hash(h)
+			}
 			mem.Close()
 			if err != nil {
 				return fmt.Errorf("snapshot %s: %w", dir, err)

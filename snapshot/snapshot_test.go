@@ -194,6 +194,8 @@ func FuzzParse(f *testing.F) {
 		}
 		f.Add(b)
 	}
+	f.Add([]byte(`{"format":"capsa-snapshot","version":3,"cpus":1,"memory_bytes":16777216,"spec":{},"files":{"state.json":{"size":1},"memory":{"size":16777216}},` +
+		`"parent":{"name":"base","manifest_sha256":"` + strings.Repeat("ab", 32) + `"},"memory_runs":[{"off":4096,"len":4096},{"off":3489660928,"len":4096}]}`))
 	f.Add([]byte(`{"version":1,"cpus":1,"memory_bytes":4096,"irqchips":[{}],"vcpus":[{"cpuid":[{}],"xcrs":{"NrXCRs":99}}]}`))
 	f.Fuzz(func(t *testing.T, b []byte) {
 		var m Manifest

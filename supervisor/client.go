@@ -47,7 +47,13 @@ func Snapshot(ctx context.Context, st *store.Store, name, dir string, o sandbox.
 	if err != nil {
 		return err
 	}
-	return callLive(ctx, st, name, opSnapshot, snapshotBody{Dir: abs, Inventory: o.Inventory})
+	body := snapshotBody{Dir: abs, Inventory: o.Inventory}
+	if o.Parent != "" {
+		if body.Parent, err = filepath.Abs(o.Parent); err != nil {
+			return err
+		}
+	}
+	return callLive(ctx, st, name, opSnapshot, body)
 }
 
 // Stop ends the detached sandbox name as `capsa stop` does: SIGTERM to the

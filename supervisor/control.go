@@ -35,11 +35,12 @@ type stopBody struct {
 }
 
 // snapshotBody is the snapshot operation's request: an absolute
-// directory, and whether the snapshot records an inventory
-// (sandbox.SnapshotOptions).
+// directory, whether the snapshot records an inventory, and the absolute
+// directory of a parent it is a layer over (sandbox.SnapshotOptions).
 type snapshotBody struct {
 	Dir       string `json:"dir"`
 	Inventory bool   `json:"inventory,omitempty"`
+	Parent    string `json:"parent,omitempty"`
 }
 
 // ttlBody is the TTL operation's request: the sandbox's new TTL, counted

@@ -20,6 +20,7 @@ import (
 	"time"
 
 	"github.com/capsa-sandbox/capsa/sandbox"
+	"github.com/capsa-sandbox/capsa/snapshot"
 	"github.com/capsa-sandbox/capsa/store"
 )
 
@@ -178,11 +179,23 @@ func DefaultSnapshotName(name string, t time.Time) string {
 
 // SaveSnapshot writes the running detached sandbox name to the state
 // directory's snapshot snap (Store.SnapshotDir) through its supervisor,
-// with an inventory (a checkpoint that Manager.Diff compares). A snapshot
-// of that name must not exist.
-func SaveSnapshot(ctx context.Context, st *store.Store, name, snap string) error {
+// with an inventory (a checkpoint that Manager.Diff compares), as a layer
+// over the state directory's snapshot parent if that is not empty
+// (sandbox.SnapshotOptions.Parent). A snapshot of that name must not
+// exist.
+func SaveSnapshot(ctx context.Context, st *store.Store, name, snap, parent string) error {
 	if err := store.CheckSnapshotName(snap); err != nil {
 		return err
+	}
+	o := sandbox.SnapshotOptions{Inventory: true}
+	if parent != "" {
+		if err := store.CheckSnapshotName(parent); err != nil {
+			return err
+		}
+		o.Parent = st.SnapshotDir(parent)
+		if _, err := os.Stat(filepath.Join(o.Parent, snapshot.ManifestFile)); err != nil {
+			return fmt.Errorf("supervisor: snapshot %s: no snapshot called %s to lie over", snap, parent)
+		}
 	}
 	dir := st.SnapshotDir(snap)
 	if _, err := os.Lstat(dir); err == nil {
@@ -191,7 +204,7 @@ func SaveSnapshot(ctx context.Context, st *store.Store, name, snap string) error
 	if err := os.MkdirAll(filepath.Dir(dir), 0o700); err != nil {
 		return err
 	}
-	return Snapshot(ctx, st, name, dir, sandbox.SnapshotOptions{Inventory: true})
+	return Snapshot(ctx, st, name, dir, o)
 }
 
 // Fork makes count running detached copies of the running detached

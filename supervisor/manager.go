@@ -198,12 +198,13 @@ func (m *Manager) Suspend(ctx context.Context, name string) error {
 }
 
 // SaveSnapshot writes the running sandbox name to the state directory's
-// snapshot snap ("": DefaultSnapshotName's) and returns snap.
-func (m *Manager) SaveSnapshot(ctx context.Context, name, snap string) (string, error) {
+// snapshot snap ("": DefaultSnapshotName's), as a layer over the snapshot
+// parent if that is not empty, and returns snap.
+func (m *Manager) SaveSnapshot(ctx context.Context, name, snap, parent string) (string, error) {
 	if snap == "" {
 		snap = DefaultSnapshotName(name, time.Now())
 	}
-	return snap, SaveSnapshot(ctx, m.st, name, snap)
+	return snap, SaveSnapshot(ctx, m.st, name, snap, parent)
 }
 
 // Restore starts a sandbox named name ("": a new name) from the state

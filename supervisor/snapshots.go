@@ -11,6 +11,8 @@ import (
 	"syscall"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/capsa-sandbox/capsa/sandbox"
 	"github.com/capsa-sandbox/capsa/snapshot"
 )
@@ -31,7 +33,11 @@ type SnapshotInfo struct {
 	MemoryBytes uint64    `json:"memory_bytes"`
 	DiskBytes   int64     `json:"disk_bytes"` // what its files take on disk
 	Command     string    `json:"command"`
-	Err         string    `json:"error,omitempty"` // why it cannot be read
+	// Parent is the snapshot a layer lies over (its memory holds only
+	// what differs from it), and Chain how many snapshots a restore maps.
+	Parent string `json:"parent,omitempty"`
+	Chain  int    `json:"chain,omitempty"`
+	Err    string `json:"error,omitempty"` // why it cannot be read
 }
 
 // SnapshotDir is the directory of snap: a snapshot's name in the state
@@ -97,7 +103,10 @@ func (m *Manager) Snapshots() ([]SnapshotInfo, error) {
 		} else {
 			s.Close()
 			mf := s.Manifest
-			info.Created, info.CPUs, info.MemoryBytes = mf.Created, mf.CPUs, mf.MemoryBytes
+			info.Created, info.CPUs, info.MemoryBytes, info.Chain = mf.Created, mf.CPUs, mf.MemoryBytes, s.Chain()
+			if mf.Parent != nil {
+				info.Parent = mf.Parent.Name
+			}
 			var spec sandbox.Spec
 			if json.Unmarshal(mf.Spec, &spec) == nil {
 				info.Command = CommandLine(spec)
@@ -140,18 +149,98 @@ func (m *Manager) InspectSnapshot(dir string, verify bool) (*SnapshotManifest, e
 }
 
 // RemoveSnapshot removes the named snapshot. Sandboxes restored from it
-// keep its memory mapped: removing the files does not disturb them.
+// keep its memory mapped: removing the files does not disturb them. A
+// snapshot that layers lie over is not removed: they would not restore.
 func (m *Manager) RemoveSnapshot(name string) error {
-	if err := CheckSnapshotName(name); err != nil {
+	dir, err := m.namedSnapshot(name)
+	if err != nil {
 		return err
+	}
+	if kids := m.layersOver(name); len(kids) > 0 {
+		return fmt.Errorf("snapshot %s: %s lie over it (capsa snapshot squash or rm them first)", name, strings.Join(kids, ", "))
+	}
+	return os.RemoveAll(dir)
+}
+
+// namedSnapshot is the directory of the catalog's snapshot name, which
+// must exist.
+func (m *Manager) namedSnapshot(name string) (string, error) {
+	if err := CheckSnapshotName(name); err != nil {
+		return "", err
 	}
 	dir := m.st.SnapshotDir(name)
 	if _, err := os.Stat(filepath.Join(dir, snapshot.ManifestFile)); errors.Is(err, os.ErrNotExist) {
-		return fmt.Errorf("no snapshot called %s", name)
+		return "", fmt.Errorf("no snapshot called %s", name)
 	} else if err != nil {
-		return err
+		return "", err
 	}
-	return os.RemoveAll(dir)
+	return dir, nil
+}
+
+// layersOver names the catalog's snapshots whose manifest names name as
+// their parent (read without opening the chain: a layer whose parent is
+// damaged still counts).
+func (m *Manager) layersOver(name string) []string {
+	entries, _ := os.ReadDir(m.st.SnapshotsDir())
+	var kids []string
+	for _, e := range entries {
+		if !e.IsDir() || strings.HasPrefix(e.Name(), ".") || e.Name() == name {
+			continue
+		}
+		b, err := os.ReadFile(filepath.Join(m.st.SnapshotDir(e.Name()), snapshot.ManifestFile))
+		if err != nil || len(b) > 1<<20 {
+			continue
+		}
+		var mf struct {
+			Parent *snapshot.Parent `json:"parent"`
+		}
+		if json.Unmarshal(b, &mf) == nil && mf.Parent != nil && mf.Parent.Name == name {
+			kids = append(kids, e.Name())
+		}
+	}
+	return kids
+}
+
+// SquashSnapshot writes the named snapshot's flattened copy (a layer's
+// memory whole: snapshot.Squash) as the snapshot into, or ("") in its
+// place, which a snapshot that layers lie over refuses (their parent
+// would change). It returns the snapshot written.
+func (m *Manager) SquashSnapshot(name, into string) (string, error) {
+	dir, err := m.namedSnapshot(name)
+	if err != nil {
+		return "", err
+	}
+	out := into
+	if into == "" {
+		if kids := m.layersOver(name); len(kids) > 0 {
+			return "", fmt.Errorf("snapshot %s: %s lie over it: squash it into a new snapshot instead", name, strings.Join(kids, ", "))
+		}
+		out = "." + name + ".squash"
+		os.RemoveAll(m.st.SnapshotDir(out)) // a squash interrupted before
+	} else if err := CheckSnapshotName(into); err != nil {
+		return "", err
+	}
+	s, err := snapshot.Open(dir)
+	if err != nil {
+		return "", err
+	}
+	defer s.Close()
+	if into == "" && s.Parent == nil {
+		return name, nil // whole already
+	}
+	if err := snapshot.Squash(s, m.st.SnapshotDir(out)); err != nil {
+		return "", err
+	}
+	if into != "" {
+		return into, nil
+	}
+	// In place: the squashed copy and the layer change places at once,
+	// then the layer goes.
+	if err := unix.Renameat2(unix.AT_FDCWD, m.st.SnapshotDir(out), unix.AT_FDCWD, dir, unix.RENAME_EXCHANGE); err != nil {
+		os.RemoveAll(m.st.SnapshotDir(out))
+		return "", fmt.Errorf("snapshot %s: squash: %w", name, err)
+	}
+	return name, os.RemoveAll(m.st.SnapshotDir(out))
 }
 
 // RestoreDir starts a sandbox named name ("": a new name) from the

@@ -564,12 +564,12 @@ func (c *control) mux(log *slog.Logger) *http.ServeMux {
 		return noBody{}, c.setPaused(ctx, false, log)
 	})
 	opSnapshot.register(mux, func(ctx context.Context, req snapshotBody) (noBody, error) {
-		if !filepath.IsAbs(req.Dir) {
-			return noBody{}, badRequest("bad snapshot request: %q is not an absolute directory", req.Dir)
+		if !filepath.IsAbs(req.Dir) || req.Parent != "" && !filepath.IsAbs(req.Parent) {
+			return noBody{}, badRequest("bad snapshot request: %q or %q is not an absolute directory", req.Dir, req.Parent)
 		}
 		c.pauseMu.Lock()
 		defer c.pauseMu.Unlock()
-		if err := c.sb.SnapshotWith(ctx, req.Dir, sandbox.SnapshotOptions{Inventory: req.Inventory}); err != nil {
+		if err := c.sb.SnapshotWith(ctx, req.Dir, sandbox.SnapshotOptions{Inventory: req.Inventory, Parent: req.Parent}); err != nil {
 			log.Warn("supervisor: snapshot", "err", err)
 			return noBody{}, err
 		}

@@ -44,13 +44,14 @@ func runVerbs(ctx context.Context, cmd string, verbs map[string]func(context.Con
 func runSnapshot(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	return runVerbs(ctx, "snapshot", map[string]func(context.Context, []string, io.Writer, io.Writer) int{
 		"create": snapshotCreate, "restore": snapshotRestore, "ls": snapshotList, "rm": snapshotRemove, "inspect": snapshotInspect,
-		"diff": snapshotDiff,
+		"diff": snapshotDiff, "squash": snapshotSquash,
 	}, args, stdout, stderr)
 }
 
 // snapshotCreate: capsa snapshot create NAME [SNAP].
 func snapshotCreate(ctx context.Context, args []string, stdout, stderr io.Writer) int {
-	fs := newFlags("snapshot create", "NAME [SNAP]  (SNAP: NAME-YYYYMMDD-HHMMSS)", stdout)
+	fs := newFlags("snapshot create", "[flags] NAME [SNAP]  (SNAP: NAME-YYYYMMDD-HHMMSS)", stdout)
+	parent := fs.String("parent", "", "write SNAP as a layer over this earlier snapshot: only the memory that differs from it is written, and it must be kept while SNAP is")
 	if code := parseFlags(fs, args, stderr); code >= 0 {
 		return code
 	}
@@ -67,12 +68,18 @@ func snapshotCreate(ctx context.Context, args []string, stdout, stderr io.Writer
 		fmt.Fprintf(stderr, "capsa snapshot create: %v\n", err)
 		return 2
 	}
+	if *parent != "" {
+		if err := supervisor.CheckSnapshotName(*parent); err != nil {
+			fmt.Fprintf(stderr, "capsa snapshot create: --parent: %v\n", err)
+			return 2
+		}
+	}
 	m, err := openManager()
 	if err != nil {
 		fmt.Fprintf(stderr, "capsa snapshot create: %v\n", err)
 		return 1
 	}
-	if _, err := m.SaveSnapshot(ctx, name, snap); errors.Is(err, supervisor.ErrSnapshotExists) {
+	if _, err := m.SaveSnapshot(ctx, name, snap, *parent); errors.Is(err, supervisor.ErrSnapshotExists) {
 		fmt.Fprintf(stderr, "capsa snapshot create: a snapshot called %s exists (capsa snapshot rm %s first)\n", snap, snap)
 		return 1
 	} else if err != nil {
@@ -163,14 +170,18 @@ func snapshotList(ctx context.Context, args []string, stdout, stderr io.Writer) 
 		return 0
 	}
 	tw := tabwriter.NewWriter(stdout, 0, 4, 2, ' ', 0)
-	fmt.Fprintln(tw, "NAME\tCREATED\tCPUS\tMEMORY\tON DISK\tCOMMAND")
+	fmt.Fprintln(tw, "NAME\tCREATED\tCPUS\tMEMORY\tON DISK\tPARENT\tCOMMAND")
 	for _, r := range rows {
 		if r.Err != "" {
-			fmt.Fprintf(tw, "%s\t-\t-\t-\t%s\t(unreadable: %s)\n", r.Name, humanBytes(uint64(r.DiskBytes)), r.Err)
+			fmt.Fprintf(tw, "%s\t-\t-\t-\t%s\t-\t(unreadable: %s)\n", r.Name, humanBytes(uint64(r.DiskBytes)), r.Err)
 			continue
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%d\t%s\t%s\t%s\n", r.Name, r.Created.Local().Format(time.DateTime), r.CPUs,
-			humanBytes(r.MemoryBytes), humanBytes(uint64(r.DiskBytes)), r.Command)
+		parent := "-"
+		if r.Parent != "" {
+			parent = r.Parent
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%d\t%s\t%s\t%s\t%s\n", r.Name, r.Created.Local().Format(time.DateTime), r.CPUs,
+			humanBytes(r.MemoryBytes), humanBytes(uint64(r.DiskBytes)), parent, r.Command)
 	}
 	tw.Flush()
 	return 0
@@ -243,6 +254,36 @@ func snapshotRemove(ctx context.Context, args []string, stdout, stderr io.Writer
 		fmt.Fprintln(stdout, name)
 		return nil
 	})
+}
+
+// snapshotSquash: capsa snapshot squash SNAP [NEW].
+func snapshotSquash(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	fs := newFlags("snapshot squash", "SNAP [NEW]  (a layer made whole: as NEW, or in SNAP's place)", stdout)
+	if code := parseFlags(fs, args, stderr); code >= 0 {
+		return code
+	}
+	if fs.NArg() < 1 || fs.NArg() > 2 {
+		fmt.Fprintln(stderr, "capsa snapshot squash: want SNAP [NEW]")
+		return 2
+	}
+	for _, n := range fs.Args() {
+		if err := supervisor.CheckSnapshotName(n); err != nil {
+			fmt.Fprintf(stderr, "capsa snapshot squash: %v\n", err)
+			return 2
+		}
+	}
+	m, err := openManager()
+	if err != nil {
+		fmt.Fprintf(stderr, "capsa snapshot squash: %v\n", err)
+		return 1
+	}
+	out, err := m.SquashSnapshot(fs.Arg(0), fs.Arg(1))
+	if err != nil {
+		fmt.Fprintf(stderr, "capsa snapshot squash: %v\n", err)
+		return 1
+	}
+	fmt.Fprintln(stdout, out)
+	return 0
 }
 
 func snapshotInspect(ctx context.Context, args []string, stdout, stderr io.Writer) int {
