@@ -45,6 +45,7 @@ type Memory struct {
 	maps    [][]byte // the mappings the regions lie in, for Close
 	size    uint64
 	mapped  bool // regions were mmap'd by New and are unmapped by Close
+	backed  bool // every region is a private mapping of files (Map, MapLayers, Remap): Dirty works
 }
 
 // New maps size bytes of guest RAM laid out for x86: below MMIOStart first,
@@ -76,7 +77,7 @@ func mapLayout(size uint64, f *os.File) (*Memory, error) {
 	if size > low {
 		layout = append(layout, struct{ gpa, n uint64 }{HighStart, size - low})
 	}
-	m := &Memory{size: size, mapped: true}
+	m := &Memory{size: size, mapped: true, backed: f != nil}
 	var off int64
 	for _, l := range layout {
 		if f != nil {

@@ -3,6 +3,8 @@ package guestmem
 import (
 	"bytes"
 	"cmp"
+	"encoding/binary"
+	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -300,4 +302,89 @@ func (m *Memory) runData(runs []Run, fn func(off int64, run []byte) error) error
 		}
 	}
 	return nil
+}
+
+// Remap maps the memory again from base, a memory file holding exactly
+// what it holds now (WriteFile's, just written), private and
+// copy-on-write, as Map would have: the pages it held go back to the
+// host, and from here on Dirty tells the pages written since. The memory
+// must not change meanwhile (a paused VM; KVM follows the new mapping
+// through its MMU notifier, as it follows any change of the host's page
+// tables).
+func (m *Memory) Remap(base *os.File) error {
+	fi, err := base.Stat()
+	if err != nil {
+		return fmt.Errorf("remap guest memory: %w", err)
+	}
+	if !m.mapped || !fi.Mode().IsRegular() || uint64(fi.Size()) != m.size {
+		return fmt.Errorf("remap guest memory from %s: %d bytes (%v), want a regular file of %d, over memory this package mapped", base.Name(), fi.Size(), fi.Mode().Type(), m.size)
+	}
+	var off int64
+	for _, r := range m.regions {
+		if err := mapFixed(r.Host, int(base.Fd()), off); err != nil {
+			return fmt.Errorf("remap guest memory at %#x from %s: %w", r.GPA, base.Name(), err)
+		}
+		off += int64(len(r.Host))
+	}
+	m.backed = true
+	return nil
+}
+
+// Dirty returns the runs of the pages written since the memory was last
+// mapped from its files (Map, MapLayers, Remap), at most
+// limit of them (at least 2; joined across the smallest gaps as Delta
+// joins them): the pages that a private file mapping holds as its own
+// copies, present or swapped out, which /proc/self/pagemap tells without
+// reading a page. Memory mapped any other way fails: it has no files to
+// differ from.
+func (m *Memory) Dirty(limit int) ([]Run, error) {
+	if !m.backed {
+		return nil, errors.New("dirty pages of guest memory: the memory is not mapped from files")
+	}
+	if limit < 2 {
+		return nil, fmt.Errorf("dirty pages of guest memory: at most %d runs", limit)
+	}
+	pm, err := os.Open("/proc/self/pagemap")
+	if err != nil {
+		return nil, fmt.Errorf("dirty pages of guest memory: %w", err)
+	}
+	defer pm.Close()
+	const (
+		present = 1 << 63
+		swapped = 1 << 62
+		file    = 1 << 61 // a page of the file (or shared), not a copy of this process's own
+	)
+	var runs []Run
+	var split []bool
+	buf := make([]byte, 8*4096)
+	var off int64
+	for _, r := range m.regions {
+		pages := len(r.Host) / pageSize
+		first := true
+		for i := 0; i < pages; {
+			n := min(pages-i, len(buf)/8)
+			if _, err := pm.ReadAt(buf[:8*n], int64(addrOf(r.Host)/pageSize+uint64(i))*8); err != nil {
+				return nil, fmt.Errorf("dirty pages of guest memory: read pagemap: %w", err)
+			}
+			for k := range n {
+				e := binary.LittleEndian.Uint64(buf[8*k:])
+				if !(e&present != 0 && e&file == 0 || e&swapped != 0) {
+					continue
+				}
+				at := off + int64(i+k)*pageSize
+				if j := len(runs); !first && runs[j-1].End() == at {
+					runs[j-1].Len += pageSize
+					continue
+				}
+				if len(runs) > 0 {
+					split = append(split, first)
+				}
+				runs = append(runs, Run{Off: at, Len: pageSize})
+				first = false
+			}
+			i += n
+		}
+		off += int64(len(r.Host))
+	}
+	return joinRuns(runs, split, limit), nil
 }

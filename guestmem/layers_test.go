@@ -272,3 +272,62 @@ func fileBlocks(t *testing.T, f *os.File) int64 {
 	}
 	return st.Blocks
 }
+
+// TestRemapAndDirty: memory mapped again from the file it was just
+// written to holds the same, and Dirty then names exactly the pages
+// written since, read ones not; those written to a layer over the file
+// map back to the memory as it is.
+func TestRemapAndDirty(t *testing.T) {
+	const size = 8 << 20
+	cur, err := New(size)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cur.Close()
+	if _, err := cur.Dirty(8); err == nil {
+		t.Error("Dirty of anonymous memory did not fail")
+	}
+	fill(t, cur, 0, 2<<20, 7)
+	want := make([]byte, size)
+	cur.ReadAt(want, 0)
+	base := memFile(t, cur, "base")
+	if err := cur.Remap(base); err != nil {
+		t.Fatal(err)
+	}
+	got := make([]byte, size)
+	cur.ReadAt(got, 0) // reads every page: none becomes dirty
+	if !bytes.Equal(got, want) {
+		t.Fatal("the memory reads differently after Remap")
+	}
+	if runs, err := cur.Dirty(8); err != nil || len(runs) != 0 {
+		t.Fatalf("Dirty after Remap = %v, %v; want none", runs, err)
+	}
+	cur.PutUint8(4096, 1)
+	cur.PutUint8(5*4096+17, 1)
+	cur.PutUint8(6*4096, 1)
+	cur.PutUint8(7<<20, 1)
+	runs, err := cur.Dirty(8)
+	wantRuns := []Run{{4096, 4096}, {5 * 4096, 2 * 4096}, {7 << 20, 4096}}
+	if err != nil || len(runs) != 3 || runs[0] != wantRuns[0] || runs[1] != wantRuns[1] || runs[2] != wantRuns[2] {
+		t.Fatalf("Dirty = %v, %v; want %v", runs, err, wantRuns)
+	}
+	cur.ReadAt(want, 0)
+	layer, err := os.OpenFile(filepath.Join(t.TempDir(), "layer"), os.O_CREATE|os.O_RDWR, 0o600)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer layer.Close()
+	if err := cur.WriteRuns(layer, runs, nil); err != nil {
+		t.Fatal(err)
+	}
+	// The chain maps back to the same memory elsewhere too.
+	other, err := MapLayers(base, size, []Layer{{File: layer, Runs: runs}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer other.Close()
+	other.ReadAt(got, 0)
+	if !bytes.Equal(got, want) {
+		t.Error("the chain maps to another memory than the one remapped onto it")
+	}
+}

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"strconv"
 	"sync"
 	"time"
 
@@ -13,13 +14,18 @@ import (
 )
 
 // Fork makes n running copies of the sandbox: it is snapshotted (paused
-// only meanwhile) and each copy restored from that snapshot, with its own
-// memory (shared with the others until written), network stack, hostname
-// (the sandbox's, suffixed -1, -2...) and reseeded random numbers. The
-// copies' main processes' output goes to o.Stdout and o.Stderr. The
-// snapshot is removed once the copies run: they keep its memory mapped.
-// The copies have the sandbox's own host-facing settings (its shares,
-// network, grants) unless o.Settings gives others.
+// only meanwhile: LastPause says for how long) and each copy restored from
+// that snapshot, with its own memory (shared with the others and with the
+// sandbox until written), network stack, hostname (the sandbox's,
+// suffixed -1, -2...) and reseeded random numbers. The copies' main
+// processes' output goes to o.Stdout and o.Stderr. The copies have the
+// sandbox's own host-facing settings (its shares, network, grants) unless
+// o.Settings gives others.
+//
+// The snapshot is a fork snapshot (SnapshotOptions.Fork) in a temporary
+// directory of the sandbox's, kept until it ends: the first fork writes
+// the memory in use, each later one only what the sandbox wrote since the
+// one before.
 func (s *Sandbox) Fork(ctx context.Context, n int, o RestoreOptions) ([]*Sandbox, error) {
 	if n < 1 {
 		return nil, fmt.Errorf("sandbox: fork: %d copies: want at least 1", n)
@@ -28,13 +34,11 @@ func (s *Sandbox) Fork(ctx context.Context, n int, o RestoreOptions) ([]*Sandbox
 	if err != nil {
 		return nil, fmt.Errorf("sandbox: fork: %w", err)
 	}
-	tmp, err := os.MkdirTemp("", "capsa-fork-")
+	dir, err := s.nextForkDir()
 	if err != nil {
 		return nil, fmt.Errorf("sandbox: fork: %w", err)
 	}
-	defer os.RemoveAll(tmp)
-	dir := filepath.Join(tmp, "snapshot")
-	if err := s.Snapshot(ctx, dir); err != nil {
+	if err := s.SnapshotWith(ctx, dir, SnapshotOptions{Fork: true}); err != nil {
 		return nil, fmt.Errorf("sandbox: fork: %w", err)
 	}
 	copies := make([]*Sandbox, n)
@@ -69,6 +73,20 @@ func (s *Sandbox) Fork(ctx context.Context, n int, o RestoreOptions) ([]*Sandbox
 		return nil, fmt.Errorf("sandbox: fork: %w", err)
 	}
 	return copies, nil
+}
+
+// nextForkDir is a new directory name in the sandbox's fork chain's
+// directory, made (temporary) for its first fork.
+func (s *Sandbox) nextForkDir() (string, error) {
+	s.forkMu.Lock()
+	defer s.forkMu.Unlock()
+	if s.forkChain == "" {
+		var err error
+		if s.forkChain, err = os.MkdirTemp("", "capsa-fork-"); err != nil {
+			return "", err
+		}
+	}
+	return filepath.Join(s.forkChain, strconv.FormatInt(time.Now().UnixNano(), 10)), nil
 }
 
 // Pool keeps sandboxes restored from one snapshot ready, so that getting

@@ -20,8 +20,10 @@ import (
 	"io"
 	"log/slog"
 	"net"
+	"os"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/capsa-sandbox/capsa/agent"
@@ -275,6 +277,16 @@ type Sandbox struct {
 	lim     *limiters // the devices' I/O limits
 
 	resumeErr error // a restored guest's agent's answer to being resumed
+
+	// The fork chain (SnapshotOptions.Fork): its directory, its base,
+	// open, which the memory is mapped from (nil: none, or the memory is
+	// its own), and its latest layer's directory; a fork snapshot at a
+	// time. lastPause is the last snapshot's pause, in nanoseconds.
+	forkMu    sync.Mutex
+	forkChain string
+	forkBase  *snapshot.Snapshot
+	forkLayer string
+	lastPause atomic.Int64
 
 	mu       sync.Mutex
 	main     *agent.Process
@@ -575,6 +587,18 @@ func (s *Sandbox) release() error {
 		err = errors.Join(err, d.Close())
 	}
 	err = errors.Join(err, s.rootfs.remove())
+	s.forkMu.Lock()
+	if s.forkBase != nil {
+		s.forkBase.Close()
+		s.forkBase = nil
+	}
+	if s.forkChain != "" {
+		// The fork chain's directory is the sandbox's: its copies keep
+		// what they mapped. (A jailed supervisor may not remove the
+		// directory itself, only what it wrote there: its owner does.)
+		os.RemoveAll(s.forkChain)
+	}
+	s.forkMu.Unlock()
 	return errors.Join(err, s.net.close())
 }
 

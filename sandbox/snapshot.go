@@ -9,10 +9,12 @@ import (
 	"io"
 	"log/slog"
 	"os"
+	"path/filepath"
 	"slices"
 	"time"
 
 	"github.com/capsa-sandbox/capsa/agent"
+	"github.com/capsa-sandbox/capsa/guestmem"
 	"github.com/capsa-sandbox/capsa/netstack"
 	"github.com/capsa-sandbox/capsa/snapshot"
 	"github.com/capsa-sandbox/capsa/tlsproxy"
@@ -59,7 +61,23 @@ type SnapshotOptions struct {
 	// (package snapshot). The comparison reads both memories while the
 	// sandbox is paused.
 	Parent string
+	// Fork: the snapshot is for copies restored from it at once (Fork,
+	// capsa fork), transient (snapshot.WriteOptions), in the sandbox's
+	// fork chain, dir's directory, which is the sandbox's from then on:
+	// no other snapshot may be written there, and it is removed when the
+	// sandbox ends. The first fork writes the whole memory, as a base
+	// that the sandbox's memory is then mapped from, copy-on-write, as a
+	// restored sandbox's is from its snapshot; the host's page tables
+	// then tell which pages the sandbox writes (guestmem.Memory.Dirty).
+	// A later fork writes only those, as a layer over the base, found
+	// without reading or comparing any page: the pause lasts about as
+	// long as writing what changed since the base. Not with Parent.
+	Fork bool
 }
+
+// LastPause is how long the sandbox's last snapshot or fork kept it
+// paused: what its processes lost to it, and, for a fork, its stall.
+func (s *Sandbox) LastPause() time.Duration { return time.Duration(s.lastPause.Load()) }
 
 // SnapshotWith is Snapshot with options.
 func (s *Sandbox) SnapshotWith(ctx context.Context, dir string, o SnapshotOptions) error {
@@ -71,6 +89,13 @@ func (s *Sandbox) SnapshotWith(ctx context.Context, dir string, o SnapshotOption
 		return fmt.Errorf("sandbox: snapshot: %w", err)
 	}
 	var parent *snapshot.Snapshot
+	if o.Fork {
+		if o.Parent != "" {
+			return errors.New("sandbox: snapshot: a fork snapshot's parent is the fork chain's, not one given")
+		}
+		s.forkMu.Lock()
+		defer s.forkMu.Unlock()
+	}
 	if o.Parent != "" {
 		if parent, err = snapshot.Open(o.Parent); err != nil {
 			return fmt.Errorf("sandbox: snapshot: the parent: %w", err)
@@ -82,16 +107,103 @@ func (s *Sandbox) SnapshotWith(ctx context.Context, dir string, o SnapshotOption
 		inv = s.snapshotInventory(ctx)
 	}
 	wasPaused := s.Paused()
+	start := time.Now()
 	if err := s.Pause(ctx); err != nil {
 		return fmt.Errorf("sandbox: snapshot: %w", err)
 	}
-	err = s.writeSnapshot(dir, spec, inv, parent)
+	if o.Fork {
+		err = s.writeFork(dir, spec)
+	} else {
+		err = s.writeSnapshot(dir, spec, inv, parent)
+	}
 	if !wasPaused {
 		// The clock was never stopped for the guest: it runs on as after
 		// a short descheduling, and needs no setting.
 		err = errors.Join(err, s.vm.Continue())
+		s.lastPause.Store(int64(time.Since(start)))
 	}
 	return err
+}
+
+// writeFork writes a fork snapshot to dir (SnapshotOptions.Fork), the
+// fork chain's lock held and the VM paused, transient (no checksum, no
+// fsync: copies restore from it at once and it goes before long).
+//
+// The fork chain is a base, the whole memory, which the memory is mapped
+// from since (guestmem.Memory.Remap), and the latest layer over it. A
+// fork writes a layer of every page written since the base was mapped
+// (guestmem.Memory.Dirty: the host's page tables say which, no page is
+// read to find them), and replaces the layer before, which no one needs
+// any more. The memory is not mapped from a layer: that would cost a
+// mapping per run and, for KVM, an invalidation of each, during the
+// pause, to save writing the same pages again at the next fork. The base
+// is written again (the first fork, a base elsewhere, the pages written
+// since grown past a quarter of the memory, Dirty failing), and the old
+// chain removed. A failure to map the memory from a new base is no
+// failure of the snapshot, which is whole: the memory stays its own, and
+// the next fork writes a base again.
+func (s *Sandbox) writeFork(dir string, spec []byte) error {
+	s.forkChain = filepath.Dir(dir)
+	mem := s.vm.Memory()
+	base := s.forkBase
+	if base != nil && filepath.Dir(base.Dir) != s.forkChain {
+		base = nil
+	}
+	var runs []guestmem.Run
+	if base != nil {
+		var err error
+		if runs, err = mem.Dirty(snapshot.MaxLayerRuns); err != nil {
+			s.c.logger().Warn("sandbox: fork: the pages written since the last fork are not known: the whole memory is written", "err", err)
+			base = nil
+		}
+		var n int64
+		for _, r := range runs {
+			n += r.Len
+		}
+		if uint64(n) > mem.Size()/4 {
+			base = nil
+		}
+	}
+	err := s.writeSnapshotWith(dir, spec, nil, func(m snapshot.Manifest, st *vmm.State, extra map[string]snapshot.Extra) error {
+		o := snapshot.WriteOptions{Transient: true}
+		if base != nil {
+			o.Parent, o.Runs = base, runs
+		}
+		return snapshot.WriteWith(dir, m, st, mem, extra, o)
+	})
+	if err != nil {
+		return err
+	}
+	if last := s.forkLayer; last != "" {
+		os.RemoveAll(last) // what it held, the new layer holds
+		s.forkLayer = ""
+	}
+	if base != nil {
+		s.forkLayer = dir
+		return nil
+	}
+	// A new base: the memory is mapped from it, and the old chain goes
+	// (copies keep what they mapped).
+	old := s.forkBase
+	s.forkBase = nil
+	if old != nil {
+		old.Close()
+		if old.Dir != dir {
+			os.RemoveAll(old.Dir)
+		}
+	}
+	snap, err := snapshot.Open(dir)
+	if err == nil {
+		if err = mem.Remap(snap.File(snapshot.MemoryFile)); err != nil {
+			snap.Close()
+		}
+	}
+	if err != nil {
+		s.c.logger().Warn("sandbox: fork: the memory stays its own, not mapped from the fork snapshot", "dir", dir, "err", err)
+		return nil
+	}
+	s.forkBase = snap
+	return nil
 }
 
 // Snapshottable says why the sandbox cannot be snapshotted, if it cannot:
@@ -104,6 +216,14 @@ func (s *Sandbox) Snapshottable() error {
 }
 
 func (s *Sandbox) writeSnapshot(dir string, spec []byte, inv *Inventory, parent *snapshot.Snapshot) error {
+	return s.writeSnapshotWith(dir, spec, inv, func(m snapshot.Manifest, st *vmm.State, extra map[string]snapshot.Extra) error {
+		return snapshot.WriteWith(dir, m, st, s.vm.Memory(), extra, snapshot.WriteOptions{Parent: parent})
+	})
+}
+
+// writeSnapshotWith takes the paused VM's state and gathers the
+// snapshot's manifest and files, which write then writes.
+func (s *Sandbox) writeSnapshotWith(dir string, spec []byte, inv *Inventory, write func(snapshot.Manifest, *vmm.State, map[string]snapshot.Extra) error) error {
 	st, err := s.vm.State()
 	if err != nil {
 		return fmt.Errorf("sandbox: snapshot: %w", err)
@@ -136,10 +256,7 @@ func (s *Sandbox) writeSnapshot(dir string, spec []byte, inv *Inventory, parent 
 	if inv != nil {
 		extra[InventoryFile] = writeInventory(inv)
 	}
-	if parent != nil {
-		return snapshot.WriteLayer(dir, parent, m, st, s.vm.Memory(), extra)
-	}
-	return snapshot.Write(dir, m, st, s.vm.Memory(), extra)
+	return write(m, st, extra)
 }
 
 // RestoreOptions are what a restored sandbox gets that its snapshot does

@@ -48,6 +48,9 @@ type Stats struct {
 	// sandbox has a process of its own; a program that runs several
 	// sandboxes through this package counts all of theirs here.
 	VMMCPUTime time.Duration `json:"vmm_cpu_time_ns"`
+	// LastPause is how long the sandbox's last snapshot or fork kept it
+	// paused (Sandbox.LastPause; 0: none yet).
+	LastPause time.Duration `json:"last_pause_ns,omitempty"`
 	// NetFlows is how many DNS queries, TCP connections and UDP flows each
 	// rule of the network policy allowed and refused (none without a
 	// network).
@@ -63,7 +66,7 @@ func (s *Sandbox) Stats() (*Stats, error) {
 	now := time.Now()
 	st := &Stats{
 		Taken: now, Uptime: now.Sub(s.started), CPUTime: vs.CPUTime, CPUs: s.c.CPUs,
-		MemoryResident: vs.MemoryResident, MemoryBytes: vs.MemoryBytes, Exits: vs.Exits,
+		MemoryResident: vs.MemoryResident, MemoryBytes: vs.MemoryBytes, Exits: vs.Exits, LastPause: s.LastPause(),
 	}
 	if s.net != nil {
 		n := s.net.nic.Stats()

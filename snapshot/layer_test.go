@@ -43,8 +43,8 @@ func layerTest(t *testing.T) (string, *guestmem.Memory) {
 	}
 	defer base.Close()
 	extra := map[string]Extra{"extra": func(p string) (string, error) { return "", os.WriteFile(p, []byte("x"), 0o600) }}
-	if err := WriteLayer(filepath.Join(root, "top"), base, m, testState(), mem, extra); err != nil {
-		t.Fatalf("WriteLayer() = %v", err)
+	if err := WriteWith(filepath.Join(root, "top"), m, testState(), mem, extra, WriteOptions{Parent: base}); err != nil {
+		t.Fatalf("WriteWith(a layer) = %v", err)
 	}
 	return root, mem
 }
@@ -94,7 +94,7 @@ func TestLayer(t *testing.T) {
 	// A layer over the layer, then squashed: the same memory, no parent.
 	mem.WriteAt([]byte("third"), 0x300000)
 	extra := map[string]Extra{"extra": func(p string) (string, error) { return sha256Hex([]byte("x")), os.WriteFile(p, []byte("x"), 0o600) }}
-	if err := WriteLayer(filepath.Join(root, "third"), top, top.Manifest, top.State, mem, extra); err != nil {
+	if err := WriteWith(filepath.Join(root, "third"), top.Manifest, top.State, mem, extra, WriteOptions{Parent: top}); err != nil {
 		t.Fatal(err)
 	}
 	third, err := Open(filepath.Join(root, "third"))
@@ -178,13 +178,13 @@ func TestBadLayers(t *testing.T) {
 			t.Fatal(err)
 		}
 		defer base.Close()
-		if err := WriteLayer(other, base, base.Manifest, base.State, mem, nil); err == nil || !strings.Contains(err.Error(), "same directory") {
-			t.Errorf("WriteLayer() elsewhere = %v", err)
+		if err := WriteWith(other, base.Manifest, base.State, mem, nil, WriteOptions{Parent: base}); err == nil || !strings.Contains(err.Error(), "same directory") {
+			t.Errorf("a layer elsewhere = %v", err)
 		}
 		small, _ := guestmem.New(memBytes / 2)
 		defer small.Close()
-		if err := WriteLayer(filepath.Join(root, "small"), base, base.Manifest, base.State, small, nil); err == nil || !strings.Contains(err.Error(), "bytes of memory") {
-			t.Errorf("WriteLayer() of another size = %v", err)
+		if err := WriteWith(filepath.Join(root, "small"), base.Manifest, base.State, small, nil, WriteOptions{Parent: base}); err == nil || !strings.Contains(err.Error(), "bytes of memory") {
+			t.Errorf("a layer of another size = %v", err)
 		}
 		// A manifest naming a parent by a path is refused before
 		// anything is opened.
@@ -218,7 +218,7 @@ func TestBadLayers(t *testing.T) {
 			}
 			mem.PutUint8(0x700000, uint8(i))
 			name := fmt.Sprintf("l%d", i)
-			err = WriteLayer(filepath.Join(root, name), p, p.Manifest, p.State, mem, nil)
+			err = WriteWith(filepath.Join(root, name), p.Manifest, p.State, mem, nil, WriteOptions{Parent: p})
 			chain := p.Chain()
 			p.Close()
 			if chain >= MaxChain {

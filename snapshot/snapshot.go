@@ -17,7 +17,7 @@
 // is checked as untrusted anyway. Firecracker's snapshot files (a
 // versioned state beside a memory file mapped on restore) are the model.
 //
-// A layer (WriteLayer) is a snapshot written over an earlier one, its
+// A layer (WriteWith, WriteOptions.Parent) is a snapshot written over an earlier one, its
 // parent, in the same directory: its memory file holds only the pages
 // that differ from the parent's (Manifest.MemoryRuns), and a restore maps
 // the parent's memory and the layer's runs over it (MapMemory), down a
@@ -183,16 +183,37 @@ type Extra func(path string) (sum string, err error)
 // Format, Version, CapsaVersion, Files, Parent and MemoryRuns are filled
 // here, and Created where it is zero.
 func Write(dir string, m Manifest, st *vmm.State, mem *guestmem.Memory, extra map[string]Extra) error {
-	m.Version, m.Parent, m.MemoryRuns = Version, nil, nil
-	return write(dir, m, st, mem.Size(), extra, func(f *os.File, h io.Writer) error { return mem.WriteFile(f, h) })
+	return WriteWith(dir, m, st, mem, extra, WriteOptions{})
 }
 
-// WriteLayer is Write of a layer over parent, a snapshot in the same
-// directory as dir, of the same vCPUs and memory size: the memory file
-// holds only the pages of mem that differ from the parent's memory. It
-// reads the parent's whole memory (compared page by page), and the
-// parent must stay, unchanged, for as long as the layer is restored.
-func WriteLayer(dir string, parent *Snapshot, m Manifest, st *vmm.State, mem *guestmem.Memory, extra map[string]Extra) error {
+// WriteOptions choose how WriteWith writes a snapshot.
+type WriteOptions struct {
+	// Parent, when not nil, makes the snapshot a layer over it: a
+	// snapshot in the same directory as dir, of the same vCPUs and memory
+	// size, which must stay, unchanged, for as long as the layer is
+	// restored. The memory file holds only the pages of mem that differ
+	// from the parent's memory: found by reading the parent's whole
+	// memory and comparing it page by page, or given as Runs.
+	Parent *Snapshot
+	// Runs, when not nil, are the runs of mem that differ from Parent's
+	// memory: mem.Dirty's, for memory mapped from the parent's chain
+	// since (guestmem.Memory.Remap). Pages outside them must equal the
+	// parent's; nothing here can check that.
+	Runs []guestmem.Run
+	// Transient: the snapshot is for sandboxes restored from it at once
+	// and is gone before long (a fork's): its memory gets no checksum
+	// (Verify skips it) and is not flushed to the disk, both of which
+	// cost time the sandbox spends paused.
+	Transient bool
+}
+
+// WriteWith is Write with options: a layer, or a transient snapshot.
+func WriteWith(dir string, m Manifest, st *vmm.State, mem *guestmem.Memory, extra map[string]Extra, o WriteOptions) error {
+	if o.Parent == nil {
+		m.Version, m.Parent, m.MemoryRuns = Version, nil, nil
+		return write(dir, m, st, mem.Size(), extra, o.Transient, func(f *os.File, h io.Writer) error { return mem.WriteFile(f, h) })
+	}
+	parent, runs := o.Parent, o.Runs
 	pdir, err := filepath.Abs(parent.Dir)
 	if err != nil {
 		return fmt.Errorf("snapshot: %w", err)
@@ -209,22 +230,25 @@ func WriteLayer(dir string, parent *Snapshot, m Manifest, st *vmm.State, mem *gu
 	case parent.Chain() >= MaxChain:
 		return fmt.Errorf("snapshot: the parent %s is a chain of %d snapshots already, the most a layer may lie over is %d: squash it first", parent.Dir, parent.Chain(), MaxChain-1)
 	}
-	base, layers, err := parent.memoryFiles()
-	if err != nil {
-		return err
-	}
-	runs, err := mem.Delta(guestmem.LayersReader(base, layers), MaxLayerRuns)
-	if err != nil {
+	if runs == nil {
+		base, layers, err := parent.memoryFiles()
+		if err != nil {
+			return err
+		}
+		if runs, err = mem.Delta(guestmem.LayersReader(base, layers), MaxLayerRuns); err != nil {
+			return fmt.Errorf("snapshot: %w", err)
+		}
+	} else if err := guestmem.CheckRuns(runs, mem.Size(), MaxLayerRuns); err != nil {
 		return fmt.Errorf("snapshot: %w", err)
 	}
 	m.Version, m.MemoryRuns = LayerVersion, runs
 	m.Parent = &Parent{Name: filepath.Base(pdir), ManifestSHA256: parent.ManifestSHA256}
-	return write(dir, m, st, mem.Size(), extra, func(f *os.File, h io.Writer) error { return mem.WriteRuns(f, runs, h) })
+	return write(dir, m, st, mem.Size(), extra, o.Transient, func(f *os.File, h io.Writer) error { return mem.WriteRuns(f, runs, h) })
 }
 
-// write is Write and WriteLayer, with writeMem writing the memory file
-// and its checksum's bytes.
-func write(dir string, m Manifest, st *vmm.State, memSize uint64, extra map[string]Extra, writeMem func(f *os.File, h io.Writer) error) error {
+// write is WriteWith, with writeMem writing the memory file and its
+// checksum's bytes (to be ignored for a transient snapshot).
+func write(dir string, m Manifest, st *vmm.State, memSize uint64, extra map[string]Extra, transient bool, writeMem func(f *os.File, h io.Writer) error) error {
 	if _, err := os.Lstat(dir); err == nil {
 		return fmt.Errorf("snapshot: %s already exists", dir)
 	}
@@ -254,7 +278,7 @@ func write(dir string, m Manifest, st *vmm.State, memSize uint64, extra map[stri
 	}
 	h := crc32.New(crc32.MakeTable(crc32.Castagnoli))
 	err = writeMem(f, h)
-	if err == nil {
+	if err == nil && !transient {
 		err = f.Sync()
 	}
 	if cerr := f.Close(); err == nil {
@@ -263,7 +287,10 @@ func write(dir string, m Manifest, st *vmm.State, memSize uint64, extra map[stri
 	if err != nil {
 		return fmt.Errorf("snapshot: %w", err)
 	}
-	m.Files[MemoryFile] = File{Size: int64(memSize), CRC32C: hex.EncodeToString(h.Sum(nil))}
+	m.Files[MemoryFile] = File{Size: int64(memSize)}
+	if !transient {
+		m.Files[MemoryFile] = File{Size: int64(memSize), CRC32C: hex.EncodeToString(h.Sum(nil))}
+	}
 
 	for name, write := range extra {
 		if !validName(name) {

@@ -153,6 +153,11 @@ func Open(dir string) (*Store, error) {
 // SnapshotDir is where the CLI keeps the snapshot called name.
 func (s *Store) SnapshotDir(name string) string { return filepath.Join(s.SnapshotsDir(), name) }
 
+// ForkDir is the running sandbox name's fork chain's directory (its fork
+// snapshots: sandbox.SnapshotOptions.Fork), hidden among the snapshots,
+// where its copies' supervisors may read it. Remove removes it.
+func (s *Store) ForkDir(name string) string { return filepath.Join(s.SnapshotsDir(), ".fork-"+name) }
+
 // SnapshotsDir holds the CLI's named snapshots, one directory each.
 func (s *Store) SnapshotsDir() string { return filepath.Join(s.dir, snapshotsDir) }
 
@@ -588,6 +593,10 @@ func (s *Store) Remove(name string) error {
 	defer l.Close()
 	err = s.db(true, func(b *bolt.Bucket) error { return b.Delete([]byte(name)) })
 	if err != nil {
+		return fmt.Errorf("store: remove %s: %w", name, err)
+	}
+	// A fork chain the sandbox's supervisor could not remove whole.
+	if err := os.RemoveAll(s.ForkDir(name)); err != nil {
 		return fmt.Errorf("store: remove %s: %w", name, err)
 	}
 	// The lock file goes last, while still held, so a new sandbox of this

@@ -47,7 +47,7 @@ func Snapshot(ctx context.Context, st *store.Store, name, dir string, o sandbox.
 	if err != nil {
 		return err
 	}
-	body := snapshotBody{Dir: abs, Inventory: o.Inventory}
+	body := snapshotBody{Dir: abs, Inventory: o.Inventory, Fork: o.Fork}
 	if o.Parent != "" {
 		if body.Parent, err = filepath.Abs(o.Parent); err != nil {
 			return err

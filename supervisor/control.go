@@ -41,6 +41,7 @@ type snapshotBody struct {
 	Dir       string `json:"dir"`
 	Inventory bool   `json:"inventory,omitempty"`
 	Parent    string `json:"parent,omitempty"`
+	Fork      bool   `json:"fork,omitempty"`
 }
 
 // ttlBody is the TTL operation's request: the sandbox's new TTL, counted

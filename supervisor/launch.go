@@ -14,6 +14,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -212,8 +213,10 @@ func SaveSnapshot(ctx context.Context, st *store.Store, name, snap, parent strin
 // directory, and each copy restored from that at once, named and
 // hostnamed NAME-1, NAME-2... (the first free names). It returns the
 // copies' names and, beside each, why that copy did not start (nil: it
-// runs); err is for what failed before any copy. The snapshot is removed
-// once the copies run: they keep its memory mapped.
+// runs); err is for what failed before any copy. The snapshot is a fork
+// snapshot (sandbox.SnapshotOptions.Fork) in the sandbox's fork chain
+// (Store.ForkDir): the first writes the memory in use, each later one
+// what the sandbox wrote since; the chain goes when the sandbox ends.
 func Fork(ctx context.Context, st *store.Store, name string, count int) (names []string, errs []error, err error) {
 	if count < 1 || count > MaxFork {
 		return nil, nil, fmt.Errorf("supervisor: fork %s: %d copies: want 1 to %d", name, count, MaxFork)
@@ -235,19 +238,18 @@ func Fork(ctx context.Context, st *store.Store, name string, count int) (names [
 	if err := os.MkdirAll(st.SnapshotsDir(), 0o700); err != nil {
 		return nil, nil, err
 	}
-	tmp, err := os.MkdirTemp(st.SnapshotsDir(), ".fork-")
-	if err != nil {
+	chain := st.ForkDir(name)
+	if err := os.Mkdir(chain, 0o700); err != nil && !errors.Is(err, os.ErrExist) {
 		return nil, nil, err
 	}
-	defer os.RemoveAll(tmp)
 	if u := src.JailUser; u != nil {
 		// The jailed supervisor writes the snapshot as its user.
-		if err := os.Chown(tmp, u.UID, u.GID); err != nil {
+		if err := os.Chown(chain, u.UID, u.GID); err != nil {
 			return nil, nil, err
 		}
 	}
-	dir := filepath.Join(tmp, "snapshot")
-	if err := Snapshot(ctx, st, name, dir, sandbox.SnapshotOptions{}); err != nil {
+	dir := filepath.Join(chain, strconv.FormatInt(time.Now().UnixNano(), 10))
+	if err := Snapshot(ctx, st, name, dir, sandbox.SnapshotOptions{Fork: true}); err != nil {
 		return nil, nil, err
 	}
 	secrets, err := ReadSecrets(st, name) // the copies use the same

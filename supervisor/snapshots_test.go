@@ -38,7 +38,7 @@ func TestSnapshotLayersInTheCatalog(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	err = snapshot.WriteLayer(m.st.SnapshotDir("top"), base, mf, st, mem, nil)
+	err = snapshot.WriteWith(m.st.SnapshotDir("top"), mf, st, mem, nil, snapshot.WriteOptions{Parent: base})
 	base.Close()
 	if err != nil {
 		t.Fatal(err)

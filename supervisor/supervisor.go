@@ -569,11 +569,11 @@ func (c *control) mux(log *slog.Logger) *http.ServeMux {
 		}
 		c.pauseMu.Lock()
 		defer c.pauseMu.Unlock()
-		if err := c.sb.SnapshotWith(ctx, req.Dir, sandbox.SnapshotOptions{Inventory: req.Inventory, Parent: req.Parent}); err != nil {
+		if err := c.sb.SnapshotWith(ctx, req.Dir, sandbox.SnapshotOptions{Inventory: req.Inventory, Parent: req.Parent, Fork: req.Fork}); err != nil {
 			log.Warn("supervisor: snapshot", "err", err)
 			return noBody{}, err
 		}
-		log.Info("supervisor: snapshot written", "dir", req.Dir)
+		log.Info("supervisor: snapshot written", "dir", req.Dir, "paused", c.sb.LastPause())
 		return noBody{}, nil
 	})
 	opSuspend.register(mux, func(ctx context.Context, _ noBody) (noBody, error) {

@@ -345,6 +345,9 @@ func runFork(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "capsa fork: %v\n", err)
 		return 1
 	}
+	if st, err := m.Stats(ctx, fs.Arg(0)); err == nil && st.LastPause > 0 {
+		fmt.Fprintf(stderr, "capsa fork: %s was paused for %v\n", fs.Arg(0), st.LastPause.Round(time.Microsecond))
+	}
 	code := 0
 	for i, n := range names {
 		code = max(code, launched("fork", n, errs[i], stdout, stderr))

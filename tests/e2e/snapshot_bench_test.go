@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -138,17 +139,47 @@ func BenchmarkSnapshot(b *testing.B) {
 		})
 	}
 	b.Run("fork-8-256M", func(b *testing.B) {
+		// The fork until the copies run, the source's pause (its first
+		// fork writes its whole memory, a later one what it wrote
+		// since), and the fork until each copy has run a first exec.
 		src := start(b, 256)
 		defer src.Close()
-		timed(b, func() {
+		var forks, stalls, execs []time.Duration
+		var first time.Duration
+		for i := 0; b.Loop(); i++ {
+			t := time.Now()
 			copies, err := src.Fork(ctx, 8, sandbox.RestoreOptions{})
 			if err != nil {
 				b.Fatal(err)
 			}
+			forks = append(forks, time.Since(t))
+			if i == 0 {
+				first = src.LastPause()
+			} else {
+				stalls = append(stalls, src.LastPause())
+			}
+			var wg sync.WaitGroup
+			for _, c := range copies {
+				wg.Go(func() { execTrue(b, c) })
+			}
+			wg.Wait()
+			execs = append(execs, time.Since(t))
 			for _, c := range copies {
 				c.Close()
 			}
-		})
+			b.StopTimer()
+			// Something for the next fork to write: 4 MiB afresh.
+			if out, err := src.Exec(ctx, sandbox.Shell("head -c 4194304 /dev/urandom > /tmp/churn")); err != nil || out.Code != 0 {
+				b.Fatalf("churn: %+v, %v", out, err)
+			}
+			b.StartTimer()
+		}
+		reportSpread(b, forks)
+		reportSpreadAs(b, execs, "to-exec-")
+		b.ReportMetric(float64(first.Microseconds())/1000, "first-stall-ms")
+		if len(stalls) > 0 {
+			reportSpreadAs(b, stalls, "later-stall-")
+		}
 	})
 	b.Run("pool-get-256M", func(b *testing.B) {
 		pool, err := sandbox.NewPool(snaps[256], 2, sandbox.RestoreOptions{})

@@ -1,0 +1,129 @@
+package e2e
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io/fs"
+	"slices"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/capsa-sandbox/capsa/sandbox"
+)
+
+// TestForkStall: a sandbox forked twice into four copies while a process
+// in it notes the guest's clock (/proc/uptime, in hundredths of a second)
+// without a pause of its own. The second fork writes only what the
+// sandbox wrote since the first. The process's notes show no gap at the
+// second fork longer than the pause the sandbox reports for it (and the
+// scheduling gaps it shows before any fork), so the report is honest.
+// Every copy and the sandbox then write a file of the same name and read
+// back only their own; the second fork's copies hold what the sandbox
+// wrote between the forks, the first's do not.
+func TestForkStall(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 8*time.Minute)
+	defer cancel()
+	sb := startSandbox(t, ctx, sandbox.New().CPUs(2))
+	ticker, err := sb.Stream(ctx, sandbox.ExecOptions{Shell: `last=; while :; do read up idle < /proc/uptime; ` +
+		`if [ "$up" != "$last" ]; then echo $up >> /tmp/ticks; last=$up; fi; done`})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ticker.Signal(context.Background(), "KILL")
+	// gaps reads the notes and returns the gaps between them, from note
+	// from on, and how many notes there are.
+	gaps := func(from int) ([]time.Duration, int) {
+		t.Helper()
+		b, err := sb.ReadFile(ctx, "/tmp/ticks")
+		if err != nil {
+			t.Fatal(err)
+		}
+		lines := strings.Fields(string(b))
+		var out []time.Duration
+		for i := max(from, 1); i < len(lines); i++ {
+			a, err1 := strconv.ParseFloat(lines[i-1], 64)
+			c, err2 := strconv.ParseFloat(lines[i], 64)
+			if err1 != nil || err2 != nil {
+				continue // a line being written
+			}
+			out = append(out, time.Duration((c-a)*float64(time.Second)))
+		}
+		return out, len(lines)
+	}
+	time.Sleep(3 * time.Second)
+	quiet, n := gaps(0)
+	if len(quiet) < 50 {
+		t.Fatalf("the clock's notes: %d in 3 s; want one every 10 ms or so", len(quiet))
+	}
+	quietMax := slices.Max(quiet)
+
+	var copies []*sandbox.Sandbox
+	var stalls, worst []time.Duration
+	for round := range 2 {
+		if round == 1 {
+			// The first fork mapped the sandbox's memory from its
+			// snapshot: the guest takes a fault for each page it
+			// touches first (slow here, where each exit costs
+			// milliseconds). Once that is over, 4 MiB of new data
+			// for the second fork's layer.
+			time.Sleep(5 * time.Second)
+			if out, err := sb.Exec(ctx, sandbox.Shell("head -c 4194304 /dev/urandom > /tmp/between")); err != nil || out.Code != 0 {
+				t.Fatalf("write between the forks: %+v, %v", out, err)
+			}
+			// The process's own gaps with four copies running too.
+			_, n = gaps(0)
+			time.Sleep(2 * time.Second)
+			busy, m := gaps(n)
+			quietMax, n = max(quietMax, slices.Max(busy)), m
+		}
+		cs, err := sb.Fork(ctx, 4, sandbox.RestoreOptions{})
+		if err != nil {
+			t.Fatalf("fork %d: %v", round+1, err)
+		}
+		for _, c := range cs {
+			t.Cleanup(func() { c.Close() })
+		}
+		copies = append(copies, cs...)
+		stalls = append(stalls, sb.LastPause())
+		time.Sleep(time.Second)
+		during, _ := gaps(n)
+		worst = append(worst, slices.Max(during))
+	}
+	t.Logf("the sandbox's pause for a fork of 4: %v for the first (the whole memory), %v for the second (what it wrote since); "+
+		"the clock's notes' largest gap: %v before each fork, %v from the first fork on, %v from the second on",
+		stalls[0].Round(time.Millisecond), stalls[1].Round(time.Millisecond), quietMax, worst[0], worst[1])
+	// The second fork's pause is all the process lost to it.
+	if limit := stalls[1] + quietMax + 20*time.Millisecond; worst[1] > limit {
+		t.Errorf("the process in the sandbox stopped for %v at the second fork, more than the reported pause and its own gaps allow (%v)", worst[1], limit)
+	}
+
+	// Each its own: a file of the same name, different in each.
+	all := append([]*sandbox.Sandbox{sb}, copies...)
+	for i, c := range all {
+		if err := c.WriteFile(ctx, "/tmp/own", []byte(strconv.Itoa(i)), 0o644); err != nil {
+			t.Fatalf("sandbox %d: %v", i, err)
+		}
+	}
+	for i, c := range all {
+		b, err := c.ReadFile(ctx, "/tmp/own")
+		if err != nil || string(b) != strconv.Itoa(i) {
+			t.Errorf("sandbox %d (0: the source): /tmp/own = %q, %v; want its own", i, b, err)
+		}
+		_, err = c.Stat(ctx, "/tmp/between")
+		if first := i >= 1 && i <= 4; first != errors.Is(err, fs.ErrNotExist) {
+			t.Errorf("sandbox %d (0: the source, 1-4: the first fork's copies): Stat(/tmp/between) = %v", i, err)
+		}
+	}
+	// The second fork's copies ticked on from the sandbox's notes.
+	if out, err := copies[5].Exec(ctx, sandbox.Shell("wc -l < /tmp/ticks")); err != nil || out.Code != 0 {
+		t.Errorf("a copy's notes: %+v, %v", out, err)
+	} else {
+		fmt.Sscan(string(out.Stdout), &n)
+		if n < len(quiet) {
+			t.Errorf("a copy of the second fork holds %d notes, fewer than the %d taken before the first", n, len(quiet))
+		}
+	}
+}
