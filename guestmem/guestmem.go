@@ -177,22 +177,30 @@ const pageSize = 4096
 func (m *Memory) dataRuns(fn func(off int64, run []byte) error) error {
 	var off int64
 	for _, r := range m.regions {
-		b := r.Host
-		for i := 0; i < len(b); {
-			if isZero(b[i : i+pageSize]) {
-				i += pageSize
-				continue
-			}
-			j := i + pageSize
-			for j < len(b) && j-i < 8<<20 && !isZero(b[j:j+pageSize]) {
-				j += pageSize
-			}
-			if err := fn(off+int64(i), b[i:j]); err != nil {
-				return err
-			}
-			i = j
+		if err := nonZero(r.Host, off, fn); err != nil {
+			return err
 		}
-		off += int64(len(b))
+		off += int64(len(r.Host))
+	}
+	return nil
+}
+
+// nonZero calls fn with each run of b's pages that are not all zero (at
+// most 8 MiB each), with its offset in the memory file, b's being off.
+func nonZero(b []byte, off int64, fn func(off int64, run []byte) error) error {
+	for i := 0; i < len(b); {
+		if isZero(b[i : i+pageSize]) {
+			i += pageSize
+			continue
+		}
+		j := i + pageSize
+		for j < len(b) && j-i < 8<<20 && !isZero(b[j:j+pageSize]) {
+			j += pageSize
+		}
+		if err := fn(off+int64(i), b[i:j]); err != nil {
+			return err
+		}
+		i = j
 	}
 	return nil
 }

@@ -138,15 +138,14 @@ func (m *Memory) Delta(base io.ReaderAt, limit int) ([]Run, error) {
 	if limit < 2 {
 		return nil, fmt.Errorf("delta of guest memory: at most %d runs", limit)
 	}
-	var runs []Run
-	var split []bool // split[i]: runs[i] and runs[i+1] lie in different regions
+	var l runList
 	var off int64
 	buf := make([]byte, 1<<20)
 	var o []byte // base's bytes from obase on
 	var obase int64
 	for _, r := range m.regions {
 		b := r.Host
-		first := true
+		l.region()
 		for i := 0; i < len(b); i += pageSize {
 			at := off + int64(i)
 			if at >= obase+int64(len(o)) {
@@ -156,22 +155,36 @@ func (m *Memory) Delta(base io.ReaderAt, limit int) ([]Run, error) {
 				}
 				o, obase = buf[:n], at
 			}
-			if bytes.Equal(b[i:i+pageSize], o[at-obase:at-obase+pageSize]) {
-				continue
+			if !bytes.Equal(b[i:i+pageSize], o[at-obase:at-obase+pageSize]) {
+				l.add(at)
 			}
-			if n := len(runs); !first && runs[n-1].End() == at {
-				runs[n-1].Len += pageSize
-				continue
-			}
-			if len(runs) > 0 {
-				split = append(split, first)
-			}
-			runs = append(runs, Run{Off: at, Len: pageSize})
-			first = false
 		}
 		off += int64(len(b))
 	}
-	return joinRuns(runs, split, limit), nil
+	return joinRuns(l.runs, l.split, limit), nil
+}
+
+// runList gathers pages into runs, region by region.
+type runList struct {
+	runs  []Run
+	split []bool // split[i]: runs[i] and runs[i+1] lie in different regions
+	first bool   // no page of the current region added yet
+}
+
+// region starts the next region: its pages never join the last run.
+func (l *runList) region() { l.first = true }
+
+// add adds the page at off, which lies after every page added before.
+func (l *runList) add(off int64) {
+	if n := len(l.runs); !l.first && l.runs[n-1].End() == off {
+		l.runs[n-1].Len += pageSize
+		return
+	}
+	if len(l.runs) > 0 {
+		l.split = append(l.split, l.first)
+	}
+	l.runs = append(l.runs, Run{Off: off, Len: pageSize})
+	l.first = false
 }
 
 // joinRuns joins the runs separated by the smallest gaps (never two that
@@ -286,19 +299,8 @@ func (m *Memory) runData(runs []Run, fn func(off int64, run []byte) error) error
 		if err != nil {
 			return err
 		}
-		for i := 0; i < len(b); {
-			if isZero(b[i : i+pageSize]) {
-				i += pageSize
-				continue
-			}
-			j := i + pageSize
-			for j < len(b) && j-i < 8<<20 && !isZero(b[j:j+pageSize]) {
-				j += pageSize
-			}
-			if err := fn(r.Off+int64(i), b[i:j]); err != nil {
-				return err
-			}
-			i = j
+		if err := nonZero(b, r.Off, fn); err != nil {
+			return err
 		}
 	}
 	return nil
@@ -354,13 +356,12 @@ func (m *Memory) Dirty(limit int) ([]Run, error) {
 		swapped = 1 << 62
 		file    = 1 << 61 // a page of the file (or shared), not a copy of this process's own
 	)
-	var runs []Run
-	var split []bool
+	var l runList
 	buf := make([]byte, 8*4096)
 	var off int64
 	for _, r := range m.regions {
 		pages := len(r.Host) / pageSize
-		first := true
+		l.region()
 		for i := 0; i < pages; {
 			n := min(pages-i, len(buf)/8)
 			if _, err := pm.ReadAt(buf[:8*n], int64(addrOf(r.Host)/pageSize+uint64(i))*8); err != nil {
@@ -368,23 +369,13 @@ func (m *Memory) Dirty(limit int) ([]Run, error) {
 			}
 			for k := range n {
 				e := binary.LittleEndian.Uint64(buf[8*k:])
-				if !(e&present != 0 && e&file == 0 || e&swapped != 0) {
-					continue
+				if e&present != 0 && e&file == 0 || e&swapped != 0 {
+					l.add(off + int64(i+k)*pageSize)
 				}
-				at := off + int64(i+k)*pageSize
-				if j := len(runs); !first && runs[j-1].End() == at {
-					runs[j-1].Len += pageSize
-					continue
-				}
-				if len(runs) > 0 {
-					split = append(split, first)
-				}
-				runs = append(runs, Run{Off: at, Len: pageSize})
-				first = false
 			}
 			i += n
 		}
 		off += int64(len(r.Host))
 	}
-	return joinRuns(runs, split, limit), nil
+	return joinRuns(l.runs, l.split, limit), nil
 }
