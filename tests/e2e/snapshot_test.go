@@ -567,10 +567,31 @@ func TestSnapshotCLI(t *testing.T) {
 	if r := cli(3*time.Minute, "fork", "r1", "--count", "2"); r.code != 0 || r.stdout != "r1-1\nr1-2\n" {
 		t.Fatalf("capsa fork r1 --count 2 = exit %d, stdout %q, stderr %q", r.code, r.stdout, r.stderr)
 	}
-	for _, n := range []string{"r1-1", "r1-2"} {
+	// A second fork writes what r1 wrote since the first, as a layer
+	// over the first's snapshot, in r1's fork chain, which holds those
+	// two; the supervisor, confined, reads its own page tables for it.
+	if r := cli(time.Minute, "exec", "r1", "--", "sh", "-c", "echo between > /tmp/between"); r.code != 0 {
+		t.Fatalf("capsa exec r1 = exit %d, stderr %q", r.code, r.stderr)
+	}
+	if r := cli(3*time.Minute, "fork", "r1"); r.code != 0 || r.stdout != "r1-3\n" || !strings.Contains(r.stderr, "r1 was paused for") {
+		t.Fatalf("capsa fork r1 = exit %d, stdout %q, stderr %q; want r1-3, and the pause", r.code, r.stdout, r.stderr)
+	} else {
+		t.Logf("capsa fork r1, the second: %s", strings.TrimSpace(r.stderr))
+	}
+	chain := filepath.Join(dir, "snapshots", ".fork-r1")
+	if entries, err := os.ReadDir(chain); err != nil || len(entries) != 2 {
+		t.Errorf("r1's fork chain after two forks: %d entries, %v; want the base and the second's layer", len(entries), err)
+	}
+	for _, n := range []string{"r1-1", "r1-2", "r1-3"} {
 		if r := cli(time.Minute, "exec", n, "--", "hostname"); r.code != 0 || r.stdout != n+"\n" {
 			t.Errorf("capsa exec %s hostname = exit %d, stdout %q, stderr %q", n, r.code, r.stdout, r.stderr)
 		}
+	}
+	if r := cli(time.Minute, "exec", "r1-3", "--", "cat", "/tmp/between"); r.code != 0 || r.stdout != "between\n" {
+		t.Errorf("capsa exec r1-3 cat /tmp/between = exit %d, stdout %q, stderr %q; want what r1 wrote before the second fork", r.code, r.stdout, r.stderr)
+	}
+	if r := cli(time.Minute, "exec", "r1-1", "--", "cat", "/tmp/between"); r.code == 0 {
+		t.Errorf("r1-1, a copy from before, has /tmp/between: %q", r.stdout)
 	}
 	// A damaged snapshot.
 	if r := cli(2*time.Minute, "snapshot", "create", "r1", "snap2"); r.code != 0 {
@@ -591,6 +612,19 @@ func TestSnapshotCLI(t *testing.T) {
 	}
 	if r := cli(time.Minute, "exec", "r1", "--", "true"); r.code != 0 {
 		t.Errorf("capsa exec r1 after its snapshot was removed = exit %d, stderr %q", r.code, r.stderr)
+	}
+	// The fork chain goes with its sandbox; the copies run on.
+	if r := cli(2*time.Minute, "kill", "r1"); r.code != 0 {
+		t.Fatalf("capsa kill r1 = exit %d, stderr %q", r.code, r.stderr)
+	}
+	if r := cli(time.Minute, "rm", "r1"); r.code != 0 {
+		t.Fatalf("capsa rm r1 = exit %d, stderr %q", r.code, r.stderr)
+	}
+	if _, err := os.Stat(chain); !errors.Is(err, fs.ErrNotExist) {
+		t.Errorf("r1's fork chain after capsa rm r1: %v; want it gone", err)
+	}
+	if r := cli(time.Minute, "exec", "r1-3", "--", "cat", "/tmp/between"); r.code != 0 || r.stdout != "between\n" {
+		t.Errorf("capsa exec r1-3 after r1 and its chain went = exit %d, stdout %q, stderr %q", r.code, r.stdout, r.stderr)
 	}
 }
 
