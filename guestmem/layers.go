@@ -312,7 +312,8 @@ func (m *Memory) runData(runs []Run, fn func(off int64, run []byte) error) error
 // host, and from here on Dirty tells the pages written since. The memory
 // must not change meanwhile (a paused VM; KVM follows the new mapping
 // through its MMU notifier, as it follows any change of the host's page
-// tables).
+// tables). On an error, a region may be left unmapped: the memory is
+// then lost, and the caller must stop using it.
 func (m *Memory) Remap(base *os.File) error {
 	fi, err := base.Stat()
 	if err != nil {
@@ -337,8 +338,8 @@ func (m *Memory) Remap(base *os.File) error {
 // limit of them (at least 2; joined across the smallest gaps as Delta
 // joins them): the pages that a private file mapping holds as its own
 // copies, present or swapped out, which /proc/self/pagemap tells without
-// reading a page. Memory mapped any other way fails: it has no files to
-// differ from.
+// reading a page (none: an empty slice, never nil). Memory mapped any
+// other way fails: it has no files to differ from.
 func (m *Memory) Dirty(limit int) ([]Run, error) {
 	if !m.backed {
 		return nil, errors.New("dirty pages of guest memory: the memory is not mapped from files")
@@ -376,6 +377,9 @@ func (m *Memory) Dirty(limit int) ([]Run, error) {
 			i += n
 		}
 		off += int64(len(r.Host))
+	}
+	if l.runs == nil {
+		return []Run{}, nil // none written: known, unlike a nil
 	}
 	return joinRuns(l.runs, l.split, limit), nil
 }

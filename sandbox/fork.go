@@ -24,8 +24,9 @@ import (
 //
 // The snapshot is a fork snapshot (SnapshotOptions.Fork) in a temporary
 // directory of the sandbox's, kept until it ends: the first fork writes
-// the memory in use, each later one only what the sandbox wrote since the
-// one before.
+// the memory in use as the chain's base, each later one only what the
+// sandbox wrote since that (see SnapshotOptions.Fork). Each fork prunes
+// the chain to its newest snapshot once no fork is under way.
 func (s *Sandbox) Fork(ctx context.Context, n int, o RestoreOptions) ([]*Sandbox, error) {
 	if n < 1 {
 		return nil, fmt.Errorf("sandbox: fork: %d copies: want at least 1", n)
@@ -38,6 +39,19 @@ func (s *Sandbox) Fork(ctx context.Context, n int, o RestoreOptions) ([]*Sandbox
 	if err != nil {
 		return nil, fmt.Errorf("sandbox: fork: %w", err)
 	}
+	// The chain is pruned once no fork is under way, this one included.
+	s.forkUse.RLock()
+	defer func() {
+		s.forkUse.RUnlock()
+		if s.forkUse.TryLock() {
+			s.snapMu.Lock()
+			if s.forkChain != "" {
+				snapshot.PruneChain(s.forkChain)
+			}
+			s.snapMu.Unlock()
+			s.forkUse.Unlock()
+		}
+	}()
 	if err := s.SnapshotWith(ctx, dir, SnapshotOptions{Fork: true}); err != nil {
 		return nil, fmt.Errorf("sandbox: fork: %w", err)
 	}
@@ -78,13 +92,14 @@ func (s *Sandbox) Fork(ctx context.Context, n int, o RestoreOptions) ([]*Sandbox
 // nextForkDir is a new directory name in the sandbox's fork chain's
 // directory, made (temporary) for its first fork.
 func (s *Sandbox) nextForkDir() (string, error) {
-	s.forkMu.Lock()
-	defer s.forkMu.Unlock()
+	s.snapMu.Lock()
+	defer s.snapMu.Unlock()
 	if s.forkChain == "" {
 		var err error
 		if s.forkChain, err = os.MkdirTemp("", "capsa-fork-"); err != nil {
 			return "", err
 		}
+		s.forkOwn = true
 	}
 	return filepath.Join(s.forkChain, strconv.FormatInt(time.Now().UnixNano(), 10)), nil
 }

@@ -14,6 +14,8 @@ import (
 // paused wait, up to their own deadlines. Pausing a paused sandbox does
 // nothing.
 func (s *Sandbox) Pause(ctx context.Context) error {
+	s.snapMu.Lock() // not during a snapshot, which pauses on its own
+	defer s.snapMu.Unlock()
 	if err := s.vm.Pause(ctx); err != nil {
 		return fmt.Errorf("sandbox: %w", err)
 	}
@@ -25,7 +27,10 @@ func (s *Sandbox) Pause(ctx context.Context) error {
 // the host's through the agent. Resuming a running sandbox only sets its
 // clock.
 func (s *Sandbox) Resume(ctx context.Context) error {
-	if err := s.vm.Resume(); err != nil {
+	s.snapMu.Lock() // not during a snapshot: its memory must stay still
+	err := s.vm.Resume()
+	s.snapMu.Unlock()
+	if err != nil {
 		return fmt.Errorf("sandbox: %w", err)
 	}
 	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)

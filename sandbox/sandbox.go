@@ -278,15 +278,22 @@ type Sandbox struct {
 
 	resumeErr error // a restored guest's agent's answer to being resumed
 
-	// The fork chain (SnapshotOptions.Fork): its directory, its base,
-	// open, which the memory is mapped from (nil: none, or the memory is
-	// its own), and its latest layer's directory; a fork snapshot at a
-	// time. lastPause is the last snapshot's pause, in nanoseconds.
-	forkMu    sync.Mutex
-	forkChain string
-	forkBase  *snapshot.Snapshot
-	forkLayer string
-	lastPause atomic.Int64
+	// snapMu: one snapshot at a time, and no Pause or Resume meanwhile
+	// (a fork maps the memory from what it wrote while the VM is still
+	// paused). It guards the fork chain (SnapshotOptions.Fork): its
+	// directory (forkOwn: made here, for Fork), its base, open, which
+	// the memory is mapped from (nil: none, or the memory is its own),
+	// and every snapshot written there, removed when the sandbox ends.
+	// forkUse is held shared by each Fork until its copies are restored,
+	// and taken alone to prune the chain. lastPause is the last
+	// snapshot's pause, in nanoseconds.
+	snapMu      sync.Mutex
+	forkChain   string
+	forkOwn     bool
+	forkBase    *snapshot.Snapshot
+	forkWritten []string
+	forkUse     sync.RWMutex
+	lastPause   atomic.Int64
 
 	mu       sync.Mutex
 	main     *agent.Process
@@ -564,6 +571,25 @@ func boot(ctx context.Context, c config, root *rootfs, snap *snapshot.Snapshot, 
 // release frees the VM and its devices' host resources; the VM must
 // have stopped or never run.
 func (s *Sandbox) release() error {
+	// A snapshot under way finishes before the memory it reads goes.
+	s.snapMu.Lock()
+	if s.forkBase != nil {
+		s.forkBase.Close()
+		s.forkBase = nil
+	}
+	// What the fork chain holds is the sandbox's: its copies keep what
+	// they mapped. The directory goes if it made it, else if empty (a
+	// jailed supervisor may not remove it: the store does).
+	for _, d := range s.forkWritten {
+		os.RemoveAll(d)
+	}
+	if s.forkOwn {
+		os.RemoveAll(s.forkChain)
+	} else if s.forkChain != "" {
+		os.Remove(s.forkChain)
+	}
+	s.forkWritten, s.forkChain = nil, ""
+	s.snapMu.Unlock()
 	var err error
 	if s.client != nil {
 		s.client.Close()
@@ -587,18 +613,6 @@ func (s *Sandbox) release() error {
 		err = errors.Join(err, d.Close())
 	}
 	err = errors.Join(err, s.rootfs.remove())
-	s.forkMu.Lock()
-	if s.forkBase != nil {
-		s.forkBase.Close()
-		s.forkBase = nil
-	}
-	if s.forkChain != "" {
-		// The fork chain's directory is the sandbox's: its copies keep
-		// what they mapped. (A jailed supervisor may not remove the
-		// directory itself, only what it wrote there: its owner does.)
-		os.RemoveAll(s.forkChain)
-	}
-	s.forkMu.Unlock()
 	return errors.Join(err, s.net.close())
 }
 

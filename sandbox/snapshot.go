@@ -63,9 +63,12 @@ type SnapshotOptions struct {
 	Parent string
 	// Fork: the snapshot is for copies restored from it at once (Fork,
 	// capsa fork), transient (snapshot.WriteOptions), in the sandbox's
-	// fork chain, dir's directory, which is the sandbox's from then on:
-	// no other snapshot may be written there, and it is removed when the
-	// sandbox ends. The first fork writes the whole memory, as a base
+	// fork chain, dir's directory, which is the sandbox's from then on
+	// (every fork of the sandbox must write in the same one): no other
+	// snapshot may be written there; what the sandbox wrote there is
+	// removed when it ends, and the directory too if that leaves it
+	// empty. snapshot.PruneChain keeps it to what the newest fork
+	// snapshot needs, while no fork is under way. The first fork writes the whole memory, as a base
 	// that the sandbox's memory is then mapped from, copy-on-write, as a
 	// restored sandbox's is from its snapshot; the host's page tables
 	// then tell which pages the sandbox writes (guestmem.Memory.Dirty).
@@ -89,12 +92,8 @@ func (s *Sandbox) SnapshotWith(ctx context.Context, dir string, o SnapshotOption
 		return fmt.Errorf("sandbox: snapshot: %w", err)
 	}
 	var parent *snapshot.Snapshot
-	if o.Fork {
-		if o.Parent != "" {
-			return errors.New("sandbox: snapshot: a fork snapshot's parent is the fork chain's, not one given")
-		}
-		s.forkMu.Lock()
-		defer s.forkMu.Unlock()
+	if o.Fork && o.Parent != "" {
+		return errors.New("sandbox: snapshot: a fork snapshot's parent is the fork chain's, not one given")
 	}
 	if o.Parent != "" {
 		if parent, err = snapshot.Open(o.Parent); err != nil {
@@ -106,9 +105,11 @@ func (s *Sandbox) SnapshotWith(ctx context.Context, dir string, o SnapshotOption
 	if o.Inventory {
 		inv = s.snapshotInventory(ctx)
 	}
+	s.snapMu.Lock()
+	defer s.snapMu.Unlock()
 	wasPaused := s.Paused()
 	start := time.Now()
-	if err := s.Pause(ctx); err != nil {
+	if err := s.vm.Pause(ctx); err != nil {
 		return fmt.Errorf("sandbox: snapshot: %w", err)
 	}
 	if o.Fork {
@@ -125,34 +126,45 @@ func (s *Sandbox) SnapshotWith(ctx context.Context, dir string, o SnapshotOption
 	return err
 }
 
-// writeFork writes a fork snapshot to dir (SnapshotOptions.Fork), the
-// fork chain's lock held and the VM paused, transient (no checksum, no
-// fsync: copies restore from it at once and it goes before long).
+// forkLayerRuns bounds a fork layer's runs: a copy restored from it maps
+// each, and Fork and Pool may restore many in one process, all under the
+// kernel's 65530 mappings.
+const forkLayerRuns = 256
+
+// writeFork writes a fork snapshot to dir (SnapshotOptions.Fork), with
+// snapMu held and the VM paused, transient (no checksum, no fsync: copies
+// restore from it at once and it goes before long).
 //
 // The fork chain is a base, the whole memory, which the memory is mapped
-// from since (guestmem.Memory.Remap), and the latest layer over it. A
-// fork writes a layer of every page written since the base was mapped
+// from since (guestmem.Memory.Remap), and layers over it. A fork writes a
+// layer of every page written since the base was mapped
 // (guestmem.Memory.Dirty: the host's page tables say which, no page is
-// read to find them), and replaces the layer before, which no one needs
-// any more. The memory is not mapped from a layer: that would cost a
+// read to find them), so each layer holds what the one before it held,
+// and more. The memory is not mapped from a layer: that would cost a
 // mapping per run and, for KVM, an invalidation of each, during the
 // pause, to save writing the same pages again at the next fork. The base
 // is written again (the first fork, a base elsewhere, the pages written
-// since grown past a quarter of the memory, Dirty failing), and the old
-// chain removed. A failure to map the memory from a new base is no
-// failure of the snapshot, which is whole: the memory stays its own, and
-// the next fork writes a base again.
+// since grown past a quarter of the memory, Dirty failing). Nothing is
+// removed here: copies of an earlier fork may still be restoring from
+// it (PruneChain, once none is; the sandbox's end removes it all).
+//
+// Mapping the memory from a new base can fail half done, leaving guest
+// memory unmapped: the sandbox is then stopped, not run on with pages
+// missing.
 func (s *Sandbox) writeFork(dir string, spec []byte) error {
-	s.forkChain = filepath.Dir(dir)
+	chain := filepath.Dir(dir)
+	if s.forkChain != chain {
+		if s.forkChain != "" {
+			return fmt.Errorf("sandbox: fork: the fork chain is in %s, not %s", s.forkChain, chain)
+		}
+		s.forkChain = chain
+	}
 	mem := s.vm.Memory()
 	base := s.forkBase
-	if base != nil && filepath.Dir(base.Dir) != s.forkChain {
-		base = nil
-	}
 	var runs []guestmem.Run
 	if base != nil {
 		var err error
-		if runs, err = mem.Dirty(snapshot.MaxLayerRuns); err != nil {
+		if runs, err = mem.Dirty(forkLayerRuns); err != nil {
 			s.c.logger().Warn("sandbox: fork: the pages written since the last fork are not known: the whole memory is written", "err", err)
 			base = nil
 		}
@@ -174,33 +186,26 @@ func (s *Sandbox) writeFork(dir string, spec []byte) error {
 	if err != nil {
 		return err
 	}
-	if last := s.forkLayer; last != "" {
-		os.RemoveAll(last) // what it held, the new layer holds
-		s.forkLayer = ""
-	}
+	s.forkWritten = append(s.forkWritten, dir)
 	if base != nil {
-		s.forkLayer = dir
 		return nil
 	}
-	// A new base: the memory is mapped from it, and the old chain goes
-	// (copies keep what they mapped).
-	old := s.forkBase
-	s.forkBase = nil
-	if old != nil {
-		old.Close()
-		if old.Dir != dir {
-			os.RemoveAll(old.Dir)
-		}
+	// A new base: the memory is mapped from it.
+	if s.forkBase != nil {
+		s.forkBase.Close()
+		s.forkBase = nil
 	}
 	snap, err := snapshot.Open(dir)
-	if err == nil {
-		if err = mem.Remap(snap.File(snapshot.MemoryFile)); err != nil {
-			snap.Close()
-		}
-	}
 	if err != nil {
+		// The snapshot is whole; the memory stays its own, and the
+		// next fork writes a base again.
 		s.c.logger().Warn("sandbox: fork: the memory stays its own, not mapped from the fork snapshot", "dir", dir, "err", err)
 		return nil
+	}
+	if err := mem.Remap(snap.File(snapshot.MemoryFile)); err != nil {
+		snap.Close()
+		s.cancel()
+		return fmt.Errorf("sandbox: fork: map the memory from its snapshot: %w: the sandbox is stopped", err)
 	}
 	s.forkBase = snap
 	return nil

@@ -271,3 +271,59 @@ func sha256Hex(b []byte) string {
 	s := sha256.Sum256(b)
 	return hex.EncodeToString(s[:])
 }
+
+// TestPruneChain: a fork chain's directory keeps its newest snapshot and
+// what that lies over; older layers, a base no longer under it, and
+// anything else go.
+func TestPruneChain(t *testing.T) {
+	root, mem := layerTest(t) // base, and top over it
+	base, err := Open(filepath.Join(root, "base"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer base.Close()
+	if base.Parent != nil {
+		t.Fatal("base has a parent")
+	}
+	chain := t.TempDir()
+	os.Rename(filepath.Join(root, "base"), filepath.Join(chain, "100"))
+	os.Rename(filepath.Join(root, "top"), filepath.Join(chain, "x-old"))
+	b100, err := Open(filepath.Join(chain, "100"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer b100.Close()
+	for _, name := range []string{"200", "300"} {
+		mem.PutUint8(0x600000, name[0])
+		if err := WriteWith(filepath.Join(chain, name), b100.Manifest, testState(), mem, nil, WriteOptions{Parent: b100, Transient: true}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	os.Mkdir(filepath.Join(chain, ".300.tmp-1"), 0o700)
+	s300, err := Open(filepath.Join(chain, "300"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s300.Parent == nil || s300.Parent.State != nil || s300.Parent.File(StateFile) != nil || s300.Manifest.Files[MemoryFile].CRC32C != "" {
+		t.Errorf("a transient layer's parent: state %v, state file %v; its memory's checksum %q: want only the parent's memory opened, no checksum",
+			s300.Parent.State, s300.Parent.File(StateFile), s300.Manifest.Files[MemoryFile].CRC32C)
+	}
+	s300.Close()
+	if err := PruneChain(chain); err != nil {
+		t.Fatal(err)
+	}
+	var left []string
+	entries, _ := os.ReadDir(chain)
+	for _, e := range entries {
+		left = append(left, e.Name())
+	}
+	if strings.Join(left, " ") != "100 300" {
+		t.Errorf("after the prune: %v; want 100 (the base) and 300 (the newest)", left)
+	}
+	s, err := Open(filepath.Join(chain, "300"))
+	if err != nil {
+		t.Fatalf("the newest after the prune: %v", err)
+	}
+	sameAs(t, s, mem)
+	s.Close()
+}

@@ -40,6 +40,7 @@ import (
 	"path/filepath"
 	"runtime/debug"
 	"slices"
+	"strconv"
 	"strings"
 	"time"
 
@@ -140,7 +141,8 @@ type Snapshot struct {
 	ManifestSHA256 string
 	State          *vmm.State
 	// Parent is a layer's parent, opened and checked as this snapshot
-	// was (nil for a snapshot that has none).
+	// was (nil for a snapshot that has none): its manifest and memory
+	// file only (its State is nil, its other files unopened).
 	Parent *Snapshot
 	files  map[string]*os.File // every file the manifest names, opened and checked once
 }
@@ -383,20 +385,7 @@ func open(dir string, depth int) (_ *Snapshot, err error) {
 	}
 	defer d.Close()
 	dfd := int(d.Fd())
-	mb, err := readChecked(dfd, ManifestFile, maxManifest)
-	if err != nil {
-		return nil, err
-	}
-	sum, err := readChecked(dfd, ManifestSumFile, 128)
-	if err != nil {
-		return nil, err
-	}
-	ms := sha256.Sum256(mb)
-	s.ManifestSHA256 = hex.EncodeToString(ms[:])
-	if strings.TrimSpace(string(sum)) != s.ManifestSHA256 {
-		return nil, fmt.Errorf("%s does not match %s: corrupted", ManifestFile, ManifestSumFile)
-	}
-	if err := ParseManifest(mb, &s.Manifest); err != nil {
+	if s.ManifestSHA256, err = readManifest(dfd, &s.Manifest); err != nil {
 		return nil, err
 	}
 	if p := s.Manifest.Parent; p != nil {
@@ -416,6 +405,9 @@ func open(dir string, depth int) (_ *Snapshot, err error) {
 		}
 	}
 	for name, want := range s.Manifest.Files {
+		if depth > 1 && name != MemoryFile {
+			continue // of a parent, only the memory is used
+		}
 		f, err := openChecked(dfd, name, false)
 		if err != nil {
 			return nil, err
@@ -428,6 +420,9 @@ func open(dir string, depth int) (_ *Snapshot, err error) {
 		if fi.Size() != want.Size {
 			return nil, fmt.Errorf("%s is %d bytes, the manifest says %d: truncated or replaced", name, fi.Size(), want.Size)
 		}
+	}
+	if depth > 1 {
+		return s, nil
 	}
 	sb, err := s.ReadFile(StateFile, maxState)
 	if err != nil {
@@ -443,6 +438,84 @@ func open(dir string, depth int) (_ *Snapshot, err error) {
 		return nil, fmt.Errorf("the state is of %d vCPUs and %d bytes, the manifest says %d and %d", s.State.CPUs, s.State.MemoryBytes, s.Manifest.CPUs, s.Manifest.MemoryBytes)
 	}
 	return s, nil
+}
+
+// readManifest reads, checks and decodes the manifest of the snapshot
+// directory dirfd into m and returns its SHA-256.
+func readManifest(dirfd int, m *Manifest) (string, error) {
+	mb, err := readChecked(dirfd, ManifestFile, maxManifest)
+	if err != nil {
+		return "", err
+	}
+	sum, err := readChecked(dirfd, ManifestSumFile, 128)
+	if err != nil {
+		return "", err
+	}
+	ms := sha256.Sum256(mb)
+	hexSum := hex.EncodeToString(ms[:])
+	if strings.TrimSpace(string(sum)) != hexSum {
+		return "", fmt.Errorf("%s does not match %s: corrupted", ManifestFile, ManifestSumFile)
+	}
+	return hexSum, ParseManifest(mb, m)
+}
+
+// ReadManifest reads and checks the manifest of the snapshot in dir alone,
+// as Open does (no symbolic link, a bounded size, its checksum, strict
+// decoding), opening nothing else, and returns it with its SHA-256.
+func ReadManifest(dir string) (*Manifest, string, error) {
+	d, err := openChecked(unix.AT_FDCWD, dir, true)
+	if err != nil {
+		return nil, "", fmt.Errorf("snapshot %s: %w", dir, err)
+	}
+	defer d.Close()
+	var m Manifest
+	sum, err := readManifest(int(d.Fd()), &m)
+	if err != nil {
+		return nil, "", fmt.Errorf("snapshot %s: %w", dir, err)
+	}
+	return &m, sum, nil
+}
+
+// PruneChain removes from dir, a fork chain's directory
+// (sandbox.SnapshotOptions.Fork), every entry but its newest snapshot
+// (the greatest number among the names: a fork's is the time it was
+// taken, in nanoseconds) and the snapshots that one lies over. Call it
+// only while no fork of the chain is under way: one being written or
+// restored from would go too.
+func PruneChain(dir string) error {
+	entries, err := os.ReadDir(dir)
+	if err != nil {
+		return fmt.Errorf("snapshot: prune %s: %w", dir, err)
+	}
+	newest, at := "", int64(-1)
+	for _, e := range entries {
+		n, err := strconv.ParseInt(e.Name(), 10, 64)
+		if err != nil || n <= at {
+			continue
+		}
+		if _, err := os.Lstat(filepath.Join(dir, e.Name(), ManifestFile)); err == nil {
+			newest, at = e.Name(), n
+		}
+	}
+	if newest == "" {
+		return nil
+	}
+	s, err := Open(filepath.Join(dir, newest))
+	if err != nil {
+		return fmt.Errorf("snapshot: prune %s: %w", dir, err)
+	}
+	keep := map[string]bool{}
+	for p := s; p != nil; p = p.Parent {
+		keep[filepath.Base(p.Dir)] = true
+	}
+	s.Close()
+	var errs []error
+	for _, e := range entries {
+		if !keep[e.Name()] {
+			errs = append(errs, os.RemoveAll(filepath.Join(dir, e.Name())))
+		}
+	}
+	return errors.Join(errs...)
 }
 
 // readChecked reads the file name beneath dirfd, opened by openChecked,
@@ -644,7 +717,7 @@ func Verify(dir string) error {
 func (s *Snapshot) verify() error {
 	dir := s.Dir
 	for name, f := range s.Manifest.Files {
-		if name == StateFile { // checked by Open
+		if name == StateFile || s.files[name] == nil { // checked by Open; a parent's unused files
 			continue
 		}
 		var h hash.Hash

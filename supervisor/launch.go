@@ -11,6 +11,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -20,6 +21,9 @@ import (
 	"syscall"
 	"time"
 
+	"golang.org/x/sys/unix"
+
+	"github.com/capsa-sandbox/capsa/confine"
 	"github.com/capsa-sandbox/capsa/sandbox"
 	"github.com/capsa-sandbox/capsa/snapshot"
 	"github.com/capsa-sandbox/capsa/store"
@@ -239,15 +243,21 @@ func Fork(ctx context.Context, st *store.Store, name string, count int) (names [
 		return nil, nil, err
 	}
 	chain := st.ForkDir(name)
-	if err := os.Mkdir(chain, 0o700); err != nil && !errors.Is(err, os.ErrExist) {
+	cf, err := openForkChain(chain, src.JailUser)
+	if err != nil {
 		return nil, nil, err
 	}
-	if u := src.JailUser; u != nil {
-		// The jailed supervisor writes the snapshot as its user.
-		if err := os.Chown(chain, u.UID, u.GID); err != nil {
-			return nil, nil, err
-		}
+	defer cf.Close()
+	// Held shared while this fork's copies restore; pruned alone after.
+	if err := unix.Flock(int(cf.Fd()), unix.LOCK_SH); err != nil {
+		return nil, nil, fmt.Errorf("supervisor: fork %s: lock its fork chain: %w", name, err)
 	}
+	defer func() {
+		unix.Flock(int(cf.Fd()), unix.LOCK_UN)
+		if unix.Flock(int(cf.Fd()), unix.LOCK_EX|unix.LOCK_NB) == nil {
+			snapshot.PruneChain(chain)
+		}
+	}()
 	dir := filepath.Join(chain, strconv.FormatInt(time.Now().UnixNano(), 10))
 	if err := Snapshot(ctx, st, name, dir, sandbox.SnapshotOptions{Fork: true}); err != nil {
 		return nil, nil, err
@@ -271,6 +281,55 @@ func Fork(ctx context.Context, st *store.Store, name string, count int) (names [
 	}
 	wg.Wait()
 	return names, errs, nil
+}
+
+// openForkChain opens the fork chain's directory path, made if missing,
+// for the sandbox's supervisor to write in: a directory of its own (the
+// jail's user's, or this process's), 0700. The snapshots directory is
+// every jailed supervisor's to write in, so anything else found under
+// the name (a symbolic link, another's directory, one others may enter)
+// is removed and the directory made again; it is opened without
+// following a link and changed through that descriptor.
+func openForkChain(path string, u *confine.User) (*os.File, error) {
+	uid, gid := os.Geteuid(), os.Getegid()
+	if u != nil {
+		uid, gid = u.UID, u.GID
+	}
+	for range 3 {
+		err := os.Mkdir(path, 0o700)
+		if err != nil && !errors.Is(err, fs.ErrExist) {
+			return nil, err
+		}
+		made := err == nil
+		fd, err := unix.Open(path, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+		if err == nil {
+			f := os.NewFile(uintptr(fd), path)
+			var st unix.Stat_t
+			err = unix.Fstat(fd, &st)
+			switch {
+			case err != nil:
+			case st.Mode&0o077 != 0:
+				err = fmt.Errorf("mode %04o", st.Mode&0o7777)
+			case made && int(st.Uid) == os.Geteuid():
+				if uid != int(st.Uid) {
+					err = unix.Fchown(fd, uid, gid)
+				}
+				if err == nil {
+					return f, nil
+				}
+			case !made && int(st.Uid) == uid:
+				return f, nil
+			default:
+				err = fmt.Errorf("owned by %d", st.Uid)
+			}
+			f.Close()
+		}
+		// Not the directory capsa made: away with it.
+		if rerr := os.RemoveAll(path); rerr != nil {
+			return nil, fmt.Errorf("supervisor: fork chain %s (%v): %w", path, err, rerr)
+		}
+	}
+	return nil, fmt.Errorf("supervisor: fork chain %s: something else keeps taking its place", path)
 }
 
 // CommandLine is what a sandbox runs, in one line: its image and

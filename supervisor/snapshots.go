@@ -177,24 +177,22 @@ func (m *Manager) namedSnapshot(name string) (string, error) {
 	return dir, nil
 }
 
-// layersOver names the catalog's snapshots whose manifest names name as
-// their parent (read without opening the chain: a layer whose parent is
-// damaged still counts).
+// layersOver names the catalog's snapshots that are layers over name:
+// each manifest (read alone, bounded and checked: snapshot.ReadManifest)
+// names it and its manifest's checksum as its parent.
 func (m *Manager) layersOver(name string) []string {
+	_, sum, err := snapshot.ReadManifest(m.st.SnapshotDir(name))
+	if err != nil {
+		return nil // no layer can name a snapshot unread
+	}
 	entries, _ := os.ReadDir(m.st.SnapshotsDir())
 	var kids []string
 	for _, e := range entries {
 		if !e.IsDir() || strings.HasPrefix(e.Name(), ".") || e.Name() == name {
 			continue
 		}
-		b, err := os.ReadFile(filepath.Join(m.st.SnapshotDir(e.Name()), snapshot.ManifestFile))
-		if err != nil || len(b) > 1<<20 {
-			continue
-		}
-		var mf struct {
-			Parent *snapshot.Parent `json:"parent"`
-		}
-		if json.Unmarshal(b, &mf) == nil && mf.Parent != nil && mf.Parent.Name == name {
+		mf, _, err := snapshot.ReadManifest(m.st.SnapshotDir(e.Name()))
+		if err == nil && mf.Parent != nil && mf.Parent.Name == name && mf.Parent.ManifestSHA256 == sum {
 			kids = append(kids, e.Name())
 		}
 	}
