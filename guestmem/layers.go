@@ -9,6 +9,8 @@ import (
 	"io"
 	"os"
 	"slices"
+
+	"golang.org/x/sys/unix"
 )
 
 // Layered memory: a snapshot written over an earlier one holds only the
@@ -248,7 +250,43 @@ func (l layersReader) ReadAt(p []byte, off int64) (int, error) {
 				n = min(n, runs[j].Off-at)
 			}
 		}
-		k, err := src.ReadAt(p[done:done+int(n)], at)
+		k, err := readSparse(src, p[done:done+int(n)], at)
+		done += k
+		if err != nil {
+			return done, err
+		}
+	}
+	return done, nil
+}
+
+// readSparse is f.ReadAt(q, off), but the holes of f (SEEK_DATA,
+// SEEK_HOLE) are zeroed here, not read: most of a snapshot's memory file
+// is holes, and reading one costs the kernel a lookup per page. Where
+// the file system cannot say, everything is read.
+func readSparse(f *os.File, q []byte, off int64) (int, error) {
+	fd, done := int(f.Fd()), 0
+	for done < len(q) {
+		at := off + int64(done)
+		data, err := unix.Seek(fd, at, unix.SEEK_DATA)
+		if errors.Is(err, unix.ENXIO) { // nothing but a hole up to the end
+			clear(q[done:])
+			return len(q), nil
+		}
+		if err != nil {
+			k, err := f.ReadAt(q[done:], at)
+			return done + k, err
+		}
+		if data > at {
+			z := int(min(data-at, int64(len(q)-done)))
+			clear(q[done : done+z])
+			done += z
+			continue
+		}
+		end := int64(len(q) - done)
+		if hole, err := unix.Seek(fd, at, unix.SEEK_HOLE); err == nil && hole > at {
+			end = min(end, hole-at)
+		}
+		k, err := f.ReadAt(q[done:done+int(end)], at)
 		done += k
 		if err != nil {
 			return done, err

@@ -331,3 +331,27 @@ func TestRemapAndDirty(t *testing.T) {
 		t.Error("the chain maps to another memory than the one remapped onto it")
 	}
 }
+
+// TestReadSparse: reading around a file's holes gives what ReadAt gives,
+// for ranges that start, end and lie in holes and data.
+func TestReadSparse(t *testing.T) {
+	f, err := os.CreateTemp(t.TempDir(), "sparse")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	f.Truncate(1 << 20)
+	for _, at := range []int64{0, 300 << 10, 512<<10 + 17, 1<<20 - 4096} {
+		f.WriteAt(bytes.Repeat([]byte{byte(at>>12) | 1}, 5000), min(at, 1<<20-5000))
+	}
+	for _, r := range [][2]int64{{0, 1 << 20}, {4096, 100 << 10}, {290 << 10, 20 << 10}, {600 << 10, 10}, {1<<20 - 100, 100}, {5000, 1}} {
+		want := make([]byte, r[1])
+		if _, err := f.ReadAt(want, r[0]); err != nil {
+			t.Fatal(err)
+		}
+		got := bytes.Repeat([]byte{0xee}, int(r[1]))
+		if n, err := readSparse(f, got, r[0]); err != nil || n != len(got) || !bytes.Equal(got, want) {
+			t.Errorf("readSparse(%d bytes at %d) = %d, %v; same bytes as ReadAt: %v", r[1], r[0], n, err, bytes.Equal(got, want))
+		}
+	}
+}
