@@ -59,7 +59,11 @@ func (r RawVM) Check() error {
 		}
 	}
 	for _, d := range r.Disks {
-		if _, _, err := ParseDisk(d); err != nil {
+		path, mode, err := ParseDisk(d)
+		if err != nil {
+			return err
+		}
+		if err := checkDisk(path, mode); err != nil {
 			return err
 		}
 	}

@@ -33,6 +33,8 @@ func TestCLIErrors(t *testing.T) {
 		{[]string{"vm", "--memory", "lots"}, 2, `--memory: invalid size "lots"`},
 		{[]string{"vm", "--kernel", "/nonexistent"}, 2, "kernel: stat /nonexistent"},
 		{[]string{"vm", "--disk", ":ro"}, 2, `disk ":ro": want PATH[:ro]`},
+		{[]string{"vm", "--disk", "/nonexistent:ro"}, 2, "disk: stat /nonexistent"},
+		{[]string{"vm", "--disk", "/dev/null"}, 2, "disk /dev/null: not a regular file"},
 		{[]string{"vm", "extra"}, 2, `unexpected argument "extra"`},
 		{[]string{"version", "--nope"}, 2, "unknown flag"},
 		{[]string{"run"}, 2, "no command given"},
