@@ -68,9 +68,10 @@ type SnapshotOptions struct {
 	// snapshot may be written there; what the sandbox wrote there is
 	// removed when it ends, and the directory too if that leaves it
 	// empty. snapshot.PruneChain keeps it to what the newest fork
-	// snapshot needs, while no fork is under way. The first fork writes the whole memory, as a base
-	// that the sandbox's memory is then mapped from, copy-on-write, as a
-	// restored sandbox's is from its snapshot; the host's page tables
+	// snapshot needs, while no fork is under way. The first fork writes
+	// the whole memory, as a base that the sandbox's memory is then
+	// mapped from, copy-on-write, as a restored sandbox's is from its
+	// snapshot; the host's page tables
 	// then tell which pages the sandbox writes (guestmem.Memory.Dirty).
 	// A later fork writes only those, as a layer over the base, found
 	// without reading or comparing any page: the pause lasts about as

@@ -248,8 +248,8 @@ func WriteWith(dir string, m Manifest, st *vmm.State, mem *guestmem.Memory, extr
 	return write(dir, m, st, mem.Size(), extra, o.Transient, func(f *os.File, h io.Writer) error { return mem.WriteRuns(f, runs, h) })
 }
 
-// write is WriteWith, with writeMem writing the memory file and its
-// checksum's bytes (to be ignored for a transient snapshot).
+// write is WriteWith, with writeMem writing the memory file and, to its
+// second argument when that is not nil, its checksum's bytes.
 func write(dir string, m Manifest, st *vmm.State, memSize uint64, extra map[string]Extra, transient bool, writeMem func(f *os.File, h io.Writer) error) error {
 	if _, err := os.Lstat(dir); err == nil {
 		return fmt.Errorf("snapshot: %s already exists", dir)
@@ -278,8 +278,14 @@ func write(dir string, m Manifest, st *vmm.State, memSize uint64, extra map[stri
 	if err != nil {
 		return fmt.Errorf("snapshot: %w", err)
 	}
+	// A transient snapshot's memory is not hashed at all: the hash is
+	// most of a snapshot's time.
 	h := crc32.New(crc32.MakeTable(crc32.Castagnoli))
-	err = writeMem(f, h)
+	var memSum io.Writer
+	if !transient {
+		memSum = h
+	}
+	err = writeMem(f, memSum)
 	if err == nil && !transient {
 		err = f.Sync()
 	}
@@ -289,10 +295,11 @@ func write(dir string, m Manifest, st *vmm.State, memSize uint64, extra map[stri
 	if err != nil {
 		return fmt.Errorf("snapshot: %w", err)
 	}
-	m.Files[MemoryFile] = File{Size: int64(memSize)}
+	mf := File{Size: int64(memSize)}
 	if !transient {
-		m.Files[MemoryFile] = File{Size: int64(memSize), CRC32C: hex.EncodeToString(h.Sum(nil))}
+		mf.CRC32C = hex.EncodeToString(h.Sum(nil))
 	}
+	m.Files[MemoryFile] = mf
 
 	for name, write := range extra {
 		if !validName(name) {
@@ -500,15 +507,20 @@ func PruneChain(dir string) error {
 	if newest == "" {
 		return nil
 	}
-	s, err := Open(filepath.Join(dir, newest))
-	if err != nil {
-		return fmt.Errorf("snapshot: prune %s: %w", dir, err)
-	}
+	// The newest's chain, by the parents its manifests name: nothing
+	// else of them is read.
 	keep := map[string]bool{}
-	for p := s; p != nil; p = p.Parent {
-		keep[filepath.Base(p.Dir)] = true
+	for name, n := newest, 0; name != "" && n < MaxChain; n++ {
+		keep[name] = true
+		m, _, err := ReadManifest(filepath.Join(dir, name))
+		if err != nil {
+			return fmt.Errorf("snapshot: prune %s: %w", dir, err)
+		}
+		name = ""
+		if m.Parent != nil {
+			name = m.Parent.Name
+		}
 	}
-	s.Close()
 	var errs []error
 	for _, e := range entries {
 		if !keep[e.Name()] {
