@@ -1,12 +1,10 @@
 package e2e
 
 import (
-	"bufio"
 	"context"
 	"os"
 	"os/exec"
 	"strconv"
-	"strings"
 	"testing"
 	"time"
 
@@ -108,17 +106,6 @@ func benchVMMOwn(b *testing.B, ctx context.Context, st *store.Store, name string
 
 // vmRSS reads a process's resident set size, in bytes.
 func vmRSS(pid int) (float64, error) {
-	f, err := os.Open("/proc/" + strconv.Itoa(pid) + "/status")
-	if err != nil {
-		return 0, err
-	}
-	defer f.Close()
-	sc := bufio.NewScanner(f)
-	for sc.Scan() {
-		if v, ok := strings.CutPrefix(sc.Text(), "VmRSS:"); ok {
-			kb, err := strconv.ParseFloat(strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(v), "kB")), 64)
-			return kb * 1024, err
-		}
-	}
-	return 0, os.ErrNotExist
+	kb, err := procField("/proc/"+strconv.Itoa(pid)+"/status", "VmRSS")
+	return float64(kb) * 1024, err
 }

@@ -5,8 +5,6 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"strconv"
-	"strings"
 	"sync"
 	"syscall"
 	"testing"
@@ -263,18 +261,11 @@ func BenchmarkSnapshot(b *testing.B) {
 // memAvailableMiB is the host's MemAvailable (/proc/meminfo): what it
 // could still give, page cache it would drop included.
 func memAvailableMiB(b *testing.B) int {
-	raw, err := os.ReadFile("/proc/meminfo")
+	kb, err := procField("/proc/meminfo", "MemAvailable")
 	if err != nil {
 		b.Fatal(err)
 	}
-	for _, l := range strings.Split(string(raw), "\n") {
-		if f := strings.Fields(l); len(f) >= 2 && f[0] == "MemAvailable:" {
-			kb, _ := strconv.Atoi(f[1])
-			return kb / 1024
-		}
-	}
-	b.Fatal("no MemAvailable in /proc/meminfo")
-	return 0
+	return int(kb / 1024)
 }
 
 // diskBytes is what the files in dir take on disk.

@@ -300,26 +300,26 @@ func TestRestoresShareMemory(t *testing.T) {
 // itself (one file mapped by several VMs) counted once.
 func pssMiB(t testing.TB) int {
 	t.Helper()
-	b, err := os.ReadFile("/proc/self/smaps_rollup")
+	kb, err := procField("/proc/self/smaps_rollup", "Pss")
 	if err != nil {
 		t.Fatal(err)
 	}
-	n := parsePss(string(b))
-	if n < 0 {
-		t.Fatal("no Pss in smaps_rollup")
-	}
-	return n
+	return int(kb / 1024)
 }
 
-// parsePss reads Pss (in MiB) from smaps_rollup, or -1.
-func parsePss(s string) int {
-	for _, l := range strings.Split(s, "\n") {
-		if f := strings.Fields(l); len(f) >= 2 && f[0] == "Pss:" {
-			kb, _ := strconv.Atoi(f[1])
-			return kb / 1024
+// procField reads the number after "name:" in a /proc file of such lines
+// (status, meminfo, smaps_rollup): a count, or kB where it says so.
+func procField(path, name string) (int64, error) {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return 0, err
+	}
+	for _, l := range strings.Split(string(b), "\n") {
+		if f := strings.Fields(l); len(f) >= 2 && f[0] == name+":" {
+			return strconv.ParseInt(f[1], 10, 64)
 		}
 	}
-	return -1
+	return 0, fmt.Errorf("%s: no %s", path, name)
 }
 
 // TestSnapshotNetwork: a restored sandbox's network is a new NAT with the

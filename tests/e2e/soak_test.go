@@ -38,22 +38,14 @@ func measure(t testing.TB) usage {
 		t.Fatal(err)
 	}
 	u := usage{fds: len(ents), goroutines: runtime.NumGoroutine()}
-	status, err := os.ReadFile("/proc/self/status")
+	threads, err := procField("/proc/self/status", "Threads")
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, line := range strings.Split(string(status), "\n") {
-		f := strings.Fields(line)
-		if len(f) < 2 {
-			continue
-		}
-		switch f[0] {
-		case "Threads:":
-			u.threads, _ = strconv.Atoi(f[1])
-		case "VmRSS:":
-			u.rssKiB, _ = strconv.ParseInt(f[1], 10, 64)
-		}
+	if u.rssKiB, err = procField("/proc/self/status", "VmRSS"); err != nil {
+		t.Fatal(err)
 	}
+	u.threads = int(threads)
 	return u
 }
 
