@@ -8,10 +8,8 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
-	"os"
 	"path/filepath"
 	"strings"
-	"syscall"
 	"testing"
 	"time"
 )
@@ -136,42 +134,5 @@ func TestControlOpRoundTrip(t *testing.T) {
 	var te *transportError
 	if _, err := op.call(ctx, hc, snapshotBody{Dir: "hello"}); !errors.As(err, &te) {
 		t.Errorf("a call to a closed server = %v; want a transport error", err)
-	}
-}
-
-// TestForegroundNeedsJail: a foreground run starts itself again in a
-// mount namespace only when it is to be jailed (confined, as root) and is
-// not already the process started so.
-func TestForegroundNeedsJail(t *testing.T) {
-	t.Setenv(foregroundJailEnv, "")
-	if (Foreground{NoConfine: true}).NeedsJail() {
-		t.Error("an unconfined run needs a jail")
-	}
-	if got, want := (Foreground{}).NeedsJail(), os.Geteuid() == 0; got != want {
-		t.Errorf("a confined run as uid %d: NeedsJail = %v; want %v", os.Geteuid(), got, want)
-	}
-	t.Setenv(foregroundJailEnv, t.TempDir())
-	if (Foreground{}).NeedsJail() {
-		t.Error("the process started in its own mount namespace needs another")
-	}
-}
-
-// TestQuitCatcherBeforeTheVM: a SIGQUIT before any sandbox is watched
-// (a boot that hangs) is answered with the process's goroutines, and the
-// process goes on instead of dying of it.
-func TestQuitCatcherBeforeTheVM(t *testing.T) {
-	got := make(chan string, 1)
-	q := CatchQuit(func(state string) { got <- state })
-	defer q.Stop()
-	if err := syscall.Kill(os.Getpid(), syscall.SIGQUIT); err != nil {
-		t.Fatal(err)
-	}
-	select {
-	case s := <-got:
-		if !strings.HasPrefix(s, "no VM runs; the process's goroutines:") || !strings.Contains(s, "TestQuitCatcherBeforeTheVM") {
-			t.Errorf("on SIGQUIT before the VM: %.200q; want the goroutines, this test's among them", s)
-		}
-	case <-time.After(10 * time.Second):
-		t.Fatal("no answer to SIGQUIT")
 	}
 }

@@ -1,11 +1,12 @@
 package supervisor
 
 // The foreground VMM process: `capsa run` without -d runs its sandbox in
-// the CLI's own process, with the caller's terminal, not under a
-// supervisor. It is confined by the same rules as a supervisor
-// (vmmConfinement), started again in a mount namespace of its own to be
-// jailed as Spawn starts a jailed supervisor, and prints the VM's state on
-// SIGQUIT as a supervisor logs it (QuitCatcher).
+// the CLI's own process, with the caller's terminal and stdio, not under
+// a supervisor. Its life is a supervisor's (vmmProcess, process.go): the
+// same start in a mount namespace of its own where it is to be jailed,
+// the same confinement before its guest runs, the same SIGQUIT answer and
+// the same shutdown. It differs in where it lives (no records, no logs,
+// no control socket) and in that its caller waits for it.
 
 import (
 	"context"
@@ -16,12 +17,9 @@ import (
 	"os"
 	"os/exec"
 	"os/signal"
-	"runtime"
-	"sync"
-	"sync/atomic"
 	"syscall"
-	"time"
 
+	"github.com/capsa-sandbox/capsa/agent"
 	"github.com/capsa-sandbox/capsa/confine"
 	"github.com/capsa-sandbox/capsa/sandbox"
 )
@@ -49,9 +47,8 @@ func ProbeRequested() bool { return os.Getenv(confine.ProbeEnv) != "" }
 // what it makes there (an image's writable layer), not remove it.
 const foregroundJailEnv = "CAPSA_JAIL_TMP"
 
-// Foreground is a foreground VMM process's confinement: Reexec first
-// where NeedsJail says so, then Confine in the sandbox's BeforeRun, once
-// its VM is built and before its guest runs.
+// Foreground is a foreground VMM process: Reexec first where NeedsJail
+// says so, then Run (in the process Reexec started, where it did).
 type Foreground struct {
 	NoConfine bool
 	User      *JailUser // nil: root's jail keeps root
@@ -85,8 +82,7 @@ func (f Foreground) Reexec(args []string, stdout, stderr io.Writer) (int, error)
 	}
 	cmd := exec.Command("/proc/self/exe", args...)
 	cmd.Stdin, cmd.Stdout, cmd.Stderr = os.Stdin, stdout, stderr
-	cmd.Env = append(os.Environ(), foregroundJailEnv+"="+tmp, "TMPDIR="+tmp)
-	cmd.SysProcAttr = &syscall.SysProcAttr{Unshareflags: syscall.CLONE_NEWNS}
+	jailCommand(cmd, tmp, foregroundJailEnv+"="+tmp)
 	sigs := make(chan os.Signal, 4)
 	signal.Notify(sigs, syscall.SIGINT, syscall.SIGQUIT, syscall.SIGTERM, syscall.SIGHUP)
 	defer signal.Stop(sigs)
@@ -121,112 +117,62 @@ func (f Foreground) Reexec(args []string, stdout, stderr io.Writer) (int, error)
 	return 0, fmt.Errorf("supervisor: the jailed process: %w", err)
 }
 
-// Confine confines this process, which runs sb, to what sb uses (package
-// confine) and returns the layers in force; with NoConfine it does
-// nothing. The rules are a supervisor's, less the state directory's
-// records and snapshots, which a foreground run does not use.
-func (f Foreground) Confine(sb *sandbox.Sandbox) (string, error) {
-	if f.NoConfine {
-		return "", nil
-	}
-	log := f.Log
-	if log == nil {
-		log = slog.New(slog.DiscardHandler)
-	}
-	c := vmmConfinement(sb, sb.Spec(), "run", f.User)
-	c.Terminal = f.Terminal
+// RunError is a foreground run's failure after its sandbox started.
+type RunError struct {
+	Err error
+	// Unexplained is the VM's state when it ended for no reason it gave
+	// (vmm.Exit.Unexplained); "" otherwise.
+	Unexplained string
+}
+
+func (e *RunError) Error() string { return e.Err.Error() }
+func (e *RunError) Unwrap() error { return e.Err }
+
+// Run runs w's sandbox in this process until its main process ends, and
+// returns how it ended. The process lives as a supervisor does
+// (vmmProcess): SIGQUIT is answered with dump from now on, and the
+// process is confined (with NoConfine, not) once the VM is built and
+// before its guest runs. Once the sandbox runs, attach is called (a
+// terminal made raw, say) and what it returns, when not nil, is called
+// after the main process ends and before the VM shuts down. An error
+// before the sandbox ran is the start's; after, a *RunError.
+func (f Foreground) Run(ctx context.Context, w *sandbox.Workload, dump func(state string), attach func(*sandbox.Sandbox) (func(), error)) (*agent.ExitStatus, error) {
+	place := vmmPlace{Name: "run", NoConfine: f.NoConfine, User: f.User, Terminal: f.Terminal, Confined: "capsa run: confined"}
 	if tmp := os.Getenv(foregroundJailEnv); tmp != "" {
-		c.Own = []string{tmp}
+		place.Own = []string{tmp}
 	}
 	if dir, err := DefaultDir(); err == nil {
-		c.Shared = SharedFiles(dir, c.Write)
+		place.StateDir = dir
 	}
-	layers, err := applyConfinement(c, log, "capsa run: confined")
-	if err != nil {
-		return "", err
-	}
-	return layers.String(), nil
-}
-
-// applyConfinement confines this process as c says, logs the layers it
-// got and how long that took under msg (at info level: a supervisor's log
-// has it, and `capsa run --verbose` shows it), and runs the test
-// hook's probe (confine.ProbeEnv): a supervisor's and a foreground run's
-// last step before their guest runs.
-func applyConfinement(c confine.Config, log *slog.Logger, msg string) (confine.Layers, error) {
-	start := time.Now()
-	layers, err := confine.Apply(c, log)
-	if err != nil {
-		return layers, err
-	}
-	log.Info(msg, "layers", layers.String(), "took", time.Since(start))
-	confine.Probe(log)
-	return layers, nil
-}
-
-// vmmConfinement is what a VMM process running sb, of spec, is confined
-// to, the same for a supervisor and a foreground run: sb's host paths, a
-// cgroup bounded to the guest's memory and VMMOverhead and to its CPU
-// quota, and the jail's user.
-func vmmConfinement(sb *sandbox.Sandbox, spec sandbox.Spec, name string, user *JailUser) confine.Config {
-	read, write := sb.HostPaths()
-	return confine.Config{
-		Read: read, Write: write, Name: name, User: user,
-		MemoryBytes: int64(spec.MemoryMiB)<<20 + VMMOverhead, CPUs: spec.EffectiveCPUQuota(),
-	}
-}
-
-// QuitCatcher answers SIGQUIT from its making on, with what there is to
-// see: the VM's state (vCPUs, interrupts, virtqueues, console) while the
-// sandbox it watches runs, and the process's goroutines before the VM
-// runs (a boot that hangs) or after it ended (a shutdown that does). The
-// process goes on either way, where Go's default would end it.
-type QuitCatcher struct {
-	c    chan os.Signal
-	sb   atomic.Pointer[sandbox.Sandbox]
-	done chan struct{}
-	once sync.Once
-}
-
-// CatchQuit starts answering SIGQUIT with dump; Watch gives it the
-// sandbox, and Stop ends it.
-func CatchQuit(dump func(state string)) *QuitCatcher {
-	q := &QuitCatcher{c: make(chan os.Signal, 1), done: make(chan struct{})}
-	signal.Notify(q.c, syscall.SIGQUIT)
-	go func() {
-		for {
-			select {
-			case <-q.c:
-				dump(q.state())
-			case <-q.done:
-				return
-			}
-		}
-	}()
-	return q
-}
-
-// Watch makes sb the sandbox whose state a SIGQUIT shows.
-func (q *QuitCatcher) Watch(sb *sandbox.Sandbox) { q.sb.Store(sb) }
-
-func (q *QuitCatcher) state() string {
-	if sb := q.sb.Load(); sb != nil {
-		select {
-		case <-sb.Done():
-		default:
-			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-			defer cancel()
-			return "the VM's state:\n" + sb.Debug(ctx).String()
-		}
-	}
-	buf := make([]byte, 1<<20)
-	return "no VM runs; the process's goroutines:\n" + string(buf[:runtime.Stack(buf, true)])
-}
-
-// Stop stops answering SIGQUIT.
-func (q *QuitCatcher) Stop() {
-	q.once.Do(func() {
-		signal.Stop(q.c)
-		close(q.done)
+	p := newVMMProcess(place, f.Log, dump)
+	defer p.close()
+	sb, err := p.start(nil, func(beforeRun func(*sandbox.Sandbox) error) (*sandbox.Sandbox, error) {
+		return w.BeforeRun(beforeRun).Start(ctx)
 	})
+	if err != nil {
+		return nil, err
+	}
+	defer sb.Close()
+	detach := func() {}
+	if attach != nil {
+		d, err := attach(sb)
+		if err != nil {
+			p.shutdown(ctx, sb)
+			return nil, &RunError{Err: err}
+		}
+		if d != nil {
+			detach = d
+		}
+	}
+	st, err := sb.Wait(ctx)
+	detach()
+	p.shutdown(ctx, sb)
+	if err != nil {
+		re := &RunError{Err: err}
+		if d := sb.Exit().Unexplained(); d != nil {
+			re.Unexplained = d.String()
+		}
+		return nil, re
+	}
+	return st, nil
 }

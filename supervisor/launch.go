@@ -99,8 +99,7 @@ func Spawn(ctx context.Context, st *store.Store, name string, lock *store.Lock) 
 			readyW.Close()
 			return err
 		}
-		cmd.SysProcAttr.Unshareflags = syscall.CLONE_NEWNS
-		cmd.Env = append(os.Environ(), "TMPDIR="+tmp)
+		jailCommand(cmd, tmp)
 	}
 	if err := cmd.Start(); err != nil {
 		readyW.Close()

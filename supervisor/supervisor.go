@@ -28,7 +28,6 @@ import (
 	"time"
 
 	"github.com/capsa-sandbox/capsa/agent"
-	"github.com/capsa-sandbox/capsa/confine"
 	"github.com/capsa-sandbox/capsa/internal/selfpages"
 	"github.com/capsa-sandbox/capsa/ratelimit"
 	"github.com/capsa-sandbox/capsa/sandbox"
@@ -63,24 +62,18 @@ type Options struct {
 	LogLimit int64
 }
 
-// confineSelf confines the supervisor (package confine) to the sandbox's
-// host paths, its directory, the store's snapshots, and a
-// cgroup bounded to the guest's memory and VMMOverhead. As root (spawned
-// in a mount namespace of its own by Spawn) it is also jailed, as
-// rec.JailUser when set: the sandbox's directory becomes that user's, and
-// the store's shared files let it in (SharedFiles).
-func confineSelf(st *store.Store, rec *store.Record, sb *sandbox.Sandbox, spec sandbox.Spec, log *slog.Logger) (confine.Layers, error) {
-	snaps := st.SnapshotsDir()
-	if err := os.MkdirAll(snaps, 0o700); err != nil {
-		return confine.Layers{}, fmt.Errorf("supervisor: confine: %w", err)
+// place is where a supervisor lives (vmmPlace): beside its sandbox's host
+// paths, its sandbox's directory (its own, the jail user's where jailed
+// as one) and the store's snapshots; not the records' database, since it
+// reports its run in its own directory (store.Status). A pod's supervisor
+// is confined but not jailed (Record.HostMounts).
+func place(st *store.Store, rec *store.Record) vmmPlace {
+	dir, snaps := st.SandboxDir(rec.Name), st.SnapshotsDir()
+	return vmmPlace{
+		Name: rec.Name, NoConfine: rec.NoConfine, User: rec.JailUser, NoJail: rec.HostMounts,
+		StateDir: st.Dir(), Write: []string{dir, snaps}, Own: []string{dir}, Shared: []string{snaps},
+		Confined: "supervisor: confined",
 	}
-	c := vmmConfinement(sb, spec, rec.Name, rec.JailUser)
-	// Not the records' database: the supervisor reports its run in its
-	// own directory (store.Status).
-	c.Write = append(c.Write, st.SandboxDir(rec.Name), snaps)
-	c.Own, c.NoJail = []string{st.SandboxDir(rec.Name)}, rec.HostMounts
-	c.Shared = append(SharedFiles(st.Dir(), c.Write), snaps)
-	return applyConfinement(c, log, "supervisor: confined")
 }
 
 // SharedFiles are the paths in write that lie directly in the state
@@ -181,37 +174,31 @@ func Run(ctx context.Context, o Options) error {
 	if spec.Hub.Dir == "" {
 		spec.Hub.Dir = o.Store.Dir()
 	}
+	// The snapshots' directory, which the confined supervisor may write,
+	// must exist before it is confined.
+	if !rec.NoConfine {
+		if err := os.MkdirAll(st.SnapshotsDir(), 0o700); err != nil {
+			return fail(fmt.Errorf("supervisor: confine: %w", err))
+		}
+	}
 	// SIGQUIT asks for the VM's state (vCPUs, interrupts, virtqueues,
 	// console), into the supervisor's log; the sandbox runs on. Before
-	// the VM runs, and after, the goroutines'.
-	quit := CatchQuit(func(state string) { log.Warn("supervisor: on SIGQUIT, " + state) })
-	defer quit.Stop()
-	// The VM is built: from before its guest's first instruction on,
-	// the supervisor needs only its own files, the sandbox's, and the
-	// calls a running VMM makes.
-	var layers *confine.Layers
-	confineHook := func(sb *sandbox.Sandbox) error {
-		if rec.NoConfine {
-			return nil
+	// the VM runs, and after, the goroutines'. Once the VM is built,
+	// before its guest's first instruction, the supervisor is confined
+	// to its own files, the sandbox's, and the calls a running VMM makes.
+	p := newVMMProcess(place(st, rec), log, func(state string) { log.Warn("supervisor: on SIGQUIT, " + state) })
+	defer p.close()
+	sb, err := p.start(&spec, func(beforeRun func(*sandbox.Sandbox) error) (*sandbox.Sandbox, error) {
+		if rec.RestoreFrom != "" {
+			return sandbox.Restore(ctx, rec.RestoreFrom, sandbox.RestoreOptions{
+				Logger: log, Console: consoleLog, Stdout: mainLog, Stderr: mainLog,
+				VsockSocket: spec.VsockSocket, Settings: &spec, Hostname: rec.Hostname,
+				Identity: o.Name, Secrets: secrets, NetAudit: netAudit, BeforeRun: beforeRun,
+			})
 		}
-		l, err := confineSelf(st, rec, sb, spec, log)
-		if err != nil {
-			return err
-		}
-		layers = &l
-		return nil
-	}
-	var sb *sandbox.Sandbox
-	if rec.RestoreFrom != "" {
-		sb, err = sandbox.Restore(ctx, rec.RestoreFrom, sandbox.RestoreOptions{
-			Logger: log, Console: consoleLog, Stdout: mainLog, Stderr: mainLog,
-			VsockSocket: spec.VsockSocket, Settings: &spec, Hostname: rec.Hostname,
-			Identity: o.Name, Secrets: secrets, NetAudit: netAudit, BeforeRun: confineHook,
-		})
-	} else {
-		sb, err = sandbox.FromSpec(spec).Secrets(secrets).NetAudit(netAudit).BeforeRun(confineHook).
+		return sandbox.FromSpec(spec).Secrets(secrets).NetAudit(netAudit).BeforeRun(beforeRun).
 			Logger(log).Console(consoleLog).Stdout(mainLog).Stderr(mainLog).Start(ctx)
-	}
+	})
 	if err != nil {
 		return fail(err)
 	}
@@ -232,7 +219,7 @@ func Run(ctx context.Context, o Options) error {
 		ports = append(ports, fmt.Sprintf("%s->%d/%s", p.Addr, p.Mapping.GuestPort, p.Addr.Network()))
 	}
 	err = rep.set(log, func(s *store.Status) {
-		*s = store.Status{Run: store.Run{State: store.Running, Started: c.started, Env: env, Dir: wd, Ports: ports, Confinement: layers}}
+		*s = store.Status{Run: store.Run{State: store.Running, Started: c.started, Env: env, Dir: wd, Ports: ports, Confinement: p.layers}}
 	})
 	if err != nil {
 		ready(err)
@@ -260,7 +247,6 @@ func Run(ctx context.Context, o Options) error {
 		mainStatus, mainErr = sb.Wait(context.WithoutCancel(ctx))
 		close(mainDone)
 	}()
-	quit.Watch(sb)
 	// The TTL counts from the start; the ttl operation sets a new one
 	// (0: none) while the sandbox runs.
 	ttlTimer := time.NewTimer(time.Hour)
@@ -355,9 +341,7 @@ func Run(ctx context.Context, o Options) error {
 		}
 	default:
 	}
-	shutdownCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
-	defer cancel()
-	if err := sb.Shutdown(shutdownCtx); err != nil {
+	if err := p.shutdown(ctx, sb); err != nil {
 		log.Warn("supervisor: shutdown", "err", err)
 	}
 	closeControl(srv)

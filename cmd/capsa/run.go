@@ -224,38 +224,25 @@ func runOrCreate(ctx context.Context, cmdName string, args []string, stdout, std
 	if *interactive {
 		w.Stdin(os.Stdin)
 	}
-	// Confined once the VM is built, before its guest runs.
-	w.BeforeRun(func(sb *sandbox.Sandbox) error { _, err := fg.Confine(sb); return err })
-	// From here Ctrl-\ asks for the VM's state (before it runs, the
-	// goroutines').
-	quit := supervisor.CatchQuit(func(state string) { fmt.Fprintf(stderr, "capsa run: on SIGQUIT, %s", state) })
-	defer quit.Stop()
-	sb, err := w.Start(ctx)
-	if err != nil {
-		fmt.Fprintf(stderr, "capsa run: %v\n", err)
-		return 125
-	}
-	quit.Watch(sb)
-	if term != nil && *interactive {
-		if err := term.raw(sb.Resize); err != nil {
-			sb.Close()
-			fmt.Fprintf(stderr, "capsa run: the terminal: %v\n", err)
-			return 125
+	// The VMM process's life is a supervisor's: confined once the VM is
+	// built, before its guest runs; from now on Ctrl-\ asks for the VM's
+	// state (before it runs, the goroutines').
+	dump := func(state string) { fmt.Fprintf(stderr, "capsa run: on SIGQUIT, %s", state) }
+	attach := func(sb *sandbox.Sandbox) (func(), error) {
+		if term == nil || !*interactive {
+			return nil, nil
 		}
-		defer term.restore()
+		if err := term.raw(sb.Resize); err != nil {
+			return nil, fmt.Errorf("the terminal: %w", err)
+		}
+		return term.restore, nil // before any message
 	}
-	st, err := sb.Wait(ctx)
-	if term != nil {
-		term.restore() // before any message
-	}
-	shutdownCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
-	defer cancel()
-	sb.Shutdown(shutdownCtx)
+	st, err := fg.Run(ctx, w, dump, attach)
 	switch {
 	case err != nil:
 		fmt.Fprintf(stderr, "capsa run: %v\n", err)
-		if d := sb.Exit().Unexplained(); d != nil {
-			fmt.Fprintf(stderr, "capsa run: %s", d)
+		if re, ok := err.(*supervisor.RunError); ok && re.Unexplained != "" {
+			fmt.Fprintf(stderr, "capsa run: %s", re.Unexplained)
 		}
 		return 125
 	case st.TimedOut:
