@@ -9,29 +9,35 @@ import (
 )
 
 // A VMM run by root (a jail without a User, or a containerd pod's, which
-// has no jail) keeps only the capabilities a file server needs to serve
-// other users' files in its shares: reading, writing and searching them
-// whatever their modes, setting their modes and times (as their owner
-// may), and keeping their set-group-ID bits when it writes. It gives up
-// the rest for good, from its bounding set too: mounting, namespaces,
-// chown, setuid, raw sockets, network administration, module loading,
-// ptrace, kill, device nodes. Its uid stays 0, so files it makes stay
-// root's, as before. A process that is not root, or that dropped to a
-// jail's User, holds none to begin with.
+// has no jail) that serves host files it did not make (Config.HostFiles:
+// shares, volumes, disks, files copied in) keeps only the capabilities a
+// file server needs to serve other users' files: reading, writing and
+// searching them whatever their modes, setting their modes and times (as
+// their owner may), and keeping their set-group-ID bits when it writes.
+// One that serves none keeps none: every file it uses after confinement
+// is its own (its sandbox's directory, the store's) or was opened before.
+// Either gives up the rest for good, from its bounding set too: mounting,
+// namespaces, chown, setuid, raw sockets, network administration, module
+// loading, ptrace, kill, device nodes. Its uid stays 0, so files it makes
+// stay root's, as before. A process that is not root, or that dropped to
+// a jail's User, holds none to begin with.
 //
 // On libcap's cap package: capabilities are per thread, and a Go process
 // has many, so every change must reach all of them at once, which the
 // package does (through psx) whether or not the binary uses cgo.
 var KeptCapabilities = []cap.Value{cap.DAC_OVERRIDE, cap.DAC_READ_SEARCH, cap.FOWNER, cap.FSETID}
 
-// dropCapabilities leaves the process only the KeptCapabilities it holds
-// and removes every other one from its bounding and ambient sets. It
-// reports what it kept.
-func dropCapabilities() (string, error) {
+// dropCapabilities leaves the process only the KeptCapabilities it holds,
+// or none unless files, and removes every other one from its bounding and
+// ambient sets. It reports what it kept.
+func dropCapabilities(files bool) (string, error) {
 	cur := cap.GetProc()
-	var held []cap.Value
+	var keep, held []cap.Value
+	if files {
+		keep = KeptCapabilities
+	}
 	var names []string
-	for _, v := range KeptCapabilities {
+	for _, v := range keep {
 		if ok, err := cur.GetFlag(cap.Permitted, v); err != nil {
 			return "", fmt.Errorf("confine: capabilities: %w", err)
 		} else if ok {
@@ -46,7 +52,7 @@ func dropCapabilities() (string, error) {
 	} else if ok {
 		var drop []cap.Value
 		for v := range cap.MaxBits() {
-			if !slices.Contains(KeptCapabilities, v) {
+			if !slices.Contains(keep, v) {
 				drop = append(drop, v)
 			}
 		}

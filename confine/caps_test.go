@@ -30,7 +30,7 @@ func capsChild() int {
 			<-hold
 		}()
 	}
-	what, err := dropCapabilities()
+	what, err := dropCapabilities(os.Getenv("CAPS_FILES") == "1")
 	got := map[string]string{"drop": what}
 	if err != nil {
 		got["drop"] = "error: " + err.Error()
@@ -68,10 +68,12 @@ func capsChild() int {
 	return 0
 }
 
-// TestDropCapabilities: as root, every thread keeps exactly
-// KeptCapabilities, in its permitted, effective and bounding sets, with
-// nothing inheritable or ambient: it still reads another user's private
-// file, and can no longer give a file away.
+// TestDropCapabilities: as root, a process serving host files keeps
+// exactly KeptCapabilities in every thread, in its permitted, effective
+// and bounding sets, with nothing inheritable or ambient: it still reads
+// another user's private file, and can no longer give a file away. One
+// serving none keeps none, in any set: another user's private file is
+// refused to it too.
 func TestDropCapabilities(t *testing.T) {
 	if os.Geteuid() != 0 {
 		t.Skip("dropping capabilities needs root's")
@@ -87,27 +89,35 @@ func TestDropCapabilities(t *testing.T) {
 	if err := os.Chown(others, 65534, 65534); err != nil {
 		t.Fatal(err)
 	}
-	cmd := exec.Command(os.Args[0], "-test.run=^$")
-	cmd.Env = append(os.Environ(), childEnv+"=caps", "CAPS_OTHERS_FILE="+others, "CAPS_MINE="+mine)
-	got := childResult(t, cmd, "the child dropping its capabilities")
-	t.Logf("child: %v", got)
-	var mask uint64
-	var names []string
-	for _, v := range KeptCapabilities {
-		mask |= 1 << uint(v)
-		names = append(names, v.String())
-	}
-	if want := "kept " + strings.Join(names, ","); got["drop"] != want {
-		t.Errorf("dropCapabilities() = %q; want %q", got["drop"], want)
-	}
-	want := fmt.Sprintf("CapInh: %016x; CapPrm: %016x; CapEff: %016x; CapBnd: %016x; CapAmb: %016x", 0, mask, mask, mask, 0)
-	if got["sets"] != want {
-		t.Errorf("the child's threads (%s) hold %q; want each %q", got["threads"], got["sets"], want)
-	}
-	if got["read another user's 0600 file"] != "ok" {
-		t.Errorf("reading another user's file after the drop: %s; want ok (%s kept)", got["read another user's 0600 file"], cap.DAC_OVERRIDE)
-	}
-	if !strings.Contains(got["chown to another user"], "operation not permitted") {
-		t.Errorf("chown to another user after the drop: %s; want EPERM (%s dropped)", got["chown to another user"], cap.CHOWN)
+	for _, files := range []bool{true, false} {
+		t.Run(fmt.Sprintf("files=%v", files), func(t *testing.T) {
+			cmd := exec.Command(os.Args[0], "-test.run=^$")
+			cmd.Env = append(os.Environ(), childEnv+"=caps", "CAPS_OTHERS_FILE="+others, "CAPS_MINE="+mine, fmt.Sprintf("CAPS_FILES=%d", map[bool]int{true: 1}[files]))
+			got := childResult(t, cmd, "the child dropping its capabilities")
+			t.Logf("child: %v", got)
+			var mask uint64
+			var names []string
+			wantDrop, wantRead := "none held", "permission denied"
+			if files {
+				for _, v := range KeptCapabilities {
+					mask |= 1 << uint(v)
+					names = append(names, v.String())
+				}
+				wantDrop, wantRead = "kept "+strings.Join(names, ","), "ok"
+			}
+			if got["drop"] != wantDrop {
+				t.Errorf("dropCapabilities(%v) = %q; want %q", files, got["drop"], wantDrop)
+			}
+			want := fmt.Sprintf("CapInh: %016x; CapPrm: %016x; CapEff: %016x; CapBnd: %016x; CapAmb: %016x", 0, mask, mask, mask, 0)
+			if got["sets"] != want {
+				t.Errorf("the child's threads (%s) hold %q; want each %q", got["threads"], got["sets"], want)
+			}
+			if !strings.Contains(got["read another user's 0600 file"], wantRead) {
+				t.Errorf("reading another user's file after the drop: %s; want %s (%s kept: %v)", got["read another user's 0600 file"], wantRead, cap.DAC_OVERRIDE, files)
+			}
+			if !strings.Contains(got["chown to another user"], "operation not permitted") {
+				t.Errorf("chown to another user after the drop: %s; want EPERM (%s dropped)", got["chown to another user"], cap.CHOWN)
+			}
+		})
 	}
 }

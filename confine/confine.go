@@ -19,8 +19,9 @@
 //     optionally another user and group (Config.User) with no
 //     capability.
 //   - capabilities (caps.go): a VMM run by root keeps only those a file
-//     server over other users' files needs (KeptCapabilities), and loses
-//     the rest from its bounding set too.
+//     server over other users' files needs (KeptCapabilities), and only
+//     when it serves host files (Config.HostFiles); it loses the rest
+//     from its bounding set too.
 //   - a cgroup of its own with memory and pids limits, where cgroup v2 is
 //     delegated to the user; rlimits always (no core dumps, descriptor and
 //     process limits fixed where they are).
@@ -68,6 +69,10 @@ type Config struct {
 	// error.
 	User        *User
 	Own, Shared []string
+	// HostFiles says the process serves host files it did not make
+	// (shares, volumes, disks, files copied in), which may be other
+	// users': run by root, it keeps KeptCapabilities for them.
+	HostFiles bool
 	// NoJail keeps the process in the host's mount namespace, where
 	// the host mounts on its shares while it runs (a containerd pod's
 	// container roots) reach it; Landlock and seccomp still apply.
@@ -154,7 +159,7 @@ func Apply(c Config, log *slog.Logger) (Layers, error) {
 	}
 	// After the jail, which needs its mounts and chowns, and before
 	// seccomp, which refuses capset.
-	d, e = dropCapabilities()
+	d, e = dropCapabilities(c.HostFiles)
 	if l.Capabilities, err = status("capabilities", d, e); err != nil {
 		return l, err
 	}

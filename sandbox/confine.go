@@ -49,3 +49,20 @@ func (s *Sandbox) HostPaths() (read, write []string) {
 	}
 	return read, write
 }
+
+// ServesHostFiles reports whether the running sandbox's VMM serves host
+// files it did not make, which may be other users': shares, disks,
+// volumes, or files its copy patches read. A VMM run by root keeps the
+// file server's capabilities only then (confine.Config.HostFiles); an
+// image's writable layer and the hub's files are its own.
+func (s *Sandbox) ServesHostFiles() bool {
+	if len(s.c.Shares) > 0 || len(s.c.Disks) > 0 || len(s.c.Volumes) > 0 {
+		return true
+	}
+	for _, p := range s.c.Patches {
+		if p.Op == PatchCopy {
+			return true
+		}
+	}
+	return false
+}

@@ -55,3 +55,26 @@ func TestCopyPatchSourceIsAbsolute(t *testing.T) {
 		t.Errorf("HostPaths() reads %v; want the copy's source", read)
 	}
 }
+
+// TestServesHostFiles: a sandbox serves host files it did not make, and
+// its VMM run by root keeps the file server's capabilities, with a share,
+// a disk, a volume or a copy patch; not with written files or an image
+// alone.
+func TestServesHostFiles(t *testing.T) {
+	for _, c := range []struct {
+		what string
+		spec Spec
+		want bool
+	}{
+		{"nothing", Spec{}, false},
+		{"a written file and an image", Spec{Patches: []Patch{{Op: PatchWrite, Path: "/etc/x"}}, Image: &ImageSpec{}}, false},
+		{"a share", Spec{Shares: []ShareSpec{{Host: "/src", Guest: "/w"}}}, true},
+		{"a disk", Spec{Disks: []DiskSpec{{Path: "/d.img"}}}, true},
+		{"a volume", Spec{Volumes: []VolumeSpec{{Name: "v"}}}, true},
+		{"a copy", Spec{Patches: []Patch{{Op: PatchCopy, Path: "/x", Source: "/src/x"}}}, true},
+	} {
+		if got := (&Sandbox{c: config{Spec: c.spec}}).ServesHostFiles(); got != c.want {
+			t.Errorf("%s: ServesHostFiles = %v; want %v", c.what, got, c.want)
+		}
+	}
+}

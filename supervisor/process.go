@@ -86,12 +86,14 @@ func newVMMProcess(place vmmPlace, log *slog.Logger, dump func(state string)) *v
 }
 
 // config is what the process running a sandbox of spec, whose host paths
-// are read and write (Sandbox.HostPaths), is confined to: those paths and
-// the place's, a cgroup bounded to the guest's memory and VMMOverhead and
-// to its CPU quota, and the jail's user.
-func (p *vmmProcess) config(read, write []string, spec sandbox.Spec) confine.Config {
+// are read and write (Sandbox.HostPaths) and which serves host files or
+// not (Sandbox.ServesHostFiles), is confined to: those paths and the
+// place's, a cgroup bounded to the guest's memory and VMMOverhead and to
+// its CPU quota, the jail's user, and the file server's capabilities for
+// root only where it serves files.
+func (p *vmmProcess) config(read, write []string, files bool, spec sandbox.Spec) confine.Config {
 	c := confine.Config{
-		Read: read, Write: slices.Concat(write, p.place.Write), Name: p.place.Name, User: p.place.User,
+		Read: read, Write: slices.Concat(write, p.place.Write), HostFiles: files, Name: p.place.Name, User: p.place.User,
 		MemoryBytes: int64(spec.MemoryMiB)<<20 + VMMOverhead, CPUs: spec.EffectiveCPUQuota(),
 		Own: p.place.Own, NoJail: p.place.NoJail, Terminal: p.place.Terminal,
 	}
@@ -116,7 +118,7 @@ func (p *vmmProcess) start(spec *sandbox.Spec, build func(beforeRun func(*sandbo
 			s = *spec
 		}
 		read, write := sb.HostPaths()
-		l, err := applyConfinement(p.config(read, write, s), p.log, p.place.Confined)
+		l, err := applyConfinement(p.config(read, write, sb.ServesHostFiles(), s), p.log, p.place.Confined)
 		if err != nil {
 			return err
 		}

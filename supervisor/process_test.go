@@ -58,7 +58,7 @@ func TestVMMPlaces(t *testing.T) {
 	hub := filepath.Join(st.Dir(), "hub.db")
 	read, write := []string{"/src"}, []string{"/work", hub}
 
-	sup := (&vmmProcess{place: place(st, rec)}).config(read, write, spec)
+	sup := (&vmmProcess{place: place(st, rec)}).config(read, write, true, spec)
 	dir, snaps := st.SandboxDir("a"), st.SnapshotsDir()
 	if !slices.Contains(sup.Write, dir) || !slices.Contains(sup.Write, snaps) || !slices.Contains(sup.Write, "/work") {
 		t.Errorf("a supervisor writes %q; want its sandbox's paths, its directory and the snapshots", sup.Write)
@@ -68,7 +68,7 @@ func TestVMMPlaces(t *testing.T) {
 			t.Errorf("a supervisor writes the records' database %s", p)
 		}
 	}
-	if !slices.Equal(sup.Own, []string{dir}) || sup.User != user || sup.Name != "a" || sup.NoJail {
+	if !slices.Equal(sup.Own, []string{dir}) || sup.User != user || sup.Name != "a" || sup.NoJail || !sup.HostFiles {
 		t.Errorf("a supervisor's config = %+v; want its directory its own, its user, its name, jailed", sup)
 	}
 	if !slices.Contains(sup.Shared, hub) || !slices.Contains(sup.Shared, snaps) {
@@ -77,12 +77,12 @@ func TestVMMPlaces(t *testing.T) {
 	if want := int64(256<<20) + VMMOverhead; sup.MemoryBytes != want {
 		t.Errorf("a supervisor's memory bound = %d; want %d", sup.MemoryBytes, want)
 	}
-	pod := (&vmmProcess{place: place(st, &store.Record{Name: "p", HostMounts: true})}).config(read, write, spec)
+	pod := (&vmmProcess{place: place(st, &store.Record{Name: "p", HostMounts: true})}).config(read, write, true, spec)
 	if !pod.NoJail {
 		t.Error("a pod's supervisor (host mounts) is jailed")
 	}
 
-	fg := (&vmmProcess{place: vmmPlace{Name: "run", User: user, StateDir: st.Dir(), Own: []string{"/tmp/capsa-run-1"}, Terminal: true}}).config(read, write, spec)
+	fg := (&vmmProcess{place: vmmPlace{Name: "run", User: user, StateDir: st.Dir(), Own: []string{"/tmp/capsa-run-1"}, Terminal: true}}).config(read, write, true, spec)
 	if !slices.Equal(fg.Write, write) || !slices.Equal(fg.Read, read) {
 		t.Errorf("a foreground run reads %q and writes %q; want only its sandbox's %q and %q", fg.Read, fg.Write, read, write)
 	}

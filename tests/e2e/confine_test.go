@@ -91,7 +91,7 @@ func TestConfinement(t *testing.T) {
 	}
 	// As root it keeps only what serving others' files takes, in every
 	// thread and in its bounding set.
-	checkCapabilities(t, l, rec.PID, os.Geteuid() == 0)
+	checkCapabilities(t, l, rec.PID, map[bool]capsHeld{true: capsFileServer, false: capsNone}[os.Geteuid() == 0])
 
 	// Everything the sandbox uses still works.
 	if r := cli(time.Minute, "exec", "c", "--", "sh", "-c", "cat /mnt/share/in.txt && echo out > /mnt/share/out.txt && echo kept > /vol/f && cat /vol/f"); r.code != 0 || r.stdout != "from the hostkept\n" {
@@ -108,6 +108,23 @@ func TestConfinement(t *testing.T) {
 		t.Errorf("capsa snapshot restore = exit %d, stderr %q", r.code, r.stderr)
 	} else if r := cli(time.Minute, "exec", "c2", "--", "cat", "/mnt/share/in.txt"); r.code != 0 || r.stdout != "from the host" {
 		t.Errorf("the restored sandbox's share, confined: exit %d, %q (stderr %q)", r.code, r.stdout, r.stderr)
+	}
+
+	// A sandbox that serves no host files: as root, its VMM keeps no
+	// capability at all, and still runs, answers and writes a snapshot.
+	if r := cli(3*time.Minute, "run", "-d", "--name", "c0", "--", "sleep", "100000"); r.code != 0 {
+		t.Fatalf("capsa run -d --name c0 = exit %d, stderr %q", r.code, r.stderr)
+	}
+	rec0 := inspectConfined(t, cli, "c0")
+	checkCapabilities(t, rec0.Confinement, rec0.PID, map[bool]capsHeld{true: capsNoneRoot, false: capsNone}[os.Geteuid() == 0])
+	if r := cli(time.Minute, "exec", "c0", "--", "sh", "-c", "echo kept > /tmp/f && cat /tmp/f"); r.code != 0 || r.stdout != "kept\n" {
+		t.Errorf("capsa exec c0, no file served: exit %d, %q (stderr %q)", r.code, r.stdout, r.stderr)
+	}
+	if r := cli(3*time.Minute, "snapshot", "create", "c0", "c0snap"); r.code != 0 {
+		t.Errorf("capsa snapshot create of a sandbox whose VMM holds no capability = exit %d, stderr %q", r.code, r.stderr)
+	}
+	if r := cli(time.Minute, "rm", "-f", "c0"); r.code != 0 {
+		t.Errorf("capsa rm -f c0 = exit %d, stderr %q", r.code, r.stderr)
 	}
 
 	// capsa run confines itself too.
@@ -233,16 +250,29 @@ func checkCgroup(t *testing.T, l *confine.Layers, pid, memMiB int) {
 	}
 }
 
+// capsHeld is what a confined VMM process holds.
+type capsHeld int
+
+const (
+	// capsFileServer: run by root and serving host files, only
+	// confine.KeptCapabilities, permitted, effective and bounding.
+	capsFileServer capsHeld = iota
+	// capsNoneRoot: run by root and serving none, none in any set, the
+	// bounding set included.
+	capsNoneRoot
+	// capsNone: a jail's user, or not root: none permitted or effective
+	// (the bounding set was not its to drop).
+	capsNone
+)
+
 // checkCapabilities checks the capabilities layer of the VMM process pid
-// and each of its threads' sets in /proc: with held (a VMM run by root),
-// only confine.KeptCapabilities, permitted, effective and bounding;
-// without (a jail's user, or not root), none permitted or effective. None
-// inheritable or ambient either way.
-func checkCapabilities(t *testing.T, l *confine.Layers, pid int, held bool) {
+// and each of its threads' sets in /proc against held. None inheritable
+// or ambient either way.
+func checkCapabilities(t *testing.T, l *confine.Layers, pid int, held capsHeld) {
 	t.Helper()
 	var mask uint64
 	want := "on (none held)"
-	if held {
+	if held == capsFileServer {
 		var names []string
 		for _, v := range confine.KeptCapabilities {
 			mask |= 1 << uint(v)
@@ -269,7 +299,7 @@ func checkCapabilities(t *testing.T, l *confine.Layers, pid int, held bool) {
 			case "CapPrm", "CapEff":
 				want = mask
 			case "CapBnd":
-				if !held {
+				if held == capsNone {
 					continue // only root, which held them, could drop them
 				}
 				want = mask

@@ -104,7 +104,7 @@ func TestJail(t *testing.T) {
 	if m := regexp.MustCompile(`(?m)^Uid:\s+(.*)$`).FindSubmatch(status); m == nil || strings.Join(strings.Fields(string(m[1])), " ") != "65534 65534 65534 65534" {
 		t.Errorf("the supervisor's Uid line = %q, want 65534 four times", m)
 	}
-	checkCapabilities(t, l, pid, false) // the jail's user holds none
+	checkCapabilities(t, l, pid, capsNone) // the jail's user holds none
 	// What its root holds: the system files a VMM reads and the first
 	// directories of its own paths, nothing else.
 	ents, err = os.ReadDir(filepath.Join("/proc", strconv.Itoa(pid), "root"))
