@@ -70,6 +70,10 @@ func (s *Server) controlMux() http.Handler {
 	handle("POST /sandboxes/{id}/snapshots", s.createSnapshot)
 	handle("GET /snapshots", s.listSnapshots)
 	handle("DELETE /templates/{id}", s.deleteSnapshot)
+	handle("POST /volumes", s.createVolume)
+	handle("GET /volumes", s.listVolumes)
+	handle("GET /volumes/{volumeID}", s.getVolume)
+	handle("DELETE /volumes/{volumeID}", s.deleteVolume)
 	handle("/", func(w http.ResponseWriter, r *http.Request, _ Key) {
 		apiError(w, http.StatusNotImplemented, fmt.Sprintf("%s %s: capsa serve does not serve this E2B API route", r.Method, r.URL.Path))
 	})
@@ -121,6 +125,7 @@ type sandboxInfo struct {
 	DiskSizeMB      int               `json:"diskSizeMB"`
 	Metadata        map[string]string `json:"metadata,omitempty"`
 	Lifecycle       *lifecycle        `json:"lifecycle,omitempty"`
+	VolumeMounts    []volumeMount     `json:"volumeMounts,omitempty"`
 }
 
 // lifecycle is what happens to a sandbox at its timeout.
@@ -157,6 +162,7 @@ func (s *Server) describe(rec *supervisor.Record, token bool) sandboxInfo {
 	if paused(rec) {
 		in.State = "paused"
 	}
+	in.VolumeMounts = s.mountsOf(rec.Spec)
 	in.Lifecycle = &lifecycle{OnTimeout: "kill"}
 	if rec.PauseAtTTL {
 		in.Lifecycle = &lifecycle{OnTimeout: "pause", AutoResume: rec.Labels[labelAutoResume] != ""}
@@ -191,7 +197,7 @@ func (s *Server) create(w http.ResponseWriter, r *http.Request, key Key, defTime
 		apiError(w, http.StatusBadRequest, fmt.Sprintf("create: the body: %v", err))
 		return
 	}
-	wl, tmpl, err := s.buildSandbox(&req)
+	wl, tmpl, err := s.buildSandbox(&req, key)
 	if err != nil {
 		apiError(w, http.StatusBadRequest, "create: "+err.Error())
 		return
@@ -223,13 +229,20 @@ func (s *Server) create(w http.ResponseWriter, r *http.Request, key Key, defTime
 	// this server's state directory, starts from the snapshot, with the
 	// request's host-facing settings (its network), never the
 	// snapshot's own.
+	// A sandbox that mounts volumes boots: a snapshot's devices are
+	// fixed, and a pre-booted template's has no volume.
 	snap := req.TemplateID
 	if tmpl != nil {
 		snap = tmpl.Snapshot
 	}
-	if dir, ok := s.snapshotDir(snap); ok {
+	coldBoot := tmpl != nil && tmpl.Snapshot != "" && len(spec.Volumes) > 0
+	if dir, ok := s.snapshotDir(snap); ok && !coldBoot {
 		if tmpl == nil && !s.reachesSnapshot(key, snap) {
 			apiError(w, http.StatusNotFound, fmt.Sprintf("create: template %q not found", req.TemplateID))
+			return
+		}
+		if len(spec.Volumes) > 0 {
+			apiError(w, http.StatusBadRequest, fmt.Sprintf("create: volumeMounts: a sandbox made from snapshot %s keeps the snapshot's devices and cannot mount volumes", req.TemplateID))
 			return
 		}
 		if rec, err = supervisor.RestoreRecord(dir, id, id, false, &spec); err != nil {
@@ -267,7 +280,7 @@ func (s *Server) create(w http.ResponseWriter, r *http.Request, key Key, defTime
 		return
 	}
 	s.log.Info("e2b: created", "sandbox", name, "template", req.TemplateID, "in", since(start))
-	if tmpl != nil && tmpl.Snapshot == "" && tmpl.StartCmd != "" {
+	if tmpl != nil && (tmpl.Snapshot == "" || coldBoot) && tmpl.StartCmd != "" {
 		if err := s.startCommand(ctx, name, tmpl.StartCmd); err != nil {
 			s.log.Warn("e2b: the template's start command", "sandbox", name, "template", tmpl.Name, "err", err)
 		}
@@ -349,7 +362,7 @@ func (s *Server) reserve(key string, n int) (release func(), have int, ok bool) 
 // workload: the template's (with it, if templateID names one), an image
 // reference's, or capsa's built-in Linux's; the environment; the
 // network.
-func (s *Server) buildSandbox(req *newSandbox) (*sandbox.Workload, *Template, error) {
+func (s *Server) buildSandbox(req *newSandbox, key Key) (*sandbox.Workload, *Template, error) {
 	if req.TemplateID == "" {
 		req.TemplateID = "base"
 	}
@@ -365,8 +378,9 @@ func (s *Server) buildSandbox(req *newSandbox) (*sandbox.Workload, *Template, er
 	if len(req.MCP) > 0 && string(req.MCP) != "null" {
 		return nil, nil, errors.New("mcp: capsa serve has no MCP gateway")
 	}
-	if len(req.VolumeMounts) > 0 && string(req.VolumeMounts) != "null" && string(req.VolumeMounts) != "[]" {
-		return nil, nil, errors.New("volumeMounts: capsa serve mounts no E2B volumes yet")
+	mounts, err := s.volumeMounts(key, req.VolumeMounts)
+	if err != nil {
+		return nil, nil, err
 	}
 	if len(req.Metadata) > maxMetadata {
 		return nil, nil, fmt.Errorf("metadata: %d entries, at most %d", len(req.Metadata), maxMetadata)
@@ -383,6 +397,7 @@ func (s *Server) buildSandbox(req *newSandbox) (*sandbox.Workload, *Template, er
 	if err != nil {
 		return nil, nil, fmt.Errorf("envVars: %w", err)
 	}
+	volumes := func(b *sandbox.Builder) error { return s.mountVolumes(b, key, mounts) }
 	var policy *netstack.Policy // nil: no network
 	if req.AllowInternetAccess == nil || *req.AllowInternetAccess {
 		mode, allow, deny := "public-only", []string(nil), []string(nil)
@@ -407,13 +422,16 @@ func (s *Server) buildSandbox(req *newSandbox) (*sandbox.Workload, *Template, er
 	}
 	if s.templates != nil && req.TemplateID != "base" {
 		if t, ok := s.templates.Get(req.TemplateID); ok {
-			w, err := t.workload(policy, env)
+			w, err := t.workload(policy, env, volumes)
 			return w, &t, err
 		}
 	}
 	b := sandbox.New().Env(env...)
 	if policy != nil {
 		b.Network(policy)
+	}
+	if err := volumes(b); err != nil {
+		return nil, nil, err
 	}
 	ref := req.TemplateID
 	if ref == "base" {

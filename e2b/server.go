@@ -75,6 +75,9 @@ type Options struct {
 	// MaxSandboxesPerKey bounds the sandboxes one API key may have
 	// running at once (0: DefaultMaxSandboxesPerKey).
 	MaxSandboxesPerKey int
+	// VolumeQuota is each API volume's quota in bytes (0:
+	// DefaultVolumeQuota).
+	VolumeQuota int64
 }
 
 // DefaultMaxSandboxesPerKey is Options.MaxSandboxesPerKey's default.
@@ -100,7 +103,9 @@ type Server struct {
 	createMu sync.Mutex     // guards pending
 	pending  map[string]int // per API key, the sandboxes being made
 
-	snaps jsonFile[snapOwner] // the API's snapshots' owners
+	snaps       jsonFile[snapOwner] // the API's snapshots' owners
+	vols        jsonFile[volOwner]  // the API's volumes
+	volumeQuota int64
 
 	mu      sync.Mutex
 	guests  map[string]*guest // by sandbox name
@@ -125,6 +130,10 @@ func New(o Options) (*Server, error) {
 	s := &Server{m: o.Manager, keys: o.Keys, templates: o.Templates, log: log, base: o.DefaultTemplate, domain: o.Domain, perKey: perKey,
 		ctx: ctx, cancel: cancel, guests: map[string]*guest{}, pending: map[string]int{}}
 	s.snaps = jsonFile[snapOwner]{path: filepath.Join(o.Manager.Dir(), SnapshotsFile), what: "snapshot owners"}
+	s.vols = jsonFile[volOwner]{path: filepath.Join(o.Manager.Dir(), VolumesFile), what: "volumes"}
+	if s.volumeQuota = o.VolumeQuota; s.volumeQuota <= 0 {
+		s.volumeQuota = DefaultVolumeQuota
+	}
 	s.control = s.controlMux()
 	s.envd = s.envdMux()
 	return s, nil

@@ -78,7 +78,7 @@ func (t *Template) Check() error {
 	if t.ReadyCmd != "" && t.Snapshot == "" && t.StartCmd == "" {
 		return fmt.Errorf("template %s: a ready command needs a start command", t.Name)
 	}
-	_, err := t.workload(nil, nil)
+	_, err := t.workload(nil, nil, nil)
 	return err
 }
 
@@ -93,8 +93,13 @@ func publicOnly() *netstack.Policy {
 
 // workload is the template's sandbox, with the network policy given (nil:
 // none) and env after the template's own.
-func (t *Template) workload(policy *netstack.Policy, env []string) (*sandbox.Workload, error) {
+func (t *Template) workload(policy *netstack.Policy, env []string, volumes func(*sandbox.Builder) error) (*sandbox.Workload, error) {
 	b := sandbox.New().Env(t.Env...).Env(env...)
+	if volumes != nil {
+		if err := volumes(b); err != nil {
+			return nil, err
+		}
+	}
 	if t.CPUs != 0 {
 		b.CPUs(t.CPUs)
 	}
@@ -159,7 +164,7 @@ func Preboot(ctx context.Context, m *supervisor.Manager, t *Template, ready time
 		log = slog.New(slog.DiscardHandler)
 	}
 	// With a network, so that sandboxes restored from it may have one.
-	w, err := t.workload(publicOnly(), nil)
+	w, err := t.workload(publicOnly(), nil, nil)
 	if err != nil {
 		return err
 	}

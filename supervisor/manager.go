@@ -13,6 +13,7 @@ import (
 	"github.com/capsa-sandbox/capsa/ratelimit"
 	"github.com/capsa-sandbox/capsa/sandbox"
 	"github.com/capsa-sandbox/capsa/store"
+	"github.com/capsa-sandbox/capsa/volume"
 )
 
 // Manager owns the named sandboxes of one state directory: every
@@ -69,6 +70,9 @@ func OpenManager(dir string) (*Manager, error) {
 
 // Dir is the state directory.
 func (m *Manager) Dir() string { return m.st.Dir() }
+
+// Volumes are the state directory's named volumes.
+func (m *Manager) Volumes() (*volume.Root, error) { return volume.Open(m.st.VolumesDir()) }
 
 // CheckName refuses a sandbox name that is not a plain name.
 func CheckName(name string) error { return store.CheckName(name) }

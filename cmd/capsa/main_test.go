@@ -65,6 +65,8 @@ func TestCLIErrors(t *testing.T) {
 		{[]string{"serve", "--listen", "nope"}, 2, "--listen nope"},
 		{[]string{"serve", "--tls-cert", "c.pem"}, 2, "--tls-cert and --tls-key go together"},
 		{[]string{"serve", "--max-sandboxes-per-key", "0"}, 2, "--max-sandboxes-per-key 0"},
+		{[]string{"serve", "--volume-size", "1K"}, 2, "--volume-size 1K"},
+		{[]string{"serve", "--volume-size", "lots"}, 2, "--volume-size lots"},
 		{[]string{"serve", "extra"}, 2, "takes no arguments"},
 		{[]string{"serve", "key"}, 2, "usage: capsa serve key"},
 		{[]string{"serve", "key", "bogus"}, 2, `unknown subcommand "bogus"`},

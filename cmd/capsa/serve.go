@@ -28,6 +28,7 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 	base := fs.String("default-template", "", "the OCI image the template \"base\" means (default: capsa's built-in Linux)")
 	domain := fs.String("domain", "", "the domain clients are told the sandboxes are under (PORT-ID.DOMAIN); default: none, for clients given E2B_SANDBOX_URL")
 	perKey := fs.Int("max-sandboxes-per-key", e2b.DefaultMaxSandboxesPerKey, "the most sandboxes one API key may have running at once (past it: 429)")
+	volSize := fs.String("volume-size", "1G", "each API volume's quota (Volume.create), e.g. 512M, 10G")
 	cert := fs.String("tls-cert", "", "serve HTTPS with this certificate (PEM)")
 	key := fs.String("tls-key", "", "the certificate's private key (PEM)")
 	if code := parseFlags(fs, args, stderr); code >= 0 {
@@ -43,6 +44,11 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 	}
 	if *perKey <= 0 {
 		fmt.Fprintf(stderr, "capsa serve: --max-sandboxes-per-key %d: want at least 1\n", *perKey)
+		return 2
+	}
+	volQuota, err := parseSize(*volSize)
+	if err != nil || volQuota < 1<<20 {
+		fmt.Fprintf(stderr, "capsa serve: --volume-size %s: want a size of at least 1M (%v)\n", *volSize, err)
 		return 2
 	}
 	host, _, err := net.SplitHostPort(*listen)
@@ -87,7 +93,7 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 		level = slog.LevelDebug
 	}
 	log := slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: level}))
-	srv, err := e2b.New(e2b.Options{Manager: m, Keys: keys, Templates: templates, Log: log, DefaultTemplate: *base, Domain: *domain, MaxSandboxesPerKey: *perKey})
+	srv, err := e2b.New(e2b.Options{Manager: m, Keys: keys, Templates: templates, Log: log, DefaultTemplate: *base, Domain: *domain, MaxSandboxesPerKey: *perKey, VolumeQuota: int64(volQuota)})
 	if err != nil {
 		fmt.Fprintf(stderr, "capsa serve: %v\n", err)
 		return 1

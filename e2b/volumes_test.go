@@ -1,0 +1,100 @@
+package e2b
+
+import (
+	"net/http"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+)
+
+// TestVolumes: the volume routes make, list, describe and remove a capsa
+// volume per API volume, each key seeing only its own; a create's
+// volumeMounts names them, and what is wrong with a mount is refused
+// before anything boots.
+func TestVolumes(t *testing.T) {
+	s, key := testServer(t)
+	otherKey, _, err := s.keys.Create("other", false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var v volumeInfo
+	if code := do(t, s, "POST", "/volumes", key, `{"name":"data"}`, nil, &v); code != http.StatusCreated || !strings.HasPrefix(v.ID, "v") || v.Name != "data" || len(v.Token) != 32 {
+		t.Fatalf("POST /volumes: %d %+v; want 201 with an id, the name and a token", code, v)
+	}
+	root, err := s.m.Volumes()
+	if err != nil {
+		t.Fatal(err)
+	}
+	info, err := root.Get("e2b-" + v.ID)
+	if err != nil || info.Quota != DefaultVolumeQuota {
+		t.Fatalf("the capsa volume behind it: %+v, %v; want one with the default quota", info, err)
+	}
+	var e errorBody
+	for body, want := range map[string]int{`{"name":"data"}`: 409, `{"name":"../x"}`: 400, `{"name":""}`: 400, `{`: 400} {
+		if code := do(t, s, "POST", "/volumes", key, body, nil, &e); code != want {
+			t.Errorf("POST /volumes %s: %d %+v; want %d", body, code, e, want)
+		}
+	}
+	// The same name under another key is another volume.
+	var o volumeInfo
+	if code := do(t, s, "POST", "/volumes", otherKey, `{"name":"data"}`, nil, &o); code != http.StatusCreated || o.ID == v.ID {
+		t.Errorf("POST /volumes under another key: %d %+v; want a volume of its own", code, o)
+	}
+	var list []volumeInfo
+	if code := do(t, s, "GET", "/volumes", key, "", nil, &list); code != 200 || len(list) != 1 || list[0].ID != v.ID || list[0].Token != "" {
+		t.Errorf("GET /volumes: %d %+v; want the key's one volume, without its token", code, list)
+	}
+	var got volumeInfo
+	if code := do(t, s, "GET", "/volumes/"+v.ID, key, "", nil, &got); code != 200 || got != v {
+		t.Errorf("GET /volumes/%s: %d %+v; want %+v", v.ID, code, got, v)
+	}
+	for _, k := range []string{otherKey} {
+		if code := do(t, s, "GET", "/volumes/"+v.ID, k, "", nil, &e); code != 404 {
+			t.Errorf("GET another key's volume: %d; want 404", code)
+		}
+		if code := do(t, s, "DELETE", "/volumes/"+v.ID, k, "", nil, &e); code != 404 {
+			t.Errorf("DELETE another key's volume: %d; want 404", code)
+		}
+	}
+
+	// Mounts: by name, the key's own, each path once.
+	for body, field := range map[string]string{
+		`{"volumeMounts":[{"name":"data","path":"data"}]}`:                            "absolute",
+		`{"volumeMounts":[{"name":"data","path":"/"}]}`:                               "absolute",
+		`{"volumeMounts":[{"name":"data","path":"/a"},{"name":"data","path":"/a/"}]}`: "twice",
+		`{"volumeMounts":[{"name":"nope","path":"/a"}]}`:                              "no volume named",
+		`{"volumeMounts":[1,2,3,4,5,6,7,8,9]}`:                                        "volumeMounts",
+	} {
+		if code := do(t, s, "POST", "/v2/sandboxes", key, body, nil, &e); code != 400 || !strings.Contains(e.Message, field) {
+			t.Errorf("create %s: %d %+v; want 400 naming %q", body, code, e, field)
+		}
+	}
+	k, _ := s.keys.Check(key)
+	mounts, err := s.volumeMounts(k, []byte(`[{"name":"data","path":"/mnt/data/"}]`))
+	if err != nil || len(mounts) != 1 || mounts[0].Path != "/mnt/data" {
+		t.Errorf("volumeMounts = %+v, %v; want data at /mnt/data", mounts, err)
+	}
+
+	// A mounted volume is not removed; an unmounted one is, data and all.
+	m, err := root.Mount("e2b-"+v.ID, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if code := do(t, s, "DELETE", "/volumes/"+v.ID, key, "", nil, &e); code != 409 {
+		t.Errorf("DELETE a mounted volume: %d %+v; want 409", code, e)
+	}
+	m.Close()
+	if code := do(t, s, "DELETE", "/volumes/"+v.ID, key, "", nil, nil); code != 204 {
+		t.Errorf("DELETE /volumes/%s: %d; want 204", v.ID, code)
+	}
+	if _, err := root.Get("e2b-" + v.ID); err == nil {
+		t.Error("the capsa volume outlived its API volume")
+	}
+	if code := do(t, s, "DELETE", "/volumes/"+v.ID, key, "", nil, &e); code != 404 {
+		t.Errorf("DELETE it again: %d; want 404", code)
+	}
+	if b, err := os.ReadFile(filepath.Join(s.m.Dir(), VolumesFile)); err != nil || strings.Contains(string(b), v.ID) {
+		t.Errorf("%s after the delete: %q, %v; want the volume gone", VolumesFile, b, err)
+	}
+}
