@@ -65,6 +65,7 @@ func (s *Server) controlMux() http.Handler {
 	handle("POST /v2/sandboxes/{id}/connect", s.connect)
 	handle("POST /sandboxes/{id}/resume", s.connect)
 	handle("POST /sandboxes/{id}/pause", s.pause)
+	handle("PUT /sandboxes/{id}/network", s.updateNetwork)
 	handle("GET /sandboxes/{id}/metrics", s.metrics)
 	handle("POST /sandboxes/{id}/fork", s.fork)
 	handle("POST /sandboxes/{id}/snapshots", s.createSnapshot)
@@ -126,6 +127,42 @@ type sandboxInfo struct {
 	Metadata        map[string]string `json:"metadata,omitempty"`
 	Lifecycle       *lifecycle        `json:"lifecycle,omitempty"`
 	VolumeMounts    []volumeMount     `json:"volumeMounts,omitempty"`
+	Network         *networkInfo      `json:"network,omitempty"`
+	AllowInternet   *bool             `json:"allowInternetAccess,omitempty"`
+}
+
+// networkInfo is a sandbox's egress rules as the API gives them
+// (SandboxNetworkInfo).
+type networkInfo struct {
+	AllowOut           []string `json:"allowOut,omitempty"`
+	DenyOut            []string `json:"denyOut,omitempty"`
+	AllowPublicTraffic bool     `json:"allowPublicTraffic"`
+}
+
+// networkOf says the egress rules of the sandbox of spec as E2B writes
+// them (egressPolicy's inverse); nil without capsa's NAT.
+func networkOf(spec sandbox.Spec, labels map[string]string) *networkInfo {
+	n := spec.Network
+	if n == nil || n.Policy == nil {
+		return nil
+	}
+	b, err := n.Policy.MarshalJSON()
+	if err != nil {
+		return nil
+	}
+	var p struct {
+		Mode  string   `json:"mode"`
+		Allow []string `json:"allow"`
+		Deny  []string `json:"deny"`
+	}
+	if json.Unmarshal(b, &p) != nil {
+		return nil
+	}
+	in := &networkInfo{AllowOut: p.Allow, DenyOut: p.Deny, AllowPublicTraffic: labels[labelTraffic] == ""}
+	if p.Mode == "deny-all" {
+		in.DenyOut = append(in.DenyOut, "0.0.0.0/0")
+	}
+	return in
 }
 
 // lifecycle is what happens to a sandbox at its timeout.
@@ -163,6 +200,9 @@ func (s *Server) describe(rec *supervisor.Record, token bool) sandboxInfo {
 		in.State = "paused"
 	}
 	in.VolumeMounts = s.mountsOf(rec.Spec)
+	in.Network = networkOf(rec.Spec, rec.Labels)
+	internet := rec.Spec.Network != nil
+	in.AllowInternet = &internet
 	in.Lifecycle = &lifecycle{OnTimeout: "kill"}
 	if rec.PauseAtTTL {
 		in.Lifecycle = &lifecycle{OnTimeout: "pause", AutoResume: rec.Labels[labelAutoResume] != ""}
@@ -398,27 +438,13 @@ func (s *Server) buildSandbox(req *newSandbox, key Key) (*sandbox.Workload, *Tem
 		return nil, nil, fmt.Errorf("envVars: %w", err)
 	}
 	volumes := func(b *sandbox.Builder) error { return s.mountVolumes(b, key, mounts) }
-	var policy *netstack.Policy // nil: no network
-	if req.AllowInternetAccess == nil || *req.AllowInternetAccess {
-		mode, allow, deny := "public-only", []string(nil), []string(nil)
-		if n := req.Network; n != nil {
-			if len(n.AllowOut) > maxRules || len(n.DenyOut) > maxRules {
-				return nil, nil, fmt.Errorf("network: at most %d allowOut and denyOut rules", maxRules)
-			}
-			allow = n.AllowOut
-			for _, d := range n.DenyOut {
-				if d == "0.0.0.0/0" || d == "::/0" {
-					mode = "deny-all" // only what allowOut names
-					continue
-				}
-				deny = append(deny, d)
-			}
-		}
-		if policy, err = netstack.ParsePolicy(mode, allow, deny); err != nil {
-			return nil, nil, fmt.Errorf("network: %w", err)
-		}
-	} else if req.Network != nil && (len(req.Network.AllowOut) > 0 || len(req.Network.DenyOut) > 0) {
-		return nil, nil, errors.New("network: allowOut and denyOut need allow_internet_access")
+	var allow, deny []string
+	if n := req.Network; n != nil {
+		allow, deny = n.AllowOut, n.DenyOut
+	}
+	policy, err := egressPolicy(req.AllowInternetAccess, allow, deny)
+	if err != nil {
+		return nil, nil, err
 	}
 	if s.templates != nil && req.TemplateID != "base" {
 		if t, ok := s.templates.Get(req.TemplateID); ok {
@@ -441,6 +467,36 @@ func (s *Server) buildSandbox(req *newSandbox, key Key) (*sandbox.Workload, *Tem
 		return b.Run(keepAlive[0], keepAlive[1:]...), nil, nil
 	}
 	return b.Entrypoint(keepAlive...).OCI(ref), nil, nil
+}
+
+// egressPolicy is the NAT's policy for E2B's egress settings (a create's,
+// or an updateNetwork's): public-only with allowOut and denyOut as allow
+// and deny rules, where a denyOut of 0.0.0.0/0 (or ::/0) leaves only
+// allowOut (deny-all). Without internet access (allowInternet false) it
+// is nil: no network, which rules may not come with.
+func egressPolicy(allowInternet *bool, allowOut, denyOut []string) (*netstack.Policy, error) {
+	if allowInternet != nil && !*allowInternet {
+		if len(allowOut) > 0 || len(denyOut) > 0 {
+			return nil, errors.New("network: allowOut and denyOut need allow_internet_access")
+		}
+		return nil, nil
+	}
+	if len(allowOut) > maxRules || len(denyOut) > maxRules {
+		return nil, fmt.Errorf("network: at most %d allowOut and denyOut rules", maxRules)
+	}
+	mode, deny := "public-only", []string(nil)
+	for _, d := range denyOut {
+		if d == "0.0.0.0/0" || d == "::/0" {
+			mode = "deny-all" // only what allowOut names
+			continue
+		}
+		deny = append(deny, d)
+	}
+	policy, err := netstack.ParsePolicy(mode, allowOut, deny)
+	if err != nil {
+		return nil, fmt.Errorf("network: %w", err)
+	}
+	return policy, nil
 }
 
 // envList is the environment m sets, as KEY=VALUE entries by key; a key
@@ -1070,4 +1126,59 @@ func (s *Server) deleteSnapshot(w http.ResponseWriter, r *http.Request, key Key)
 		return slices.DeleteFunc(owners, func(o snapOwner) bool { return o.Name == name }), nil
 	})
 	w.WriteHeader(http.StatusNoContent)
+}
+
+// updateNetwork replaces a sandbox's egress rules (PUT
+// /sandboxes/{id}/network, SandboxNetworkUpdate): what the body leaves out
+// is cleared, as E2B's does. They are in force at once for every new
+// connection and DNS query (those under way go on) and kept for its
+// resume. allow_internet_access false denies everything; a sandbox made
+// without internet access has no NIC to open (409). egressProxy and
+// rules (header transforms) are refused.
+func (s *Server) updateNetwork(w http.ResponseWriter, r *http.Request, key Key) {
+	var body struct {
+		AllowOut            []string        `json:"allowOut"`
+		DenyOut             []string        `json:"denyOut"`
+		AllowInternetAccess *bool           `json:"allow_internet_access"`
+		EgressProxy         json.RawMessage `json:"egressProxy"`
+		Rules               json.RawMessage `json:"rules"`
+	}
+	if err := readOptional(r, &body); err != nil {
+		apiError(w, http.StatusBadRequest, "update network: "+err.Error())
+		return
+	}
+	for field, raw := range map[string]json.RawMessage{"egressProxy": body.EgressProxy, "rules": body.Rules} {
+		if len(raw) > 0 && string(raw) != "null" && string(raw) != "{}" {
+			apiError(w, http.StatusBadRequest, fmt.Sprintf("update network: %s: capsa serve has no egress proxy or header rules", field))
+			return
+		}
+	}
+	var policy *netstack.Policy
+	if body.AllowInternetAccess != nil && !*body.AllowInternetAccess {
+		if len(body.AllowOut) > 0 || len(body.DenyOut) > 0 {
+			apiError(w, http.StatusBadRequest, "update network: allowOut and denyOut need allow_internet_access")
+			return
+		}
+		policy = netstack.DenyAll()
+	} else {
+		var err error
+		if policy, err = egressPolicy(nil, body.AllowOut, body.DenyOut); err != nil {
+			apiError(w, http.StatusBadRequest, "update "+err.Error())
+			return
+		}
+	}
+	rec := s.record(w, r, key)
+	if rec == nil {
+		return
+	}
+	err := s.m.SetNetworkPolicy(r.Context(), rec.Name, policy)
+	switch {
+	case errors.Is(err, sandbox.ErrNoNAT):
+		apiError(w, http.StatusConflict, fmt.Sprintf("update network of %s: it was made without internet access (allow_internet_access false), so it has no network to change", rec.Name))
+	case err != nil:
+		apiError(w, http.StatusInternalServerError, fmt.Sprintf("update network of %s: %v", rec.Name, err))
+	default:
+		s.log.Info("e2b: network updated", "sandbox", rec.Name, "policy", policy.String())
+		w.WriteHeader(http.StatusNoContent)
+	}
 }

@@ -265,8 +265,20 @@ func TestControlRefusals(t *testing.T) {
 	if code := do(t, s, "POST", "/sandboxes/inosuch/fork", key, `{"count":101}`, nil, &e); code != 400 || !strings.Contains(e.Message, "count") {
 		t.Errorf("fork of 101: %d %+v; want 400 naming count", code, e)
 	}
-	if code := do(t, s, "PUT", "/sandboxes/inosuch/network", key, "{}", nil, &e); code != 501 {
-		t.Errorf("network: %d; want 501 (not served)", code)
+	if code := do(t, s, "PUT", "/sandboxes/inosuch/network", key, "{}", nil, &e); code != 404 {
+		t.Errorf("update the network of no sandbox: %d; want 404", code)
+	}
+	for body, field := range map[string]string{
+		`{"egressProxy":{"address":"p:1080"}}`:                     "egressProxy",
+		`{"rules":{"example.com":[{"transform":{"headers":{}}}]}}`: "rules",
+		`{"allowOut":["not a rule!"]}`:                             "network",
+		`{"allow_internet_access":false,"allowOut":["1.2.3.4"]}`:   "allow_internet_access",
+		`{"allowOut":` + strings.Repeat(`["1.2.3.4",`, 0) + `5}`:   "body",
+	} {
+		e = errorBody{}
+		if code := do(t, s, "PUT", "/sandboxes/inosuch/network", key, body, nil, &e); code != 400 || !strings.Contains(e.Message, field) {
+			t.Errorf("update network %s: %d %+v; want 400 naming %s, before the sandbox is looked up", body, code, e, field)
+		}
 	}
 	if code := do(t, s, "DELETE", "/templates/nosuch", key, "", nil, &e); code != 404 || e.Code != 404 {
 		t.Errorf("delete snapshot nosuch: %d %+v; want 404 with code 404", code, e)

@@ -18,6 +18,7 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"os"
 	"path"
 	"slices"
 
@@ -126,7 +127,15 @@ func (s *Server) createVolume(w http.ResponseWriter, r *http.Request, key Key) {
 			status = http.StatusTooManyRequests
 			return nil, fmt.Errorf("this API key has %d volumes, its most", n)
 		}
-		if _, err := root.Create(v.volume(), s.volumeQuota); err != nil {
+		info, err := root.Create(v.volume(), s.volumeQuota)
+		if err != nil {
+			return nil, err
+		}
+		// Every user of a guest may write it, as in E2B's, where
+		// commands run as the image's user: its top directory is
+		// world-writable (the host's volumes directory is private).
+		if err := os.Chmod(info.Path, 0o777); err != nil {
+			root.Remove(v.volume(), true)
 			return nil, err
 		}
 		return append(list, v), nil
@@ -186,6 +195,14 @@ func (s *Server) deleteVolume(w http.ResponseWriter, r *http.Request, key Key) {
 			status = http.StatusNotFound
 			return nil, errors.New("not found")
 		}
+		// A suspended (paused) sandbox holds no mount while it is on
+		// disk, and needs the volume to resume.
+		if user, err := s.volumeUser(list[i]); err != nil {
+			return nil, err
+		} else if user != "" {
+			status = http.StatusConflict
+			return nil, fmt.Errorf("sandbox %s mounts it: kill it first", user)
+		}
 		if err := root.Remove(list[i].volume(), false); errors.Is(err, volume.ErrInUse) {
 			status = http.StatusConflict
 			return nil, errors.New("a sandbox has it mounted: kill it first")
@@ -199,6 +216,21 @@ func (s *Server) deleteVolume(w http.ResponseWriter, r *http.Request, key Key) {
 		return
 	}
 	w.WriteHeader(http.StatusNoContent)
+}
+
+// volumeUser names a sandbox that has not ended (running, paused or
+// suspended) and mounts v; "" if none does.
+func (s *Server) volumeUser(v volOwner) (string, error) {
+	recs, err := s.m.List()
+	if err != nil {
+		return "", err
+	}
+	for _, rec := range recs {
+		if rec.Live() && slices.ContainsFunc(rec.Spec.Volumes, func(sv sandbox.VolumeSpec) bool { return sv.Name == v.volume() }) {
+			return rec.Name, nil
+		}
+	}
+	return "", nil
 }
 
 // volumeMounts reads a create request's volumeMounts: key's volumes by

@@ -6,6 +6,9 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+
+	"github.com/capsa-sandbox/capsa/sandbox"
+	"github.com/capsa-sandbox/capsa/supervisor/supervisortest"
 )
 
 // TestVolumes: the volume routes make, list, describe and remove a capsa
@@ -29,6 +32,9 @@ func TestVolumes(t *testing.T) {
 	info, err := root.Get("e2b-" + v.ID)
 	if err != nil || info.Quota != DefaultVolumeQuota {
 		t.Fatalf("the capsa volume behind it: %+v, %v; want one with the default quota", info, err)
+	}
+	if st, err := os.Stat(info.Path); err != nil || st.Mode().Perm() != 0o777 {
+		t.Errorf("its data directory: %v, %v; want mode 0777, for every guest user", st.Mode(), err)
 	}
 	var e errorBody
 	for body, want := range map[string]int{`{"name":"data"}`: 409, `{"name":"../x"}`: 400, `{"name":""}`: 400, `{`: 400} {
@@ -74,6 +80,19 @@ func TestVolumes(t *testing.T) {
 	mounts, err := s.volumeMounts(k, []byte(`[{"name":"data","path":"/mnt/data/"}]`))
 	if err != nil || len(mounts) != 1 || mounts[0].Path != "/mnt/data" {
 		t.Errorf("volumeMounts = %+v, %v; want data at /mnt/data", mounts, err)
+	}
+
+	// A volume a sandbox that has not ended mounts (here, one being made)
+	// is not removed; one an ended sandbox mounted is.
+	var v2 volumeInfo
+	if code := do(t, s, "POST", "/volumes", key, `{"name":"data2"}`, nil, &v2); code != http.StatusCreated {
+		t.Fatalf("POST /volumes data2: %d", code)
+	}
+	uses := sandbox.Spec{Volumes: []sandbox.VolumeSpec{{Name: "e2b-" + v2.ID, Guest: "/d", Dir: root.Dir()}}}
+	supervisortest.Exited(t, s.m.Dir(), "ended", uses, 0, "done")
+	supervisortest.Creating(t, s.m.Dir(), "user", uses)
+	if code := do(t, s, "DELETE", "/volumes/"+v2.ID, key, "", nil, &e); code != 409 || !strings.Contains(e.Message, "sandbox user mounts it") {
+		t.Errorf("DELETE a volume a live sandbox mounts: %d %+v; want 409 naming it", code, e)
 	}
 
 	// A mounted volume is not removed; an unmounted one is, data and all.

@@ -223,7 +223,8 @@ func (s *Stack) answerDNS(query []byte, maxSize int, src, dst string) []byte {
 		rec.Event, rec.Reason = "refused", "not an Internet-class name"
 		return answer(dnsmessage.RCodeRefused, &q, nil)
 	}
-	refused, v := s.cfg.Policy.nameRefused(name)
+	policy := s.policy.Load() // one policy for the whole query
+	refused, v := policy.nameRefused(name)
 	rec.Rule = v.Rule
 	if refused {
 		s.stats.dnsRefused.Add(1)
@@ -262,7 +263,7 @@ func (s *Stack) answerDNS(query []byte, maxSize int, src, dst string) []byte {
 		if !ip.Is4() {
 			continue
 		}
-		if !s.cfg.Policy.answerAllowed(ip, s.hosts.contains) {
+		if !policy.answerAllowed(ip, s.hosts.contains) {
 			s.logDenied("DNS answer dropped by policy", "name", name, "addr", ip)
 			dropped++
 			continue

@@ -117,6 +117,52 @@ func TestExplicitAllowOpensLoopbackPort(t *testing.T) {
 	expectRefused(t, g, gatewayPort(g, port+1))
 }
 
+// TestSetPolicy: a policy set while the NAT runs decides every new flow
+// from then on, both ways: a port it opens is reached, and one it closes
+// again is refused, while a connection the old policy let through goes
+// on.
+func TestSetPolicy(t *testing.T) {
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, "ok") }))
+	defer srv.Close()
+	port := loopbackPort(t, srv.Listener.Addr())
+	g := newTestNAT(t, Config{}) // public-only
+	url := fmt.Sprintf("http://%s/", gatewayPort(g, port))
+	if _, err := httpClient(g).Get(url); err == nil {
+		t.Fatal("GET the host's loopback under public-only succeeded")
+	}
+	open, err := ParsePolicy("public-only", []string{fmt.Sprintf("tcp/127.0.0.1:%d", port)}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	g.nat.SetPolicy(open)
+	if g.nat.Policy() != open {
+		t.Errorf("Policy() = %v; want the policy set", g.nat.Policy())
+	}
+	resp, err := httpClient(g).Get(url)
+	if err != nil {
+		t.Fatalf("GET the port the new policy opens: %v", err)
+	}
+	resp.Body.Close()
+	conn, err := g.dialContext(context.Background(), "tcp", gatewayPort(g, port).String())
+	if err != nil {
+		t.Fatalf("a connection under the new policy: %v", err)
+	}
+	defer conn.Close()
+	g.nat.SetPolicy(nil)
+	if g.nat.Policy().String() != PublicOnly().String() {
+		t.Errorf("SetPolicy(nil) put %v in force; want public-only", g.nat.Policy())
+	}
+	expectRefused(t, g, gatewayPort(g, port))
+	// The connection made under the old policy goes on.
+	conn.SetDeadline(time.Now().Add(10 * time.Second))
+	if _, err := io.WriteString(conn, "GET / HTTP/1.0\r\n\r\n"); err != nil {
+		t.Fatal(err)
+	}
+	if b, err := io.ReadAll(conn); err != nil || !strings.HasSuffix(string(b), "ok") {
+		t.Errorf("the connection opened before the change: %q, %v; want the answer", b, err)
+	}
+}
+
 func TestDialFailureResets(t *testing.T) {
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {

@@ -42,6 +42,8 @@ type Stack struct {
 	hosts  *hostAddrs
 	denLog logLimiter
 	audit  *auditor
+	// policy is Config.Policy until SetPolicy replaces it.
+	policy atomic.Pointer[Policy]
 
 	ctx    context.Context
 	cancel context.CancelFunc
@@ -98,6 +100,7 @@ func New(ctx context.Context, c Config) (*Stack, error) {
 		audit:   newAuditor(cfg.Audit),
 		closers: make(map[io.Closer]struct{}),
 	}
+	s.policy.Store(cfg.Policy)
 	s.ctx, s.cancel = context.WithCancel(ctx)
 	s.link = newLinkEndpoint(tcpip.LinkAddress(cfg.GatewayMAC), cfg.MTU, cfg.QueueLen)
 
@@ -444,7 +447,21 @@ func (s *Stack) hostTarget(dst netip.Addr) (netip.Addr, bool) {
 // host-side address host.
 func (s *Stack) decide(proto string, dst, host netip.Addr, port uint16) (Verdict, []string) {
 	names := s.names.lookup(dst, time.Now())
-	return s.cfg.Policy.check(&request{proto: proto, addr: host, port: port, names: names}, s.hosts.contains), names
+	return s.policy.Load().check(&request{proto: proto, addr: host, port: port, names: names}, s.hosts.contains), names
+}
+
+// Policy is the policy in force.
+func (s *Stack) Policy() *Policy { return s.policy.Load() }
+
+// SetPolicy puts p in force (nil: PublicOnly) for every flow and DNS
+// query from now on. Flows under way go on: a TCP connection or UDP flow
+// the old policy let through is not cut.
+func (s *Stack) SetPolicy(p *Policy) {
+	if p == nil {
+		p = PublicOnly()
+	}
+	s.policy.Store(p)
+	s.log.Info("netstack: policy set", "policy", p.String())
 }
 
 // logDenied logs refused flows, rate limited so a guest cannot flood logs.

@@ -254,3 +254,28 @@ func (s *Sandbox) Published() []netstack.Published {
 	}
 	return s.net.stack.Published()
 }
+
+// ErrNoNAT is SetNetworkPolicy's error for a sandbox without capsa's NAT:
+// no network, or a tap.
+var ErrNoNAT = errors.New("the sandbox has no NAT (it was made without a network, or on a tap)")
+
+// SetNetworkPolicy puts p in force on the running sandbox's NAT (nil:
+// public-only) for every new connection and DNS query; connections under
+// way go on. A sandbox made without a network gets none this way
+// (ErrNoNAT).
+func (s *Sandbox) SetNetworkPolicy(p *netstack.Policy) error {
+	if s.net == nil || s.net.stack == nil {
+		return fmt.Errorf("sandbox: set the network policy: %w", ErrNoNAT)
+	}
+	s.net.stack.SetPolicy(p)
+	return nil
+}
+
+// NetworkPolicy is the policy in force on the sandbox's NAT; nil without
+// one.
+func (s *Sandbox) NetworkPolicy() *netstack.Policy {
+	if s.net == nil || s.net.stack == nil {
+		return nil
+	}
+	return s.net.stack.Policy()
+}

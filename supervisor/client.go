@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/capsa-sandbox/capsa/agent"
+	"github.com/capsa-sandbox/capsa/netstack"
 	"github.com/capsa-sandbox/capsa/ratelimit"
 	"github.com/capsa-sandbox/capsa/sandbox"
 	"github.com/capsa-sandbox/capsa/store"
@@ -33,6 +34,12 @@ func Pause(ctx context.Context, st *store.Store, name string) error {
 // caller's to change (Manager.UpdateLimits does both).
 func SetLimits(ctx context.Context, st *store.Store, name string, l ratelimit.Limits) error {
 	return callLive(ctx, st, name, opLimits, l)
+}
+
+// SetNetworkPolicy puts p in force on the running detached sandbox
+// name's NAT (sandbox.Sandbox.SetNetworkPolicy).
+func SetNetworkPolicy(ctx context.Context, st *store.Store, name string, p *netstack.Policy) error {
+	return callLive(ctx, st, name, opNetwork, networkBody{Policy: p})
 }
 
 // Resume runs the paused detached sandbox name again (sandbox.Sandbox.Resume).

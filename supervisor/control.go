@@ -12,6 +12,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/capsa-sandbox/capsa/netstack"
 	"github.com/capsa-sandbox/capsa/ratelimit"
 	"github.com/capsa-sandbox/capsa/sandbox"
 )
@@ -68,7 +69,13 @@ var (
 	opStats    = controlOp[noBody, sandbox.Stats]{"stats", http.MethodGet, http.StatusOK}
 	opLimits   = controlOp[ratelimit.Limits, ratelimit.Limits]{"limits", http.MethodPut, http.StatusOK}
 	opTTL      = controlOp[ttlBody, noBody]{"ttl", http.MethodPut, http.StatusNoContent}
+	opNetwork  = controlOp[networkBody, noBody]{"network", http.MethodPut, http.StatusNoContent}
 )
+
+// networkBody is the network policy to put in force (nil: public-only).
+type networkBody struct {
+	Policy *netstack.Policy `json:"policy"`
+}
 
 // controlRoute is what the table says of an operation, whatever its types.
 type controlRoute interface {
@@ -80,7 +87,7 @@ type controlRoute interface {
 }
 
 // controlOps is the protocol's table.
-var controlOps = []controlRoute{opStop, opPause, opResume, opSnapshot, opSuspend, opStats, opLimits, opTTL}
+var controlOps = []controlRoute{opStop, opPause, opResume, opSnapshot, opSuspend, opStats, opLimits, opTTL, opNetwork}
 
 func (o controlOp[Req, Resp]) opName() string  { return o.name }
 func (o controlOp[Req, Resp]) path() string    { return "/v1/" + o.name }

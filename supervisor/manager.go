@@ -10,6 +10,7 @@ import (
 	"path/filepath"
 	"time"
 
+	"github.com/capsa-sandbox/capsa/netstack"
 	"github.com/capsa-sandbox/capsa/ratelimit"
 	"github.com/capsa-sandbox/capsa/sandbox"
 	"github.com/capsa-sandbox/capsa/store"
@@ -304,6 +305,40 @@ func (m *Manager) UpdateLimits(ctx context.Context, name, spec string) (string, 
 		return "", fmt.Errorf("supervisor: update %s: %w", name, err)
 	}
 	return l.String(), nil
+}
+
+// SetNetworkPolicy puts p (nil: public-only) in force on the sandbox
+// name's NAT: at once if it runs (for every new connection and DNS query;
+// those under way go on), and in its record for its next start (a start,
+// a resume from disk). A sandbox made without capsa's NAT (no network, or
+// a tap) is refused: sandbox.ErrNoNAT.
+func (m *Manager) SetNetworkPolicy(ctx context.Context, name string, p *netstack.Policy) error {
+	rec, err := m.st.Get(name)
+	if err != nil {
+		return err
+	}
+	if n := rec.Spec.Network; n == nil || n.Tap != nil {
+		return fmt.Errorf("supervisor: set the network policy of %s: %w", name, sandbox.ErrNoNAT)
+	}
+	if p == nil {
+		p = netstack.PublicOnly()
+	}
+	if rec.Alive() {
+		if err := SetNetworkPolicy(ctx, m.st, name, p); err != nil {
+			return err
+		}
+	}
+	err = m.st.Update(name, func(r *Record) error {
+		if r.Spec.Network == nil {
+			return sandbox.ErrNoNAT
+		}
+		r.Spec.Network.Policy = p
+		return nil
+	})
+	if err != nil {
+		return fmt.Errorf("supervisor: set the network policy of %s: %w", name, err)
+	}
+	return nil
 }
 
 // SetTTL gives the sandbox name a new TTL, counted from its start (0:

@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/capsa-sandbox/capsa/netstack"
 	"github.com/capsa-sandbox/capsa/sandbox"
 )
 
@@ -45,7 +46,8 @@ func TestManagerUnknownNames(t *testing.T) {
 			_, err := m.SaveSnapshot(ctx, "nosuch", "snap", "")
 			return err
 		},
-		"Fork": func() error { _, _, err := m.Fork(ctx, "nosuch", 1); return err },
+		"Fork":             func() error { _, _, err := m.Fork(ctx, "nosuch", 1); return err },
+		"SetNetworkPolicy": func() error { return m.SetNetworkPolicy(ctx, "nosuch", nil) },
 	} {
 		if err := call(); !errors.Is(err, ErrNotFound) || !strings.Contains(err.Error(), "nosuch") {
 			t.Errorf("%s(nosuch) = %v; want ErrNotFound naming it", op, err)
@@ -53,6 +55,45 @@ func TestManagerUnknownNames(t *testing.T) {
 	}
 	if _, err := m.Get("no/slash"); err == nil || !strings.Contains(err.Error(), "no/slash") {
 		t.Errorf("Get(no/slash) = %v; want the name refused", err)
+	}
+}
+
+// TestManagerSetNetworkPolicy: a sandbox made without the NAT (no
+// network, or a tap) gets no policy; one made with it that is not running
+// gets the new policy in its record, for its next start, nil meaning
+// public-only.
+func TestManagerSetNetworkPolicy(t *testing.T) {
+	m := newManager(t)
+	ctx := context.Background()
+	base := sandbox.Spec{CPUs: 1, MemoryMiB: 256, Main: sandbox.ProcessSpec{Argv: []string{"true"}}}
+	none, tapped, nat := base, base, base
+	tapped.Network = &sandbox.NetworkSpec{Tap: &sandbox.TapSpec{Name: "tap0"}}
+	nat.Network = &sandbox.NetworkSpec{Policy: netstack.AllowAll()}
+	for name, spec := range map[string]sandbox.Spec{"none": none, "tapped": tapped, "nat": nat} {
+		if _, err := m.Create(&Record{Name: name, Spec: spec}, nil); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, name := range []string{"none", "tapped"} {
+		if err := m.SetNetworkPolicy(ctx, name, nil); !errors.Is(err, sandbox.ErrNoNAT) || !strings.Contains(err.Error(), name) {
+			t.Errorf("SetNetworkPolicy(%s) = %v; want ErrNoNAT naming it", name, err)
+		}
+	}
+	deny, err := netstack.ParsePolicy("deny-all", []string{"example.com:443"}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := m.SetNetworkPolicy(ctx, "nat", deny); err != nil {
+		t.Fatal(err)
+	}
+	if r, err := m.Get("nat"); err != nil || r.Spec.Network.Policy.String() != deny.String() {
+		t.Errorf("the record after SetNetworkPolicy: %v, %v; want %v", r.Spec.Network.Policy, err, deny)
+	}
+	if err := m.SetNetworkPolicy(ctx, "nat", nil); err != nil {
+		t.Fatal(err)
+	}
+	if r, _ := m.Get("nat"); r.Spec.Network.Policy.String() != netstack.PublicOnly().String() {
+		t.Errorf("after SetNetworkPolicy(nil): %v; want public-only", r.Spec.Network.Policy)
 	}
 }
 

@@ -573,6 +573,15 @@ func (c *control) mux(log *slog.Logger) *http.ServeMux {
 		log.Info("supervisor: I/O limits set", "limits", l.String())
 		return c.sb.Limits(), nil
 	})
+	opNetwork.register(mux, func(_ context.Context, req networkBody) (noBody, error) {
+		if err := c.sb.SetNetworkPolicy(req.Policy); errors.Is(err, sandbox.ErrNoNAT) {
+			return noBody{}, badRequest("%v", err)
+		} else if err != nil {
+			return noBody{}, err
+		}
+		log.Info("supervisor: network policy set", "policy", c.sb.NetworkPolicy().String())
+		return noBody{}, nil
+	})
 	opTTL.register(mux, func(ctx context.Context, req ttlBody) (noBody, error) {
 		if req.TTL < 0 {
 			return noBody{}, badRequest("bad TTL request: negative TTL")

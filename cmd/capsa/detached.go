@@ -18,6 +18,7 @@ import (
 	"time"
 
 	"github.com/capsa-sandbox/capsa/agent"
+	"github.com/capsa-sandbox/capsa/netstack"
 	"github.com/capsa-sandbox/capsa/sandbox"
 	"github.com/capsa-sandbox/capsa/supervisor"
 )
@@ -424,24 +425,49 @@ func runInspect(ctx context.Context, args []string, stdout, stderr io.Writer) in
 	return code
 }
 
-// runUpdate changes sandboxes' I/O limits, as docker update does their
-// resources: at once where they run, and in their records.
+// runUpdate changes sandboxes' I/O limits and network policy, as docker
+// update does their resources: at once where they run, and in their
+// records.
 func runUpdate(ctx context.Context, args []string, stdout, stderr io.Writer) int {
-	fs := newFlags("update", "--limit KEY=RATE[,...] NAME...", stdout)
+	fs := newFlags("update", "[--limit KEY=RATE[,...]] [--net MODE [--allow RULE]... [--deny RULE]...] NAME...", stdout)
 	limits := fs.StringArray("limit", nil, "I/O limits to set, as capsa run --limit takes them, on top of those the sandbox has (a rate of 0 removes one; repeatable)")
+	netMode := fs.String("net", "", "a new network policy, replacing the one it has: public-only, allow-all or deny-all, with --allow and --deny as capsa run takes them (for new connections; those open go on)")
+	allow := fs.StringArray("allow", nil, "with --net: a destination the new policy allows (repeatable)")
+	deny := fs.StringArray("deny", nil, "with --net: a destination the new policy denies (repeatable)")
 	if code := parseFlags(fs, args, stderr); code >= 0 {
 		return code
 	}
-	if len(*limits) == 0 {
-		fmt.Fprintln(stderr, "capsa update: nothing to change: give --limit")
+	if len(*limits) == 0 && *netMode == "" && len(*allow)+len(*deny) == 0 {
+		fmt.Fprintln(stderr, "capsa update: nothing to change: give --limit or --net")
+		return 2
+	}
+	var policy *netstack.Policy
+	switch {
+	case *netMode != "":
+		var err error
+		if policy, err = netstack.ParsePolicy(*netMode, *allow, *deny); err != nil {
+			fmt.Fprintf(stderr, "capsa update: --net: %v\n", err)
+			return 2
+		}
+	case len(*allow) > 0 || len(*deny) > 0:
+		fmt.Fprintln(stderr, "capsa update: --allow and --deny need --net MODE: the whole policy is replaced")
 		return 2
 	}
 	return eachName(ctx, "update", fs.Args(), stderr, func(m *supervisor.Manager, name string) error {
-		now, err := m.UpdateLimits(ctx, name, strings.Join(*limits, ","))
-		if err == nil {
+		if len(*limits) > 0 {
+			now, err := m.UpdateLimits(ctx, name, strings.Join(*limits, ","))
+			if err != nil {
+				return err
+			}
 			fmt.Fprintf(stdout, "%s: %s\n", name, now)
 		}
-		return err
+		if policy != nil {
+			if err := m.SetNetworkPolicy(ctx, name, policy); err != nil {
+				return err
+			}
+			fmt.Fprintf(stdout, "%s: network %s\n", name, policy)
+		}
+		return nil
 	})
 }
 

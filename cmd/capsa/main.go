@@ -58,7 +58,7 @@ func commands() []command {
 		{"kill", "kill detached sandboxes' main processes and stop them", runKill, false},
 		{"rm", "remove ended detached sandboxes", runRm, false},
 		{"inspect", "describe detached sandboxes (JSON)", runInspect, false},
-		{"update", "change detached sandboxes' I/O limits, running or not", runUpdate, false},
+		{"update", "change detached sandboxes' I/O limits and network policy, running or not", runUpdate, false},
 		{"stats", "show detached sandboxes' CPU, memory, network and disk use", runStats, false},
 		{"metrics", "serve detached sandboxes' use as Prometheus metrics", runMetrics, false},
 		{"mcp", "serve sandboxes to LLM agents as MCP tools (stdio, or HTTP on loopback)", runMCP, false},

@@ -101,6 +101,21 @@ func TestConfinement(t *testing.T) {
 		t.Errorf("the file the guest wrote to the share: %q, %v", b, err)
 	}
 	checkNATAndPort(t, cli, "c", rec.Ports, "served confined\n", "confined")
+	// Its network policy changed while it runs (capsa update --net, over
+	// the confined supervisor's control socket): deny-all refuses what
+	// public-only let through, and public-only lets it through again.
+	if r := cli(time.Minute, "update", "c", "--net", "deny-all"); r.code != 0 || !strings.Contains(r.stdout, "c: network deny-all") {
+		t.Errorf("capsa update c --net deny-all = exit %d, %q, stderr %q", r.code, r.stdout, r.stderr)
+	}
+	if r := cli(time.Minute, "exec", "c", "--", "sh", "-c", "wget -O /tmp/denied http://public.example.test/"); r.code == 0 {
+		t.Errorf("the NAT after capsa update --net deny-all: the fetch succeeded (%q)", r.stdout)
+	}
+	if r := cli(time.Minute, "update", "c", "--net", "public-only"); r.code != 0 {
+		t.Errorf("capsa update c --net public-only = exit %d, stderr %q", r.code, r.stderr)
+	}
+	if r := cli(2*time.Minute, "exec", "c", "--", "sh", "-c", "wget -O /tmp/again http://public.example.test/ && cat /tmp/again"); r.code != 0 || r.stdout != "public page\n" {
+		t.Errorf("the NAT after capsa update --net public-only: exit %d, %q (stderr %q)", r.code, r.stdout, r.stderr)
+	}
 	if r := cli(3*time.Minute, "snapshot", "create", "c", "csnap"); r.code != 0 {
 		t.Errorf("capsa snapshot create of a confined sandbox = exit %d, stderr %q", r.code, r.stderr)
 	} else if r := cli(3*time.Minute, "snapshot", "restore", "csnap", "--name", "c2", // what it reaches, given again

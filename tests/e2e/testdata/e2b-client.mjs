@@ -35,7 +35,8 @@ async function step(name, fn) {
     console.log(`ok ${name}${detail === undefined ? '' : ' ' + JSON.stringify(detail)} ${took()}`)
   } catch (e) {
     failed++
-    console.log(`FAIL ${name}: ${e?.constructor?.name}: ${e?.message ?? e}`.replaceAll('\n', ' | ') + ` ${took()}`)
+    const stderr = e?.stderr ? ` (stderr: ${e.stderr.slice(-500)})` : ''
+    console.log(`FAIL ${name}: ${e?.constructor?.name}: ${e?.message ?? e}${stderr}`.replaceAll('\n', ' | ') + ` ${took()}`)
   }
 }
 
@@ -323,6 +324,21 @@ if (mode === 'main') {
     await from.kill()
     eq(await Sandbox.deleteSnapshot(snap.snapshotId), true, 'delete')
     eq(await Sandbox.deleteSnapshot(snap.snapshotId), false, 'delete again')
+  })
+  await step('updateNetwork: the rules replaced, in getInfo; refused for a sandbox made without internet access', async () => {
+    await sbx.updateNetwork({ allowOut: ['1.1.1.1'], denyOut: [sdk.ALL_TRAFFIC] })
+    let info = await sbx.getInfo()
+    eq([info.allowInternetAccess, info.network.allowOut, info.network.denyOut], [true, ['1.1.1.1'], ['0.0.0.0/0']], 'after the update')
+    await sbx.updateNetwork({ denyOut: ['8.8.8.8'] })
+    info = await sbx.getInfo()
+    eq([info.network.allowOut, info.network.denyOut], [undefined, ['8.8.8.8']], 'after a second update (what it leaves out is cleared)')
+    await sbx.updateNetwork({})
+    eq((await sbx.commands.run('echo still')).stdout, 'still\n', 'the sandbox after the updates')
+    await expectThrow(() => sbx.updateNetwork({ egressProxy: { address: 'proxy.example:1080' } }), Error, 'an egress proxy')
+    const off = await Sandbox.create(template, { timeoutMs: 60_000, allowInternetAccess: false })
+    eq((await off.getInfo()).allowInternetAccess, false, 'made without internet access')
+    await expectThrow(() => off.updateNetwork({ allowOut: ['1.1.1.1'] }), Error, 'opening a sandbox made without a network')
+    await off.kill()
   })
   await step('pause, then connect resumes with files and processes intact', async () => {
     const bg = await sbx.commands.run('sleep 1000', { background: true })
