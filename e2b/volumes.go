@@ -35,6 +35,11 @@ const DefaultVolumeQuota = 1 << 30
 const (
 	maxVolumesPerKey = 64
 	maxVolumeMounts  = 8
+	// volumeUID is whom a sandbox sees owning what its volumes' file
+	// server made (all it and the host wrote): E2B's user, uid and gid
+	// 1000 in E2B's images, so that the commands and files the API runs
+	// as that user can write what they made, as in E2B.
+	volumeUID = 1000
 )
 
 // volOwner is an API volume: its id and name, the key it belongs to, and
@@ -282,7 +287,7 @@ func (s *Server) mountVolumes(b *sandbox.Builder, key Key, mounts []volumeMount)
 		if !ok {
 			return fmt.Errorf("volumeMounts: no volume named %q", m.Name)
 		}
-		b.VolumeIn(root.Dir(), v.volume(), m.Path, sandbox.ReadWrite)
+		b.VolumeOwned(root.Dir(), v.volume(), m.Path, sandbox.ReadWrite, volumeUID, volumeUID)
 	}
 	return nil
 }

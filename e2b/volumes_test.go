@@ -4,6 +4,7 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 
@@ -115,5 +116,31 @@ func TestVolumes(t *testing.T) {
 	}
 	if b, err := os.ReadFile(filepath.Join(s.m.Dir(), VolumesFile)); err != nil || strings.Contains(string(b), v.ID) {
 		t.Errorf("%s after the delete: %q, %v; want the volume gone", VolumesFile, b, err)
+	}
+}
+
+// TestEgressPolicyRoundTrip: E2B's egress rules become capsa's policy and
+// come back out of a record as the API wrote them.
+func TestEgressPolicyRoundTrip(t *testing.T) {
+	for _, c := range []struct{ allow, deny, wantDeny []string }{
+		{[]string{"1.1.1.1"}, []string{"0.0.0.0/0"}, []string{"0.0.0.0/0"}},
+		{nil, []string{"8.8.8.8"}, []string{"8.8.8.8"}},
+		{nil, nil, nil},
+	} {
+		p, err := egressPolicy(nil, c.allow, c.deny)
+		if err != nil {
+			t.Fatal(err)
+		}
+		in := networkOf(sandbox.Spec{Network: &sandbox.NetworkSpec{Policy: p}}, nil)
+		if in == nil || !slices.Equal(in.AllowOut, c.allow) || !slices.Equal(in.DenyOut, c.wantDeny) || !in.AllowPublicTraffic {
+			t.Errorf("allowOut %q, denyOut %q: the policy %v reads back as %+v", c.allow, c.deny, p, in)
+		}
+	}
+	if in := networkOf(sandbox.Spec{}, nil); in != nil {
+		t.Errorf("no network reads back as %+v; want none", in)
+	}
+	off := false
+	if p, err := egressPolicy(&off, nil, nil); p != nil || err != nil {
+		t.Errorf("no internet access: %v, %v; want no policy (no network)", p, err)
 	}
 }

@@ -203,7 +203,7 @@ func FromSpec(s Spec) *Workload {
 		b.Share(sh.Host, sh.Guest, sh.Mode)
 	}
 	for _, v := range s.Volumes {
-		b.VolumeIn(v.Dir, v.Name, v.Guest, v.Mode)
+		b.VolumeOwned(v.Dir, v.Name, v.Guest, v.Mode, v.UID, v.GID)
 	}
 	for _, d := range s.Disks {
 		b.Disk(d.Path, d.Mode)

@@ -22,6 +22,11 @@ type VolumeSpec struct {
 	// Dir is the volumes directory (volume.Open's); empty:
 	// volume.DefaultDir, where the CLI keeps them.
 	Dir string `json:"dir,omitempty"`
+	// UID and GID are whom the guest sees owning the files the VMM's
+	// user owns on the host (every file the guest or the VMM made): 0,
+	// root, unless VolumeOwned says otherwise (p9fs.Options.UID).
+	UID uint32 `json:"uid,omitempty"`
+	GID uint32 `json:"gid,omitempty"`
 }
 
 // Volume mounts the named volume (package volume; `capsa volume create`
@@ -39,7 +44,15 @@ func (b *Builder) Volume(name, guestPath string, mode ShareMode) *Builder {
 // VolumeIn is Volume for a volume of the volumes directory dir (empty:
 // volume.DefaultDir).
 func (b *Builder) VolumeIn(dir, name, guestPath string, mode ShareMode) *Builder {
-	v, err := b.checkVolume(VolumeSpec{Name: name, Guest: guestPath, Mode: mode, Dir: dir})
+	return b.VolumeOwned(dir, name, guestPath, mode, 0, 0)
+}
+
+// VolumeOwned is VolumeIn with the files the VMM's user owns on the host
+// (what the guest and the VMM make there) shown to the guest as owned by
+// uid and gid, so that a guest user other than root can write what it
+// made: the host's file server makes every file as the VMM's user.
+func (b *Builder) VolumeOwned(dir, name, guestPath string, mode ShareMode, uid, gid uint32) *Builder {
+	v, err := b.checkVolume(VolumeSpec{Name: name, Guest: guestPath, Mode: mode, Dir: dir, UID: uid, GID: gid})
 	if err != nil {
 		b.c.errs = append(b.c.errs, err)
 		return b
@@ -123,7 +136,7 @@ func volumeDevice(v VolumeSpec, tag string, lim virtio.Limiter, log *slog.Logger
 	// A read-only mount is charged nothing but still tells the budget
 	// what it holds: a file it holds stays on disk after another
 	// sandbox removes it.
-	a, err := p9fs.New(m.DataDir(), p9fs.Options{ReadOnly: ro, Quota: m, Logger: log})
+	a, err := p9fs.New(m.DataDir(), p9fs.Options{ReadOnly: ro, Quota: m, UID: v.UID, GID: v.GID, Logger: log})
 	if err != nil {
 		m.Close()
 		return nil, err

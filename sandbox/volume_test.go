@@ -22,12 +22,12 @@ func TestVolumeSpecRoundTrip(t *testing.T) {
 	}
 	s, err := New().Share(t.TempDir(), "/data", ReadOnly).
 		VolumeIn(vdir, "shared", "/shared/", ReadWrite).
-		VolumeIn(vdir, "cache", "/cache", ReadOnly).
+		VolumeOwned(vdir, "cache", "/cache", ReadOnly, 1000, 100).
 		Run("true").Spec()
 	if err != nil {
 		t.Fatalf("Spec() = %v", err)
 	}
-	want := []VolumeSpec{{Name: "shared", Guest: "/shared", Mode: ReadWrite, Dir: vdir}, {Name: "cache", Guest: "/cache", Mode: ReadOnly, Dir: vdir}}
+	want := []VolumeSpec{{Name: "shared", Guest: "/shared", Mode: ReadWrite, Dir: vdir}, {Name: "cache", Guest: "/cache", Mode: ReadOnly, Dir: vdir, UID: 1000, GID: 100}}
 	if !reflect.DeepEqual(s.Volumes, want) {
 		t.Fatalf("Spec().Volumes = %+v, want %+v", s.Volumes, want)
 	}
