@@ -75,6 +75,7 @@ func (s *Server) controlMux() http.Handler {
 	handle("GET /volumes", s.listVolumes)
 	handle("GET /volumes/{volumeID}", s.getVolume)
 	handle("DELETE /volumes/{volumeID}", s.deleteVolume)
+	s.volumeContentRoutes(mux)
 	handle("/", func(w http.ResponseWriter, r *http.Request, _ Key) {
 		apiError(w, http.StatusNotImplemented, fmt.Sprintf("%s %s: capsa serve does not serve this E2B API route", r.Method, r.URL.Path))
 	})

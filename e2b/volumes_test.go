@@ -2,6 +2,7 @@ package e2b
 
 import (
 	"net/http"
+	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"slices"
@@ -142,5 +143,70 @@ func TestEgressPolicyRoundTrip(t *testing.T) {
 	off := false
 	if p, err := egressPolicy(&off, nil, nil); p != nil || err != nil {
 		t.Errorf("no internet access: %v, %v; want no policy (no network)", p, err)
+	}
+}
+
+// TestVolumeContent: the volume file API takes the volume's token, not an
+// API key, and writes, reads, lists, changes and removes files as a guest
+// would; a path out of the volume is refused.
+func TestVolumeContent(t *testing.T) {
+	s, key := testServer(t)
+	var v volumeInfo
+	if code := do(t, s, "POST", "/volumes", key, `{"name":"files"}`, nil, &v); code != http.StatusCreated {
+		t.Fatalf("POST /volumes: %d", code)
+	}
+	auth := map[string]string{"Authorization": "Bearer " + v.Token}
+	base := "/volumecontent/" + v.ID
+	var ce contentError
+	for _, h := range []map[string]string{nil, {"Authorization": "Bearer " + strings.Repeat("x", 32)}, {"X-API-KEY": key}} {
+		if code := do(t, s, "GET", base+"/path?path=/", "", "", h, &ce); code != 401 {
+			t.Errorf("GET with %v: %d %+v; want 401", h, code, ce)
+		}
+	}
+	var e volumeEntry
+	if code := do(t, s, "POST", base+"/dir?path=/d/e&force=true&mode=488", "", "", auth, &e); code != 201 || e.Type != "directory" || e.Mode != 0o750 || e.UID != volumeUID {
+		t.Errorf("makeDir /d/e: %d %+v; want a directory of mode 0750 shown as uid %d's", code, e, volumeUID)
+	}
+	if code := do(t, s, "PUT", base+"/file?path=/d/e/f.txt", "", "hello volume", auth, &e); code != 201 || e.Size != 12 || e.Path != "/d/e/f.txt" {
+		t.Errorf("writeFile: %d %+v", code, e)
+	}
+	if code := do(t, s, "PUT", base+"/file?path=/d/e/f.txt", "", "again", auth, &ce); code != 409 {
+		t.Errorf("writeFile over a file without force: %d %+v; want 409", code, ce)
+	}
+	if code := do(t, s, "PUT", base+"/file?path=/d/e/f.txt&force=true", "", "bye", auth, &e); code != 201 || e.Size != 3 {
+		t.Errorf("writeFile with force: %d %+v", code, e)
+	}
+	r := httptest.NewRequest("GET", base+"/file?path=/d/e/f.txt", nil)
+	r.Header.Set("Authorization", "Bearer "+v.Token)
+	w := httptest.NewRecorder()
+	s.ServeHTTP(w, r)
+	if w.Code != 200 || w.Body.String() != "bye" {
+		t.Errorf("readFile: %d %q; want bye", w.Code, w.Body.String())
+	}
+	var list []volumeEntry
+	if code := do(t, s, "GET", base+"/dir?path=/&depth=3", "", "", auth, &list); code != 200 || len(list) != 3 {
+		t.Errorf("list / depth 3: %d %+v; want /d, /d/e, /d/e/f.txt", code, list)
+	}
+	if code := do(t, s, "PATCH", base+"/path?path=/d/e/f.txt", "", `{"mode":384}`, auth, &e); code != 200 || e.Mode != 0o600 {
+		t.Errorf("updateMetadata mode 0600: %d %+v", code, e)
+	}
+	for p, want := range map[string]int{"/../x": 400, "/nosuch": 404, "/d/e/f.txt/x": 400} {
+		if code := do(t, s, "GET", base+"/path?path="+p, "", "", auth, &ce); code != want {
+			t.Errorf("getInfo %s: %d %+v; want %d", p, code, ce, want)
+		}
+	}
+	if code := do(t, s, "PATCH", base+"/path?path=/d", "", `{"mode":2541}`, auth, &ce); code != 400 {
+		t.Errorf("a set-gid mode: %d %+v; want 400", code, ce)
+	}
+	if code := do(t, s, "DELETE", base+"/path?path=/d", "", "", auth, nil); code != 204 {
+		t.Errorf("remove /d: %d; want 204", code)
+	}
+	if code := do(t, s, "GET", base+"/path?path=/d", "", "", auth, &ce); code != 404 {
+		t.Errorf("getInfo of the removed /d: %d; want 404", code)
+	}
+	big := strings.Repeat("x", 2<<20)
+	s.volumeQuota = 1 << 20 // the request's bound follows the quota
+	if code := do(t, s, "PUT", base+"/file?path=/big", "", big, auth, &ce); code != 507 {
+		t.Errorf("a write past the volume's size: %d %+v; want 507", code, ce)
 	}
 }

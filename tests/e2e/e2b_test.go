@@ -223,7 +223,8 @@ func TestE2BSDK(t *testing.T) {
 	}
 	addr := freeAddr(t)
 	srv := startServe(t, dir, addr)
-	env := []string{"E2B_API_URL=http://" + addr, "E2B_SANDBOX_URL=http://" + addr, "E2B_API_KEY=" + key, "E2B_OTHER_KEY=" + other, "TEMPLATE=" + ref}
+	env := []string{"E2B_API_URL=http://" + addr, "E2B_SANDBOX_URL=http://" + addr, "E2B_VOLUME_API_URL=http://" + addr,
+		"E2B_API_KEY=" + key, "E2B_OTHER_KEY=" + other, "TEMPLATE=" + ref}
 
 	lines := e2bClient(t, env, 8*time.Minute, "main")
 	var keep string

@@ -376,15 +376,22 @@ if (mode === 'main') {
     check(info.state === 'running' && info.endAt.getTime() - Date.now() > 50_000, `after connect: ${info.state}, ends in ${(info.endAt.getTime() - Date.now()) / 1000}s`)
     await Promise.all([a.kill(), b.kill()])
   })
-  await step('volumes: create, mount (a pre-booted template boots), pause and resume, mount again by name, list, destroy', async () => {
+  await step('volumes: create, seed and read through their file API, mount (a pre-booted template boots), pause and resume, mount again by name, list, destroy', async () => {
     const { Volume, VolumeNotFoundError } = sdk
     const other = { apiKey: process.env.E2B_OTHER_KEY }
     const vol = await Volume.create(`data-${run}`)
     check(vol.volumeId && vol.name === `data-${run}` && vol.token, `Volume.create: ${JSON.stringify(vol)}`)
     await expectThrow(() => Volume.create(`data-${run}`), Error, 'a second volume of the name')
     await expectThrow(() => Sandbox.create(template, { volumeMounts: { '/mnt/x': 'nosuch' } }), Error, 'mounting no such volume')
+    // The host seeds it through the volume's own file API.
+    await vol.makeDir('/seed/deep', { force: true })
+    eq((await vol.writeFile('/seed/deep/in.txt', 'from the host\n')).size, 14, 'writeFile')
+    await expectThrow(() => vol.writeFile('/seed/deep/in.txt', 'x'), Error, 'writeFile over a file without force')
+    check(await vol.exists('/seed/deep/in.txt') && !(await vol.exists('/nosuch')), 'exists')
     const a = await Sandbox.create('web', { timeoutMs: 120_000, volumeMounts: { '/mnt/data': vol } })
     eq((await a.getInfo()).volumeMounts, [{ name: vol.name, path: '/mnt/data' }], 'getInfo().volumeMounts')
+    await vol.writeFile('/live.txt', 'while mounted\n')
+    eq((await a.commands.run('cat /mnt/data/seed/deep/in.txt /mnt/data/live.txt')).stdout, 'from the host\nwhile mounted\n', "the host's files, in the sandbox")
     await a.commands.run('mkdir -p /mnt/data/d && echo kept > /mnt/data/f && echo deep > /mnt/data/d/g')
     // Booted, not restored: the template's start command ran.
     const site = await a.commands.run('for i in $(seq 100); do [ -s /tmp/site/index.html ] && break; sleep 0.1; done; cat /tmp/site/index.html')
@@ -397,6 +404,14 @@ if (mode === 'main') {
     const b = await Sandbox.create(template, { timeoutMs: 60_000, volumeMounts: { '/data': vol.name } })
     eq((await b.commands.run('cat /data/f /data/d/g')).stdout, 'kept\nmore\ndeep\n', "the first sandbox's files, in the second")
     await b.kill()
+    eq(await vol.readFile('/f'), 'kept\nmore\n', "readFile of the sandboxes' file")
+    eq((await vol.list('/', { depth: 2 })).map((e) => e.path).sort(), ['/d', '/d/g', '/f', '/live.txt', '/seed', '/seed/deep'], 'list, depth 2')
+    const f = await vol.getInfo('/f')
+    eq([f.size, f.uid, f.mtime instanceof Date], [10, 1000, true], 'getInfo of a file a sandbox wrote')
+    eq((await vol.updateMetadata('/f', { mode: 0o600 })).mode, 0o600, 'updateMetadata')
+    await vol.remove('/seed')
+    check(!(await vol.exists('/seed/deep/in.txt')), 'the removed tree is gone')
+    await expectThrow(() => vol.readFile('/seed/deep/in.txt'), sdk.VolumePathNotFoundError, 'readFile of a removed file')
     eq((await Volume.list()).filter((v) => v.name === vol.name), [{ volumeId: vol.volumeId, name: vol.name }], 'Volume.list')
     eq((await Volume.list(other)).length, 0, "another key's list")
     await expectThrow(() => Volume.getInfo(vol.volumeId, other), VolumeNotFoundError, "another key's getInfo")
