@@ -145,3 +145,32 @@ func TestFiles(t *testing.T) {
 	}
 
 }
+
+// FuzzSplitPath: whatever path the file API is given, the names it walks
+// are single, real names (no slash, NUL, "." or ".."), at most
+// MaxPathDepth of them, and a path it accepts rejoins to itself cleaned.
+func FuzzSplitPath(f *testing.F) {
+	for _, s := range []string{"", "/", "/a/b", "a//b/", "../x", "/a/./b", "a\x00b", strings.Repeat("/d", MaxPathDepth+1)} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, p string) {
+		names, err := splitPath(p)
+		if err != nil {
+			if !errors.Is(err, ErrBadPath) {
+				t.Fatalf("splitPath(%q) = %v; want ErrBadPath", p, err)
+			}
+			return
+		}
+		if len(names) > MaxPathDepth {
+			t.Fatalf("splitPath(%q): %d names", p, len(names))
+		}
+		for _, n := range names {
+			if n == "" || n == "." || n == ".." || strings.ContainsAny(n, "/\x00") {
+				t.Fatalf("splitPath(%q) gave the name %q", p, n)
+			}
+		}
+		if j := joinPath(names); j != filepath.Clean("/"+p) {
+			t.Fatalf("splitPath(%q) rejoins to %q; want %q", p, j, filepath.Clean("/"+p))
+		}
+	})
+}
