@@ -14,8 +14,11 @@ import (
 // file server needs to serve other users' files: reading, writing and
 // searching them whatever their modes, setting their modes and times (as
 // their owner may), and keeping their set-group-ID bits when it writes.
-// One that serves none keeps none: every file it uses after confinement
-// is its own (its sandbox's directory, the store's) or was opened before.
+// One that serves none keeps none (every file it uses after confinement
+// is its own, or was opened before), or, where it reads what other users'
+// sandboxes wrote in the store (Config.ReadStore: a supervisor, asked for
+// a layer over another sandbox's snapshot), cap_dac_read_search alone,
+// which reads and changes nothing it could not before but reads.
 // Either gives up the rest for good, from its bounding set too: mounting,
 // namespaces, chown, setuid, raw sockets, network administration, module
 // loading, ptrace, kill, device nodes. Its uid stays 0, so files it makes
@@ -27,14 +30,18 @@ import (
 // package does (through psx) whether or not the binary uses cgo.
 var KeptCapabilities = []cap.Value{cap.DAC_OVERRIDE, cap.DAC_READ_SEARCH, cap.FOWNER, cap.FSETID}
 
-// dropCapabilities leaves the process only the KeptCapabilities it holds,
-// or none unless files, and removes every other one from its bounding and
-// ambient sets. It reports what it kept.
-func dropCapabilities(files bool) (string, error) {
+// dropCapabilities leaves the process only the KeptCapabilities it holds
+// with files, cap_dac_read_search alone with readStore, none otherwise,
+// and removes every other one from its bounding and ambient sets. It
+// reports what it kept.
+func dropCapabilities(files, readStore bool) (string, error) {
 	cur := cap.GetProc()
 	var keep, held []cap.Value
-	if files {
+	switch {
+	case files:
 		keep = KeptCapabilities
+	case readStore:
+		keep = []cap.Value{cap.DAC_READ_SEARCH}
 	}
 	var names []string
 	for _, v := range keep {

@@ -30,7 +30,7 @@ func capsChild() int {
 			<-hold
 		}()
 	}
-	what, err := dropCapabilities(os.Getenv("CAPS_FILES") == "1")
+	what, err := dropCapabilities(os.Getenv("CAPS_FILES") == "1", os.Getenv("CAPS_READ") == "1")
 	got := map[string]string{"drop": what}
 	if err != nil {
 		got["drop"] = "error: " + err.Error()
@@ -89,31 +89,42 @@ func TestDropCapabilities(t *testing.T) {
 	if err := os.Chown(others, 65534, 65534); err != nil {
 		t.Fatal(err)
 	}
-	for _, files := range []bool{true, false} {
-		t.Run(fmt.Sprintf("files=%v", files), func(t *testing.T) {
+	for _, c := range []struct {
+		what        string
+		files, read bool
+	}{{"files", true, false}, {"store reads", false, true}, {"nothing", false, false}} {
+		t.Run(c.what, func(t *testing.T) {
 			cmd := exec.Command(os.Args[0], "-test.run=^$")
-			cmd.Env = append(os.Environ(), childEnv+"=caps", "CAPS_OTHERS_FILE="+others, "CAPS_MINE="+mine, fmt.Sprintf("CAPS_FILES=%d", map[bool]int{true: 1}[files]))
+			cmd.Env = append(os.Environ(), childEnv+"=caps", "CAPS_OTHERS_FILE="+others, "CAPS_MINE="+mine,
+				fmt.Sprintf("CAPS_FILES=%d", map[bool]int{true: 1}[c.files]), fmt.Sprintf("CAPS_READ=%d", map[bool]int{true: 1}[c.read]))
 			got := childResult(t, cmd, "the child dropping its capabilities")
 			t.Logf("child: %v", got)
 			var mask uint64
 			var names []string
+			kept := []cap.Value(nil)
 			wantDrop, wantRead := "none held", "permission denied"
-			if files {
-				for _, v := range KeptCapabilities {
-					mask |= 1 << uint(v)
-					names = append(names, v.String())
-				}
+			switch {
+			case c.files:
+				kept = KeptCapabilities
+			case c.read:
+				kept = []cap.Value{cap.DAC_READ_SEARCH}
+			}
+			for _, v := range kept {
+				mask |= 1 << uint(v)
+				names = append(names, v.String())
+			}
+			if len(kept) > 0 {
 				wantDrop, wantRead = "kept "+strings.Join(names, ","), "ok"
 			}
 			if got["drop"] != wantDrop {
-				t.Errorf("dropCapabilities(%v) = %q; want %q", files, got["drop"], wantDrop)
+				t.Errorf("dropCapabilities(%v, %v) = %q; want %q", c.files, c.read, got["drop"], wantDrop)
 			}
 			want := fmt.Sprintf("CapInh: %016x; CapPrm: %016x; CapEff: %016x; CapBnd: %016x; CapAmb: %016x", 0, mask, mask, mask, 0)
 			if got["sets"] != want {
 				t.Errorf("the child's threads (%s) hold %q; want each %q", got["threads"], got["sets"], want)
 			}
 			if !strings.Contains(got["read another user's 0600 file"], wantRead) {
-				t.Errorf("reading another user's file after the drop: %s; want %s (%s kept: %v)", got["read another user's 0600 file"], wantRead, cap.DAC_OVERRIDE, files)
+				t.Errorf("reading another user's file after the drop: %s; want %s", got["read another user's 0600 file"], wantRead)
 			}
 			if !strings.Contains(got["chown to another user"], "operation not permitted") {
 				t.Errorf("chown to another user after the drop: %s; want EPERM (%s dropped)", got["chown to another user"], cap.CHOWN)

@@ -73,6 +73,11 @@ type Config struct {
 	// (shares, volumes, disks, files copied in), which may be other
 	// users': run by root, it keeps KeptCapabilities for them.
 	HostFiles bool
+	// ReadStore says the process reads files other users' sandboxes
+	// wrote in the state directory (a supervisor asked for a layer over
+	// another sandbox's snapshot): run by root without HostFiles, it
+	// keeps cap_dac_read_search alone for them.
+	ReadStore bool
 	// NoJail keeps the process in the host's mount namespace, where
 	// the host mounts on its shares while it runs (a containerd pod's
 	// container roots) reach it; Landlock and seccomp still apply.
@@ -159,7 +164,7 @@ func Apply(c Config, log *slog.Logger) (Layers, error) {
 	}
 	// After the jail, which needs its mounts and chowns, and before
 	// seccomp, which refuses capset.
-	d, e = dropCapabilities(c.HostFiles)
+	d, e = dropCapabilities(c.HostFiles, c.ReadStore)
 	if l.Capabilities, err = status("capabilities", d, e); err != nil {
 		return l, err
 	}

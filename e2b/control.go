@@ -202,7 +202,8 @@ func (s *Server) describe(rec *supervisor.Record, token bool) sandboxInfo {
 	}
 	in.VolumeMounts = s.mountsOf(rec.Spec)
 	in.Network = networkOf(rec.Spec, rec.Labels)
-	internet := rec.Spec.Network != nil
+	// Internet access: a NIC whose rules let something out.
+	internet := in.Network != nil && !(slices.Contains(in.Network.DenyOut, "0.0.0.0/0") && len(in.Network.AllowOut) == 0)
 	in.AllowInternet = &internet
 	in.Lifecycle = &lifecycle{OnTimeout: "kill"}
 	if rec.PauseAtTTL {
@@ -1133,8 +1134,8 @@ func (s *Server) deleteSnapshot(w http.ResponseWriter, r *http.Request, key Key)
 // /sandboxes/{id}/network, SandboxNetworkUpdate): what the body leaves out
 // is cleared, as E2B's does. They are in force at once for every new
 // connection and DNS query (those under way go on) and kept for its
-// resume. allow_internet_access false denies everything; a sandbox made
-// without internet access has no NIC to open (409). egressProxy and
+// resume. allow_internet_access false denies all but allowOut; a sandbox
+// made without internet access has no NIC to open (409). egressProxy and
 // rules (header transforms) are refused.
 func (s *Server) updateNetwork(w http.ResponseWriter, r *http.Request, key Key) {
 	var body struct {
@@ -1154,25 +1155,22 @@ func (s *Server) updateNetwork(w http.ResponseWriter, r *http.Request, key Key) 
 			return
 		}
 	}
-	var policy *netstack.Policy
+	// allow_internet_access false is a denyOut of all traffic: only
+	// allowOut passes (as the SDK documents it).
+	deny := body.DenyOut
 	if body.AllowInternetAccess != nil && !*body.AllowInternetAccess {
-		if len(body.AllowOut) > 0 || len(body.DenyOut) > 0 {
-			apiError(w, http.StatusBadRequest, "update network: allowOut and denyOut need allow_internet_access")
-			return
-		}
-		policy = netstack.DenyAll()
-	} else {
-		var err error
-		if policy, err = egressPolicy(nil, body.AllowOut, body.DenyOut); err != nil {
-			apiError(w, http.StatusBadRequest, "update "+err.Error())
-			return
-		}
+		deny = append(slices.Clone(deny), "0.0.0.0/0")
+	}
+	policy, err := egressPolicy(nil, body.AllowOut, deny)
+	if err != nil {
+		apiError(w, http.StatusBadRequest, "update "+err.Error())
+		return
 	}
 	rec := s.record(w, r, key)
 	if rec == nil {
 		return
 	}
-	err := s.m.SetNetworkPolicy(r.Context(), rec.Name, policy)
+	err = s.m.SetNetworkPolicy(r.Context(), rec.Name, policy)
 	switch {
 	case errors.Is(err, sandbox.ErrNoNAT):
 		apiError(w, http.StatusConflict, fmt.Sprintf("update network of %s: it was made without internet access (allow_internet_access false), so it has no network to change", rec.Name))

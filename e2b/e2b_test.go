@@ -272,7 +272,6 @@ func TestControlRefusals(t *testing.T) {
 		`{"egressProxy":{"address":"p:1080"}}`:                     "egressProxy",
 		`{"rules":{"example.com":[{"transform":{"headers":{}}}]}}`: "rules",
 		`{"allowOut":["not a rule!"]}`:                             "network",
-		`{"allow_internet_access":false,"allowOut":["1.2.3.4"]}`:   "allow_internet_access",
 		`{"allowOut":` + strings.Repeat(`["1.2.3.4",`, 0) + `5}`:   "body",
 	} {
 		e = errorBody{}

@@ -106,6 +106,8 @@ type Server struct {
 	snaps       jsonFile[snapOwner] // the API's snapshots' owners
 	vols        jsonFile[volOwner]  // the API's volumes
 	volumeQuota int64
+	volMu       sync.Mutex             // guards openVols
+	openVols    map[string]*openVolume // the file API's open volumes, by capsa volume name
 
 	mu      sync.Mutex
 	guests  map[string]*guest // by sandbox name
@@ -128,7 +130,7 @@ func New(o Options) (*Server, error) {
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	s := &Server{m: o.Manager, keys: o.Keys, templates: o.Templates, log: log, base: o.DefaultTemplate, domain: o.Domain, perKey: perKey,
-		ctx: ctx, cancel: cancel, guests: map[string]*guest{}, pending: map[string]int{}}
+		ctx: ctx, cancel: cancel, guests: map[string]*guest{}, pending: map[string]int{}, openVols: map[string]*openVolume{}}
 	s.snaps = jsonFile[snapOwner]{path: filepath.Join(o.Manager.Dir(), SnapshotsFile), what: "snapshot owners"}
 	s.vols = jsonFile[volOwner]{path: filepath.Join(o.Manager.Dir(), VolumesFile), what: "volumes"}
 	if s.volumeQuota = o.VolumeQuota; s.volumeQuota <= 0 {
@@ -150,6 +152,7 @@ func (s *Server) Close() error {
 	for _, g := range guests {
 		g.closeProcs()
 	}
+	s.closeVolumeFiles("")
 	return nil
 }
 

@@ -19,6 +19,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"time"
 
@@ -56,6 +57,76 @@ func volumeError(w http.ResponseWriter, status int, msg string) {
 	writeJSON(w, status, contentError{Code: strings.ReplaceAll(strings.ToLower(http.StatusText(status)), " ", "_"), Message: msg})
 }
 
+// volumeIdle is how long the file API keeps a volume's files open after
+// its last request: a burst of requests mounts it once (and, when no
+// sandbox has it, recounts its quota once).
+const volumeIdle = 30 * time.Second
+
+// openVolume is a volume's files the file API holds open.
+type openVolume struct {
+	f    *volume.Files
+	refs int
+	idle *time.Timer
+}
+
+// volumeFiles returns v's files, open, and the func that lets them go.
+func (s *Server) volumeFiles(v volOwner) (*volume.Files, func(), error) {
+	name := v.volume()
+	s.volMu.Lock()
+	defer s.volMu.Unlock()
+	o := s.openVols[name]
+	if o == nil {
+		root, err := s.m.Volumes()
+		if err != nil {
+			return nil, nil, err
+		}
+		f, err := root.OpenFiles(name, volumeUID, volumeUID, s.log)
+		if err != nil {
+			return nil, nil, err
+		}
+		o = &openVolume{f: f}
+		s.openVols[name] = o
+	}
+	o.refs++
+	if o.idle != nil {
+		o.idle.Stop()
+		o.idle = nil
+	}
+	var once sync.Once
+	return o.f, func() {
+		once.Do(func() {
+			s.volMu.Lock()
+			defer s.volMu.Unlock()
+			if o.refs--; o.refs == 0 {
+				o.idle = time.AfterFunc(volumeIdle, func() {
+					s.volMu.Lock()
+					defer s.volMu.Unlock()
+					if o.refs == 0 && s.openVols[name] == o {
+						delete(s.openVols, name)
+						o.f.Close()
+					}
+				})
+			}
+		})
+	}, nil
+}
+
+// closeVolumeFiles closes the files of the volume name ("": of every
+// volume) that no request uses.
+func (s *Server) closeVolumeFiles(name string) {
+	s.volMu.Lock()
+	defer s.volMu.Unlock()
+	for n, o := range s.openVols {
+		if (name == "" || n == name) && o.refs == 0 {
+			if o.idle != nil {
+				o.idle.Stop()
+			}
+			delete(s.openVols, n)
+			o.f.Close()
+		}
+	}
+}
+
 // volumeContentRoutes serves the file API on mux.
 func (s *Server) volumeContentRoutes(mux *http.ServeMux) {
 	handle := func(pattern string, h func(w http.ResponseWriter, r *http.Request, f *volume.Files, p string)) {
@@ -66,18 +137,18 @@ func (s *Server) volumeContentRoutes(mux *http.ServeMux) {
 				volumeError(w, http.StatusUnauthorized, "volume "+id+": missing or wrong token (Authorization: Bearer, the volume's token)")
 				return
 			}
-			root, err := s.m.Volumes()
-			if err != nil {
-				volumeError(w, http.StatusInternalServerError, err.Error())
-				return
-			}
-			f, err := root.OpenFiles(v.volume(), volumeUID, volumeUID, s.log)
+			f, release, err := s.volumeFiles(v)
 			if err != nil {
 				volumeError(w, http.StatusInternalServerError, fmt.Sprintf("volume %s: %v", id, err))
 				return
 			}
-			defer f.Close()
-			r.Body = http.MaxBytesReader(w, r.Body, s.volumeQuota+1)
+			defer release()
+			// Only a file's upload may be as big as the volume.
+			limit := int64(maxBody)
+			if r.Method == http.MethodPut {
+				limit = s.volumeQuota + 1
+			}
+			r.Body = http.MaxBytesReader(w, r.Body, limit)
 			h(w, r, f, r.URL.Query().Get("path"))
 		})
 	}
@@ -159,12 +230,14 @@ func (s *Server) volumeContentRoutes(mux *http.ServeMux) {
 		io.Copy(w, io.LimitReader(rc, size))
 	})
 	handle("PUT /volumecontent/{volumeID}/file", func(w http.ResponseWriter, r *http.Request, f *volume.Files, p string) {
-		a, force, err := fileAttrs(r)
+		// The SDK's writeFile replaces a file that exists, with force
+		// or without.
+		a, _, err := fileAttrs(r)
 		if err != nil {
 			volumeError(w, http.StatusBadRequest, "write file: "+err.Error())
 			return
 		}
-		e, err := f.Write(p, r.Body, a, force)
+		e, err := f.Write(p, r.Body, a, true)
 		if err != nil {
 			var tooBig *http.MaxBytesError
 			if errors.As(err, &tooBig) {
@@ -177,7 +250,8 @@ func (s *Server) volumeContentRoutes(mux *http.ServeMux) {
 	})
 }
 
-// volumeByToken is the volume id if token is its own.
+// volumeByToken is the volume id if token is its own and the API key it
+// belongs to still exists.
 func (s *Server) volumeByToken(id, token string) (volOwner, bool) {
 	list, err := s.vols.load()
 	if err != nil {
@@ -185,6 +259,10 @@ func (s *Server) volumeByToken(id, token string) (volOwner, bool) {
 	}
 	i := slices.IndexFunc(list, func(v volOwner) bool { return v.ID == id })
 	if i < 0 || !tokenMatches(token, list[i].Token) {
+		return volOwner{}, false
+	}
+	keys, err := s.keys.List()
+	if err != nil || !slices.ContainsFunc(keys, func(k Key) bool { return k.ID == list[i].Key }) {
 		return volOwner{}, false
 	}
 	return list[i], true
@@ -220,7 +298,7 @@ func fileAttrs(r *http.Request) (volume.Attrs, bool, error) {
 func fileAPIError(w http.ResponseWriter, what string, err error) {
 	status := http.StatusInternalServerError
 	switch {
-	case errors.Is(err, volume.ErrBadPath), errors.Is(err, volume.ErrBadMode), errors.Is(err, syscall.EISDIR), errors.Is(err, syscall.ENOTDIR),
+	case errors.Is(err, volume.ErrBadPath), errors.Is(err, volume.ErrBadMode), errors.Is(err, volume.ErrTooMany), errors.Is(err, syscall.EISDIR), errors.Is(err, syscall.ENOTDIR),
 		errors.Is(err, syscall.EINVAL), errors.Is(err, syscall.ELOOP), errors.Is(err, syscall.ENAMETOOLONG):
 		status = http.StatusBadRequest
 	case errors.Is(err, fs.ErrNotExist):

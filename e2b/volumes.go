@@ -208,9 +208,10 @@ func (s *Server) deleteVolume(w http.ResponseWriter, r *http.Request, key Key) {
 			status = http.StatusConflict
 			return nil, fmt.Errorf("sandbox %s mounts it: kill it first", user)
 		}
+		s.closeVolumeFiles(list[i].volume())
 		if err := root.Remove(list[i].volume(), false); errors.Is(err, volume.ErrInUse) {
 			status = http.StatusConflict
-			return nil, errors.New("a sandbox has it mounted: kill it first")
+			return nil, errors.New("in use: a sandbox has it mounted (kill it first), or a request of its file API is under way")
 		} else if err != nil && !errors.Is(err, volume.ErrNotFound) {
 			return nil, err
 		}

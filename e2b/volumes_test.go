@@ -170,11 +170,14 @@ func TestVolumeContent(t *testing.T) {
 	if code := do(t, s, "PUT", base+"/file?path=/d/e/f.txt", "", "hello volume", auth, &e); code != 201 || e.Size != 12 || e.Path != "/d/e/f.txt" {
 		t.Errorf("writeFile: %d %+v", code, e)
 	}
-	if code := do(t, s, "PUT", base+"/file?path=/d/e/f.txt", "", "again", auth, &ce); code != 409 {
-		t.Errorf("writeFile over a file without force: %d %+v; want 409", code, ce)
+	if code := do(t, s, "PUT", base+"/file?path=/d/e/f.txt", "", "again", auth, &e); code != 201 || e.Size != 5 {
+		t.Errorf("writeFile over a file: %d %+v; want it replaced", code, e)
 	}
 	if code := do(t, s, "PUT", base+"/file?path=/d/e/f.txt&force=true", "", "bye", auth, &e); code != 201 || e.Size != 3 {
 		t.Errorf("writeFile with force: %d %+v", code, e)
+	}
+	if code := do(t, s, "PUT", base+"/file?path=/nodir/f.txt", "", "x", auth, &ce); code != 404 {
+		t.Errorf("writeFile where no directory is: %d %+v; want 404", code, ce)
 	}
 	r := httptest.NewRequest("GET", base+"/file?path=/d/e/f.txt", nil)
 	r.Header.Set("Authorization", "Bearer "+v.Token)
@@ -198,15 +201,39 @@ func TestVolumeContent(t *testing.T) {
 	if code := do(t, s, "PATCH", base+"/path?path=/d", "", `{"mode":2541}`, auth, &ce); code != 400 {
 		t.Errorf("a set-gid mode: %d %+v; want 400", code, ce)
 	}
+	if code := do(t, s, "PATCH", base+"/path?path=/d", "", `{"mode":`+strings.Repeat(" ", maxBody)+`1}`, auth, &ce); code != 400 {
+		t.Errorf("a metadata body over %d bytes: %d %+v; want 400", maxBody, code, ce)
+	}
 	if code := do(t, s, "DELETE", base+"/path?path=/d", "", "", auth, nil); code != 204 {
 		t.Errorf("remove /d: %d; want 204", code)
 	}
 	if code := do(t, s, "GET", base+"/path?path=/d", "", "", auth, &ce); code != 404 {
 		t.Errorf("getInfo of the removed /d: %d; want 404", code)
 	}
+	// The volume is in use while the file API holds it: a delete waits
+	// for no request, it finds the files closed once idle.
+	if code := do(t, s, "DELETE", "/volumes/"+v.ID, key, "", nil, nil); code != 204 {
+		t.Errorf("DELETE the volume after its file requests: %d; want 204", code)
+	}
+	if code := do(t, s, "GET", base+"/path?path=/", "", "", auth, &ce); code != 401 {
+		t.Errorf("the file API of a deleted volume: %d; want 401", code)
+	}
+	if code := do(t, s, "POST", "/volumes", key, `{"name":"files2"}`, nil, &v); code != http.StatusCreated {
+		t.Fatalf("POST /volumes: %d", code)
+	}
+	auth = map[string]string{"Authorization": "Bearer " + v.Token}
+	base = "/volumecontent/" + v.ID
 	big := strings.Repeat("x", 2<<20)
 	s.volumeQuota = 1 << 20 // the request's bound follows the quota
 	if code := do(t, s, "PUT", base+"/file?path=/big", "", big, auth, &ce); code != 507 {
 		t.Errorf("a write past the volume's size: %d %+v; want 507", code, ce)
+	}
+	// A volume's token works no longer than its API key.
+	k, _ := s.keys.Check(key)
+	if err := s.keys.Remove(k.ID); err != nil {
+		t.Fatal(err)
+	}
+	if code := do(t, s, "GET", base+"/path?path=/", "", "", auth, &ce); code != 401 {
+		t.Errorf("the file API after its key was removed: %d; want 401", code)
 	}
 }

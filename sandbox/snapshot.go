@@ -460,6 +460,13 @@ func restoredSpec(snap *snapshot.Snapshot, settings *Spec) (Spec, error) {
 	if spec.Volumes, err = byGuestPath(saved.Volumes, r.Volumes, volumeGuest, "volume", "give one (-v NAME:%s)"); err != nil {
 		return Spec{}, err
 	}
+	// Whom the guest sees owning a volume's files is the guest's shape:
+	// a restorer who names no owner gets the snapshot's.
+	for i, v := range spec.Volumes {
+		if j := slices.IndexFunc(saved.Volumes, func(s VolumeSpec) bool { return s.Guest == v.Guest }); j >= 0 && v.UID == 0 && v.GID == 0 {
+			spec.Volumes[i].UID, spec.Volumes[i].GID = saved.Volumes[j].UID, saved.Volumes[j].GID
+		}
+	}
 	switch {
 	case saved.Network == nil && r.Network != nil:
 		return Spec{}, errors.New("it was taken without a network: a restore cannot add one")

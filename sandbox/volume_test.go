@@ -1,11 +1,13 @@
 package sandbox
 
 import (
+	"encoding/json"
 	"reflect"
 	"strings"
 	"testing"
 
 	"github.com/capsa-sandbox/capsa/ratelimit"
+	"github.com/capsa-sandbox/capsa/snapshot"
 	"github.com/capsa-sandbox/capsa/volume"
 )
 
@@ -118,5 +120,25 @@ func TestVolumeDevicesHoldTheVolume(t *testing.T) {
 	}
 	if _, err := volumeDevices([]VolumeSpec{{Name: "v", Guest: "/v", Dir: vdir}}, 0, newLimiters(ratelimit.Limits{}), nil); err == nil || !strings.Contains(err.Error(), "no such volume") {
 		t.Errorf("volumeDevices of a removed volume = %v", err)
+	}
+}
+
+// TestRestoreKeepsVolumeOwners: whom the guest sees owning a volume's
+// files is the snapshot's unless the restorer names another; the volume
+// itself is the restorer's.
+func TestRestoreKeepsVolumeOwners(t *testing.T) {
+	saved := Spec{CPUs: 1, MemoryMiB: 256, Volumes: []VolumeSpec{{Name: "a", Guest: "/data", Mode: ReadWrite, UID: 1000, GID: 1000}, {Name: "b", Guest: "/other", Mode: ReadWrite}}}
+	b, err := json.Marshal(saved)
+	if err != nil {
+		t.Fatal(err)
+	}
+	snap := &snapshot.Snapshot{Manifest: snapshot.Manifest{Spec: b}}
+	got, err := restoredSpec(snap, &Spec{Volumes: []VolumeSpec{{Name: "a2", Guest: "/data", Mode: ReadWrite}, {Name: "b2", Guest: "/other", Mode: ReadWrite, UID: 7, GID: 8}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := []VolumeSpec{{Name: "a2", Guest: "/data", Mode: ReadWrite, UID: 1000, GID: 1000}, {Name: "b2", Guest: "/other", Mode: ReadWrite, UID: 7, GID: 8}}
+	if !reflect.DeepEqual(got.Volumes, want) {
+		t.Errorf("restored volumes = %+v; want %+v", got.Volumes, want)
 	}
 }

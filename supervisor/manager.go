@@ -323,11 +323,8 @@ func (m *Manager) SetNetworkPolicy(ctx context.Context, name string, p *netstack
 	if p == nil {
 		p = netstack.PublicOnly()
 	}
-	if rec.Alive() {
-		if err := SetNetworkPolicy(ctx, m.st, name, p); err != nil {
-			return err
-		}
-	}
+	// The record first: a start or resume that reads it from now on
+	// gets the new policy; the sandbox, if it runs now, after.
 	err = m.st.Update(name, func(r *Record) error {
 		if r.Spec.Network == nil {
 			return sandbox.ErrNoNAT
@@ -338,7 +335,10 @@ func (m *Manager) SetNetworkPolicy(ctx context.Context, name string, p *netstack
 	if err != nil {
 		return fmt.Errorf("supervisor: set the network policy of %s: %w", name, err)
 	}
-	return nil
+	if rec, err = m.st.Get(name); err == nil && rec.Alive() {
+		err = SetNetworkPolicy(ctx, m.st, name, p)
+	}
+	return err
 }
 
 // SetTTL gives the sandbox name a new TTL, counted from its start (0:

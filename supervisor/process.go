@@ -56,6 +56,7 @@ type vmmPlace struct {
 	NoConfine bool
 	User      *JailUser // the jail's user; nil: root's jail keeps root
 	NoJail    bool      // confined but not jailed: a pod's supervisor, which mounts from outside must reach
+	ReadStore bool      // reads what other users' sandboxes wrote in the store (confine.Config.ReadStore)
 	Terminal  bool      // the process keeps a terminal (its ioctls stay allowed)
 	// StateDir is the state directory whose shared files (the hub's)
 	// the jail's user is let into, where the sandbox uses them; "": none.
@@ -95,7 +96,7 @@ func (p *vmmProcess) config(read, write []string, files bool, spec sandbox.Spec)
 	c := confine.Config{
 		Read: read, Write: slices.Concat(write, p.place.Write), HostFiles: files, Name: p.place.Name, User: p.place.User,
 		MemoryBytes: int64(spec.MemoryMiB)<<20 + VMMOverhead, CPUs: spec.EffectiveCPUQuota(),
-		Own: p.place.Own, NoJail: p.place.NoJail, Terminal: p.place.Terminal,
+		Own: p.place.Own, NoJail: p.place.NoJail, Terminal: p.place.Terminal, ReadStore: p.place.ReadStore,
 	}
 	if p.place.StateDir != "" {
 		c.Shared = SharedFiles(p.place.StateDir, c.Write)

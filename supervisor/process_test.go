@@ -68,7 +68,7 @@ func TestVMMPlaces(t *testing.T) {
 			t.Errorf("a supervisor writes the records' database %s", p)
 		}
 	}
-	if !slices.Equal(sup.Own, []string{dir}) || sup.User != user || sup.Name != "a" || sup.NoJail || !sup.HostFiles {
+	if !slices.Equal(sup.Own, []string{dir}) || sup.User != user || sup.Name != "a" || sup.NoJail || !sup.HostFiles || !sup.ReadStore {
 		t.Errorf("a supervisor's config = %+v; want its directory its own, its user, its name, jailed", sup)
 	}
 	if !slices.Contains(sup.Shared, hub) || !slices.Contains(sup.Shared, snaps) {
@@ -86,7 +86,7 @@ func TestVMMPlaces(t *testing.T) {
 	if !slices.Equal(fg.Write, write) || !slices.Equal(fg.Read, read) {
 		t.Errorf("a foreground run reads %q and writes %q; want only its sandbox's %q and %q", fg.Read, fg.Write, read, write)
 	}
-	if !slices.Equal(fg.Shared, []string{hub}) || !fg.Terminal || fg.MemoryBytes != sup.MemoryBytes {
+	if !slices.Equal(fg.Shared, []string{hub}) || !fg.Terminal || fg.MemoryBytes != sup.MemoryBytes || fg.ReadStore {
 		t.Errorf("a foreground run's config = %+v; want the hub's file shared, the terminal kept, the supervisor's memory bound", fg)
 	}
 }

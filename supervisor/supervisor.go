@@ -65,12 +65,14 @@ type Options struct {
 // place is where a supervisor lives (vmmPlace): beside its sandbox's host
 // paths, its sandbox's directory (its own, the jail user's where jailed
 // as one) and the store's snapshots; not the records' database, since it
-// reports its run in its own directory (store.Status). A pod's supervisor
-// is confined but not jailed (Record.HostMounts).
+// reports its run in its own directory (store.Status). It may read the
+// snapshots other users' sandboxes wrote there (a parent of a layer it is
+// asked for). A pod's supervisor is confined but not jailed
+// (Record.HostMounts).
 func place(st *store.Store, rec *store.Record) vmmPlace {
 	dir, snaps := st.SandboxDir(rec.Name), st.SnapshotsDir()
 	return vmmPlace{
-		Name: rec.Name, NoConfine: rec.NoConfine, User: rec.JailUser, NoJail: rec.HostMounts,
+		Name: rec.Name, NoConfine: rec.NoConfine, User: rec.JailUser, NoJail: rec.HostMounts, ReadStore: true,
 		StateDir: st.Dir(), Write: []string{dir, snaps}, Own: []string{dir}, Shared: []string{snaps},
 		Confined: "supervisor: confined",
 	}

@@ -100,6 +100,8 @@ func errno(err error) error {
 var (
 	ErrBadPath = errors.New("bad path")
 	ErrBadMode = errors.New("bad mode")
+	// ErrTooMany is List's error past MaxListEntries.
+	ErrTooMany = errors.New("too many entries")
 )
 
 // splitPath splits p, taken from the volume's top whether or not it
@@ -204,7 +206,7 @@ func (f *Files) list(names []string, depth int, out *[]Entry) error {
 	}
 	for _, k := range kids {
 		if len(*out) >= MaxListEntries {
-			return fmt.Errorf("volume: list %s: more than %d entries", joinPath(names), MaxListEntries)
+			return fmt.Errorf("volume: list %s: %w: more than %d (list less deep)", joinPath(names), ErrTooMany, MaxListEntries)
 		}
 		kn := append(names[:len(names):len(names)], k)
 		file, err := f.walk(kn)
@@ -248,7 +250,7 @@ func readDir(dir p9.File) ([]string, error) {
 				names = append(names, e.Name)
 			}
 			if len(names) > MaxListEntries {
-				return nil, fmt.Errorf("volume: a directory of more than %d entries", MaxListEntries)
+				return nil, fmt.Errorf("volume: %w: a directory of more than %d", ErrTooMany, MaxListEntries)
 			}
 		}
 	}

@@ -15,6 +15,7 @@ import (
 
 	"github.com/capsa-sandbox/capsa/confine"
 	"github.com/capsa-sandbox/capsa/supervisor"
+	"kernel.org/pub/linux/libs/security/libcap/cap"
 )
 
 // TestConfinement: a detached sandbox's supervisor confines itself before
@@ -125,13 +126,14 @@ func TestConfinement(t *testing.T) {
 		t.Errorf("the restored sandbox's share, confined: exit %d, %q (stderr %q)", r.code, r.stdout, r.stderr)
 	}
 
-	// A sandbox that serves no host files: as root, its VMM keeps no
-	// capability at all, and still runs, answers and writes a snapshot.
+	// A sandbox that serves no host files: as root, its VMM keeps only
+	// the capability to read other sandboxes' snapshots, and still runs,
+	// answers and writes a snapshot.
 	if r := cli(3*time.Minute, "run", "-d", "--name", "c0", "--", "sleep", "100000"); r.code != 0 {
 		t.Fatalf("capsa run -d --name c0 = exit %d, stderr %q", r.code, r.stderr)
 	}
 	rec0 := inspectConfined(t, cli, "c0")
-	checkCapabilities(t, rec0.Confinement, rec0.PID, map[bool]capsHeld{true: capsNoneRoot, false: capsNone}[os.Geteuid() == 0])
+	checkCapabilities(t, rec0.Confinement, rec0.PID, map[bool]capsHeld{true: capsStoreReader, false: capsNone}[os.Geteuid() == 0])
 	if r := cli(time.Minute, "exec", "c0", "--", "sh", "-c", "echo kept > /tmp/f && cat /tmp/f"); r.code != 0 || r.stdout != "kept\n" {
 		t.Errorf("capsa exec c0, no file served: exit %d, %q (stderr %q)", r.code, r.stdout, r.stderr)
 	}
@@ -140,6 +142,14 @@ func TestConfinement(t *testing.T) {
 	}
 	if r := cli(time.Minute, "rm", "-f", "c0"); r.code != 0 {
 		t.Errorf("capsa rm -f c0 = exit %d, stderr %q", r.code, r.stderr)
+	}
+
+	// A foreground run that serves no host files keeps no capability as
+	// root: it reads no store.
+	if os.Geteuid() == 0 {
+		if r := cli(3*time.Minute, "run", "--verbose", "--", "true"); r.code != 0 || !strings.Contains(r.stderr, "capabilities: on (none held)") {
+			t.Errorf("capsa run --verbose -- true, as root = exit %d; want its confinement to say no capability is held: %.2000q", r.code, r.stderr)
+		}
 	}
 
 	// capsa run confines itself too.
@@ -272,9 +282,10 @@ const (
 	// capsFileServer: run by root and serving host files, only
 	// confine.KeptCapabilities, permitted, effective and bounding.
 	capsFileServer capsHeld = iota
-	// capsNoneRoot: run by root and serving none, none in any set, the
-	// bounding set included.
-	capsNoneRoot
+	// capsStoreReader: run by root as a supervisor serving no host
+	// files, cap_dac_read_search alone (to read other sandboxes'
+	// snapshots), in every set but the inheritable and ambient.
+	capsStoreReader
 	// capsNone: a jail's user, or not root: none permitted or effective
 	// (the bounding set was not its to drop).
 	capsNone
@@ -287,9 +298,10 @@ func checkCapabilities(t *testing.T, l *confine.Layers, pid int, held capsHeld) 
 	t.Helper()
 	var mask uint64
 	want := "on (none held)"
-	if held == capsFileServer {
+	kept := map[capsHeld][]cap.Value{capsFileServer: confine.KeptCapabilities, capsStoreReader: {cap.DAC_READ_SEARCH}}[held]
+	if len(kept) > 0 {
 		var names []string
-		for _, v := range confine.KeptCapabilities {
+		for _, v := range kept {
 			mask |= 1 << uint(v)
 			names = append(names, v.String())
 		}
