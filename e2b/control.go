@@ -147,20 +147,9 @@ func networkOf(spec sandbox.Spec, labels map[string]string) *networkInfo {
 	if n == nil || n.Policy == nil {
 		return nil
 	}
-	b, err := n.Policy.MarshalJSON()
-	if err != nil {
-		return nil
-	}
-	var p struct {
-		Mode  string   `json:"mode"`
-		Allow []string `json:"allow"`
-		Deny  []string `json:"deny"`
-	}
-	if json.Unmarshal(b, &p) != nil {
-		return nil
-	}
-	in := &networkInfo{AllowOut: p.Allow, DenyOut: p.Deny, AllowPublicTraffic: labels[labelTraffic] == ""}
-	if p.Mode == "deny-all" {
+	allow, deny := n.Policy.Rules()
+	in := &networkInfo{AllowOut: allow, DenyOut: deny, AllowPublicTraffic: labels[labelTraffic] == ""}
+	if n.Policy.Mode() == netstack.ModeDenyAll {
 		in.DenyOut = append(in.DenyOut, "0.0.0.0/0")
 	}
 	return in

@@ -83,6 +83,17 @@ func DenyAll() *Policy { return &Policy{mode: ModeDenyAll} }
 // Mode reports the policy's default mode.
 func (p *Policy) Mode() Mode { return p.mode }
 
+// Rules are the policy's allow and deny rules as they were given.
+func (p *Policy) Rules() (allow, deny []string) {
+	for _, r := range p.allow {
+		allow = append(allow, r.text)
+	}
+	for _, r := range p.deny {
+		deny = append(deny, r.text)
+	}
+	return allow, deny
+}
+
 // String renders the policy in a form close to its input.
 func (p *Policy) String() string {
 	var b strings.Builder
@@ -598,12 +609,7 @@ type policyJSON struct {
 // they were given.
 func (p *Policy) MarshalJSON() ([]byte, error) {
 	j := policyJSON{Mode: p.mode.String()}
-	for _, r := range p.allow {
-		j.Allow = append(j.Allow, r.text)
-	}
-	for _, r := range p.deny {
-		j.Deny = append(j.Deny, r.text)
-	}
+	j.Allow, j.Deny = p.Rules()
 	return json.Marshal(j)
 }
 

@@ -361,25 +361,11 @@ func (f *Files) SetAttrs(p string, a Attrs) (Entry, error) {
 // parents those above it that are missing; EEXIST if p exists, unless
 // parents and it is a directory.
 func (f *Files) MakeDir(p string, a Attrs, parents bool) (Entry, error) {
-	if err := a.check(); err != nil {
-		return Entry{}, err
-	}
-	names, err := splitPath(p)
-	if err != nil {
-		return Entry{}, err
-	}
-	if len(names) == 0 {
-		return Entry{}, syscall.EEXIST
-	}
-	dir, err := f.parent(names, parents)
+	names, dir, mode, err := f.target(p, a, parents, syscall.EEXIST, 0o755)
 	if err != nil {
 		return Entry{}, err
 	}
 	defer dir.Close()
-	mode := uint32(0o755)
-	if a.Mode != nil {
-		mode = *a.Mode
-	}
 	base := names[len(names)-1]
 	if _, err := dir.Mkdir(base, p9.FileMode(mode), p9.NoUID, p9.NoGID); err != nil {
 		if err = errno(err); !(parents && errors.Is(err, syscall.EEXIST)) {
@@ -398,6 +384,31 @@ func (f *Files) MakeDir(p string, a Attrs, parents bool) (Entry, error) {
 		return Entry{}, err
 	}
 	return entry(file, names)
+}
+
+// target checks a and the path p of an entry to make: its names, the
+// directory above it (with parents, made where missing; the caller
+// closes it) and the mode a gives, else def. top is the error for the
+// volume's top itself.
+func (f *Files) target(p string, a Attrs, parents bool, top error, def uint32) ([]string, p9.File, uint32, error) {
+	if err := a.check(); err != nil {
+		return nil, nil, 0, err
+	}
+	names, err := splitPath(p)
+	if err != nil {
+		return nil, nil, 0, err
+	}
+	if len(names) == 0 {
+		return nil, nil, 0, top
+	}
+	dir, err := f.parent(names, parents)
+	if err != nil {
+		return nil, nil, 0, err
+	}
+	if a.Mode != nil {
+		def = *a.Mode
+	}
+	return names, dir, def, nil
 }
 
 // parent returns the directory above names, with mkdirs making what is
@@ -432,26 +443,12 @@ func (f *Files) parent(names []string, mkdirs bool) (p9.File, error) {
 // the quota has no room for fails with ENOSPC, and a file it made is
 // removed again.
 func (f *Files) Write(p string, r io.Reader, a Attrs, overwrite bool) (Entry, error) {
-	if err := a.check(); err != nil {
-		return Entry{}, err
-	}
-	names, err := splitPath(p)
-	if err != nil {
-		return Entry{}, err
-	}
-	if len(names) == 0 {
-		return Entry{}, syscall.EISDIR
-	}
-	dir, err := f.parent(names, false)
+	names, dir, mode, err := f.target(p, a, false, syscall.EISDIR, 0o644)
 	if err != nil {
 		return Entry{}, err
 	}
 	defer dir.Close()
 	base := names[len(names)-1]
-	mode := uint32(0o644)
-	if a.Mode != nil {
-		mode = *a.Mode
-	}
 	var file p9.File
 	made := false
 	_, old, err := dir.Walk([]string{base})
