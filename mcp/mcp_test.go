@@ -16,6 +16,7 @@ import (
 	sdk "github.com/modelcontextprotocol/go-sdk/mcp"
 
 	"github.com/capsa-sandbox/capsa/hub"
+	"github.com/capsa-sandbox/capsa/netstack"
 	"github.com/capsa-sandbox/capsa/sandbox"
 	"github.com/capsa-sandbox/capsa/supervisor"
 	"github.com/capsa-sandbox/capsa/supervisor/supervisortest"
@@ -102,7 +103,7 @@ func TestToolList(t *testing.T) {
 	slices.Sort(names)
 	want := []string{"file_list", "file_read", "file_write", "kv_cas", "kv_get", "kv_list", "kv_set",
 		"mailbox_publish", "mailbox_receive", "sandbox_create", "sandbox_destroy", "sandbox_exec",
-		"sandbox_fork", "sandbox_list", "sandbox_resume", "sandbox_suspend", "snapshot_create", "snapshot_restore"}
+		"sandbox_fork", "sandbox_list", "sandbox_network", "sandbox_resume", "sandbox_suspend", "snapshot_create", "snapshot_restore"}
 	if !slices.Equal(names, want) {
 		t.Errorf("ListTools names = %v, want %v", names, want)
 	}
@@ -203,6 +204,7 @@ func TestMissingSandbox(t *testing.T) {
 		{"file_write", map[string]any{"name": "nosuch", "path": "/tmp/x", "content": "x"}},
 		{"file_list", map[string]any{"name": "nosuch", "path": "/"}},
 		{"sandbox_destroy", map[string]any{"name": "nosuch"}},
+		{"sandbox_network", map[string]any{"name": "nosuch", "network": "deny-all"}},
 		{"snapshot_create", map[string]any{"name": "nosuch"}},
 		{"sandbox_fork", map[string]any{"name": "nosuch"}},
 		{"snapshot_restore", map[string]any{"snapshot": "nosuch"}},
@@ -496,4 +498,37 @@ func mustReal(t *testing.T, p string) string {
 		t.Fatal(err)
 	}
 	return r
+}
+
+// TestSandboxNetwork: sandbox_network replaces the policy of a sandbox
+// made with a network (here one that ended: its record, for a resume),
+// refuses one made without, and a mode it does not know, naming what.
+func TestSandboxNetwork(t *testing.T) {
+	cs, dir := connect(t)
+	base := sandbox.Spec{CPUs: 1, MemoryMiB: 256, Main: sandbox.ProcessSpec{Argv: []string{"sleep", "1"}}}
+	withNet := base
+	withNet.Network = &sandbox.NetworkSpec{Policy: netstack.PublicOnly()}
+	supervisortest.Exited(t, dir, "net", withNet, 0, "done")
+	supervisortest.Exited(t, dir, "nonet", base, 0, "done")
+	res := call(t, cs, "sandbox_network", map[string]any{"name": "net", "network": "deny-all", "allow": []string{"example.com:443"}})
+	if res.IsError || !strings.Contains(text(res), "deny-all allow=example.com:443") {
+		t.Errorf("sandbox_network(net) = IsError %v, %q; want the new policy", res.IsError, text(res))
+	}
+	m, err := supervisor.OpenManager(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r, err := m.Get("net"); err != nil || r.Spec.Network.Policy.String() != "deny-all allow=example.com:443" {
+		t.Errorf("the record after sandbox_network: %v, %v", r.Spec.Network.Policy, err)
+	}
+	for args, want := range map[string]map[string]any{
+		"NAT":           {"name": "nonet", "network": "public-only"},
+		"wide-open":     {"name": "net", "network": "wide-open"},
+		"network":       {"name": "net"},
+		"cannot be rem": {"name": "net", "network": "none"},
+	} {
+		if res := call(t, cs, "sandbox_network", want); !res.IsError || !strings.Contains(text(res), args) {
+			t.Errorf("sandbox_network(%v) = IsError %v, %q; want a tool error naming %q", want, res.IsError, text(res), args)
+		}
+	}
 }

@@ -107,13 +107,25 @@ type stateResult struct {
 	State string `json:"state" jsonschema:"the sandbox's state now: suspended, or running"`
 }
 
+type networkArgs struct {
+	Name    string   `json:"name" jsonschema:"the sandbox's name"`
+	Network string   `json:"network" jsonschema:"the new policy, replacing the one it has: public-only (the internet, not the host's or private networks), allow-all or deny-all"`
+	Allow   []string `json:"allow,omitempty" jsonschema:"destinations to allow (CIDR, IP, [udp/]HOST[:PORT[-PORT]], DOMAIN or *.DOMAIN)"`
+	Deny    []string `json:"deny,omitempty" jsonschema:"destinations to deny, as allow; deny beats allow"`
+}
+
+type networkResult struct {
+	Name    string `json:"name"`
+	Network string `json:"network" jsonschema:"the policy now in force"`
+}
+
 type destroyResult struct {
 	Name      string `json:"name"`
 	Destroyed bool   `json:"destroyed"`
 }
 
 // registerSandboxTools adds sandbox_create, sandbox_list, sandbox_suspend,
-// sandbox_resume and sandbox_destroy.
+// sandbox_resume, sandbox_network and sandbox_destroy.
 func registerSandboxTools(s *sdk.Server, t *tools) {
 	addTool(s, t, &sdk.Tool{Name: "sandbox_create", Title: "Create a sandbox",
 		Description: "Start a sandbox: a microVM with its own kernel, running until sandbox_destroy or its TTL. Returns its name. Booting takes about a second; pulling an image the first time takes longer.",
@@ -131,6 +143,10 @@ func registerSandboxTools(s *sdk.Server, t *tools) {
 		Description: "Run a suspended sandbox again (restored from disk, its processes going on where they were), or a paused one.",
 		Annotations: &sdk.ToolAnnotations{DestructiveHint: boolPtr(false)},
 	}, t.resume)
+	addTool(s, t, &sdk.Tool{Name: "sandbox_network", Title: "Change a sandbox's network policy",
+		Description: "Replace the network policy of a sandbox made with a network: at once for every new connection and DNS query (connections already open go on), and for its next resume. It cannot give a network to a sandbox made without one.",
+		Annotations: &sdk.ToolAnnotations{DestructiveHint: boolPtr(false), IdempotentHint: true, OpenWorldHint: boolPtr(true)},
+	}, t.network)
 	addTool(s, t, &sdk.Tool{Name: "sandbox_destroy", Title: "Destroy a sandbox",
 		Description: "Kill a sandbox if it runs and remove it with everything in it (files written inside are gone).",
 		Annotations: &sdk.ToolAnnotations{DestructiveHint: boolPtr(true), IdempotentHint: true},
@@ -286,6 +302,22 @@ func (t *tools) resume(ctx context.Context, a nameArgs) (stateResult, error) {
 		return stateResult{}, err
 	}
 	return stateResult{Name: a.Name, State: string(supervisor.Running)}, nil
+}
+
+// network replaces a sandbox's network policy, as capsa update --net
+// does.
+func (t *tools) network(ctx context.Context, a networkArgs) (networkResult, error) {
+	if a.Network == "" || a.Network == "none" {
+		return networkResult{}, errors.New("network: public-only, allow-all or deny-all (a sandbox's network cannot be removed; deny-all without allow rules shuts it)")
+	}
+	policy, err := netstack.ParsePolicy(a.Network, a.Allow, a.Deny)
+	if err != nil {
+		return networkResult{}, fmt.Errorf("network: %w", err)
+	}
+	if err := t.m.SetNetworkPolicy(ctx, a.Name, policy); err != nil {
+		return networkResult{}, err
+	}
+	return networkResult{Name: a.Name, Network: policy.String()}, nil
 }
 
 func (t *tools) destroy(ctx context.Context, a nameArgs) (destroyResult, error) {

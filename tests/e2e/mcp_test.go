@@ -157,13 +157,15 @@ func TestMCP(t *testing.T) {
 		{Tool: "kv_set", Args: map[string]any{"key": "tasks/1", "value": "say done"}},
 		{Tool: "sandbox_exec", Args: map[string]any{"name": "agent", "shell": "capsa mailbox publish results \"done: $(capsa kv get tasks/1)\""}},
 		{Tool: "mailbox_receive", Args: map[string]any{"topic": "results", "from": 0}},
+		// The agent's sandbox was made without a network: none to change.
+		{Tool: "sandbox_network", Args: map[string]any{"name": "agent", "network": "allow-all"}},
 	}, stdio...)
 	if err != nil {
 		t.Fatalf("mcp-client over stdio: %v", err)
 	}
 	want := []string{"file_list", "file_read", "file_write", "kv_cas", "kv_get", "kv_list", "kv_set",
 		"mailbox_publish", "mailbox_receive", "sandbox_create", "sandbox_destroy", "sandbox_exec",
-		"sandbox_fork", "sandbox_list", "sandbox_resume", "sandbox_suspend", "snapshot_create", "snapshot_restore"}
+		"sandbox_fork", "sandbox_list", "sandbox_network", "sandbox_resume", "sandbox_suspend", "snapshot_create", "snapshot_restore"}
 	if got := slices.Sorted(slices.Values(lines[0].Tools)); !slices.Equal(got, want) {
 		t.Errorf("tools/list = %v, want %v", got, want)
 	}
@@ -225,6 +227,9 @@ func TestMCP(t *testing.T) {
 	}
 	if structured(t, lines[13], &received); len(received.Messages) != 1 || received.Messages[0].Sender != "agent" || received.Messages[0].Payload != "done: say done" {
 		t.Errorf("mailbox_receive results from 0 = %+v, want \"done: say done\" from agent", received.Messages)
+	}
+	if l := lines[14]; !l.IsError || !strings.Contains(l.text(), "no NAT") {
+		t.Errorf("sandbox_network on a sandbox without a network = %+v, want a tool error saying it has no NAT", l)
 	}
 
 	// An ordinary detached sandbox: the person sees it and reaches it.
