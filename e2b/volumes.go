@@ -11,7 +11,7 @@ package e2b
 // it nor mounts it. Its data is a capsa volume named e2b-ID in the state
 // directory, with the server's quota (Options.VolumeQuota), which `capsa
 // volume ls` shows too. The file API on a volume without a sandbox
-// (/volumecontent) is not served.
+// (/volumecontent) is volumecontent.go's.
 
 import (
 	"encoding/json"
