@@ -135,6 +135,17 @@ func (f *Files) walk(names []string) (p9.File, error) {
 	return file, errno(err)
 }
 
+// lookup returns the names of the path p and a File for it (the caller
+// closes it).
+func (f *Files) lookup(p string) ([]string, p9.File, error) {
+	names, err := splitPath(p)
+	if err != nil {
+		return nil, nil, err
+	}
+	file, err := f.walk(names)
+	return names, file, err
+}
+
 // entry describes file, found at names.
 func entry(file p9.File, names []string) (Entry, error) {
 	_, _, a, err := file.GetAttr(p9.AttrMaskAll)
@@ -167,11 +178,7 @@ func entry(file p9.File, names []string) (Entry, error) {
 
 // Stat describes the file at p.
 func (f *Files) Stat(p string) (Entry, error) {
-	names, err := splitPath(p)
-	if err != nil {
-		return Entry{}, err
-	}
-	file, err := f.walk(names)
+	names, file, err := f.lookup(p)
 	if err != nil {
 		return Entry{}, err
 	}
@@ -258,11 +265,7 @@ func readDir(dir p9.File) ([]string, error) {
 
 // Open opens the regular file p for reading and says its size.
 func (f *Files) Open(p string) (io.ReadCloser, int64, error) {
-	names, err := splitPath(p)
-	if err != nil {
-		return nil, 0, err
-	}
-	file, err := f.walk(names)
+	names, file, err := f.lookup(p)
 	if err != nil {
 		return nil, 0, err
 	}
@@ -342,11 +345,7 @@ func (f *Files) SetAttrs(p string, a Attrs) (Entry, error) {
 	if err := a.check(); err != nil {
 		return Entry{}, err
 	}
-	names, err := splitPath(p)
-	if err != nil {
-		return Entry{}, err
-	}
-	file, err := f.walk(names)
+	names, file, err := f.lookup(p)
 	if err != nil {
 		return Entry{}, err
 	}
