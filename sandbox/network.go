@@ -249,10 +249,18 @@ func (s *Sandbox) NetFlows() []netstack.Flow {
 // Published lists the sandbox's published ports with the host addresses
 // they listen on.
 func (s *Sandbox) Published() []netstack.Published {
-	if s.net == nil || s.net.stack == nil {
+	if nat := s.nat(); nat != nil {
+		return nat.Published()
+	}
+	return nil
+}
+
+// nat is the sandbox's NAT; nil without one (no network, or a tap).
+func (s *Sandbox) nat() *netstack.Stack {
+	if s.net == nil {
 		return nil
 	}
-	return s.net.stack.Published()
+	return s.net.stack
 }
 
 // ErrNoNAT is SetNetworkPolicy's error for a sandbox without capsa's NAT:
@@ -264,18 +272,19 @@ var ErrNoNAT = errors.New("the sandbox has no NAT (it was made without a network
 // way go on. A sandbox made without a network gets none this way
 // (ErrNoNAT).
 func (s *Sandbox) SetNetworkPolicy(p *netstack.Policy) error {
-	if s.net == nil || s.net.stack == nil {
+	nat := s.nat()
+	if nat == nil {
 		return fmt.Errorf("sandbox: set the network policy: %w", ErrNoNAT)
 	}
-	s.net.stack.SetPolicy(p)
+	nat.SetPolicy(p)
 	return nil
 }
 
 // NetworkPolicy is the policy in force on the sandbox's NAT; nil without
 // one.
 func (s *Sandbox) NetworkPolicy() *netstack.Policy {
-	if s.net == nil || s.net.stack == nil {
-		return nil
+	if nat := s.nat(); nat != nil {
+		return nat.Policy()
 	}
-	return s.net.stack.Policy()
+	return nil
 }
