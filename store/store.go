@@ -161,10 +161,6 @@ func (s *Store) ForkDir(name string) string { return filepath.Join(s.SnapshotsDi
 // SnapshotsDir holds the CLI's named snapshots, one directory each.
 func (s *Store) SnapshotsDir() string { return filepath.Join(s.dir, snapshotsDir) }
 
-// VolumesDir holds the named volumes (package volume), where the CLI
-// keeps them too (volume.DefaultDir).
-func (s *Store) VolumesDir() string { return filepath.Join(s.dir, "volumes") }
-
 // dbPath is the records' database file.
 func (s *Store) dbPath() string { return filepath.Join(s.dir, dbFile) }
 

@@ -73,7 +73,7 @@ func OpenManager(dir string) (*Manager, error) {
 func (m *Manager) Dir() string { return m.st.Dir() }
 
 // Volumes are the state directory's named volumes.
-func (m *Manager) Volumes() (*volume.Root, error) { return volume.Open(m.st.VolumesDir()) }
+func (m *Manager) Volumes() (*volume.Root, error) { return volume.Open(volume.DirIn(m.st.Dir())) }
 
 // CheckName refuses a sandbox name that is not a plain name.
 func CheckName(name string) error { return store.CheckName(name) }

@@ -91,14 +91,19 @@ var (
 // Root is a directory of volumes.
 type Root struct{ dir string }
 
-// DefaultDir is where the CLI keeps volumes: <state dir>/volumes.
+// DefaultDir is where the CLI keeps volumes: DirIn of the default state
+// directory.
 func DefaultDir() (string, error) {
 	d, err := statedir.Default()
 	if err != nil {
 		return "", fmt.Errorf("volume: %w", err)
 	}
-	return filepath.Join(d, "volumes"), nil
+	return DirIn(d), nil
 }
+
+// DirIn is the volumes directory of the state directory stateDir:
+// stateDir/volumes.
+func DirIn(stateDir string) string { return filepath.Join(stateDir, "volumes") }
 
 // Open returns the volumes in dir ("": DefaultDir), making it (0700) if
 // needed.
