@@ -428,7 +428,7 @@ func (s *Server) buildSandbox(req *newSandbox, key Key) (*sandbox.Workload, *Tem
 	if err != nil {
 		return nil, nil, fmt.Errorf("envVars: %w", err)
 	}
-	volumes := func(b *sandbox.Builder) error { return s.mountVolumes(b, key, mounts) }
+	volumes := func(b *sandbox.Builder) error { return s.mountVolumes(b, mounts) }
 	var allow, deny []string
 	if n := req.Network; n != nil {
 		allow, deny = n.AllowOut, n.DenyOut

@@ -239,9 +239,15 @@ func (s *Server) volumeUser(v volOwner) (string, error) {
 	return "", nil
 }
 
+// apiMount is a volume of the API at a guest path, as a create asks.
+type apiMount struct {
+	Vol  volOwner
+	Path string
+}
+
 // volumeMounts reads a create request's volumeMounts: key's volumes by
 // name at absolute guest paths, each path once, at most maxVolumeMounts.
-func (s *Server) volumeMounts(key Key, raw json.RawMessage) ([]volumeMount, error) {
+func (s *Server) volumeMounts(key Key, raw json.RawMessage) ([]apiMount, error) {
 	if len(raw) == 0 || string(raw) == "null" {
 		return nil, nil
 	}
@@ -253,26 +259,29 @@ func (s *Server) volumeMounts(key Key, raw json.RawMessage) ([]volumeMount, erro
 		return nil, fmt.Errorf("volumeMounts: %d, at most %d", len(mounts), maxVolumeMounts)
 	}
 	seen := map[string]bool{}
-	for i, m := range mounts {
+	out := make([]apiMount, 0, len(mounts))
+	for _, m := range mounts {
 		if !path.IsAbs(m.Path) || path.Clean(m.Path) == "/" {
 			return nil, fmt.Errorf("volumeMounts: volume %q: path %q: want an absolute path other than /", m.Name, m.Path)
 		}
-		mounts[i].Path = path.Clean(m.Path)
-		if seen[mounts[i].Path] {
-			return nil, fmt.Errorf("volumeMounts: %s: mounted twice", mounts[i].Path)
+		p := path.Clean(m.Path)
+		if seen[p] {
+			return nil, fmt.Errorf("volumeMounts: %s: mounted twice", p)
 		}
-		seen[mounts[i].Path] = true
-		if _, ok, err := s.keyVolume(key, m.Name, true); err != nil {
+		seen[p] = true
+		v, ok, err := s.keyVolume(key, m.Name, true)
+		if err != nil {
 			return nil, fmt.Errorf("volumeMounts: %w", err)
 		} else if !ok {
 			return nil, fmt.Errorf("volumeMounts: no volume named %q", m.Name)
 		}
+		out = append(out, apiMount{Vol: v, Path: p})
 	}
-	return mounts, nil
+	return out, nil
 }
 
 // mountVolumes mounts mounts (volumeMounts' result) on b, read-write.
-func (s *Server) mountVolumes(b *sandbox.Builder, key Key, mounts []volumeMount) error {
+func (s *Server) mountVolumes(b *sandbox.Builder, mounts []apiMount) error {
 	if len(mounts) == 0 {
 		return nil
 	}
@@ -281,14 +290,7 @@ func (s *Server) mountVolumes(b *sandbox.Builder, key Key, mounts []volumeMount)
 		return err
 	}
 	for _, m := range mounts {
-		v, ok, err := s.keyVolume(key, m.Name, true)
-		if err != nil {
-			return err
-		}
-		if !ok {
-			return fmt.Errorf("volumeMounts: no volume named %q", m.Name)
-		}
-		b.VolumeOwned(root.Dir(), v.volume(), m.Path, sandbox.ReadWrite, volumeUID, volumeUID)
+		b.VolumeOwned(root.Dir(), m.Vol.volume(), m.Path, sandbox.ReadWrite, volumeUID, volumeUID)
 	}
 	return nil
 }
