@@ -19,7 +19,8 @@ import (
 // without a pause of its own. The second fork writes only what the
 // sandbox wrote since the first. The process's notes show no gap at the
 // second fork longer than the pause the sandbox reports for it (and the
-// scheduling gaps it shows before any fork), so the report is honest.
+// scheduling gaps it shows before any fork, and while four copies start
+// beside it without a pause), so the report is honest.
 // Every copy and the sandbox then write a file of the same name and read
 // back only their own; the second fork's copies hold what the sandbox
 // wrote between the forks, the first's do not.
@@ -62,6 +63,7 @@ func TestForkStall(t *testing.T) {
 
 	var copies []*sandbox.Sandbox
 	var stalls, worst []time.Duration
+	var startMax time.Duration
 	for round := range 2 {
 		if round == 1 {
 			// The first fork mapped the sandbox's memory from its
@@ -78,6 +80,23 @@ func TestForkStall(t *testing.T) {
 			time.Sleep(2 * time.Second)
 			busy, m := gaps(n)
 			quietMax, n = max(quietMax, slices.Max(busy)), m
+			// And while four copies start beside it, as the second
+			// fork's will once it runs on: copies of one of the first
+			// fork's copies, which the sandbox is not paused for. Each
+			// takes its first touch of each page as a fault, and runs
+			// the ticker on, and on this host's few CPUs that is time
+			// the sandbox's process waits for too, however short the
+			// pause.
+			gcs, err := copies[0].Fork(ctx, 4, sandbox.RestoreOptions{})
+			if err != nil {
+				t.Fatalf("fork of a copy: %v", err)
+			}
+			time.Sleep(time.Second)
+			starting, m := gaps(n)
+			for _, c := range gcs {
+				c.Close()
+			}
+			startMax, n = slices.Max(starting), m
 		}
 		cs, err := sb.Fork(ctx, 4, sandbox.RestoreOptions{})
 		if err != nil {
@@ -93,10 +112,11 @@ func TestForkStall(t *testing.T) {
 		worst = append(worst, slices.Max(during))
 	}
 	t.Logf("the sandbox's pause for a fork of 4: %v for the first (the whole memory), %v for the second (what it wrote since); "+
-		"the clock's notes' largest gap: %v before each fork, %v from the first fork on, %v from the second on",
-		stalls[0].Round(time.Millisecond), stalls[1].Round(time.Millisecond), quietMax, worst[0], worst[1])
-	// The second fork's pause is all the process lost to it.
-	if limit := stalls[1] + quietMax + 20*time.Millisecond; worst[1] > limit {
+		"the clock's notes' largest gap: %v before each fork, %v while four copies of a copy started, %v from the first fork on, %v from the second on",
+		stalls[0].Round(time.Millisecond), stalls[1].Round(time.Millisecond), quietMax, startMax, worst[0], worst[1])
+	// The second fork's pause is all the process lost to it, beyond the
+	// waits it has anyway while four copies start beside it.
+	if limit := stalls[1] + max(quietMax, startMax) + 20*time.Millisecond; worst[1] > limit {
 		t.Errorf("the process in the sandbox stopped for %v at the second fork, more than the reported pause and its own gaps allow (%v)", worst[1], limit)
 	}
 
