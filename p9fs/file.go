@@ -116,7 +116,7 @@ func (f *file) WalkGetAttr(names []string) ([]p9.QID, p9.File, p9.AttrMask, p9.A
 	if err != nil {
 		return nil, nil, p9.AttrMask{}, p9.Attr{}, err
 	}
-	return qids, nf, attrValid, f.s.attr(&st), nil
+	return qids, nf, attrValid, f.s.attr(nf.fd, &st), nil
 }
 
 // walk looks up names one entry at a time, never following a symlink,
@@ -216,7 +216,7 @@ func (f *file) GetAttr(req p9.AttrMask) (p9.QID, p9.AttrMask, p9.Attr, error) {
 	if err != nil {
 		return p9.QID{}, p9.AttrMask{}, p9.Attr{}, err
 	}
-	return f.s.qid(&st), attrValid, f.s.attr(&st), nil
+	return f.s.qid(&st), attrValid, f.s.attr(f.fd, &st), nil
 }
 
 // SetAttr implements p9.File.SetAttr: permissions (without setuid and
@@ -235,16 +235,33 @@ func (f *file) SetAttr(valid p9.SetAttrMask, a p9.SetAttr) error {
 	}
 	defer f.mu.RUnlock()
 
+	// A chown of a file the VMM's user owns (a regular file or a
+	// directory) keeps the new owner in ownerXattr; the guest kernel
+	// has checked that its caller may. Any other is accepted only where
+	// it changes nothing the guest sees.
+	var chown *owner
+	var chownSt unix.Stat_t
 	if valid.UID || valid.GID {
 		st, err := f.stat()
 		if err != nil {
 			return err
 		}
-		if valid.UID && a.UID.Ok() && uint32(a.UID) != f.s.uid && uint32(a.UID) != f.s.guestUID(st.Uid) {
-			return f.s.deny(linux.EPERM, "chown", "uid", uint32(a.UID))
+		cur := f.s.shown(f.fd, &st)
+		want := cur
+		if valid.UID && a.UID.Ok() {
+			want.uid = uint32(a.UID)
 		}
-		if valid.GID && a.GID.Ok() && uint32(a.GID) != f.s.gid && uint32(a.GID) != f.s.guestGID(st.Gid) {
-			return f.s.deny(linux.EPERM, "chown", "gid", uint32(a.GID))
+		if valid.GID && a.GID.Ok() {
+			want.gid = uint32(a.GID)
+		}
+		switch {
+		case want == cur:
+		case st.Uid == f.s.hostUID && ownable(st.Mode):
+			chown, chownSt = &want, st
+		case want.uid != cur.uid && want.uid != f.s.uid:
+			return f.s.deny(linux.EPERM, "chown", "uid", want.uid)
+		case want.gid != cur.gid && want.gid != f.s.gid:
+			return f.s.deny(linux.EPERM, "chown", "gid", want.gid)
 		}
 	}
 	link := f.typ == unix.S_IFLNK
@@ -284,6 +301,13 @@ func (f *file) SetAttr(valid p9.SetAttrMask, a p9.SetAttr) error {
 		})
 		if err != nil {
 			return err
+		}
+	}
+	// The owner first: on a host without user attributes it is what
+	// fails, and then nothing has changed.
+	if chown != nil {
+		if err := f.s.setOwner(f.fd, &chownSt, *chown); err != nil {
+			return f.s.deny(linux.EPERM, "chown", "uid", chown.uid, "gid", chown.gid, "host", err.Error())
 		}
 	}
 	if valid.Permissions {
@@ -591,7 +615,7 @@ func (f *file) dirLocked(name string, op string) error {
 
 // Create implements p9.File.Create: a new regular file (never an existing
 // one, never through a symlink), opened as flags say.
-func (f *file) Create(name string, flags p9.OpenFlags, perm p9.FileMode, _ p9.UID, _ p9.GID) (p9.File, p9.QID, uint32, error) {
+func (f *file) Create(name string, flags p9.OpenFlags, perm p9.FileMode, uid p9.UID, gid p9.GID) (p9.File, p9.QID, uint32, error) {
 	fl, err := hostOpenFlags(flags)
 	if err != nil {
 		return nil, p9.QID{}, 0, err
@@ -648,16 +672,18 @@ func (f *file) Create(name string, flags p9.OpenFlags, perm p9.FileMode, _ p9.UI
 	if err != nil {
 		return fail(err)
 	}
+	f.s.own(pfd, &st, uid, gid)
 	nf.ofd = ofd
 	nf.owrite = fl&unix.O_ACCMODE != unix.O_RDONLY
 	nf.oappend = fl&unix.O_APPEND != 0
 	return nf, f.s.qid(&st), 0, nil
 }
 
-// finishNode applies mode exactly to the entry name just made in f and
-// returns its QID. The entry is looked up without following symlinks and
-// must have type typ, so a racing replacement is never chmod'ed.
-func (f *file) finishNode(name string, typ, mode uint32) (p9.QID, error) {
+// finishNode applies mode exactly to the entry name just made in f, gives
+// it the owner its creator asked for (share.own), and returns its QID.
+// The entry is looked up without following symlinks and must have type
+// typ, so a racing replacement is never changed.
+func (f *file) finishNode(name string, typ, mode uint32, uid p9.UID, gid p9.GID) (p9.QID, error) {
 	fd, err := f.s.openat(f.fd, name, unix.O_PATH, 0)
 	if err != nil {
 		return p9.QID{}, errno(err)
@@ -677,11 +703,12 @@ func (f *file) finishNode(name string, typ, mode uint32) (p9.QID, error) {
 			return p9.QID{}, errno(err)
 		}
 	}
+	f.s.own(fd, &st, uid, gid)
 	return f.s.qid(&st), nil
 }
 
 // Mkdir implements p9.File.Mkdir.
-func (f *file) Mkdir(name string, perm p9.FileMode, _ p9.UID, _ p9.GID) (p9.QID, error) {
+func (f *file) Mkdir(name string, perm p9.FileMode, uid p9.UID, gid p9.GID) (p9.QID, error) {
 	if err := f.dirLocked(name, "mkdir"); err != nil {
 		return p9.QID{}, err
 	}
@@ -690,7 +717,7 @@ func (f *file) Mkdir(name string, perm p9.FileMode, _ p9.UID, _ p9.GID) (p9.QID,
 	if err := f.makeNode("mkdir", name, 2*quotaBlock, func() error { return unix.Mkdirat(f.fd, name, mode) }); err != nil {
 		return p9.QID{}, err
 	}
-	return f.finishNode(name, unix.S_IFDIR, mode)
+	return f.finishNode(name, unix.S_IFDIR, mode, uid, gid)
 }
 
 // Symlink implements p9.File.Symlink: newName becomes a symlink whose text
@@ -769,7 +796,7 @@ func (f *file) makeNode(op, name string, size int64, mk func() error) error {
 
 // Mknod implements p9.File.Mknod for regular files, fifos and sockets;
 // device nodes fail with EPERM.
-func (f *file) Mknod(name string, mode p9.FileMode, _, _ uint32, _ p9.UID, _ p9.GID) (p9.QID, error) {
+func (f *file) Mknod(name string, mode p9.FileMode, _, _ uint32, uid p9.UID, gid p9.GID) (p9.QID, error) {
 	var typ uint32
 	switch mode.FileType() {
 	case 0, p9.ModeRegular:
@@ -794,7 +821,7 @@ func (f *file) Mknod(name string, mode p9.FileMode, _, _ uint32, _ p9.UID, _ p9.
 	if err := f.makeNode("mknod", name, quotaBlock, func() error { return unix.Mknodat(f.fd, name, typ|perm, 0) }); err != nil {
 		return p9.QID{}, err
 	}
-	return f.finishNode(name, typ, perm)
+	return f.finishNode(name, typ, perm, uid, gid)
 }
 
 // Rename implements p9.File.Rename. p9's server always uses RenameAt,

@@ -399,15 +399,17 @@ func TestOwnership(t *testing.T) {
 			must(t, mine.SetAttr(ids, p9.SetAttr{UID: 1000, GID: 1001}))
 			must(t, mine.SetAttr(ids, p9.SetAttr{UID: p9.NoUID, GID: p9.NoGID}))
 			must(t, theirs.SetAttr(ids, p9.SetAttr{UID: 4321, GID: 4322})) // unchanged
-			wantErr(t, "chown to a foreign uid", mine.SetAttr(ids, p9.SetAttr{UID: 0, GID: 1001}), linux.EPERM)
-			wantErr(t, "chgrp to a foreign gid", mine.SetAttr(p9.SetAttrMask{GID: true}, p9.SetAttr{GID: 5}), linux.EPERM)
+			// Another user's file keeps its owner (ownerXattr is for the
+			// VMM's own files: TestOwners).
+			wantErr(t, "chown of a foreign file", theirs.SetAttr(ids, p9.SetAttr{UID: 0, GID: 4322}), linux.EPERM)
+			wantErr(t, "chgrp of a foreign file", theirs.SetAttr(p9.SetAttrMask{GID: true}, p9.SetAttr{GID: 5}), linux.EPERM)
 			// A refused chown changes nothing else either.
-			wantErr(t, "chown with chmod", mine.SetAttr(p9.SetAttrMask{UID: true, Permissions: true}, p9.SetAttr{UID: 7, Permissions: 0o777}), linux.EPERM)
+			wantErr(t, "chown with chmod", theirs.SetAttr(p9.SetAttrMask{UID: true, Permissions: true}, p9.SetAttr{UID: 7, Permissions: 0o777}), linux.EPERM)
 			if st := lstat(t, tr.path("file")); st.Mode&0o777 != 0o644 || int(st.Uid) != os.Geteuid() {
 				t.Fatalf("file after refused chown: mode %o uid %d", st.Mode, st.Uid)
 			}
-			if st := lstat(t, other); st.Uid != 4321 || st.Gid != 4322 {
-				t.Fatalf("foreign file now %d:%d", st.Uid, st.Gid)
+			if st := lstat(t, other); st.Uid != 4321 || st.Gid != 4322 || st.Mode&0o777 == 0o777 {
+				t.Fatalf("foreign file now %d:%d, mode %o", st.Uid, st.Gid, st.Mode&0o777)
 			}
 		})
 	}

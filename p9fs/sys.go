@@ -292,12 +292,14 @@ var attrValid = p9.AttrMask{
 	Size: true, Blocks: true,
 }
 
-// attr converts a stat result with the share's id mapping.
-func (s *share) attr(st *unix.Stat_t) p9.Attr {
+// attr converts the stat result st of the file fd pins, with the owner
+// the guest sees (share.shown).
+func (s *share) attr(fd int, st *unix.Stat_t) p9.Attr {
+	o := s.shown(fd, st)
 	return p9.Attr{
 		Mode:             p9.FileMode(st.Mode),
-		UID:              p9.UID(s.guestUID(st.Uid)),
-		GID:              p9.GID(s.guestGID(st.Gid)),
+		UID:              p9.UID(o.uid),
+		GID:              p9.GID(o.gid),
 		NLink:            p9.NLink(st.Nlink),
 		RDev:             p9.Dev(st.Rdev),
 		Size:             uint64(st.Size),

@@ -23,6 +23,8 @@ func xattrName(name string) error {
 		return linux.EINVAL
 	case !strings.HasPrefix(name, xattrPrefix) || len(name) == len(xattrPrefix):
 		return linux.EOPNOTSUPP
+	case name == ownerXattr:
+		return linux.EPERM // the share's own (chown changes it)
 	}
 	return nil
 }
@@ -95,7 +97,7 @@ func (f *file) GetXattr(name string) ([]byte, error) {
 func (f *file) getXattr(name string) ([]byte, error) {
 	switch err := xattrName(name); err {
 	case nil:
-	case linux.EOPNOTSUPP:
+	case linux.EOPNOTSUPP, linux.EPERM:
 		return nil, linux.ENODATA
 	default:
 		return nil, err
@@ -172,7 +174,7 @@ func (f *file) listXattrs() ([]string, error) {
 	}
 	var names []string
 	for _, n := range strings.Split(string(buf), "\x00") {
-		if strings.HasPrefix(n, xattrPrefix) {
+		if strings.HasPrefix(n, xattrPrefix) && n != ownerXattr {
 			names = append(names, n)
 		}
 	}

@@ -4,6 +4,7 @@ import (
 	_ "embed"
 	"encoding/json"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"sort"
 	"strings"
@@ -50,7 +51,7 @@ var shareDifferences = map[string]struct{ got, why string }{
 // host's may not have them).
 func TestWorkspaceFidelity(t *testing.T) {
 	ref := pythonImage(t, "workspace")
-	share := t.TempDir()
+	share := xattrDir(t)
 	if err := os.WriteFile(filepath.Join(share, "fsprobe.py"), fsProbe, 0o644); err != nil {
 		t.Fatal(err)
 	}
@@ -101,4 +102,41 @@ func TestWorkspaceFidelity(t *testing.T) {
 			t.Errorf("%s on the share = %q, want %q (%s)", name, got, want, why)
 		}
 	}
+}
+
+// xattrDir is a directory on a file system that keeps user extended
+// attributes, as a user's home on ext4 or xfs does, for a share whose
+// guest users own what they make (p9fs keeps owners in one): the test's
+// own temporary directory where it does, else (the nested host's tmpfs,
+// whose Linux 6.1 has none) an ext2 file system in a file, mounted from a
+// loop device for the test.
+func xattrDir(t *testing.T) string {
+	t.Helper()
+	dir := t.TempDir()
+	if hostXattr(dir, 1) == nil {
+		return dir
+	}
+	img := filepath.Join(t.TempDir(), "fs.img")
+	f, err := os.Create(img)
+	if err == nil {
+		err = f.Truncate(256 << 20)
+		f.Close()
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, args := range [][]string{{"mke2fs", "-F", "-I", "256", img}, {"mount", "-o", "loop", img, dir}} {
+		if out, err := exec.Command("busybox", args...).CombinedOutput(); err != nil {
+			t.Fatalf("busybox %v: %v\n%s", args, err, out)
+		}
+	}
+	t.Cleanup(func() {
+		if out, err := exec.Command("umount", dir).CombinedOutput(); err != nil {
+			t.Errorf("umount %s: %v\n%s", dir, err, out)
+		}
+	})
+	if err := hostXattr(dir, 1); err != nil {
+		t.Fatalf("the ext2 file system at %s keeps no user attributes: %v", dir, err)
+	}
+	return dir
 }

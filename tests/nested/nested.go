@@ -273,10 +273,13 @@ func l1Kernel(dir string) (vmlinuz string, modules []string, err error) {
 	// needs stp, which needs llc. veth lets jobs build network namespaces
 	// joined by veth pairs; bridge and overlay let them run a CNI bridge
 	// network and containerd's overlayfs snapshotter; tun and the tc
-	// modules join a pod's VM to its network (package shim).
+	// modules join a pod's VM to its network (package shim); loop lets
+	// a job mount a file system that keeps user extended attributes,
+	// which L1's tmpfs does not.
 	for _, m := range []string{"virt/lib/irqbypass.ko", "arch/x86/kvm/kvm.ko", "arch/x86/kvm/kvm-amd.ko", "drivers/net/veth.ko",
 		"net/llc/llc.ko", "net/802/stp.ko", "net/bridge/bridge.ko", "fs/overlayfs/overlay.ko",
-		"drivers/net/tun.ko", "net/sched/sch_ingress.ko", "net/sched/cls_u32.ko", "net/sched/act_mirred.ko"} {
+		"drivers/net/tun.ko", "net/sched/sch_ingress.ko", "net/sched/cls_u32.ko", "net/sched/act_mirred.ko",
+		"drivers/block/loop.ko"} {
 		found, _ := filepath.Glob(filepath.Join(dir, "lib", "modules", "*", "kernel", m))
 		if len(found) != 1 {
 			return "", nil, fmt.Errorf("%w: %s not found under %s", ErrNoL1, m, dir)

@@ -388,6 +388,9 @@ type session struct {
 	paths    map[uint32]*fidPath
 	pathOps  map[uint16]pathOp
 	internal map[uint16]chan []byte
+	// rewrote holds the create requests in flight sent to the server
+	// with their creator (withCreator), by tag: their original type.
+	rewrote map[uint16]byte
 }
 
 // fidOp is what a request in flight does to the session's fids once the
@@ -423,7 +426,27 @@ func sessionState(d *Device) *session {
 		paths:    map[uint32]*fidPath{},
 		pathOps:  map[uint16]pathOp{},
 		internal: map[uint16]chan []byte{},
+		rewrote:  map[uint16]byte{},
 	}
+}
+
+// withCreator maps each create request (Tlcreate, Tmkdir, Tsymlink,
+// Tmknod) to the p9 package's form of it that also carries the creating
+// user's uid (Tucreate...), whose reply has the same body. 9P2000.L's
+// creates carry only a gid: the uid is the one the fid's attach named
+// (Linux attaches once per user), which the p9 server does not pass on.
+// With it the file server can give a new file its creator as owner.
+var withCreator = map[byte]byte{14: 128, 72: 130, 16: 134, 18: 132}
+
+// creator is the uid of the attach fid descends from, if known; s.mu is
+// held.
+func (s *session) creator(fid uint32) (uint32, bool) {
+	p := s.paths[fid]
+	if p == nil || p.Lost || p.Attach >= len(s.attaches) {
+		return 0, false
+	}
+	uid := s.attaches[p.Attach].NUname
+	return uid, uid != ^uint32(0)
 }
 
 func (d *Device) newSession(a *virtio.Activation) *session {
@@ -570,6 +593,14 @@ func (s *session) admitMsg(msg []byte, tag uint16, c *virtio.Chain, internal cha
 		s.fidOps[tag] = op
 	}
 	s.trackPath(tag, typ, body)
+	if u, ok := withCreator[typ]; ok && len(msg)+4 <= int(s.msize) {
+		if uid, known := s.creator(le.Uint32(body)); known {
+			msg = binary.LittleEndian.AppendUint32(msg, uid)
+			le.PutUint32(msg, uint32(len(msg)))
+			msg[4] = u
+			s.rewrote[tag] = typ
+		}
+	}
 	if c == nil {
 		s.internal[tag] = internal
 	} else {
@@ -755,6 +786,12 @@ func (s *session) check(c *virtio.Chain) ([]byte, uint16, error) {
 func (s *session) reply(msg []byte) {
 	tag := binary.LittleEndian.Uint16(msg[5:])
 	s.mu.Lock()
+	if typ, ok := s.rewrote[tag]; ok {
+		delete(s.rewrote, tag)
+		if msg[4] == withCreator[typ]+1 {
+			msg[4] = typ + 1 // the reply the guest asked for: the same body
+		}
+	}
 	c := s.pending[tag]
 	if c == nil {
 		if ch := s.internal[tag]; ch != nil {

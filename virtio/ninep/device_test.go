@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/hugelgupf/p9/p9"
+	"golang.org/x/sys/unix"
 
 	"github.com/capsa-sandbox/capsa/p9fs"
 	"github.com/capsa-sandbox/capsa/virtio"
@@ -432,5 +433,63 @@ func TestRflushFollowsTheFlushedReply(t *testing.T) {
 	// Tags are free again: both can be reused.
 	if len(s.pending) != 0 || len(s.flushes) != 0 || len(s.held) != 0 {
 		t.Errorf("session still holds pending %v flushes %v held %v", s.pending, s.flushes, s.held)
+	}
+}
+
+// TestCreatesCarryTheirCreator: a file, directory, node or symlink made
+// through an attach of uid 1000 (as Linux attaches once per user) reaches
+// the file server with that uid, which keeps it as the owner (p9fs's
+// ownerXattr); the guest gets the reply type it asked for. Root's attach
+// makes files with no owner kept.
+func TestCreatesCarryTheirCreator(t *testing.T) {
+	root := t.TempDir()
+	if err := unix.Setxattr(root, "user.capsa-test", []byte("1"), 0); err != nil {
+		t.Skipf("%s keeps no user attributes (%v)", root, err)
+	}
+	g := newGuest(t, root, false)
+	le := binary.LittleEndian
+	str := func(b []byte, s string) []byte { return append(le.AppendUint16(b, uint16(len(s))), s...) }
+	u32s := func(b []byte, v ...uint32) []byte {
+		for _, x := range v {
+			b = le.AppendUint32(b, x)
+		}
+		return b
+	}
+	send := func(typ byte, tag uint16, body []byte) {
+		t.Helper()
+		if r := g.roundTrip(message(typ, tag, body), 8192); len(r) < headerLen || r[4] != typ+1 {
+			t.Fatalf("request type %d: reply % x, want type %d", typ, r, typ+1)
+		}
+	}
+	send(tversion, 0xffff, str(u32s(nil, 8192), "9P2000.L"))
+	attach := func(fid, uid uint32) {
+		send(tattach, 1, u32s(str(str(u32s(nil, fid, ^uint32(0)), ""), ""), uid))
+	}
+	attach(1, 1000)
+	attach(2, 0)
+	send(72, 2, u32s(str(u32s(nil, 1), "d"), 0o755, 1000))                   // Tmkdir
+	send(18, 3, u32s(str(u32s(nil, 1), "n"), unix.S_IFREG|0o644, 0, 0, 100)) // Tmknod
+	send(16, 4, u32s(str(str(u32s(nil, 1), "l"), "d"), 1000))                // Tsymlink
+	send(twalk, 5, append(u32s(nil, 1, 3), 0, 0))                            // a clone to create from
+	send(14, 6, u32s(str(u32s(nil, 3), "f"), unix.O_WRONLY, 0o644, 1000))    // Tlcreate
+	send(72, 7, u32s(str(u32s(nil, 2), "r"), 0o755, 0))                      // root's Tmkdir
+
+	owner := func(name string) string {
+		buf := make([]byte, 64)
+		n, err := unix.Getxattr(filepath.Join(root, name), "user.capsa.owner", buf)
+		if err != nil {
+			return err.Error()
+		}
+		return string(buf[:n])
+	}
+	for name, want := range map[string]string{
+		"d": "1000:1000", "n": "1000:100", "f": "1000:1000", "r": unix.ENODATA.Error(),
+	} {
+		if got := owner(name); got != want {
+			t.Errorf("%s: the owner kept is %q, want %q", name, got, want)
+		}
+	}
+	if err := g.failed.Load(); err != nil {
+		t.Errorf("device failed: %v", err)
 	}
 }

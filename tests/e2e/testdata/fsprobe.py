@@ -3,7 +3,7 @@
 # the errno's name (ENOENT...) of the call that failed, or "bad: ..." when
 # every call succeeded but the result was wrong. TestWorkspaceFidelity runs
 # it on a share and on the image's own disk and compares.
-import ctypes, errno, fcntl, json, mmap, os, shutil, sqlite3, stat, sys, tempfile, time
+import ctypes, errno, fcntl, json, mmap, os, shutil, sqlite3, stat, subprocess, sys, tempfile, time
 
 base = tempfile.mkdtemp(prefix="probe-", dir=sys.argv[1])
 os.chdir(base)
@@ -180,6 +180,57 @@ def xattr_user_round_trip():
     os.removexattr("f", "user.capsa")
     if os.listxattr("f"):
         return "still listed"
+
+
+def as_user(fn, uid=1000):
+    # fn run by uid (and gid) in a child: its errno, or "bad" when it
+    # returns something.
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            os.setgroups([]); os.setgid(uid); os.setuid(uid)
+            if fn() is not None:
+                code = 255
+        except OSError as e:
+            code = e.errno or 254
+        os._exit(code)
+    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    if code == 255:
+        return "wrong owner seen by uid %d" % uid
+    if code:
+        raise OSError(code, os.strerror(code))
+
+
+@probe
+def user_owns_what_it_makes():
+    # A user other than root makes a directory and works in it, as a
+    # build run as an image's USER does.
+    for p in (sys.argv[1], base, "."):
+        os.chmod(p, 0o777 if p == "." else os.stat(p).st_mode | 0o711)
+
+    def work():
+        os.mkdir("u"); touch("u/f", b"x"); os.mkdir("u/d"); touch("u/d/g", b"y")
+        os.rename("u/f", "u/d/f")
+        for p in ("u", "u/d", "u/d/f", "u/d/g"):
+            st = os.stat(p)
+            if (st.st_uid, st.st_gid) != (1000, 1000):
+                return p
+    return as_user(work)
+
+
+@probe
+def chown_round_trip():
+    touch("f", b"x"); os.mkdir("d")
+    os.chown("f", 1234, 5678); os.chown("d", 4321, 8765)
+    if (os.stat("f").st_uid, os.stat("f").st_gid, os.stat("d").st_uid, os.stat("d").st_gid) != (1234, 5678, 4321, 8765):
+        return "owners not kept"
+    subprocess.run(["cp", "-a", "f", "g"], check=True)
+    if (os.stat("g").st_uid, os.stat("g").st_gid) != (1234, 5678):
+        return "cp -a did not keep the owner"
+    os.chown("f", 0, 0)
+    if (os.stat("f").st_uid, os.stat("f").st_gid) != (0, 0):
+        return "chown back to root not kept"
 
 
 @probe
