@@ -253,6 +253,13 @@ func (s *Server) create(w http.ResponseWriter, r *http.Request, key Key, defTime
 	if req.AutoResume != nil && req.AutoResume.Enabled {
 		labels[labelAutoResume] = "1"
 	}
+	if req.AutoPause && req.AutoPauseMemory != nil && !*req.AutoPauseMemory {
+		if spec.Image == nil {
+			apiError(w, http.StatusBadRequest, fmt.Sprintf("create: autoPauseMemory: false: template %q is capsa's built-in Linux, with no disk of its own to boot again from; use an image template", req.TemplateID))
+			return
+		}
+		labels[labelAutoReboot], labels[labelResume] = "1", "reboot"
+	}
 	labels[labelTimeout] = strconv.Itoa(timeout)
 	id := "i" + newID(19)
 	rec := &supervisor.Record{Name: id, Spec: spec, Labels: labels}
@@ -400,11 +407,11 @@ func (s *Server) buildSandbox(req *newSandbox, key Key) (*sandbox.Workload, *Tem
 	if len(req.TemplateID) > maxTemplateID {
 		return nil, nil, fmt.Errorf("templateID: longer than %d characters", maxTemplateID)
 	}
-	if req.AutoPause && req.AutoPauseMemory != nil && !*req.AutoPauseMemory {
-		return nil, nil, errors.New("autoPauseMemory: false (a pause that keeps only the file system) is not supported: capsa pauses with the memory")
-	}
 	if req.AutoResume != nil && req.AutoResume.Enabled && !req.AutoPause {
 		return nil, nil, errors.New("autoResume: needs autoPause")
+	}
+	if req.AutoPause && req.AutoPauseMemory != nil && !*req.AutoPauseMemory && req.AutoResume != nil && req.AutoResume.Enabled {
+		return nil, nil, errors.New("autoResume: not with autoPauseMemory: false (a sandbox paused without its memory boots again, so traffic cannot wake it; connect resumes it)")
 	}
 	if len(req.MCP) > 0 && string(req.MCP) != "null" {
 		return nil, nil, errors.New("mcp: capsa serve has no MCP gateway")
@@ -546,9 +553,11 @@ func (s *Server) kill(w http.ResponseWriter, r *http.Request, key Key) {
 	w.WriteHeader(http.StatusNoContent)
 }
 
-// timeoutBody is a timeout or connect request's body.
+// timeoutBody is a timeout or connect request's body; Memory, a
+// connect's (and a pause's): false, without the sandbox's memory.
 type timeoutBody struct {
-	Timeout *int `json:"timeout"`
+	Timeout *int  `json:"timeout"`
+	Memory  *bool `json:"memory"`
 }
 
 // readOptional decodes a request's JSON body into v, if it has one.
@@ -561,16 +570,22 @@ func readOptional(r *http.Request, v any) error {
 
 // readTimeout reads an optional {"timeout": seconds} body.
 func readTimeout(r *http.Request) (*int, error) {
+	body, err := readBody(r)
+	return body.Timeout, err
+}
+
+// readBody reads an optional timeoutBody, its timeout checked.
+func readBody(r *http.Request) (timeoutBody, error) {
 	var body timeoutBody
 	if err := readOptional(r, &body); err != nil {
-		return nil, err
+		return body, err
 	}
 	if body.Timeout != nil {
 		if _, err := timeoutOr("", body.Timeout, 0); err != nil {
-			return nil, err
+			return body, err
 		}
 	}
-	return body.Timeout, nil
+	return body, nil
 }
 
 // timeoutOr is a request's timeout in seconds, t, or def without one; op
@@ -611,19 +626,19 @@ func (s *Server) setTimeout(w http.ResponseWriter, r *http.Request, key Key) {
 // later; a paused one is resumed (201) with that timeout from now. A
 // sandbox not made through the API gets a token.
 func (s *Server) connect(w http.ResponseWriter, r *http.Request, key Key) {
-	t, err := readTimeout(r)
+	body, err := readBody(r)
 	if err != nil {
 		apiError(w, http.StatusBadRequest, "connect: "+err.Error())
 		return
 	}
-	timeout, _ := timeoutOr("", t, defaultTimeout)
+	timeout, _ := timeoutOr("", body.Timeout, defaultTimeout)
 	rec := s.record(w, r, key)
 	if rec == nil {
 		return
 	}
 	status := http.StatusOK
 	if paused(rec) {
-		if err := s.resume(r.Context(), rec, timeout); err != nil {
+		if err := s.resume(r.Context(), rec, timeout, body.Memory != nil && !*body.Memory); err != nil {
 			apiError(w, http.StatusInternalServerError, err.Error())
 			return
 		}
@@ -655,10 +670,29 @@ func (s *Server) connect(w http.ResponseWriter, r *http.Request, key Key) {
 }
 
 // resume runs the paused sandbox rec again, to end timeout seconds from
-// now (a sandbox paused at its timeout has none left).
-func (s *Server) resume(ctx context.Context, rec *supervisor.Record, timeout int) error {
+// now (a sandbox paused at its timeout has none left): from its memory,
+// or booted again from its disk alone where reboot says so or its pause
+// kept no memory (labelResume).
+func (s *Server) resume(ctx context.Context, rec *supervisor.Record, timeout int, reboot bool) error {
 	s.forget(rec.Name)
-	if err := s.m.Resume(ctx, rec.Name); err != nil {
+	reboot = reboot || rec.Labels[labelResume] == "reboot"
+	resume := s.m.Resume
+	if reboot {
+		resume = s.m.ResumeCold
+	}
+	if err := resume(ctx, rec.Name); err != nil {
+		return fmt.Errorf("resume %s: %v", rec.Name, err)
+	}
+	// The next pause is as the sandbox was made to pause, until a pause
+	// says otherwise.
+	if err := s.m.SetLabels(rec.Name, func(l map[string]string) error {
+		if l[labelAutoReboot] != "" {
+			l[labelResume] = "reboot"
+		} else {
+			delete(l, labelResume)
+		}
+		return nil
+	}); err != nil {
 		return fmt.Errorf("resume %s: %v", rec.Name, err)
 	}
 	// One restored from disk started again: its TTL counts from then.
@@ -669,13 +703,27 @@ func (s *Server) resume(ctx context.Context, rec *supervisor.Record, timeout int
 	if err := s.m.SetTTL(ctx, rec.Name, ttlFrom(cur.Started, timeout)); err != nil {
 		return fmt.Errorf("resume %s: %v", rec.Name, err)
 	}
-	s.log.Info("e2b: resumed", "sandbox", rec.Name, "timeout", timeout)
+	// Booted again, it runs its template's start command again, as a
+	// sandbox booted from the template does.
+	if reboot && s.templates != nil {
+		if t, ok := s.templates.Get(rec.Labels[labelTemplate]); ok && t.StartCmd != "" {
+			if err := s.startCommand(ctx, rec.Name, t.StartCmd); err != nil {
+				s.log.Warn("e2b: the template's start command", "sandbox", rec.Name, "template", t.Name, "err", err)
+			}
+		}
+	}
+	s.log.Info("e2b: resumed", "sandbox", rec.Name, "timeout", timeout, "rebooted", reboot)
 	return nil
 }
 
 // pause pauses a running sandbox (in memory: connect resumes it); 409 if
 // it is paused.
 func (s *Server) pause(w http.ResponseWriter, r *http.Request, key Key) {
+	body, err := readBody(r)
+	if err != nil {
+		apiError(w, http.StatusBadRequest, "pause: "+err.Error())
+		return
+	}
 	rec := s.record(w, r, key)
 	if rec == nil {
 		return
@@ -685,6 +733,15 @@ func (s *Server) pause(w http.ResponseWriter, r *http.Request, key Key) {
 		return
 	}
 	s.forget(rec.Name)
+	if body.Memory != nil && !*body.Memory {
+		s.pauseWithoutMemory(w, r, rec)
+		return
+	}
+	// With its memory, whatever it was made to do at its timeout.
+	if err := s.m.SetLabels(rec.Name, func(l map[string]string) error { delete(l, labelResume); return nil }); err != nil {
+		apiError(w, http.StatusInternalServerError, fmt.Sprintf("pause %s: %v", rec.Name, err))
+		return
+	}
 	// To disk, as E2B pauses: the VM ends and its memory is freed. A
 	// sandbox that cannot be snapshotted pauses in memory instead.
 	if err := s.m.Suspend(r.Context(), rec.Name); err != nil {
@@ -697,6 +754,29 @@ func (s *Server) pause(w http.ResponseWriter, r *http.Request, key Key) {
 			apiError(w, http.StatusInternalServerError, fmt.Sprintf("pause %s: %v", rec.Name, err))
 			return
 		}
+	}
+	w.WriteHeader(http.StatusNoContent)
+}
+
+// pauseWithoutMemory pauses rec keeping its disk alone (E2B's memory:
+// false): it is suspended, and its next resume boots it again from the
+// disk. Unlike a pause with memory it is
+// never done in memory instead: that would keep what the caller asked to
+// drop.
+func (s *Server) pauseWithoutMemory(w http.ResponseWriter, r *http.Request, rec *supervisor.Record) {
+	if rec.Spec.Image == nil {
+		apiError(w, http.StatusBadRequest, fmt.Sprintf("pause %s: memory: false: it runs capsa's built-in Linux, with no disk of its own to boot again from", rec.Name))
+		return
+	}
+	// The suspension writes what the guest's page cache holds to its
+	// disk first.
+	if err := s.m.SetLabels(rec.Name, func(l map[string]string) error { l[labelResume] = "reboot"; return nil }); err != nil {
+		apiError(w, http.StatusInternalServerError, fmt.Sprintf("pause %s: %v", rec.Name, err))
+		return
+	}
+	if err := s.m.Suspend(r.Context(), rec.Name); err != nil {
+		apiError(w, http.StatusInternalServerError, fmt.Sprintf("pause %s: %v", rec.Name, err))
+		return
 	}
 	w.WriteHeader(http.StatusNoContent)
 }

@@ -228,16 +228,17 @@ func TestControlRefusals(t *testing.T) {
 		t.Errorf("a wrong key: %d; want 401", code)
 	}
 	for body, field := range map[string]string{
-		`{"templateID":"base","timeout":-1}`:                                      "timeout",
-		`{"templateID":"base","timeout":99999999}`:                                "timeout",
-		`{"templateID":"base","autoPause":true,"autoPauseMemory":false}`:          "autoPauseMemory",
-		`{"templateID":"base","volumeMounts":[{"name":"nosuch","path":"/data"}]}`: "volumeMounts",
-		`{"templateID":"base","volumeMounts":{"name":"x"}}`:                       "volumeMounts",
-		`{"templateID":"base","autoResume":{"enabled":true}}`:                     "autoResume",
-		`{"templateID":"base","envVars":{"A=B":"c"}}`:                             "envVars",
-		`{"templateID":"base","metadata":{"":"x"}}`:                               "metadata",
-		`{"templateID":"base","network":{"allowOut":["not a rule!"]}}`:            "network",
-		`{"templateID":"` + strings.Repeat("x", maxTemplateID+1) + `"}`:           "templateID",
+		`{"templateID":"base","timeout":-1}`:                                       "timeout",
+		`{"templateID":"base","timeout":99999999}`:                                 "timeout",
+		`{"templateID":"base","autoPause":true,"autoPauseMemory":false}`:           "autoPauseMemory",
+		`{"autoPause":true,"autoPauseMemory":false,"autoResume":{"enabled":true}}`: "autoResume",
+		`{"templateID":"base","volumeMounts":[{"name":"nosuch","path":"/data"}]}`:  "volumeMounts",
+		`{"templateID":"base","volumeMounts":{"name":"x"}}`:                        "volumeMounts",
+		`{"templateID":"base","autoResume":{"enabled":true}}`:                      "autoResume",
+		`{"templateID":"base","envVars":{"A=B":"c"}}`:                              "envVars",
+		`{"templateID":"base","metadata":{"":"x"}}`:                                "metadata",
+		`{"templateID":"base","network":{"allowOut":["not a rule!"]}}`:             "network",
+		`{"templateID":"` + strings.Repeat("x", maxTemplateID+1) + `"}`:            "templateID",
 		`{"templateID":`: "body",
 		`{"templateID":"base","allow_internet_access":false,"network":{"denyOut":["1.2.3.4"]}}`: "network",
 	} {

@@ -68,7 +68,9 @@ func (s *Server) guest(ctx context.Context, id string) (*guest, error) {
 		s.forget(id)
 		return nil, err
 	}
-	if paused(rec) && rec.Labels[labelAutoResume] != "" {
+	// One paused without its memory is not: it boots again, and
+	// only connect does that.
+	if paused(rec) && rec.Labels[labelAutoResume] != "" && rec.Labels[labelResume] != "reboot" {
 		// Traffic wakes a sandbox made with autoResume, for the
 		// timeout it was made with: one request resumes it, those
 		// that come meanwhile wait for that.
@@ -76,7 +78,7 @@ func (s *Server) guest(ctx context.Context, id string) (*guest, error) {
 		rec, err = s.m.Get(id)
 		if err == nil && paused(rec) {
 			timeout, _ := strconv.Atoi(rec.Labels[labelTimeout])
-			if err = s.resume(ctx, rec, cmp.Or(timeout, defaultTimeout)); err == nil {
+			if err = s.resume(ctx, rec, cmp.Or(timeout, defaultTimeout), false); err == nil {
 				rec, err = s.m.Get(id)
 			}
 		}

@@ -58,6 +58,13 @@ const (
 	labelEnv        = "e2b.env"        // a restored sandbox's envVars (JSON), for its processes
 	labelAutoResume = "e2b.autoresume" // paused, it is resumed by a request for it
 	labelTimeout    = "e2b.timeout"    // its timeout at create, in seconds (an auto-resume's)
+	// labelResume says how its next resume starts it: "reboot" from its
+	// disk alone (a pause without memory), else from its memory.
+	// labelAutoReboot ("1") is what an auto-pause at its timeout leaves
+	// it (autoPauseMemory: false), and labelResume goes back to after
+	// each resume.
+	labelResume     = "e2b.resume"
+	labelAutoReboot = "e2b.autopause-reboot"
 )
 
 // Options configure a Server.

@@ -308,16 +308,24 @@ func (s *Sandbox) Spec() Spec { return s.c.Spec }
 
 // Start boots the sandbox, waits for its agent and starts the main process.
 func (w *Workload) Start(ctx context.Context) (*Sandbox, error) {
+	return w.boot(ctx, nil)
+}
+
+// boot is Start with the image sandbox's root given (nil: the image's,
+// with a new writable layer); on failure root is removed too.
+func (w *Workload) boot(ctx context.Context, root *rootfs) (*Sandbox, error) {
 	if err := w.c.err(); err != nil {
+		root.remove()
 		return nil, err
 	}
 	opts := ExecOptions{Argv: w.c.Main.Argv, Dir: w.c.Main.Dir, User: w.c.Main.User, Timeout: w.c.Main.Timeout,
 		Stdin: w.stdin, Stdout: w.stdout, Stderr: w.stderr, TTY: w.tty}
-	var root *rootfs
 	if w.c.Image != nil {
-		var err error
-		if root, err = prepareImage(ctx, w.c); err != nil {
-			return nil, err
+		if root == nil {
+			var err error
+			if root, err = prepareImage(ctx, w.c); err != nil {
+				return nil, err
+			}
 		}
 		opts.Argv, opts.Env, opts.Dir, opts.User = root.proc.Argv, root.proc.Env, root.proc.Dir, root.proc.User
 	} else {

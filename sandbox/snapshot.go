@@ -384,6 +384,48 @@ func Restore(ctx context.Context, dir string, o RestoreOptions) (*Sandbox, error
 	return s, nil
 }
 
+// Reboot starts a sandbox afresh from the files of the snapshot in dir:
+// its image with a copy of its writable root disk, booted, and its main
+// process started again, with the restore's settings (RestoreOptions,
+// whose Settings, Secrets, Identity and outputs mean what they mean to
+// Restore). The snapshot's memory is not read, so nothing that ran
+// survives: the disk is as the guest had written it back by the
+// snapshot, what its page cache still held is lost, as after a power cut
+// (ext4's journal recovers the file system at the boot). E2B calls this a
+// resume without memory. Only an image sandbox has a disk of its own to
+// boot from; the snapshot itself is left as it is.
+func Reboot(ctx context.Context, dir string, o RestoreOptions) (*Sandbox, error) {
+	snap, err := snapshot.Open(dir)
+	if err != nil {
+		return nil, fmt.Errorf("sandbox: reboot: %w", err)
+	}
+	defer snap.Close()
+	spec, err := restoredSpec(snap, o.Settings)
+	if err != nil {
+		return nil, fmt.Errorf("sandbox: reboot: snapshot %s: %w", dir, err)
+	}
+	if spec.Image == nil {
+		return nil, fmt.Errorf("sandbox: reboot: snapshot %s: not of an image sandbox: it has no disk of its own to boot from", dir)
+	}
+	spec.VsockSocket = o.VsockSocket
+	if o.Identity != "" {
+		if spec.Hub == nil {
+			spec.Hub = &HubSpec{}
+		}
+		spec.Hub.Identity = o.Identity
+	}
+	w := FromSpec(spec).Secrets(o.Secrets).NetAudit(o.NetAudit).Stdout(o.Stdout).Stderr(o.Stderr)
+	w.c.log, w.c.console, w.c.beforeRun = o.Logger, o.Console, o.BeforeRun
+	if err := w.c.err(); err != nil {
+		return nil, fmt.Errorf("sandbox: reboot: %w", err)
+	}
+	root, err := restoreRootfs(w.c, snap)
+	if err != nil {
+		return nil, fmt.Errorf("sandbox: reboot: %w", err)
+	}
+	return w.boot(ctx, root)
+}
+
 // Settings returns what the builder holds as a restore's host-facing
 // settings (RestoreOptions.Settings) and its secrets' values, or what is
 // wrong with them: a restore's are built and checked by the same methods

@@ -80,6 +80,10 @@ type Record struct {
 	// from instead of booting (capsa snapshot restore, capsa fork), and
 	// Hostname the name its guest then takes ("": the snapshot's).
 	RestoreFrom string `json:"restore_from,omitempty"`
+	// Reboot: the sandbox starts from RestoreFrom's files, booted afresh
+	// with its writable root disk, not from its memory (sandbox.Reboot;
+	// Manager.ResumeCold).
+	Reboot bool `json:"reboot,omitempty"`
 	// NoConfine: the supervisor does not confine itself (run
 	// --no-confine); Run.Confinement is what it got.
 	NoConfine bool `json:"no_confine,omitempty"`

@@ -119,9 +119,46 @@ func (m *Manager) Pause(ctx context.Context, name string) error { return Pause(c
 // from its snapshot (its supervisor starts again, and Resume returns once
 // the sandbox runs), and the snapshot goes.
 func (m *Manager) Resume(ctx context.Context, name string) error {
+	return m.resume(ctx, name, false)
+}
+
+// ResumeCold runs the paused image sandbox name again from its disk, not
+// its memory: booted afresh with its writable root disk as its suspension
+// left it, its main process started again (sandbox.Reboot); then the
+// snapshot goes. One paused in memory is suspended first (one being
+// suspended, at its timeout say, is waited for). A sandbox not of an
+// image, or not paused, is refused.
+func (m *Manager) ResumeCold(ctx context.Context, name string) error {
+	return m.resume(ctx, name, true)
+}
+
+func (m *Manager) resume(ctx context.Context, name string, cold bool) error {
 	rec, err := m.st.Get(name)
 	if err != nil {
 		return err
+	}
+	if cold && rec.Spec.Image == nil {
+		return fmt.Errorf("supervisor: resume %s without its memory: it is not an image sandbox, and has no disk of its own to boot from", name)
+	}
+	if cold && rec.State != Suspended {
+		if rec.State != Paused {
+			return fmt.Errorf("supervisor: resume %s without its memory: it is %s, not paused", name, rec.State)
+		}
+		// Being suspended already, or suspended since it was read, it
+		// refuses: what counts is how it ends up.
+		serr := m.Suspend(ctx, name)
+		if err := m.st.WaitUnlocked(ctx, name); err != nil {
+			return fmt.Errorf("supervisor: resume %s without its memory: %w", name, err)
+		}
+		if rec, err = m.st.Get(name); err != nil {
+			return err
+		}
+		if rec.State != Suspended {
+			if serr != nil {
+				return fmt.Errorf("supervisor: resume %s without its memory: %w", name, serr)
+			}
+			return fmt.Errorf("supervisor: resume %s without its memory: it ended instead of being suspended (%s)", name, describeEnd(rec))
+		}
 	}
 	if rec.State != Suspended {
 		err := Resume(ctx, m.st, name)
@@ -154,6 +191,10 @@ func (m *Manager) Resume(ctx context.Context, name string) error {
 	if err != nil {
 		return fmt.Errorf("supervisor: resume %s: %w", name, err)
 	}
+	// How it starts is its record's to say: set before every resume.
+	if err := m.st.Update(name, func(r *Record) error { r.Reboot = cold; return nil }); err != nil {
+		return fmt.Errorf("supervisor: resume %s: %w", name, err)
+	}
 	lock, err := m.st.Start(name)
 	if err != nil {
 		return fmt.Errorf("supervisor: resume %s: %w", name, err)
@@ -167,7 +208,7 @@ func (m *Manager) Resume(ctx context.Context, name string) error {
 	dir := rec.RestoreFrom
 	if err := m.st.Update(name, func(r *Record) error {
 		if r.RestoreFrom == dir {
-			r.RestoreFrom = ""
+			r.RestoreFrom, r.Reboot = "", false
 		}
 		return nil
 	}); err != nil {

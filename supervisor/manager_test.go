@@ -97,6 +97,41 @@ func TestManagerSetNetworkPolicy(t *testing.T) {
 	}
 }
 
+// TestManagerResumeCold: a resume without the memory is refused, naming
+// why, for a sandbox of no image (nothing to boot from) and for one not
+// paused, before anything starts; ResumeCold of an unknown name
+// is ErrNotFound.
+func TestManagerResumeCold(t *testing.T) {
+	m := newManager(t)
+	ctx := context.Background()
+	plain := sandbox.Spec{CPUs: 1, MemoryMiB: 256, Main: sandbox.ProcessSpec{Argv: []string{"true"}}}
+	img := plain
+	img.Image = &sandbox.ImageSpec{Ref: "example/app:1"}
+	for name, spec := range map[string]sandbox.Spec{"plain": plain, "img": img} {
+		if _, err := m.Create(&Record{Name: name, Spec: spec}, nil); err != nil {
+			t.Fatal(err)
+		}
+		if err := m.st.Update(name, func(r *Record) error { r.State = Suspended; return nil }); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := m.ResumeCold(ctx, "plain"); err == nil || !strings.Contains(err.Error(), "not an image sandbox") {
+		t.Errorf("ResumeCold of a sandbox without an image = %v", err)
+	}
+	if err := m.st.Update("img", func(r *Record) error { r.State = Created; return nil }); err != nil {
+		t.Fatal(err)
+	}
+	if err := m.ResumeCold(ctx, "img"); err == nil || !strings.Contains(err.Error(), "not paused") {
+		t.Errorf("ResumeCold of a sandbox not paused = %v", err)
+	}
+	if r, _ := m.Get("img"); r.Reboot {
+		t.Errorf("a refused ResumeCold left Reboot set")
+	}
+	if err := m.ResumeCold(ctx, "nosuch"); !errors.Is(err, ErrNotFound) {
+		t.Errorf("ResumeCold(nosuch) = %v; want ErrNotFound", err)
+	}
+}
+
 // TestManagerCreateAndStart: Create records a sandbox in state Created
 // without starting anything; a second one of the name is ErrExists; only
 // a created sandbox starts.

@@ -192,11 +192,15 @@ func Run(ctx context.Context, o Options) error {
 	defer p.close()
 	sb, err := p.start(&spec, func(beforeRun func(*sandbox.Sandbox) error) (*sandbox.Sandbox, error) {
 		if rec.RestoreFrom != "" {
-			return sandbox.Restore(ctx, rec.RestoreFrom, sandbox.RestoreOptions{
+			ro := sandbox.RestoreOptions{
 				Logger: log, Console: consoleLog, Stdout: mainLog, Stderr: mainLog,
 				VsockSocket: spec.VsockSocket, Settings: &spec, Hostname: rec.Hostname,
 				Identity: o.Name, Secrets: secrets, NetAudit: netAudit, BeforeRun: beforeRun,
-			})
+			}
+			if rec.Reboot {
+				return sandbox.Reboot(ctx, rec.RestoreFrom, ro)
+			}
+			return sandbox.Restore(ctx, rec.RestoreFrom, ro)
 		}
 		return sandbox.FromSpec(spec).Secrets(secrets).NetAudit(netAudit).BeforeRun(beforeRun).
 			Logger(log).Console(consoleLog).Stdout(mainLog).Stderr(mainLog).Start(ctx)
@@ -205,7 +209,7 @@ func Run(ctx context.Context, o Options) error {
 		return fail(err)
 	}
 	defer sb.Close()
-	log.Info("supervisor: the sandbox runs", "restored", rec.RestoreFrom != "", "timeline", sb.Timeline().String())
+	log.Info("supervisor: the sandbox runs", "restored", rec.RestoreFrom != "" && !rec.Reboot, "rebooted", rec.Reboot, "timeline", sb.Timeline().String())
 
 	c := &control{sb: sb, rep: rep, stopc: make(chan stopRequest, 1), ttlc: make(chan time.Duration),
 		suspendc: make(chan struct{}, 1), suspendDir: st.SuspendDir(o.Name), started: time.Now()}
@@ -446,6 +450,19 @@ func (c *control) suspend(ctx context.Context, log *slog.Logger) error {
 	ctx, cancel := context.WithTimeout(ctx, 5*time.Minute)
 	defer cancel()
 	wasPaused := c.sb.Paused()
+	if !wasPaused && c.sb.Spec().Image != nil {
+		// What the guest wrote is put on its disk first: a resume
+		// without the memory (Manager.ResumeCold) boots from the
+		// disk alone. A guest that does not answer is suspended all
+		// the same.
+		sctx, scancel := context.WithTimeout(ctx, 10*time.Second)
+		o := sandbox.Command("sync")
+		o.User = "0"
+		if r, err := c.sb.Exec(sctx, o); err != nil || r.Code != 0 {
+			log.Warn("supervisor: sync before the suspension", "err", err)
+		}
+		scancel()
+	}
 	if err := c.sb.Pause(ctx); err != nil {
 		return fmt.Errorf("suspend: %w", err)
 	}

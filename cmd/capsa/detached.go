@@ -17,6 +17,8 @@ import (
 	"text/tabwriter"
 	"time"
 
+	"github.com/spf13/pflag"
+
 	"github.com/capsa-sandbox/capsa/agent"
 	"github.com/capsa-sandbox/capsa/netstack"
 	"github.com/capsa-sandbox/capsa/sandbox"
@@ -326,13 +328,25 @@ func runSuspend(ctx context.Context, args []string, stdout, stderr io.Writer) in
 }
 
 func runResume(ctx context.Context, args []string, stdout, stderr io.Writer) int {
-	return pauseOrResume(ctx, "resume", (*supervisor.Manager).Resume, args, stdout, stderr)
+	var reboot *bool
+	resume := func(m *supervisor.Manager, ctx context.Context, name string) error {
+		if *reboot {
+			return m.ResumeCold(ctx, name)
+		}
+		return m.Resume(ctx, name)
+	}
+	return pauseOrResume(ctx, "resume", resume, args, stdout, stderr, func(fs *pflag.FlagSet) {
+		reboot = fs.Bool("reboot", false, "boot an image sandbox again from its disk, not its memory: its files kept, its processes started afresh (suspends one paused in memory first)")
+	})
 }
 
 // pauseOrResume runs op on each named detached sandbox and prints the
-// names it did.
-func pauseOrResume(ctx context.Context, name string, op func(*supervisor.Manager, context.Context, string) error, args []string, stdout, stderr io.Writer) int {
-	fs := newFlags(name, "NAME...", stdout)
+// names it did; flags, when given, adds the command's own flags.
+func pauseOrResume(ctx context.Context, name string, op func(*supervisor.Manager, context.Context, string) error, args []string, stdout, stderr io.Writer, flags ...func(*pflag.FlagSet)) int {
+	fs := newFlags(name, "[flags] NAME...", stdout)
+	for _, f := range flags {
+		f(fs)
+	}
 	if code := parseFlags(fs, args, stderr); code >= 0 {
 		return code
 	}

@@ -228,6 +228,11 @@ func TestSuspendResumeCLI(t *testing.T) {
 	if r := cli(time.Minute, "exec", "s", "--", "true"); r.code == 0 || !strings.Contains(r.stderr, "suspended") || !strings.Contains(r.stderr, "capsa resume s") {
 		t.Errorf("capsa exec into a suspended sandbox = exit %d, stderr %q; want a failure naming the suspension and capsa resume", r.code, r.stderr)
 	}
+	// Not of an image, it has no disk to boot again from: only its
+	// memory, which --reboot would drop.
+	if r := cli(time.Minute, "resume", "--reboot", "s"); r.code == 0 || !strings.Contains(r.stderr, "not an image sandbox") {
+		t.Errorf("capsa resume --reboot s = exit %d, stderr %q; want a refusal: not an image sandbox", r.code, r.stderr)
+	}
 	if r := cli(3*time.Minute, "resume", "s"); r.code != 0 || r.stdout != "s\n" {
 		t.Fatalf("capsa resume s (from disk) = exit %d, stdout %q, stderr %q; want 0 and s", r.code, r.stdout, r.stderr)
 	}

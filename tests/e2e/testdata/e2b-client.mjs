@@ -353,23 +353,56 @@ if (mode === 'main') {
     check(list.some((p) => p.pid === bg.pid), 'the background process is gone')
     await again.commands.kill(bg.pid)
   })
+  await step('pause without memory: connect boots it again from its disk, with its template\'s start command; onResume reboot does the same for a pause with memory', async () => {
+    const c = await Sandbox.create('plain', { timeoutMs: 120_000 })
+    const bootID = async (sb) => (await sb.commands.run('cat /proc/sys/kernel/random/boot_id')).stdout
+    const first = await bootID(c)
+    await c.files.write('kept.txt', 'on the disk\n')
+    const bg = await c.commands.run('sleep 1000', { background: true })
+    eq(await c.pause({ keepMemory: false }), true, 'pause({ keepMemory: false })')
+    eq((await c.getInfo()).state, 'paused', 'paused without memory')
+    const again = await Sandbox.connect(c.sandboxId, { timeoutMs: 120_000 })
+    const second = await bootID(again)
+    check(second !== first, `booted again: boot_id ${first.trim()} before, ${second.trim()} after`)
+    eq(await again.files.read('kept.txt'), 'on the disk\n', 'its file, after the reboot')
+    check(!(await again.commands.list()).some((p) => p.pid === bg.pid), 'the background process did not survive the reboot')
+    eq((await again.commands.run('for i in $(seq 100); do [ -e /tmp/started ] && break; sleep 0.1; done; ls /tmp/started')).stdout, '/tmp/started\n', "the template's start command ran again")
+    // A pause with memory resumes from it, the reboot forgotten...
+    eq(await again.pause(), true, 'pause with memory')
+    const restored = await Sandbox.connect(c.sandboxId, { timeoutMs: 120_000 })
+    eq(await bootID(restored), second, 'resumed from memory: the same boot')
+    // ...unless the connect asks for a reboot.
+    eq(await restored.pause(), true, 'pause with memory again')
+    const rebooted = await Sandbox.connect(c.sandboxId, { timeoutMs: 120_000, onResume: 'reboot' })
+    check((await bootID(rebooted)) !== second, "onResume: 'reboot' booted it again")
+    eq(await rebooted.files.read('kept.txt'), 'on the disk\n', "its file, after onResume: 'reboot'")
+    await rebooted.kill()
+  })
   await step('at its timeout, a sandbox made to pause pauses; connect, or with autoResume any request, resumes it', async () => {
-    const [a, b] = await Promise.all([
+    // c pauses without its memory (keepMemory: false): connect boots it.
+    const [a, b, c] = await Promise.all([
       Sandbox.create('web', { timeoutMs: 60_000, lifecycle: { onTimeout: 'pause' } }),
       Sandbox.create('web', { timeoutMs: 60_000, lifecycle: { onTimeout: 'pause', autoResume: true } }),
+      Sandbox.create('web', { timeoutMs: 60_000, lifecycle: { onTimeout: { action: 'pause', keepMemory: false } } }),
     ])
     await a.files.write('kept.txt', 'a')
+    await c.files.write('kept.txt', 'c')
+    const cBoot = (await c.commands.run('cat /proc/sys/kernel/random/boot_id')).stdout
     eq((await a.getInfo()).lifecycle, { onTimeout: 'pause', autoResume: false }, 'lifecycle')
     // Short timeouts only now: on a slow host the creates and the write
-    // must not race them. Then up to 90 s for both to be on disk.
-    await Promise.all([a.setTimeout(2_000), b.setTimeout(2_000)])
+    // must not race them. Then up to 90 s for all to be on disk.
+    await Promise.all([a.setTimeout(2_000), b.setTimeout(2_000), c.setTimeout(2_000)])
     let states
     for (let i = 0; i < 90; i++) {
-      states = [(await a.getInfo()).state, (await b.getInfo()).state]
-      if (states[0] === 'paused' && states[1] === 'paused') break
+      states = [(await a.getInfo()).state, (await b.getInfo()).state, (await c.getInfo()).state]
+      if (states.every((st) => st === 'paused')) break
       await sleep(1_000)
     }
-    eq(states, ['paused', 'paused'], 'after the timeout')
+    eq(states, ['paused', 'paused', 'paused'], 'after the timeout')
+    const cAgain = await Sandbox.connect(c.sandboxId, { timeoutMs: 60_000 })
+    check((await cAgain.commands.run('cat /proc/sys/kernel/random/boot_id')).stdout !== cBoot, 'keepMemory: false: connect booted it again')
+    eq(await cAgain.files.read('kept.txt'), 'c', 'its file, after the reboot')
+    await cAgain.kill()
     // A request reaches the autoResume one; the other is connected to.
     eq((await b.commands.run('echo woke')).stdout, 'woke\n', 'a command wakes it')
     eq((await b.getInfo()).state, 'running', 'resumed by the request')
