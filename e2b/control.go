@@ -675,13 +675,27 @@ func (s *Server) connect(w http.ResponseWriter, r *http.Request, key Key) {
 // kept no memory (labelResume).
 func (s *Server) resume(ctx context.Context, rec *supervisor.Record, timeout int, reboot bool) error {
 	s.forget(rec.Name)
+	asked := reboot
 	reboot = reboot || rec.Labels[labelResume] == "reboot"
 	resume := s.m.Resume
 	if reboot {
 		resume = s.m.ResumeCold
 	}
 	if err := resume(ctx, rec.Name); err != nil {
-		return fmt.Errorf("resume %s: %v", rec.Name, err)
+		// Made to pause without its memory, but paused in memory at its
+		// timeout (its suspension failed, and so does this one): it runs
+		// on from its memory rather than not at all.
+		cur, gerr := s.m.Get(rec.Name)
+		if asked || !reboot || gerr != nil || (cur.State != supervisor.Running && cur.State != supervisor.Paused) {
+			return fmt.Errorf("resume %s: %v", rec.Name, err)
+		}
+		s.log.Warn("e2b: a resume without memory failed; resuming from memory", "sandbox", rec.Name, "err", err)
+		if cur.State == supervisor.Paused {
+			if err := s.m.Resume(ctx, rec.Name); err != nil {
+				return fmt.Errorf("resume %s: %v", rec.Name, err)
+			}
+		}
+		reboot = false
 	}
 	// The next pause is as the sandbox was made to pause, until a pause
 	// says otherwise.
@@ -738,7 +752,8 @@ func (s *Server) pause(w http.ResponseWriter, r *http.Request, key Key) {
 		return
 	}
 	// With its memory, whatever it was made to do at its timeout.
-	if err := s.m.SetLabels(rec.Name, func(l map[string]string) error { delete(l, labelResume); return nil }); err != nil {
+	restore, err := s.setResume(rec.Name, "")
+	if err != nil {
 		apiError(w, http.StatusInternalServerError, fmt.Sprintf("pause %s: %v", rec.Name, err))
 		return
 	}
@@ -747,10 +762,12 @@ func (s *Server) pause(w http.ResponseWriter, r *http.Request, key Key) {
 	if err := s.m.Suspend(r.Context(), rec.Name); err != nil {
 		s.log.Warn("e2b: pause to disk failed; pausing in memory", "sandbox", rec.Name, "err", err)
 		if cur, gerr := s.m.Get(rec.Name); gerr != nil || !cur.Alive() {
+			restore()
 			apiError(w, http.StatusInternalServerError, fmt.Sprintf("pause %s: %v", rec.Name, err))
 			return
 		}
 		if err := s.m.Pause(r.Context(), rec.Name); err != nil {
+			restore()
 			apiError(w, http.StatusInternalServerError, fmt.Sprintf("pause %s: %v", rec.Name, err))
 			return
 		}
@@ -760,9 +777,8 @@ func (s *Server) pause(w http.ResponseWriter, r *http.Request, key Key) {
 
 // pauseWithoutMemory pauses rec keeping its disk alone (E2B's memory:
 // false): it is suspended, and its next resume boots it again from the
-// disk. Unlike a pause with memory it is
-// never done in memory instead: that would keep what the caller asked to
-// drop.
+// disk. Unlike a pause with memory it is never done in memory instead:
+// that would keep what the caller asked to drop.
 func (s *Server) pauseWithoutMemory(w http.ResponseWriter, r *http.Request, rec *supervisor.Record) {
 	if rec.Spec.Image == nil {
 		apiError(w, http.StatusBadRequest, fmt.Sprintf("pause %s: memory: false: it runs capsa's built-in Linux, with no disk of its own to boot again from", rec.Name))
@@ -770,15 +786,43 @@ func (s *Server) pauseWithoutMemory(w http.ResponseWriter, r *http.Request, rec 
 	}
 	// The suspension writes what the guest's page cache holds to its
 	// disk first.
-	if err := s.m.SetLabels(rec.Name, func(l map[string]string) error { l[labelResume] = "reboot"; return nil }); err != nil {
+	restore, err := s.setResume(rec.Name, "reboot")
+	if err != nil {
 		apiError(w, http.StatusInternalServerError, fmt.Sprintf("pause %s: %v", rec.Name, err))
 		return
 	}
 	if err := s.m.Suspend(r.Context(), rec.Name); err != nil {
+		restore()
 		apiError(w, http.StatusInternalServerError, fmt.Sprintf("pause %s: %v", rec.Name, err))
 		return
 	}
 	w.WriteHeader(http.StatusNoContent)
+}
+
+// setResume sets how the sandbox name's next resume starts it
+// (labelResume: "reboot", or "" from its memory) and returns what sets
+// back the one before, for a pause that fails.
+func (s *Server) setResume(name, how string) (restore func(), err error) {
+	var was string
+	set := func(v string) func(map[string]string) error {
+		return func(l map[string]string) error {
+			if v == "" {
+				delete(l, labelResume)
+			} else {
+				l[labelResume] = v
+			}
+			return nil
+		}
+	}
+	err = s.m.SetLabels(name, func(l map[string]string) error {
+		was = l[labelResume]
+		return set(how)(l)
+	})
+	return func() {
+		if err := s.m.SetLabels(name, set(was)); err != nil {
+			s.log.Warn("e2b: the resume's kind not set back after a failed pause", "sandbox", name, "err", err)
+		}
+	}, err
 }
 
 // metric is one SandboxMetric.

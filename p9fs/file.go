@@ -289,9 +289,9 @@ func (f *file) SetAttr(valid p9.SetAttrMask, a p9.SetAttr) error {
 		}
 	}
 
-	if valid.Size && valid.Permissions && f.s.quota != nil {
-		// Refuse a truncation past the budget before the chmod (the
-		// truncation checks again, in its own Update).
+	if valid.Size && (valid.Permissions || chown != nil) && f.s.quota != nil {
+		// Refuse a truncation past the budget before the owner or the
+		// chmod (the truncation checks again, in its own Update).
 		err := f.s.charged("truncate", func(tx QuotaTx) error {
 			var st unix.Stat_t
 			if err := unix.Fstat(f.fd, &st); err != nil {
@@ -311,9 +311,15 @@ func (f *file) SetAttr(valid p9.SetAttrMask, a p9.SetAttr) error {
 		}
 	}
 	if valid.Permissions {
+		var st unix.Stat_t
+		refresh := func() {}
+		if unix.Fstat(f.fd, &st) == nil {
+			refresh = f.s.keepOwner(f.fd, &st, safeMode(a.Permissions))
+		}
 		if err := unix.Chmod(procPath(f.fd), safeMode(a.Permissions)); err != nil {
 			return errno(err)
 		}
+		refresh()
 	}
 	if valid.Size {
 		if err := f.truncate(int64(a.Size)); err != nil {

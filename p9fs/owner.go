@@ -1,8 +1,10 @@
 package p9fs
 
 import (
+	"fmt"
 	"strconv"
 	"strings"
+	"sync"
 
 	"github.com/hugelgupf/p9/p9"
 	"golang.org/x/sys/unix"
@@ -19,6 +21,70 @@ const ownerXattr = "user.capsa.owner"
 
 // owner is a pair of guest ids.
 type owner struct{ uid, gid uint32 }
+
+// A user attribute is read and written under the file's permission bits,
+// which bind its owner too: a VMM run by an ordinary user (no
+// CAP_FOWNER) reads the owner of a file whose mode gives it no read
+// permission only through ownerCache, and writes it by lending itself the
+// permission for that one call (ownerAccess).
+
+// ownerCache remembers, for a file whose owner attribute the VMM wrote or
+// read, the owner and the file's ctime then: a chmod through the share
+// that takes the VMM's read permission away refreshes it, so the owner
+// stays shown. Any other change of the inode (the host's, or the inode
+// reused) changes its ctime and the entry no longer counts.
+type ownerCache struct {
+	mu sync.Mutex
+	m  map[qidKey]ownerEntry
+}
+
+type ownerEntry struct {
+	o     owner
+	ctime unix.Timespec
+}
+
+// maxOwnerCache bounds the cache; past it, it starts again empty.
+const maxOwnerCache = 1 << 16
+
+func (c *ownerCache) put(st *unix.Stat_t, o owner) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.m == nil || len(c.m) >= maxOwnerCache {
+		c.m = map[qidKey]ownerEntry{}
+	}
+	c.m[qidKey{dev: st.Dev, hi: st.Ino}] = ownerEntry{o, st.Ctim}
+}
+
+func (c *ownerCache) get(st *unix.Stat_t) (owner, bool) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	e, ok := c.m[qidKey{dev: st.Dev, hi: st.Ino}]
+	return e.o, ok && e.ctime == st.Ctim
+}
+
+// ownerAccess runs fn, which reads or writes the owner attribute of the
+// file fd pins (stat st), with the VMM given the read and write
+// permission that needs: a mode without them is widened for the call and
+// set back after. Root needs none of it.
+func (s *share) ownerAccess(fd int, st *unix.Stat_t, fn func() error) error {
+	need := uint32(0o600)
+	if st.Mode&unix.S_IFMT == unix.S_IFDIR {
+		need = 0o700
+	}
+	mode := st.Mode & 0o7777
+	if s.hostUID == 0 || mode&need == need {
+		return fn()
+	}
+	p := procPath(fd)
+	if err := unix.Chmod(p, mode|need); err != nil {
+		return err
+	}
+	err := fn()
+	if cerr := unix.Chmod(p, mode); cerr != nil {
+		s.log.Warn("p9fs: a file's mode is not set back after its owner was written", "mode", fmt.Sprintf("%o", mode), "err", cerr)
+	}
+	return err
+}
 
 // ownable reports whether a file of type typ can hold ownerXattr: user
 // attributes exist only on regular files and directories.
@@ -41,6 +107,11 @@ func (s *share) shown(fd int, st *unix.Stat_t) owner {
 	}
 	var buf [24]byte
 	n, err := unix.Getxattr(procPath(fd), ownerXattr, buf[:])
+	if err == unix.EACCES {
+		if x, ok := s.owners.get(st); ok {
+			return x // kept from before the VMM lost the right to read it
+		}
+	}
 	if err != nil || n > len(buf) {
 		return o // none, none possible here, or not one of ours
 	}
@@ -48,6 +119,25 @@ func (s *share) shown(fd int, st *unix.Stat_t) owner {
 		return x
 	}
 	return o
+}
+
+// keepOwner notes the owner of the file fd pins before a chmod that may
+// take the VMM's read permission away (to mode); refresh, called after
+// it, records it with the file's new ctime.
+func (s *share) keepOwner(fd int, st *unix.Stat_t, mode uint32) (refresh func()) {
+	if st.Uid != s.hostUID || !ownable(st.Mode) || s.hostUID == 0 || mode&0o400 != 0 {
+		return func() {}
+	}
+	o := s.shown(fd, st)
+	if o == s.mapped(st) {
+		return func() {}
+	}
+	return func() {
+		var now unix.Stat_t
+		if unix.Fstat(fd, &now) == nil {
+			s.owners.put(&now, o)
+		}
+	}
 }
 
 // parseOwner reads an ownerXattr value: two decimal ids, neither -1.
@@ -70,13 +160,22 @@ func parseOwner(v string) (owner, bool) {
 // host's file system keeps no user attributes.
 func (s *share) setOwner(fd int, st *unix.Stat_t, o owner) error {
 	p := procPath(fd)
-	if o == s.mapped(st) {
-		if err := unix.Removexattr(p, ownerXattr); err != nil && err != unix.ENODATA {
-			return err
+	err := s.ownerAccess(fd, st, func() error {
+		if o == s.mapped(st) {
+			if err := unix.Removexattr(p, ownerXattr); err != nil && err != unix.ENODATA {
+				return err
+			}
+			return nil
 		}
-		return nil
+		return unix.Setxattr(p, ownerXattr, []byte(strconv.FormatUint(uint64(o.uid), 10)+":"+strconv.FormatUint(uint64(o.gid), 10)), 0)
+	})
+	if err == nil {
+		var now unix.Stat_t
+		if unix.Fstat(fd, &now) == nil {
+			s.owners.put(&now, o)
+		}
 	}
-	return unix.Setxattr(p, ownerXattr, []byte(strconv.FormatUint(uint64(o.uid), 10)+":"+strconv.FormatUint(uint64(o.gid), 10)), 0)
+	return err
 }
 
 // creator is the owner a create asks for: the ids the guest sent (the

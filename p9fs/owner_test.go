@@ -1,9 +1,12 @@
 package p9fs
 
 import (
+	"bytes"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"slices"
+	"syscall"
 	"testing"
 
 	"github.com/hugelgupf/p9/linux"
@@ -196,5 +199,77 @@ func BenchmarkGetAttrOwner(b *testing.B) {
 				}
 			}
 		})
+	}
+}
+
+// TestOwnersNotRoot: a VMM run by an ordinary user keeps and shows the
+// owners of files whose modes give it no permission to their attributes:
+// made read-only (as git's objects are), chowned while read-only, and
+// chmod'ed to 0 through the share. Run as root, it runs itself again as
+// another user.
+func TestOwnersNotRoot(t *testing.T) {
+	if dir := os.Getenv("P9FS_NOT_ROOT_DIR"); dir != "" {
+		ownersNotRoot(t, dir)
+		return
+	}
+	if os.Geteuid() != 0 {
+		ownersNotRoot(t, t.TempDir())
+		return
+	}
+	d, err := os.MkdirTemp("", "p9fs-not-root-")
+	must(t, err)
+	t.Cleanup(func() { os.RemoveAll(d) })
+	must(t, os.Chmod(d, 0o755))
+	exe, err := os.Executable()
+	must(t, err)
+	b, err := os.ReadFile(exe)
+	must(t, err)
+	bin := filepath.Join(d, "p9fs.test")
+	must(t, os.WriteFile(bin, b, 0o755))
+	work := filepath.Join(d, "work")
+	must(t, os.Mkdir(work, 0o700))
+	must(t, os.Chown(work, 4321, 4321))
+	cmd := exec.Command(bin, "-test.run", "^TestOwnersNotRoot$", "-test.v")
+	cmd.Env = append(os.Environ(), "P9FS_NOT_ROOT_DIR="+work, "TMPDIR="+work)
+	cmd.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: 4321, Gid: 4321}}
+	out, err := cmd.CombinedOutput()
+	switch {
+	case bytes.Contains(out, []byte("--- SKIP: TestOwnersNotRoot")):
+		t.Skipf("as uid 4321: %s", out)
+	case err != nil || !bytes.Contains(out, []byte("--- PASS: TestOwnersNotRoot")):
+		t.Fatalf("as uid 4321: %v\n%s", err, out)
+	}
+}
+
+func ownersNotRoot(t *testing.T, dir string) {
+	userXattrs(t, dir)
+	root := mountDirect(t, newShare(t, dir, Options{}))
+	nf, _, _, err := walk(t, root).Create("ro", p9.WriteOnly, 0o444, 1000, 1000)
+	must(t, err)
+	nf.Close()
+	_, err = root.Mkdir("rx", 0o555, 1000, 1000)
+	must(t, err)
+	_, err = root.Mkdir("none", 0, 1000, 1000)
+	must(t, err)
+	for name, mode := range map[string]uint32{"ro": 0o444, "rx": 0o555, "none": 0} {
+		if uid, gid := shownIDs(t, walk(t, root, name)); uid != 1000 || gid != 1000 {
+			t.Errorf("%s (mode %o), made by uid 1000, is shown as %d:%d", name, mode, uid, gid)
+		}
+		if st := lstat(t, filepath.Join(dir, name)); st.Mode&0o7777 != mode {
+			t.Errorf("%s's mode on the host is %o, want %o", name, st.Mode&0o7777, mode)
+		}
+	}
+	f := walk(t, root, "ro")
+	must(t, f.SetAttr(p9.SetAttrMask{UID: true, GID: true}, p9.SetAttr{UID: 5, GID: 6}))
+	if uid, gid := shownIDs(t, f); uid != 5 || gid != 6 {
+		t.Errorf("after chown 5:6 of a read-only file, shown %d:%d", uid, gid)
+	}
+	must(t, f.SetAttr(p9.SetAttrMask{Permissions: true}, p9.SetAttr{Permissions: 0}))
+	if uid, gid := shownIDs(t, f); uid != 5 || gid != 6 {
+		t.Errorf("after chmod 0, shown %d:%d; want 5:6 still", uid, gid)
+	}
+	must(t, f.SetAttr(p9.SetAttrMask{Permissions: true}, p9.SetAttr{Permissions: 0o640}))
+	if uid, gid := shownIDs(t, f); uid != 5 || gid != 6 || hostOwner(t, filepath.Join(dir, "ro")) != "5:6" {
+		t.Errorf("after chmod 640, shown %d:%d, attribute %q; want 5:6", uid, gid, hostOwner(t, filepath.Join(dir, "ro")))
 	}
 }

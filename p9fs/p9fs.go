@@ -175,6 +175,8 @@ type share struct {
 	quota Quota           // nil: no accounting
 	pinMu sync.Mutex      // guards pins; taken inside an Update, never around one
 	pins  map[uint64]*pin // with a quota: the inodes this share's Files hold
+
+	owners ownerCache // the owners of files the VMM may not read (owner.go)
 }
 
 // New returns an Attacher serving the directory root, which must exist and

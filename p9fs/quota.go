@@ -301,8 +301,8 @@ func xattrRoom(path, name string, size int) error {
 		return errno(err)
 	}
 	for _, a := range strings.Split(string(buf[:n]), "\x00") {
-		if a == name || !strings.HasPrefix(a, xattrPrefix) {
-			continue
+		if a == name || a == ownerXattr || !strings.HasPrefix(a, xattrPrefix) {
+			continue // the owner's is the share's, not the guest's
 		}
 		if vn, err := unix.Getxattr(path, a, nil); err == nil {
 			total += len(a) + vn

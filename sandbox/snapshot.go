@@ -336,14 +336,8 @@ func Restore(ctx context.Context, dir string, o RestoreOptions) (*Sandbox, error
 	}
 	w := FromSpec(spec).Secrets(o.Secrets).NetAudit(o.NetAudit)
 	w.c.log, w.c.console, w.c.beforeRun = o.Logger, o.Console, o.BeforeRun
-	if n := spec.Network; n != nil && (len(n.Intercept) > 0 || len(n.Secrets) > 0) {
-		b, err := snap.ReadFile(snapshotCAFile, 1<<20)
-		if err == nil {
-			w.c.ca, err = tlsproxy.ParseCA(b)
-		}
-		if err != nil {
-			return nil, fmt.Errorf("sandbox: restore: snapshot %s: the interception's CA: %w", dir, err)
-		}
+	if err := w.snapshotCA(snap); err != nil {
+		return nil, fmt.Errorf("sandbox: restore: snapshot %s: %w", dir, err)
 	}
 	if err := w.c.err(); err != nil {
 		return nil, fmt.Errorf("sandbox: restore: %w", err)
@@ -416,6 +410,11 @@ func Reboot(ctx context.Context, dir string, o RestoreOptions) (*Sandbox, error)
 	}
 	w := FromSpec(spec).Secrets(o.Secrets).NetAudit(o.NetAudit).Stdout(o.Stdout).Stderr(o.Stderr)
 	w.c.log, w.c.console, w.c.beforeRun = o.Logger, o.Console, o.BeforeRun
+	// The guest's disk trusts the snapshot's CA already: a new one would
+	// be added beside it at every reboot.
+	if err := w.snapshotCA(snap); err != nil {
+		return nil, fmt.Errorf("sandbox: reboot: snapshot %s: %w", dir, err)
+	}
 	if err := w.c.err(); err != nil {
 		return nil, fmt.Errorf("sandbox: reboot: %w", err)
 	}
@@ -424,6 +423,23 @@ func Reboot(ctx context.Context, dir string, o RestoreOptions) (*Sandbox, error)
 		return nil, fmt.Errorf("sandbox: reboot: %w", err)
 	}
 	return w.boot(ctx, root)
+}
+
+// snapshotCA gives w the interception CA snap holds, where w's network
+// intercepts: the guest trusts that one.
+func (w *Workload) snapshotCA(snap *snapshot.Snapshot) error {
+	n := w.c.Network
+	if n == nil || (len(n.Intercept) == 0 && len(n.Secrets) == 0) {
+		return nil
+	}
+	b, err := snap.ReadFile(snapshotCAFile, 1<<20)
+	if err == nil {
+		w.c.ca, err = tlsproxy.ParseCA(b)
+	}
+	if err != nil {
+		return fmt.Errorf("the interception's CA: %w", err)
+	}
+	return nil
 }
 
 // Settings returns what the builder holds as a restore's host-facing

@@ -375,9 +375,9 @@ func (s *Store) Create(r *Record) (*Lock, error) {
 
 // Start claims a sandbox that capsa create recorded (state Created), or
 // one suspended to disk (Suspended), for its supervisor: it returns the
-// sandbox's lock with the record in state Creating. Any other state is an
-// error that says it.
-func (s *Store) Start(name string) (*Lock, error) {
+// sandbox's lock with the record in state Creating, and set applied to it
+// in the same change. Any other state is an error that says it.
+func (s *Store) Start(name string, set ...func(*Record)) (*Lock, error) {
 	if err := CheckName(name); err != nil {
 		return nil, err
 	}
@@ -400,6 +400,9 @@ func (s *Store) Start(name string) (*Lock, error) {
 			return fmt.Errorf("store: start %s: it is %s; only a created or suspended sandbox starts (run a new one)", name, r.State)
 		}
 		r.State = Creating
+		for _, f := range set {
+			f(r)
+		}
 		return nil
 	})
 	if err != nil {

@@ -150,15 +150,18 @@ func TestStart(t *testing.T) {
 	if r, err := s.Get("c"); err != nil || r.State != Created {
 		t.Fatalf("Get(c) of a created sandbox = %+v, %v; want created (not crashed)", r, err)
 	}
-	l, err = s.Start("c")
+	l, err = s.Start("c", func(r *Record) { r.Reboot = true })
 	if err != nil {
 		t.Fatalf("Start(c) = %v", err)
 	}
-	if r, _ := s.Get("c"); r.State != Creating {
-		t.Errorf("Start(c) left state %s, want creating", r.State)
+	if r, _ := s.Get("c"); r.State != Creating || !r.Reboot {
+		t.Errorf("Start(c, set Reboot) left state %s, Reboot %v; want creating, true", r.State, r.Reboot)
 	}
-	if _, err := s.Start("c"); err == nil {
+	if _, err := s.Start("c", func(r *Record) { r.Reboot = false }); err == nil {
 		t.Error("Start(c) while its lock is held succeeded")
+	}
+	if r, _ := s.Get("c"); !r.Reboot {
+		t.Error("a refused Start changed the record")
 	}
 	l.Close()
 	s.Update("c", func(r *Record) error { r.State = Exited; return nil })

@@ -144,8 +144,10 @@ func (m *Manager) resume(ctx context.Context, name string, cold bool) error {
 		if rec.State != Paused {
 			return fmt.Errorf("supervisor: resume %s without its memory: it is %s, not paused", name, rec.State)
 		}
+		// It runs on first, so that its suspension syncs its disk.
 		// Being suspended already, or suspended since it was read, it
-		// refuses: what counts is how it ends up.
+		// refuses both: what counts is how it ends up.
+		Resume(ctx, m.st, name)
 		serr := m.Suspend(ctx, name)
 		if err := m.st.WaitUnlocked(ctx, name); err != nil {
 			return fmt.Errorf("supervisor: resume %s without its memory: %w", name, err)
@@ -191,11 +193,9 @@ func (m *Manager) resume(ctx context.Context, name string, cold bool) error {
 	if err != nil {
 		return fmt.Errorf("supervisor: resume %s: %w", name, err)
 	}
-	// How it starts is its record's to say: set before every resume.
-	if err := m.st.Update(name, func(r *Record) error { r.Reboot = cold; return nil }); err != nil {
-		return fmt.Errorf("supervisor: resume %s: %w", name, err)
-	}
-	lock, err := m.st.Start(name)
+	// How it starts is its record's to say, set with its start (under
+	// its lock: a second resume at once is refused, not mixed in).
+	lock, err := m.st.Start(name, func(r *Record) { r.Reboot = cold })
 	if err != nil {
 		return fmt.Errorf("supervisor: resume %s: %w", name, err)
 	}

@@ -439,6 +439,20 @@ var ErrBeingSuspended = errors.New("the sandbox is being suspended")
 // directory. A sandbox that cannot be snapshotted (it has disks) stays
 // as it was, with the error.
 func (c *control) suspend(ctx context.Context, log *slog.Logger) error {
+	if !c.sb.Paused() && c.sb.Spec().Image != nil {
+		// What the guest wrote is put on its disk first: a resume
+		// without the memory (Manager.ResumeCold) boots from the
+		// disk alone. A guest that does not answer (or has no sync
+		// program) is suspended all the same. Before the lock, so that
+		// a change of TTL meanwhile is not held up by it.
+		sctx, scancel := context.WithTimeout(ctx, 10*time.Second)
+		o := sandbox.Command("sync")
+		o.User = "0"
+		if r, err := c.sb.Exec(sctx, o); err != nil || r.Code != 0 {
+			log.Warn("supervisor: sync before the suspension", "err", err)
+		}
+		scancel()
+	}
 	c.pauseMu.Lock()
 	defer c.pauseMu.Unlock()
 	if c.suspending {
@@ -450,19 +464,6 @@ func (c *control) suspend(ctx context.Context, log *slog.Logger) error {
 	ctx, cancel := context.WithTimeout(ctx, 5*time.Minute)
 	defer cancel()
 	wasPaused := c.sb.Paused()
-	if !wasPaused && c.sb.Spec().Image != nil {
-		// What the guest wrote is put on its disk first: a resume
-		// without the memory (Manager.ResumeCold) boots from the
-		// disk alone. A guest that does not answer is suspended all
-		// the same.
-		sctx, scancel := context.WithTimeout(ctx, 10*time.Second)
-		o := sandbox.Command("sync")
-		o.User = "0"
-		if r, err := c.sb.Exec(sctx, o); err != nil || r.Code != 0 {
-			log.Warn("supervisor: sync before the suspension", "err", err)
-		}
-		scancel()
-	}
 	if err := c.sb.Pause(ctx); err != nil {
 		return fmt.Errorf("suspend: %w", err)
 	}
