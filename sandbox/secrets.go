@@ -274,6 +274,11 @@ func (in *interception) close() error {
 // layer.
 func installCA(ctx context.Context, cl *agent.Client, ca *tlsproxy.CA) error {
 	pem := ca.CertPEM()
+	// A disk that trusts it already (a sandbox booted again from its
+	// snapshot's disk, sandbox.Reboot) keeps its bundle as it is.
+	if had, err := cl.ReadAll(ctx, CAFile, 64<<10); err == nil && bytes.Equal(had, pem) {
+		return nil
+	}
 	if err := cl.Mkdir(ctx, "/etc/ssl/certs", 0o755, true); err != nil {
 		return fmt.Errorf("sandbox: install the CA: %w", err)
 	}
