@@ -329,6 +329,13 @@ func (cl *Client) Info(ctx context.Context) (*Info, error) {
 	return &in, cl.call(ctx, Request{Op: OpInfo}, &in)
 }
 
+// Sync writes what the guest's file systems hold in memory to their
+// disks (sync(2)) and returns once written. An agent without FeatureSync
+// answers an error wrapping ErrUnsupported.
+func (cl *Client) Sync(ctx context.Context) error {
+	return cl.call(ctx, Request{Op: OpSync}, &Empty{})
+}
+
 // Resumed tells the guest it runs again after a pause or a restore.
 func (cl *Client) Resumed(ctx context.Context, r Resumed) error {
 	return cl.call(ctx, Request{Op: OpResumed, Resumed: &r}, &Empty{})

@@ -307,6 +307,12 @@ func TestHelloNegotiates(t *testing.T) {
 	if _, err := featureless.Start(context.Background(), ExecOptions{Argv: []string{"sh"}, TTY: &WindowSize{Rows: 1, Cols: 1}}); !errors.Is(err, ErrUnsupported) {
 		t.Errorf("a pty exec on an agent without %q = %v, want ErrUnsupported", FeaturePTY, err)
 	}
+	if err := featureless.Sync(context.Background()); !errors.Is(err, ErrUnsupported) {
+		t.Errorf("Sync() on an agent without %q = %v, want ErrUnsupported", FeatureSync, err)
+	}
+	if err := serve(t).Sync(context.Background()); err != nil {
+		t.Errorf("Sync() = %v", err)
+	}
 	if in, err := featureless.Info(context.Background()); err != nil || in.AgentVersion != "old" {
 		t.Errorf("Info() from an older agent = %+v, %v; want its answer", in, err)
 	}

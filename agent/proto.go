@@ -57,10 +57,12 @@ const (
 	// (Request.Xattrs), a stat or list returns them (WithXattrs), and a
 	// watch refuses a network file system unless asked (AllowNetwork).
 	FeatureXattrs = "xattrs"
+	// FeatureSync: the guest's dirty pages written to its disks (OpSync).
+	FeatureSync = "sync"
 )
 
 // agentFeatures is what this package's agent announces.
-var agentFeatures = []string{FeatureProcesses, FeaturePTY, FeatureResumed, FeatureRename, FeatureWatch, FeatureOwners, FeatureDial, FeatureXattrs, FeatureContainers, FeatureTree, FeatureReadFiles}
+var agentFeatures = []string{FeatureProcesses, FeaturePTY, FeatureResumed, FeatureRename, FeatureWatch, FeatureOwners, FeatureDial, FeatureXattrs, FeatureContainers, FeatureTree, FeatureReadFiles, FeatureSync}
 
 // Port is the vsock port the agent listens on; ReadyPort is the host port
 // the agent connects to once it is listening, to announce itself.
@@ -186,6 +188,7 @@ const (
 	OpRename    = "rename"
 	OpWatch     = "watch"
 	OpDial      = "dial"
+	OpSync      = "sync"
 )
 
 // An Operation is one request a client may make: the table that the
@@ -224,6 +227,7 @@ var Operations = []Operation{
 	{Name: OpDial, Feature: FeatureDial, Doc: "connect to the guest's TCP port Port on its loopback, then carry the connection's bytes both ways as Data frames (End: that side is done writing)"},
 	{Name: OpTree, Path: true, Feature: FeatureTree, Doc: "stream the inventory of the tree under directory Path (every entry's path, type, size, times, inode, owner and link target, on Path's file system and below the mount points in Mounts) as data frames of entries, then End"},
 	{Name: OpReadFiles, Feature: FeatureReadFiles, Doc: "read several small files in one reply (Paths: at most MaxReadFiles, each at most MaxReadFileSize bytes): each one's contents, or why it could not be read"},
+	{Name: OpSync, Feature: FeatureSync, Doc: "write what the guest's file systems hold in memory to their disks (sync(2)), and answer once written"},
 	{Name: OpResumed, Feature: FeatureResumed, Doc: "the guest runs again after a pause or a restore (Request.Resumed): set its wall clock, mix a seed into its random number generator, set its hostname"},
 }
 

@@ -320,6 +320,10 @@ var handlers = map[string]func(s *Server, ctx context.Context, c *Conn, req *Req
 		}
 		return reply(c, files)
 	},
+	OpSync: func(_ *Server, _ context.Context, c *Conn, _ *Request) error {
+		unix.Sync()
+		return reply(c, Empty{})
+	},
 	OpDial: func(_ *Server, ctx context.Context, c *Conn, req *Request) error {
 		return dialPort(ctx, c, req.Port)
 	},

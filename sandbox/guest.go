@@ -104,6 +104,23 @@ func (s *Guest) defaults(o ExecOptions) ExecOptions {
 	return o
 }
 
+// Sync writes what the guest's file systems hold in memory to their
+// disks, and returns once written: a copy of its disk taken then holds
+// what it wrote. An agent that predates the operation (one restored from
+// an older snapshot) runs the guest's sync program instead.
+func (s *Guest) Sync(ctx context.Context) error {
+	err := s.client.Sync(ctx)
+	if errors.Is(err, agent.ErrUnsupported) {
+		o := Command("sync")
+		o.User = "0"
+		var r *Output
+		if r, err = s.Exec(ctx, o); err == nil && r.Code != 0 {
+			err = fmt.Errorf("sandbox: sync: exit %d: %s", r.Code, bytes.TrimSpace(r.Stderr))
+		}
+	}
+	return s.explain(err)
+}
+
 // ReadFile returns a guest file's contents, up to the OutputLimit (past
 // it the error wraps agent.ErrLimit; ReadFileTo streams without one).
 func (s *Guest) ReadFile(ctx context.Context, path string) ([]byte, error) {

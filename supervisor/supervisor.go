@@ -442,13 +442,10 @@ func (c *control) suspend(ctx context.Context, log *slog.Logger) error {
 	if !c.sb.Paused() && c.sb.Spec().Image != nil {
 		// What the guest wrote is put on its disk first: a resume
 		// without the memory (Manager.ResumeCold) boots from the
-		// disk alone. A guest that does not answer (or has no sync
-		// program) is suspended all the same. Before the lock, so that
-		// a change of TTL meanwhile is not held up by it.
+		// disk alone. A guest that does not answer is suspended all
+		// the same.
 		sctx, scancel := context.WithTimeout(ctx, 10*time.Second)
-		o := sandbox.Command("sync")
-		o.User = "0"
-		if r, err := c.sb.Exec(sctx, o); err != nil || r.Code != 0 {
+		if err := c.sb.Sync(sctx); err != nil {
 			log.Warn("supervisor: sync before the suspension", "err", err)
 		}
 		scancel()
