@@ -136,6 +136,9 @@ func TestConfinement(t *testing.T) {
 	checkCapabilities(t, rec0.Confinement, rec0.PID, map[bool]capsHeld{true: capsStoreReader, false: capsNone}[os.Geteuid() == 0])
 	if r := cli(time.Minute, "exec", "c0", "--", "sh", "-c", "echo kept > /tmp/f && cat /tmp/f"); r.code != 0 || r.stdout != "kept\n" {
 		t.Errorf("capsa exec c0, no file served: exit %d, %q (stderr %q)", r.code, r.stdout, r.stderr)
+		// Its VM's state and console now: c0 is removed below, before
+		// the end of the test would log them.
+		logSandboxFiles(t, dir)
 	}
 	if r := cli(3*time.Minute, "snapshot", "create", "c0", "c0snap"); r.code != 0 {
 		t.Errorf("capsa snapshot create of a sandbox whose VMM holds no capability = exit %d, stderr %q", r.code, r.stderr)
