@@ -80,19 +80,41 @@ var l1CrashMarkers = []string{
 	"rcu: INFO: rcu_preempt detected stalls", "rcu_preempt kthread starved", "blocked for more than",
 }
 
-// watchL1Console polls L1's console file and calls crashed once if it
-// shows a crash or stall, until ctx ends.
-func watchL1Console(ctx context.Context, path string, crashed func()) {
+// l1Heartbeat is the line L1's init writes to its console every 15 s
+// while the job runs; l1Silence is how long the watcher waits for the
+// next before it takes L1 for stopped. Seen once: for 25 minutes L1 kept
+// its vCPUs busy and printed nothing, no crash marker and no output of the
+// job, whose own timeouts never fired (its timers, it seems, had stopped):
+// without the heartbeat that costs the job's whole timeout.
+const l1Heartbeat = "capsa-nested heartbeat"
+
+var l1Silence = 4 * time.Minute // a variable for the tests
+
+// watchL1Console polls L1's console file and calls crashed once, with
+// why, if it shows a crash or stall, or if L1's heartbeats, once begun,
+// stop for l1Silence; until ctx ends.
+func watchL1Console(ctx context.Context, path string, crashed func(why string)) {
 	t := time.NewTicker(2 * time.Second)
 	defer t.Stop()
+	beats, last := 0, time.Now()
 	for {
 		select {
 		case <-ctx.Done():
 			return
 		case <-t.C:
 		}
-		if b, err := os.ReadFile(path); err == nil && l1Crashed(b) {
-			crashed()
+		b, err := os.ReadFile(path)
+		if err != nil {
+			continue
+		}
+		if l1Crashed(b) {
+			crashed("its console shows a crash or a stall")
+			return
+		}
+		if n := bytes.Count(b, []byte(l1Heartbeat)); n != beats {
+			beats, last = n, time.Now()
+		} else if beats > 0 && time.Since(last) > l1Silence {
+			crashed(fmt.Sprintf("its init wrote no heartbeat for %v (its timers or its userspace stopped)", l1Silence))
 			return
 		}
 	}
@@ -331,6 +353,9 @@ for m in /lib/kvm/*.ko; do
 done
 [ -c /dev/kvm ] || { echo "nested: /dev/kvm missing after loading the KVM modules" >&3; finish 125; }
 echo "@@capsa-nested ready @NONCE@" >&3
+# A heartbeat on the console while the job runs: capsa-nested takes its
+# stopping for L1's.
+( i=0; while sleep 15; do i=$((i+1)); echo "capsa-nested heartbeat $i" >/dev/ttyS0; done ) &
 cd /work
 /bin/sh /job.sh >&3 2>&3 </dev/null
 finish $?
@@ -463,7 +488,8 @@ func (h *Host) runL1(ctx context.Context, job Job) (*Result, error) {
 	runCtx, stopRun := context.WithCancel(ctx)
 	defer stopRun()
 	crashed := make(chan struct{})
-	go watchL1Console(runCtx, console, func() { close(crashed); stopRun() })
+	var crashWhy string
+	go watchL1Console(runCtx, console, func(why string) { crashWhy = why; close(crashed); stopRun() })
 	cmd := exec.CommandContext(runCtx, qemu, args...)
 	cmd.WaitDelay = 5 * time.Second
 	p := &outputParser{nonce: nonce, out: job.Output, start: start, exit: -1}
@@ -483,7 +509,7 @@ func (h *Host) runL1(ctx context.Context, job Job) (*Result, error) {
 	}
 	select {
 	case <-crashed:
-		return nil, fmt.Errorf("nested: %w (QEMU TCG's emulated SVM; not the job's doing)\nL1 console tail:\n%s", ErrL1Crashed, tail)
+		return nil, fmt.Errorf("nested: %w: %s (QEMU TCG's emulated SVM; not the job's doing)\nL1 console tail:\n%s", ErrL1Crashed, crashWhy, tail)
 	default:
 	}
 	if ctx.Err() != nil {

@@ -112,6 +112,40 @@ func TestL1CrashDetection(t *testing.T) {
 	}
 }
 
+// TestL1HeartbeatWatch: L1 is taken for stopped when its heartbeats,
+// once begun, stop for l1Silence; a console that has shown none yet (L1
+// still booting) is not, and a crash marker is reported as such.
+func TestL1HeartbeatWatch(t *testing.T) {
+	old := l1Silence
+	l1Silence = 500 * time.Millisecond
+	defer func() { l1Silence = old }()
+	watch := func(console string, within time.Duration) string {
+		path := filepath.Join(t.TempDir(), "console.log")
+		if err := os.WriteFile(path, []byte(console), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), within)
+		defer cancel()
+		why := make(chan string, 1)
+		go watchL1Console(ctx, path, func(w string) { why <- w })
+		select {
+		case w := <-why:
+			return w
+		case <-ctx.Done():
+			return ""
+		}
+	}
+	if why := watch("booting\n", 5*time.Second); why != "" {
+		t.Errorf("no heartbeat yet: taken for stopped (%s)", why)
+	}
+	if why := watch(l1Heartbeat+" 1\n", 8*time.Second); !strings.Contains(why, "heartbeat") {
+		t.Errorf("heartbeats that stopped: %q; want L1 taken for stopped", why)
+	}
+	if why := watch("[ 1.0] Kernel panic - not syncing: x\n", 5*time.Second); !strings.Contains(why, "crash") {
+		t.Errorf("a panic: %q; want a crash", why)
+	}
+}
+
 // TestQEMUAbortDetection: QEMU ending on SIGABRT (its own assertion) is
 // told from other ends, with the assertion as the reason: a real process
 // that aborts, one that exits, and one killed otherwise.
