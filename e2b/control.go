@@ -699,14 +699,11 @@ func (s *Server) resume(ctx context.Context, rec *supervisor.Record, timeout int
 	}
 	// The next pause is as the sandbox was made to pause, until a pause
 	// says otherwise.
-	if err := s.m.SetLabels(rec.Name, func(l map[string]string) error {
-		if l[labelAutoReboot] != "" {
-			l[labelResume] = "reboot"
-		} else {
-			delete(l, labelResume)
-		}
-		return nil
-	}); err != nil {
+	next := ""
+	if rec.Labels[labelAutoReboot] != "" {
+		next = "reboot"
+	}
+	if _, err := s.setResume(rec.Name, next); err != nil {
 		return fmt.Errorf("resume %s: %v", rec.Name, err)
 	}
 	// One restored from disk started again: its TTL counts from then.

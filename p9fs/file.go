@@ -256,7 +256,7 @@ func (f *file) SetAttr(valid p9.SetAttrMask, a p9.SetAttr) error {
 		}
 		switch {
 		case want == cur:
-		case st.Uid == f.s.hostUID && ownable(st.Mode):
+		case f.s.keeps(&st):
 			chown, chownSt = &want, st
 		case want.uid != cur.uid && want.uid != f.s.uid:
 			return f.s.deny(linux.EPERM, "chown", "uid", want.uid)

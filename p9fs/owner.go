@@ -28,9 +28,9 @@ type owner struct{ uid, gid uint32 }
 // permission only through ownerCache, and writes it by lending itself the
 // permission for that one call (ownerAccess).
 
-// ownerCache remembers, for a file whose owner attribute the VMM wrote or
-// read, the owner and the file's ctime then: a chmod through the share
-// that takes the VMM's read permission away refreshes it, so the owner
+// ownerCache remembers, for a file whose owner attribute the VMM may not
+// read, the owner and the file's ctime once it lost the right (written
+// with the permission lent, or chmod'ed through the share), so the owner
 // stays shown. Any other change of the inode (the host's, or the inode
 // reused) changes its ctime and the entry no longer counts.
 type ownerCache struct {
@@ -92,6 +92,19 @@ func ownable(typ uint32) bool {
 	return typ&unix.S_IFMT == unix.S_IFREG || typ&unix.S_IFMT == unix.S_IFDIR
 }
 
+// keeps reports whether a file of host stat st can have an owner of the
+// guest's: the VMM's user owns it and it can hold ownerXattr.
+func (s *share) keeps(st *unix.Stat_t) bool {
+	return st.Uid == s.hostUID && ownable(st.Mode)
+}
+
+// unreadable reports whether the VMM may not read the owner attribute of
+// a file of mode mode (no read permission, and not root): ownerCache
+// holds its owner then.
+func (s *share) unreadable(mode uint32) bool {
+	return s.hostUID != 0 && mode&0o400 == 0
+}
+
 // mapped is the owner the guest sees for a host stat with no ownerXattr.
 func (s *share) mapped(st *unix.Stat_t) owner {
 	return owner{s.guestUID(st.Uid), s.guestGID(st.Gid)}
@@ -102,7 +115,7 @@ func (s *share) mapped(st *unix.Stat_t) owner {
 // well-formed, else the mapped ids.
 func (s *share) shown(fd int, st *unix.Stat_t) owner {
 	o := s.mapped(st)
-	if st.Uid != s.hostUID || !ownable(st.Mode) {
+	if !s.keeps(st) {
 		return o
 	}
 	var buf [24]byte
@@ -125,7 +138,7 @@ func (s *share) shown(fd int, st *unix.Stat_t) owner {
 // take the VMM's read permission away (to mode); refresh, called after
 // it, records it with the file's new ctime.
 func (s *share) keepOwner(fd int, st *unix.Stat_t, mode uint32) (refresh func()) {
-	if st.Uid != s.hostUID || !ownable(st.Mode) || s.hostUID == 0 || mode&0o400 != 0 {
+	if !s.keeps(st) || !s.unreadable(mode) {
 		return func() {}
 	}
 	o := s.shown(fd, st)
@@ -169,7 +182,9 @@ func (s *share) setOwner(fd int, st *unix.Stat_t, o owner) error {
 		}
 		return unix.Setxattr(p, ownerXattr, []byte(strconv.FormatUint(uint64(o.uid), 10)+":"+strconv.FormatUint(uint64(o.gid), 10)), 0)
 	})
-	if err == nil {
+	if err == nil && s.unreadable(st.Mode) {
+		// Not readable once its mode is set back: kept here, with the
+		// ctime the lent permission left.
 		var now unix.Stat_t
 		if unix.Fstat(fd, &now) == nil {
 			s.owners.put(&now, o)
@@ -196,7 +211,7 @@ func (s *share) creator(st *unix.Stat_t, uid p9.UID, gid p9.GID) owner {
 // for. A host without user attributes keeps the mapped ids: the create
 // itself has succeeded and stands.
 func (s *share) own(fd int, st *unix.Stat_t, uid p9.UID, gid p9.GID) {
-	if st.Uid != s.hostUID || !ownable(st.Mode) {
+	if !s.keeps(st) {
 		return
 	}
 	o := s.creator(st, uid, gid)

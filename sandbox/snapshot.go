@@ -323,30 +323,15 @@ func Restore(ctx context.Context, dir string, o RestoreOptions) (*Sandbox, error
 	}
 	defer snap.Close() // the memory stays mapped, the root disk copied
 	mark("sandbox: snapshot opened and checked (manifest, state, files)")
-	spec, err := restoredSpec(snap, o.Settings)
+	w, err := restoredWorkload("restore", dir, snap, o)
 	if err != nil {
-		return nil, fmt.Errorf("sandbox: restore: snapshot %s: %w", dir, err)
-	}
-	spec.VsockSocket = o.VsockSocket
-	if o.Identity != "" {
-		if spec.Hub == nil {
-			spec.Hub = &HubSpec{}
-		}
-		spec.Hub.Identity = o.Identity
-	}
-	w := FromSpec(spec).Secrets(o.Secrets).NetAudit(o.NetAudit)
-	w.c.log, w.c.console, w.c.beforeRun = o.Logger, o.Console, o.BeforeRun
-	if err := w.snapshotCA(snap); err != nil {
-		return nil, fmt.Errorf("sandbox: restore: snapshot %s: %w", dir, err)
-	}
-	if err := w.c.err(); err != nil {
-		return nil, fmt.Errorf("sandbox: restore: %w", err)
+		return nil, err
 	}
 	if w.c.CPUs != snap.Manifest.CPUs || uint64(w.c.MemoryMiB)<<20 != snap.Manifest.MemoryBytes {
 		return nil, fmt.Errorf("sandbox: restore: snapshot %s: its spec says %d vCPUs and %d MiB, its state %d and %d bytes", dir, w.c.CPUs, w.c.MemoryMiB, snap.Manifest.CPUs, snap.Manifest.MemoryBytes)
 	}
 	var root *rootfs
-	if spec.Image != nil {
+	if w.c.Image != nil {
 		if root, err = restoreRootfs(w.c, snap); err != nil {
 			return nil, fmt.Errorf("sandbox: restore: %w", err)
 		}
@@ -394,12 +379,32 @@ func Reboot(ctx context.Context, dir string, o RestoreOptions) (*Sandbox, error)
 		return nil, fmt.Errorf("sandbox: reboot: %w", err)
 	}
 	defer snap.Close()
+	// The guest's disk trusts the snapshot's CA already (restoredWorkload
+	// gives it): a new one would be added beside it at every reboot.
+	w, err := restoredWorkload("reboot", dir, snap, o)
+	if err != nil {
+		return nil, err
+	}
+	if w.c.Image == nil {
+		return nil, fmt.Errorf("sandbox: reboot: snapshot %s: not of an image sandbox: it has no disk of its own to boot from", dir)
+	}
+	w.Stdout(o.Stdout).Stderr(o.Stderr)
+	root, err := restoreRootfs(w.c, snap)
+	if err != nil {
+		return nil, fmt.Errorf("sandbox: reboot: %w", err)
+	}
+	return w.boot(ctx, root)
+}
+
+// restoredWorkload is the workload of a sandbox started from snap (in
+// dir) with o, for Restore and Reboot (op, in errors): the spec the
+// snapshot and o's settings give (restoredSpec), o's socket, identity,
+// secrets, audit log, logger, console and BeforeRun, and the snapshot's
+// interception CA, checked.
+func restoredWorkload(op, dir string, snap *snapshot.Snapshot, o RestoreOptions) (*Workload, error) {
 	spec, err := restoredSpec(snap, o.Settings)
 	if err != nil {
-		return nil, fmt.Errorf("sandbox: reboot: snapshot %s: %w", dir, err)
-	}
-	if spec.Image == nil {
-		return nil, fmt.Errorf("sandbox: reboot: snapshot %s: not of an image sandbox: it has no disk of its own to boot from", dir)
+		return nil, fmt.Errorf("sandbox: %s: snapshot %s: %w", op, dir, err)
 	}
 	spec.VsockSocket = o.VsockSocket
 	if o.Identity != "" {
@@ -408,21 +413,15 @@ func Reboot(ctx context.Context, dir string, o RestoreOptions) (*Sandbox, error)
 		}
 		spec.Hub.Identity = o.Identity
 	}
-	w := FromSpec(spec).Secrets(o.Secrets).NetAudit(o.NetAudit).Stdout(o.Stdout).Stderr(o.Stderr)
+	w := FromSpec(spec).Secrets(o.Secrets).NetAudit(o.NetAudit)
 	w.c.log, w.c.console, w.c.beforeRun = o.Logger, o.Console, o.BeforeRun
-	// The guest's disk trusts the snapshot's CA already: a new one would
-	// be added beside it at every reboot.
 	if err := w.snapshotCA(snap); err != nil {
-		return nil, fmt.Errorf("sandbox: reboot: snapshot %s: %w", dir, err)
+		return nil, fmt.Errorf("sandbox: %s: snapshot %s: %w", op, dir, err)
 	}
 	if err := w.c.err(); err != nil {
-		return nil, fmt.Errorf("sandbox: reboot: %w", err)
+		return nil, fmt.Errorf("sandbox: %s: %w", op, err)
 	}
-	root, err := restoreRootfs(w.c, snap)
-	if err != nil {
-		return nil, fmt.Errorf("sandbox: reboot: %w", err)
-	}
-	return w.boot(ctx, root)
+	return w, nil
 }
 
 // snapshotCA gives w the interception CA snap holds, where w's network
