@@ -107,6 +107,71 @@ type networkConfig struct {
 	// AllowPublicTraffic false: the sandbox's ports (getHost) need its
 	// traffic access token.
 	AllowPublicTraffic *bool `json:"allowPublicTraffic"`
+	// Rules are headers set on the sandbox's HTTPS requests to a host
+	// (SandboxNetworkRule, by host pattern).
+	Rules map[string][]networkRule `json:"rules"`
+	// EgressProxy (a SOCKS5 proxy) is refused.
+	EgressProxy json.RawMessage `json:"egressProxy"`
+}
+
+// networkRule is one of a host's rules (SandboxNetworkRule).
+type networkRule struct {
+	Transform *networkTransform `json:"transform,omitempty"`
+}
+
+// networkTransform is what a rule does to a request
+// (SandboxNetworkTransform): headers set, replacing the guest's.
+type networkTransform struct {
+	Headers map[string]string `json:"headers,omitempty"`
+}
+
+// maxRulesPerHost bounds the rules one host pattern lists.
+const maxRulesPerHost = 32
+
+// headerRules turns E2B's rules into capsa's header rules: a host's rules
+// applied in order into one (a later header of a name replaces an
+// earlier), hosts lower-cased, one that sets nothing left out.
+func headerRules(in map[string][]networkRule) ([]sandbox.HeaderRule, error) {
+	hosts := slices.Sorted(maps.Keys(in))
+	var out []sandbox.HeaderRule
+	for _, h := range hosts {
+		rules := in[h]
+		if len(rules) > maxRulesPerHost {
+			return nil, fmt.Errorf("network.rules[%q]: %d rules, at most %d", h, len(rules), maxRulesPerHost)
+		}
+		set := map[string]string{}
+		for _, r := range rules {
+			if r.Transform == nil {
+				continue
+			}
+			for k, v := range r.Transform.Headers {
+				set[http.CanonicalHeaderKey(k)] = v
+			}
+		}
+		if len(set) == 0 {
+			continue
+		}
+		if err := sandbox.CheckHostPattern(h); err != nil {
+			return nil, fmt.Errorf("network.rules: %w", err)
+		}
+		out = append(out, sandbox.HeaderRule{Host: strings.ToLower(h), Headers: set})
+	}
+	if err := sandbox.CheckHeaderRules(out); err != nil {
+		return nil, fmt.Errorf("network.rules: %w", err)
+	}
+	return out, nil
+}
+
+// e2bRules is the inverse of headerRules, for getInfo.
+func e2bRules(rules []sandbox.HeaderRule) map[string][]networkRule {
+	if len(rules) == 0 {
+		return nil
+	}
+	out := map[string][]networkRule{}
+	for _, r := range rules {
+		out[r.Host] = []networkRule{{Transform: &networkTransform{Headers: r.Headers}}}
+	}
+	return out
 }
 
 // sandboxInfo is what the API says of a sandbox (Sandbox, SandboxDetail,
@@ -135,9 +200,10 @@ type sandboxInfo struct {
 // networkInfo is a sandbox's egress rules as the API gives them
 // (SandboxNetworkInfo).
 type networkInfo struct {
-	AllowOut           []string `json:"allowOut,omitempty"`
-	DenyOut            []string `json:"denyOut,omitempty"`
-	AllowPublicTraffic bool     `json:"allowPublicTraffic"`
+	AllowOut           []string                 `json:"allowOut,omitempty"`
+	DenyOut            []string                 `json:"denyOut,omitempty"`
+	AllowPublicTraffic bool                     `json:"allowPublicTraffic"`
+	Rules              map[string][]networkRule `json:"rules,omitempty"`
 }
 
 // networkOf says the egress rules of the sandbox of spec as E2B writes
@@ -191,6 +257,12 @@ func (s *Server) describe(rec *supervisor.Record, token bool) sandboxInfo {
 	}
 	in.VolumeMounts = s.mountsOf(rec.Spec)
 	in.Network = networkOf(rec.Spec, rec.Labels)
+	if in.Network != nil && len(rec.Spec.Network.Headers) > 0 {
+		// Shown to whoever may see the sandbox, who set them.
+		if rules, err := s.m.HeaderRules(rec.Name); err == nil {
+			in.Network.Rules = e2bRules(rules)
+		}
+	}
 	// Internet access: a NIC whose rules let something out.
 	internet := in.Network != nil && !(slices.Contains(in.Network.DenyOut, "0.0.0.0/0") && len(in.Network.AllowOut) == 0)
 	in.AllowInternet = &internet
@@ -307,7 +379,7 @@ func (s *Server) create(w http.ResponseWriter, r *http.Request, key Key, defTime
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(r.Context()), 10*time.Minute)
 	defer cancel()
 	start := time.Now()
-	name, err := s.m.Launch(ctx, rec, nil)
+	name, err := s.m.Launch(ctx, rec, wl.SecretValues()) // the header rules' values
 	release()
 	if err != nil {
 		if name != "" {
@@ -435,18 +507,43 @@ func (s *Server) buildSandbox(req *newSandbox, key Key) (*sandbox.Workload, *Tem
 	if err != nil {
 		return nil, nil, fmt.Errorf("envVars: %w", err)
 	}
-	volumes := func(b *sandbox.Builder) error { return s.mountVolumes(b, mounts) }
 	var allow, deny []string
+	var rules []sandbox.HeaderRule
 	if n := req.Network; n != nil {
 		allow, deny = n.AllowOut, n.DenyOut
+		if len(n.EgressProxy) > 0 && string(n.EgressProxy) != "null" {
+			return nil, nil, errors.New("network.egressProxy: capsa serve has no egress proxy")
+		}
+		if rules, err = headerRules(n.Rules); err != nil {
+			return nil, nil, err
+		}
 	}
 	policy, err := egressPolicy(req.AllowInternetAccess, allow, deny)
 	if err != nil {
 		return nil, nil, err
 	}
+	if policy == nil && len(rules) > 0 {
+		return nil, nil, errors.New("network.rules: the sandbox has no network (allow_internet_access false)")
+	}
+	// extra adds what a template's workload and a plain one share: the
+	// volumes and the header rules.
+	extra := func(b *sandbox.Builder) error {
+		if policy != nil && s.dns != "" {
+			b.DNSServer(s.dns)
+		}
+		if len(rules) > 0 {
+			b.UpstreamCA(s.upstream...)
+		}
+		for _, r := range rules {
+			for _, name := range slices.Sorted(maps.Keys(r.Headers)) {
+				b.Header(r.Host, name, r.Headers[name])
+			}
+		}
+		return s.mountVolumes(b, mounts)
+	}
 	if s.templates != nil && req.TemplateID != "base" {
 		if t, ok := s.templates.Get(req.TemplateID); ok {
-			w, err := t.workload(policy, env, volumes)
+			w, err := t.workload(policy, env, extra)
 			return w, &t, err
 		}
 	}
@@ -454,7 +551,7 @@ func (s *Server) buildSandbox(req *newSandbox, key Key) (*sandbox.Workload, *Tem
 	if policy != nil {
 		b.Network(policy)
 	}
-	if err := volumes(b); err != nil {
+	if err := extra(b); err != nil {
 		return nil, nil, err
 	}
 	ref := req.TemplateID
@@ -1245,25 +1342,30 @@ func (s *Server) deleteSnapshot(w http.ResponseWriter, r *http.Request, key Key)
 // is cleared, as E2B's does. They are in force at once for every new
 // connection and DNS query (those under way go on) and kept for its
 // resume. allow_internet_access false denies all but allowOut; a sandbox
-// made without internet access has no NIC to open (409). egressProxy and
-// rules (header transforms) are refused.
+// made without internet access has no NIC to open (409). rules (header
+// transforms) replace the sandbox's, and may name only hosts it
+// intercepted at its start (its CA's, 409 otherwise: see
+// supervisor.Manager.SetHeaderRules); egressProxy is refused.
 func (s *Server) updateNetwork(w http.ResponseWriter, r *http.Request, key Key) {
 	var body struct {
-		AllowOut            []string        `json:"allowOut"`
-		DenyOut             []string        `json:"denyOut"`
-		AllowInternetAccess *bool           `json:"allow_internet_access"`
-		EgressProxy         json.RawMessage `json:"egressProxy"`
-		Rules               json.RawMessage `json:"rules"`
+		AllowOut            []string                 `json:"allowOut"`
+		DenyOut             []string                 `json:"denyOut"`
+		AllowInternetAccess *bool                    `json:"allow_internet_access"`
+		EgressProxy         json.RawMessage          `json:"egressProxy"`
+		Rules               map[string][]networkRule `json:"rules"`
 	}
 	if err := readOptional(r, &body); err != nil {
 		apiError(w, http.StatusBadRequest, "update network: "+err.Error())
 		return
 	}
-	for field, raw := range map[string]json.RawMessage{"egressProxy": body.EgressProxy, "rules": body.Rules} {
-		if len(raw) > 0 && string(raw) != "null" && string(raw) != "{}" {
-			apiError(w, http.StatusBadRequest, fmt.Sprintf("update network: %s: capsa serve has no egress proxy or header rules", field))
-			return
-		}
+	if raw := body.EgressProxy; len(raw) > 0 && string(raw) != "null" {
+		apiError(w, http.StatusBadRequest, "update network: egressProxy: capsa serve has no egress proxy")
+		return
+	}
+	rules, err := headerRules(body.Rules)
+	if err != nil {
+		apiError(w, http.StatusBadRequest, "update "+err.Error())
+		return
 	}
 	// allow_internet_access false is a denyOut of all traffic: only
 	// allowOut passes (as the SDK documents it).
@@ -1278,6 +1380,14 @@ func (s *Server) updateNetwork(w http.ResponseWriter, r *http.Request, key Key) 
 	}
 	rec := s.record(w, r, key)
 	if rec == nil {
+		return
+	}
+	// The rules first: they are what may be refused.
+	if err := s.m.SetHeaderRules(r.Context(), rec.Name, rules); errors.Is(err, sandbox.ErrNoInterception) || errors.Is(err, sandbox.ErrOutsideCA) {
+		apiError(w, http.StatusConflict, fmt.Sprintf("update network of %s: rules: %v; a sandbox's TLS interception covers the hosts it was made with: give rules for these hosts at create", rec.Name, err))
+		return
+	} else if err != nil && !errors.Is(err, sandbox.ErrNoNAT) {
+		apiError(w, http.StatusBadRequest, fmt.Sprintf("update network of %s: rules: %v", rec.Name, err))
 		return
 	}
 	err = s.m.SetNetworkPolicy(r.Context(), rec.Name, policy)

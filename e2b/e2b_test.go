@@ -240,7 +240,13 @@ func TestControlRefusals(t *testing.T) {
 		`{"templateID":"base","network":{"allowOut":["not a rule!"]}}`:             "network",
 		`{"templateID":"` + strings.Repeat("x", maxTemplateID+1) + `"}`:            "templateID",
 		`{"templateID":`: "body",
-		`{"templateID":"base","allow_internet_access":false,"network":{"denyOut":["1.2.3.4"]}}`: "network",
+		`{"templateID":"base","allow_internet_access":false,"network":{"denyOut":["1.2.3.4"]}}`:                                             "network",
+		`{"templateID":"base","network":{"egressProxy":{"address":"p:1080"}}}`:                                                              "egressProxy",
+		`{"templateID":"base","network":{"rules":{"*":[{"transform":{"headers":{"A":"b"}}}]}}}`:                                             "rules",
+		`{"templateID":"base","network":{"rules":{"1.2.3.4":[{"transform":{"headers":{"A":"b"}}}]}}}`:                                       "rules",
+		`{"templateID":"base","network":{"rules":{"api.example.com":[{"transform":{"headers":{"Host":"b"}}}]}}}`:                            "Host",
+		`{"templateID":"base","network":{"rules":{"api.example.com":[{"transform":{"headers":{"A":"b\r\nX: y"}}}]}}}`:                       "control characters",
+		`{"templateID":"base","allow_internet_access":false,"network":{"rules":{"api.example.com":[{"transform":{"headers":{"A":"b"}}}]}}}`: "rules",
 	} {
 		e = errorBody{}
 		if code := do(t, s, "POST", "/v2/sandboxes", key, body, nil, &e); code != 400 || e.Code != 400 || !strings.Contains(e.Message, field) {
@@ -270,10 +276,11 @@ func TestControlRefusals(t *testing.T) {
 		t.Errorf("update the network of no sandbox: %d; want 404", code)
 	}
 	for body, field := range map[string]string{
-		`{"egressProxy":{"address":"p:1080"}}`:                     "egressProxy",
-		`{"rules":{"example.com":[{"transform":{"headers":{}}}]}}`: "rules",
-		`{"allowOut":["not a rule!"]}`:                             "network",
-		`{"allowOut":` + strings.Repeat(`["1.2.3.4",`, 0) + `5}`:   "body",
+		`{"egressProxy":{"address":"p:1080"}}`:                                    "egressProxy",
+		`{"rules":{"*":[{"transform":{"headers":{"A":"b"}}}]}}`:                   "rules",
+		`{"rules":{"x.test":[{"transform":{"headers":{"Content-Length":"1"}}}]}}`: "Content-Length",
+		`{"allowOut":["not a rule!"]}`:                                            "network",
+		`{"allowOut":` + strings.Repeat(`["1.2.3.4",`, 0) + `5}`:                  "body",
 	} {
 		e = errorBody{}
 		if code := do(t, s, "PUT", "/sandboxes/inosuch/network", key, body, nil, &e); code != 400 || !strings.Contains(e.Message, field) {

@@ -35,6 +35,8 @@ import (
 
 	"github.com/capsa-sandbox/capsa/e2b/envd/filesystem/filesystemconnect"
 	"github.com/capsa-sandbox/capsa/e2b/envd/process/processconnect"
+	"github.com/capsa-sandbox/capsa/netstack"
+	"github.com/capsa-sandbox/capsa/sandbox"
 	"github.com/capsa-sandbox/capsa/supervisor"
 )
 
@@ -85,6 +87,13 @@ type Options struct {
 	// VolumeQuota is each API volume's quota in bytes (0:
 	// DefaultVolumeQuota).
 	VolumeQuota int64
+	// DNSServer (IP:PORT), if set, resolves every sandbox's DNS queries
+	// instead of the host's resolver (sandbox.Builder.DNSServer).
+	DNSServer string
+	// UpstreamCAs are PEM files whose CAs a sandbox's interception
+	// (header rules) trusts for the real servers beside the host's
+	// (sandbox.Builder.UpstreamCA): a private server's CA.
+	UpstreamCAs []string
 }
 
 // DefaultMaxSandboxesPerKey is Options.MaxSandboxesPerKey's default.
@@ -102,6 +111,8 @@ type Server struct {
 	base      string
 	domain    string
 	perKey    int
+	dns       string   // Options.DNSServer
+	upstream  []string // Options.UpstreamCAs
 
 	ctx    context.Context // the polling watchers' lifetime
 	cancel context.CancelFunc
@@ -131,12 +142,23 @@ func New(o Options) (*Server, error) {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
+	// The sandboxes' network settings, checked as a sandbox's are.
+	if o.DNSServer != "" || len(o.UpstreamCAs) > 0 {
+		b := sandbox.New().Network(netstack.PublicOnly()).UpstreamCA(o.UpstreamCAs...)
+		if o.DNSServer != "" {
+			b.DNSServer(o.DNSServer)
+		}
+		if _, err := b.Run("true").Spec(); err != nil {
+			return nil, fmt.Errorf("e2b: the sandboxes' network: %w", err)
+		}
+	}
 	perKey := o.MaxSandboxesPerKey
 	if perKey <= 0 {
 		perKey = DefaultMaxSandboxesPerKey
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	s := &Server{m: o.Manager, keys: o.Keys, templates: o.Templates, log: log, base: o.DefaultTemplate, domain: o.Domain, perKey: perKey,
+		dns: o.DNSServer, upstream: o.UpstreamCAs,
 		ctx: ctx, cancel: cancel, guests: map[string]*guest{}, pending: map[string]int{}, openVols: map[string]*openVolume{}}
 	s.snaps = jsonFile[snapOwner]{path: filepath.Join(o.Manager.Dir(), SnapshotsFile), what: "snapshot owners"}
 	s.vols = jsonFile[volOwner]{path: filepath.Join(o.Manager.Dir(), VolumesFile), what: "volumes"}

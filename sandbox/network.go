@@ -133,11 +133,17 @@ func (b *Builder) netConfig() *NetworkSpec {
 	return b.c.Network
 }
 
+// intercepts says whether the NAT intercepts any TLS: hosts named for
+// it, secrets or header rules.
+func (n *NetworkSpec) intercepts() bool {
+	return len(n.Intercept)+len(n.Secrets)+len(n.Headers) > 0
+}
+
 // checkNetwork reports options that need Network without it.
 func (c *config) checkNetwork() error {
 	if c.Network != nil && c.Network.Tap != nil {
 		n := c.Network
-		if n.Policy != nil || len(n.Publish)+len(n.Secrets)+len(n.Intercept)+len(n.UpstreamCAs) > 0 || n.DNSServer != "" {
+		if n.Policy != nil || len(n.Publish)+len(n.UpstreamCAs) > 0 || n.intercepts() || n.DNSServer != "" {
 			return errors.New("sandbox: a tap network has no NAT: no policy, published ports, DNS server, secrets or TLS interception")
 		}
 		return nil

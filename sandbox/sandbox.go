@@ -56,7 +56,10 @@ type config struct {
 	console  io.Writer
 	progress func(image.Progress)
 	errs     []error
-	secrets  map[string]string // the values of Network.Secrets, by name
+	secrets  map[string]string // the values of Network.Secrets, by name, and of Network.Headers (headerKey)
+	// installCA: a restore makes the interception's CA and installs it
+	// in the guest, whose snapshot was taken without one.
+	installCA bool
 	netAudit io.Writer         // the audit log of intercepted requests
 	ca       *tlsproxy.CA      // a restored sandbox's CA
 	start    time.Time         // when a restore began (zero: at boot), for the timeline

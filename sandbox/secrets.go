@@ -8,10 +8,12 @@ import (
 	"bytes"
 	"context"
 	"crypto/x509"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
 	"maps"
+	"net/http"
 	"os"
 	"regexp"
 	"slices"
@@ -224,11 +226,18 @@ const auditKeep = 1000
 // their values, the upstream trust.
 func startInterception(c config, audit io.Writer, log *slog.Logger) (*interception, error) {
 	nc := c.Network
-	if len(nc.Intercept) == 0 && len(nc.Secrets) == 0 {
+	if !nc.intercepts() {
 		return nil, nil
 	}
 	cfg := tlsproxy.Config{Intercept: nc.Intercept, Logger: log, CA: c.ca}
 	patterns := slices.Clone(nc.Intercept)
+	var err error
+	if cfg.Headers, err = headerRules(nc.Headers, c.secrets); err != nil {
+		return nil, err
+	}
+	for _, h := range nc.Headers {
+		patterns = append(patterns, h.Host)
+	}
 	for _, s := range nc.Secrets {
 		v, ok := c.secrets[s.Name]
 		if !ok {
@@ -252,6 +261,12 @@ func startInterception(c config, audit io.Writer, log *slog.Logger) (*intercepti
 	if cfg.CA == nil {
 		if cfg.CA, err = tlsproxy.NewCA(patterns); err != nil {
 			return nil, fmt.Errorf("sandbox: %w", err)
+		}
+	}
+	// A snapshot's CA vouches only for the hosts it was made for.
+	for _, p := range patterns {
+		if !cfg.CA.Permits(p) {
+			return nil, fmt.Errorf("sandbox: intercept %s: %w (%s): the guest trusts that CA alone", p, tlsproxy.ErrOutsideCA, strings.Join(cfg.CA.Certificate().PermittedDNSDomains, ", "))
 		}
 	}
 	in := &interception{audit: tlsproxy.NewAuditLog(auditKeep, audit), ca: cfg.CA}
@@ -323,4 +338,161 @@ func (s *Sandbox) CountInMemory(b []byte) (int, error) {
 		n += bytes.Count(r.Host, b)
 	}
 	return n, nil
+}
+
+// HeaderSpec is a header rule as a Spec holds it (Builder.Header): the
+// host pattern and the names of the headers it sets. Never their values:
+// like secrets' they are given at start (Workload.Secrets, under
+// headerKey), so a Spec, a detached sandbox's record and a snapshot never
+// hold them.
+type HeaderSpec struct {
+	Host  string   `json:"host"`
+	Names []string `json:"names"`
+}
+
+// HeaderRule is a host pattern and the headers set on the sandbox's
+// HTTPS requests to it (tlsproxy.HeaderRule), as SetHeaderRules and the
+// front ends take them.
+type HeaderRule = tlsproxy.HeaderRule
+
+// CheckHeaderRules checks rules as SetHeaderRules takes them, naming what
+// is wrong.
+func CheckHeaderRules(rules []HeaderRule) error { return tlsproxy.CheckHeaderRules(rules) }
+
+// CheckHostPattern checks a host pattern as interception takes it
+// (example.com, *.example.com; no IP address).
+func CheckHostPattern(s string) error { return tlsproxy.CheckPattern(s) }
+
+// ErrOutsideCA is SetHeaderRules' error for a rule whose host the
+// sandbox's CA may not name (tlsproxy.ErrOutsideCA).
+var ErrOutsideCA = tlsproxy.ErrOutsideCA
+
+// headerKey is where a header rule's value is among the workload's secret
+// values (Workload.Secrets, SecretValues): a secret's name is an
+// environment variable's and has no space.
+func headerKey(host, name string) string { return "header " + host + " " + name }
+
+// ErrNoInterception is SetHeaderRules' error for a sandbox that
+// intercepts no TLS: it has no CA in its guest to add hosts to.
+var ErrNoInterception = errors.New("the sandbox intercepts no TLS (it was made without secrets, interception or header rules)")
+
+// Header sets the header name to value on every HTTPS request the sandbox
+// makes to a host that host matches (example.com, *.example.com for its
+// subdomains at any depth), replacing any the guest sent: those hosts'
+// HTTPS is intercepted (see TLSIntercept), and for each host the rule of
+// the exact name wins, else the longest wildcard's, rules not merged
+// (tlsproxy.HeaderRule, E2B's network rules). Unlike a secret's, the
+// value is not kept from the guest: a host that echoes the header gives
+// it back. It needs Network.
+func (b *Builder) Header(host, name, value string) *Builder {
+	rule := tlsproxy.HeaderRule{Host: host, Headers: map[string]string{name: value}}
+	if err := tlsproxy.CheckHeaderRules([]tlsproxy.HeaderRule{rule}); err != nil {
+		b.c.errs = append(b.c.errs, fmt.Errorf("sandbox: %w", err))
+		return b
+	}
+	host, name = strings.ToLower(strings.TrimSuffix(host, ".")), http.CanonicalHeaderKey(name)
+	if !b.addHeader(host, name) {
+		return b
+	}
+	if b.c.secrets == nil {
+		b.c.secrets = map[string]string{}
+	}
+	b.c.secrets[headerKey(host, name)] = value
+	return b
+}
+
+// addHeader adds a header rule's host and header name as a Spec holds
+// them, refusing one given twice.
+func (b *Builder) addHeader(host, name string) bool {
+	nc := b.netConfig()
+	i := slices.IndexFunc(nc.Headers, func(h HeaderSpec) bool { return h.Host == host })
+	if i < 0 {
+		nc.Headers = append(nc.Headers, HeaderSpec{Host: host})
+		i = len(nc.Headers) - 1
+	}
+	if slices.Contains(nc.Headers[i].Names, name) {
+		b.c.errs = append(b.c.errs, fmt.Errorf("sandbox: header rule %s: header %s given twice", host, name))
+		return false
+	}
+	nc.Headers[i].Names = append(nc.Headers[i].Names, name)
+	b.addCAEnv()
+	return true
+}
+
+// headerRules are the proxy's rules for specs, with their values from
+// values (headerKey).
+func headerRules(specs []HeaderSpec, values map[string]string) ([]tlsproxy.HeaderRule, error) {
+	var out []tlsproxy.HeaderRule
+	for _, h := range specs {
+		r := tlsproxy.HeaderRule{Host: h.Host, Headers: map[string]string{}}
+		for _, n := range h.Names {
+			v, ok := values[headerKey(h.Host, n)]
+			if !ok {
+				return nil, fmt.Errorf("sandbox: header rule %s: header %s has no value (a Spec holds none: give it with Workload.Secrets or RestoreOptions.Secrets)", h.Host, n)
+			}
+			r.Headers[n] = v
+		}
+		out = append(out, r)
+	}
+	if err := tlsproxy.CheckHeaderRules(out); err != nil {
+		return nil, fmt.Errorf("sandbox: %w", err)
+	}
+	return out, nil
+}
+
+// HeaderRuleValues are the secret values (Workload.Secrets) that give
+// rules' headers their values, for a front end that keeps a sandbox's
+// rules with its secrets, and the rules as a Spec holds them.
+func HeaderRuleValues(rules []tlsproxy.HeaderRule) ([]HeaderSpec, map[string]string) {
+	var specs []HeaderSpec
+	values := map[string]string{}
+	for _, r := range rules {
+		host := strings.ToLower(strings.TrimSuffix(r.Host, "."))
+		hs := HeaderSpec{Host: host}
+		for n, v := range r.Headers {
+			n = http.CanonicalHeaderKey(n)
+			hs.Names = append(hs.Names, n)
+			values[headerKey(host, n)] = v
+		}
+		slices.Sort(hs.Names)
+		specs = append(specs, hs)
+	}
+	return specs, values
+}
+
+// HeaderRulesOf are the rules of specs with their values from values
+// (a sandbox's secret values), for a front end that shows them.
+func HeaderRulesOf(specs []HeaderSpec, values map[string]string) []tlsproxy.HeaderRule {
+	var out []tlsproxy.HeaderRule
+	for _, h := range specs {
+		r := tlsproxy.HeaderRule{Host: h.Host, Headers: map[string]string{}}
+		for _, n := range h.Names {
+			r.Headers[n] = values[headerKey(h.Host, n)]
+		}
+		out = append(out, r)
+	}
+	return out
+}
+
+// IsHeaderValue says whether a secret value's key (Workload.SecretValues)
+// is a header rule's.
+func IsHeaderValue(key string) bool { return strings.HasPrefix(key, "header ") }
+
+// SetHeaderRules replaces the running sandbox's header rules (nil: none)
+// for every request from now on. Their hosts must be ones the sandbox's
+// CA was made for (tlsproxy.ErrOutsideCA): the hosts it intercepted at
+// its start. A sandbox that intercepts nothing has no rules to replace
+// (ErrNoInterception), unless rules is empty.
+func (s *Sandbox) SetHeaderRules(rules []tlsproxy.HeaderRule) error {
+	in := s.net.interception()
+	if in == nil {
+		if len(rules) == 0 {
+			return nil
+		}
+		return fmt.Errorf("sandbox: set the header rules: %w", ErrNoInterception)
+	}
+	if err := in.proxy.SetHeaders(rules); err != nil {
+		return fmt.Errorf("sandbox: set the header rules: %w", err)
+	}
+	return nil
 }

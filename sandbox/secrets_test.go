@@ -3,6 +3,7 @@ package sandbox
 import (
 	"bytes"
 	"encoding/json"
+	"errors"
 	"reflect"
 	"slices"
 	"strings"
@@ -80,6 +81,66 @@ func TestSecretErrors(t *testing.T) {
 		}
 		if strings.Contains(err.Error(), "v4lue") || strings.Contains(err.Error(), "v\nX") {
 			t.Errorf("%s: the error %q shows the value", what, err)
+		}
+	}
+}
+
+// TestHeaderRulesNeverInSpec: a header rule's value, like a secret's,
+// stays out of the Spec and goes with the secrets' values; its host is
+// intercepted (the CA names it), the guest's environment points at the
+// CA; through JSON the rule comes back, and needs its values to start.
+func TestHeaderRulesNeverInSpec(t *testing.T) {
+	const value = "Bearer header-rule-value"
+	w := New().Network(netstack.PublicOnly()).Header("API.example.com.", "authorization", value).
+		Header("api.example.com", "X-Team", "blue").Header("*.example.net", "X-Trace", "1").Run("true")
+	spec, err := w.Spec()
+	if err != nil {
+		t.Fatalf("Spec() = %v", err)
+	}
+	b, _ := json.Marshal(spec)
+	if bytes.Contains(b, []byte(value)) {
+		t.Fatalf("the spec holds a header rule's value: %s", b)
+	}
+	want := []HeaderSpec{{Host: "api.example.com", Names: []string{"Authorization", "X-Team"}}, {Host: "*.example.net", Names: []string{"X-Trace"}}}
+	if !reflect.DeepEqual(spec.Network.Headers, want) {
+		t.Errorf("Spec().Network.Headers = %+v, want %+v", spec.Network.Headers, want)
+	}
+	for _, e := range caEnv {
+		if !slices.Contains(spec.Env, e) {
+			t.Errorf("Spec().Env = %q, want %q in it", spec.Env, e)
+		}
+	}
+	back, err := roundTrip(t, spec)
+	if err != nil || !reflect.DeepEqual(back, spec) {
+		t.Fatalf("FromSpec(JSON(spec)).Spec() = %+v, %v; want %+v", back, err, spec)
+	}
+	if _, err := startInterception(FromSpec(back).c, nil, nil); err == nil || !strings.Contains(err.Error(), "Authorization has no value") {
+		t.Errorf("starting without the values: %v, want an error naming the header", err)
+	}
+	in, err := startInterception(FromSpec(back).Secrets(w.SecretValues()).c, nil, nil)
+	if err != nil {
+		t.Fatalf("startInterception with the values = %v", err)
+	}
+	defer in.close()
+	if got := in.ca.Certificate().PermittedDNSDomains; !slices.Equal(got, []string{"api.example.com", "example.net"}) {
+		t.Errorf("the CA's name constraints = %q, want the rules' domains", got)
+	}
+	// A snapshot's CA made for other hosts is refused, naming the host.
+	ca, _ := tlsproxy.NewCA([]string{"other.example.com"})
+	c := FromSpec(back).Secrets(w.SecretValues()).c
+	c.ca = ca
+	if _, err := startInterception(c, nil, nil); !errors.Is(err, tlsproxy.ErrOutsideCA) || !strings.Contains(err.Error(), "api.example.com") {
+		t.Errorf("starting with a CA for other hosts: %v, want ErrOutsideCA naming api.example.com", err)
+	}
+	// Bad rules, before anything boots.
+	for _, b := range []*Builder{
+		New().Network(netstack.PublicOnly()).Header("*", "A", "b"),
+		New().Network(netstack.PublicOnly()).Header("a.test", "Host", "b"),
+		New().Network(netstack.PublicOnly()).Header("a.test", "A", "1").Header("a.test", "a", "2"),
+		New().Header("a.test", "A", "1"),
+	} {
+		if _, err := b.Run("true").Spec(); err == nil {
+			t.Errorf("a bad rule was taken: %+v", b.c.Network)
 		}
 	}
 }

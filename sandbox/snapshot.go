@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"log/slog"
 	"os"
 	"path/filepath"
@@ -358,6 +359,13 @@ func Restore(ctx context.Context, dir string, o RestoreOptions) (*Sandbox, error
 			return nil, err
 		}
 	}
+	if in := s.net.interception(); in != nil && w.c.installCA {
+		if err := installCA(ctx, s.client, in.ca); err != nil {
+			err = fmt.Errorf("sandbox: restore: %w", s.vmErr(err))
+			s.Close()
+			return nil, err
+		}
+	}
 	s.vm.Mark("sandbox: restored, the main process attached")
 	s.running(main)
 	return s, nil
@@ -428,10 +436,17 @@ func restoredWorkload(op, dir string, snap *snapshot.Snapshot, o RestoreOptions)
 // intercepts: the guest trusts that one.
 func (w *Workload) snapshotCA(snap *snapshot.Snapshot) error {
 	n := w.c.Network
-	if n == nil || (len(n.Intercept) == 0 && len(n.Secrets) == 0) {
+	if n == nil || !n.intercepts() {
 		return nil
 	}
 	b, err := snap.ReadFile(snapshotCAFile, 1<<20)
+	if errors.Is(err, fs.ErrNotExist) && !snapshotIntercepts(snap) {
+		// Taken without interception: the guest trusts no CA of
+		// capsa's yet. The restore makes one and installs it
+		// (w.c.installCA) once the guest runs.
+		w.c.installCA = true
+		return nil
+	}
 	if err == nil {
 		w.c.ca, err = tlsproxy.ParseCA(b)
 	}
@@ -439,6 +454,13 @@ func (w *Workload) snapshotCA(snap *snapshot.Snapshot) error {
 		return fmt.Errorf("the interception's CA: %w", err)
 	}
 	return nil
+}
+
+// snapshotIntercepts says whether snap's own spec intercepted TLS (then
+// it must hold its CA).
+func snapshotIntercepts(snap *snapshot.Snapshot) bool {
+	var saved Spec
+	return json.Unmarshal(snap.Manifest.Spec, &saved) != nil || (saved.Network != nil && saved.Network.intercepts())
 }
 
 // Settings returns what the builder holds as a restore's host-facing

@@ -77,6 +77,7 @@ type NetworkSpec struct {
 	// the host it trusts beside the host's store.
 	Intercept   []string     `json:"tls_intercept,omitempty"`
 	Secrets     []SecretSpec `json:"secrets,omitempty"`
+	Headers     []HeaderSpec `json:"header_rules,omitempty"` // Builder.Header
 	UpstreamCAs []string     `json:"upstream_cas,omitempty"`
 	// Tap, instead of the NAT, plugs the NIC into a tap device of the
 	// VMM process's network namespace (Builder.Tap); Policy is then nil.
@@ -210,7 +211,7 @@ func FromSpec(s Spec) *Workload {
 	}
 	if n := s.Network; n != nil && n.Tap != nil {
 		b.Tap(*n.Tap)
-		if n.Policy != nil || len(n.Publish)+len(n.Secrets)+len(n.Intercept)+len(n.UpstreamCAs) > 0 || n.DNSServer != "" {
+		if n.Policy != nil || len(n.Publish)+len(n.UpstreamCAs) > 0 || n.intercepts() || n.DNSServer != "" {
 			b.c.errs = append(b.c.errs, errors.New("sandbox: a tap network has no NAT: no policy, published ports, DNS server, secrets or TLS interception"))
 		}
 	} else if n != nil {
@@ -224,6 +225,11 @@ func FromSpec(s Spec) *Workload {
 		// The environment has the placeholders and the CA's variables.
 		for _, sp := range n.Secrets {
 			b.addSecret(sp)
+		}
+		for _, h := range n.Headers {
+			for _, name := range h.Names {
+				b.addHeader(h.Host, name)
+			}
 		}
 		b.TLSIntercept(n.Intercept...).UpstreamCA(n.UpstreamCAs...)
 	}

@@ -36,6 +36,7 @@ import (
 	"hash"
 	"hash/crc32"
 	"io"
+	"io/fs"
 	"os"
 	"path/filepath"
 	"runtime/debug"
@@ -546,7 +547,7 @@ func readChecked(dirfd int, name string, limit int64) ([]byte, error) {
 func (s *Snapshot) ReadFile(name string, limit int64) ([]byte, error) {
 	f := s.files[name]
 	if f == nil {
-		return nil, fmt.Errorf("%s: not in the snapshot", name)
+		return nil, fmt.Errorf("%s: not in the snapshot: %w", name, fs.ErrNotExist)
 	}
 	return readBounded(f, limit)
 }

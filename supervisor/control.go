@@ -70,6 +70,7 @@ var (
 	opLimits   = controlOp[ratelimit.Limits, ratelimit.Limits]{"limits", http.MethodPut, http.StatusOK}
 	opTTL      = controlOp[ttlBody, noBody]{"ttl", http.MethodPut, http.StatusNoContent}
 	opNetwork  = controlOp[networkBody, noBody]{"network", http.MethodPut, http.StatusNoContent}
+	opHeaders  = controlOp[headersBody, noBody]{"headers", http.MethodPut, http.StatusNoContent}
 )
 
 // networkBody is the network policy to put in force (nil: public-only).
@@ -87,7 +88,7 @@ type controlRoute interface {
 }
 
 // controlOps is the protocol's table.
-var controlOps = []controlRoute{opStop, opPause, opResume, opSnapshot, opSuspend, opStats, opLimits, opTTL, opNetwork}
+var controlOps = []controlRoute{opStop, opPause, opResume, opSnapshot, opSuspend, opStats, opLimits, opTTL, opNetwork, opHeaders}
 
 func (o controlOp[Req, Resp]) opName() string  { return o.name }
 func (o controlOp[Req, Resp]) path() string    { return "/v1/" + o.name }

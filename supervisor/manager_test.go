@@ -3,6 +3,7 @@ package supervisor
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"net/http"
@@ -48,6 +49,7 @@ func TestManagerUnknownNames(t *testing.T) {
 		},
 		"Fork":             func() error { _, _, err := m.Fork(ctx, "nosuch", 1); return err },
 		"SetNetworkPolicy": func() error { return m.SetNetworkPolicy(ctx, "nosuch", nil) },
+		"SetHeaderRules":   func() error { return m.SetHeaderRules(ctx, "nosuch", nil) },
 	} {
 		if err := call(); !errors.Is(err, ErrNotFound) || !strings.Contains(err.Error(), "nosuch") {
 			t.Errorf("%s(nosuch) = %v; want ErrNotFound naming it", op, err)
@@ -94,6 +96,71 @@ func TestManagerSetNetworkPolicy(t *testing.T) {
 	}
 	if r, _ := m.Get("nat"); r.Spec.Network.Policy.String() != netstack.PublicOnly().String() {
 		t.Errorf("after SetNetworkPolicy(nil): %v; want public-only", r.Spec.Network.Policy)
+	}
+}
+
+// TestManagerSetHeaderRules: rules go to the record (names) and the
+// secrets file (values) of a sandbox that is not running, for its next
+// start, the secrets' own values kept; a host beyond those the sandbox
+// intercepts, a sandbox that intercepts nothing and one without the NAT
+// are refused before anything is written; none clears them.
+func TestManagerSetHeaderRules(t *testing.T) {
+	m := newManager(t)
+	ctx := context.Background()
+	base := sandbox.Spec{CPUs: 1, MemoryMiB: 256, Main: sandbox.ProcessSpec{Argv: []string{"true"}}}
+	plain, tapped, icpt := base, base, base
+	plain.Network = &sandbox.NetworkSpec{Policy: netstack.AllowAll()}
+	tapped.Network = &sandbox.NetworkSpec{Tap: &sandbox.TapSpec{Name: "tap0"}}
+	icpt.Network = &sandbox.NetworkSpec{Policy: netstack.AllowAll(), Intercept: []string{"api.test"},
+		Secrets: []sandbox.SecretSpec{{Name: "KEY", Placeholder: strings.Repeat("p", 20), Hosts: []string{"*.other.test"}}}}
+	for name, spec := range map[string]sandbox.Spec{"plain": plain, "tapped": tapped, "icpt": icpt} {
+		if _, err := m.Create(&Record{Name: name, Spec: spec}, map[string]string{"KEY": "value"}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	rule := func(host string) []sandbox.HeaderRule {
+		return []sandbox.HeaderRule{{Host: host, Headers: map[string]string{"authorization": "Bearer x"}}}
+	}
+	if err := m.SetHeaderRules(ctx, "plain", rule("api.test")); !errors.Is(err, sandbox.ErrNoInterception) {
+		t.Errorf("rules for a sandbox that intercepts nothing: %v; want ErrNoInterception", err)
+	}
+	if err := m.SetHeaderRules(ctx, "tapped", rule("api.test")); !errors.Is(err, sandbox.ErrNoNAT) {
+		t.Errorf("rules for a tapped sandbox: %v; want ErrNoNAT", err)
+	}
+	for _, host := range []string{"plain.test", "test", "*.test"} {
+		if err := m.SetHeaderRules(ctx, "icpt", rule(host)); !errors.Is(err, sandbox.ErrOutsideCA) || !strings.Contains(err.Error(), host) {
+			t.Errorf("a rule for %s: %v; want ErrOutsideCA naming it", host, err)
+		}
+	}
+	if err := m.SetHeaderRules(ctx, "icpt", []sandbox.HeaderRule{{Host: "api.test", Headers: map[string]string{"Host": "x"}}}); err == nil {
+		t.Error("a rule setting Host was taken")
+	}
+	want := []sandbox.HeaderRule{
+		{Host: "api.test", Headers: map[string]string{"Authorization": "Bearer x", "X-Team": "blue"}},
+		{Host: "a.b.other.test", Headers: map[string]string{"X-Trace": "1"}},
+	}
+	if err := m.SetHeaderRules(ctx, "icpt", want); err != nil {
+		t.Fatal(err)
+	}
+	got, err := m.HeaderRules("icpt")
+	if err != nil || fmt.Sprint(got) != fmt.Sprint(want) {
+		t.Errorf("HeaderRules = %v, %v; want %v", got, err, want)
+	}
+	secrets, _ := ReadSecrets(m.st, "icpt")
+	if secrets["KEY"] != "value" {
+		t.Errorf("the secret's value after SetHeaderRules: %q", secrets["KEY"])
+	}
+	if r, _ := m.Get("icpt"); len(r.Spec.Network.Headers) != 2 || strings.Contains(fmt.Sprint(r.Spec), "Bearer x") {
+		t.Errorf("the record's rules: %+v; want two, with no value", r.Spec.Network.Headers)
+	}
+	if err := m.SetHeaderRules(ctx, "icpt", nil); err != nil {
+		t.Fatal(err)
+	}
+	if got, _ := m.HeaderRules("icpt"); len(got) != 0 {
+		t.Errorf("after clearing: %v", got)
+	}
+	if secrets, _ := ReadSecrets(m.st, "icpt"); len(secrets) != 1 {
+		t.Errorf("the secrets file after clearing the rules: %v keys; want the secret's alone", len(secrets))
 	}
 }
 

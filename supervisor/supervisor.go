@@ -599,6 +599,15 @@ func (c *control) mux(log *slog.Logger) *http.ServeMux {
 		log.Info("supervisor: network policy set", "policy", c.sb.NetworkPolicy().String())
 		return noBody{}, nil
 	})
+	opHeaders.register(mux, func(_ context.Context, req headersBody) (noBody, error) {
+		// Every failure is the rules': their checks, a host outside
+		// the CA, no interception.
+		if err := c.sb.SetHeaderRules(req.Rules); err != nil {
+			return noBody{}, badRequest("%v", err)
+		}
+		log.Info("supervisor: header rules set", "rules", len(req.Rules))
+		return noBody{}, nil
+	})
 	opTTL.register(mux, func(ctx context.Context, req ttlBody) (noBody, error) {
 		if req.TTL < 0 {
 			return noBody{}, badRequest("bad TTL request: negative TTL")

@@ -23,6 +23,7 @@ type Record struct {
 	RequestBytes  int64    `json:"request_bytes"`  // body bytes from the guest
 	ResponseBytes int64    `json:"response_bytes"` // body bytes to the guest
 	Substituted   []string `json:"substituted,omitempty"`
+	Headers       []string `json:"headers_set,omitempty"` // the names a header rule set, never the values
 	Blocked       bool     `json:"blocked,omitempty"`
 	Reason        string   `json:"reason,omitempty"`
 }

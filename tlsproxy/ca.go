@@ -13,6 +13,7 @@ import (
 	"errors"
 	"fmt"
 	"math/big"
+	"strings"
 	"sync"
 	"time"
 )
@@ -91,6 +92,28 @@ func (ca *CA) CertPEM() []byte {
 
 // Certificate is the CA's certificate.
 func (ca *CA) Certificate() *x509.Certificate { return ca.cert }
+
+// Permits says whether the CA may name the hosts of the host pattern s
+// (example.com, *.example.com): its name constraints hold a domain that
+// is the pattern's or one above it. A CA without constraints (none made
+// here) permits everything.
+func (ca *CA) Permits(s string) bool {
+	p, err := parsePattern(s)
+	return err == nil && ca.permits(p)
+}
+
+func (ca *CA) permits(p pattern) bool {
+	if len(ca.cert.PermittedDNSDomains) == 0 {
+		return true
+	}
+	for _, d := range ca.cert.PermittedDNSDomains {
+		d = strings.ToLower(strings.TrimPrefix(d, "."))
+		if p.domain == d || strings.HasSuffix(p.domain, "."+d) {
+			return true
+		}
+	}
+	return false
+}
 
 // MarshalPEM is the certificate and the private key, for ParseCA. Whoever
 // holds it can mint certificates the guest trusts (for the CA's domains):

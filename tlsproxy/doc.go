@@ -6,21 +6,21 @@
 //
 // # Interception
 //
-// A connection to port 443 is looked at: its first bytes are read as a
-// TLS ClientHello by crypto/tls itself, and if it names (SNI) a host the
-// proxy intercepts (Config.Intercept and every secret's hosts), the proxy
-// first completes a TLS handshake of its own with the real server, over
-// the host connection the NAT made, verifying its certificate for that
-// name against the host's trust store (Config.RootCAs): a certificate that
-// does not verify refuses the guest's connection, nothing is relayed.
-// Then it answers the guest with a certificate for the name, minted by the
-// sandbox's CA (a cache of Config.MaxCerts), and serves HTTP on the
-// connection with net/http (HTTP/1.1, or HTTP/2 when the guest offered it
-// and the server chose it), relaying each request upstream with
-// net/http/httputil's ReverseProxy. Every other connection, and any whose
-// first bytes are not a ClientHello to intercept, is handed back to the
-// NAT with those bytes, to relay untouched: the guest sees the real
-// server's certificate there.
+// A connection to port 443 is looked at: its first bytes are read as a TLS
+// ClientHello by crypto/tls itself, and if it names (SNI) a host the proxy
+// intercepts (Config.Intercept, every secret's hosts and every header
+// rule's), the proxy first completes a TLS handshake of its own with the
+// real server, over the host connection the NAT made, verifying its
+// certificate for that name against the host's trust store
+// (Config.RootCAs): a certificate that does not verify refuses the guest's
+// connection, nothing is relayed. Then it answers the guest with a
+// certificate for the name, minted by the sandbox's CA (a cache of
+// Config.MaxCerts), and serves HTTP on the connection with net/http
+// (HTTP/1.1, or HTTP/2 when the guest offered it and the server chose it),
+// relaying each request upstream with net/http/httputil's ReverseProxy.
+// Every other connection, and any whose first bytes are not a ClientHello
+// to intercept, is handed back to the NAT with those bytes, to relay
+// untouched: the guest sees the real server's certificate there.
 //
 // # Requests
 //
@@ -34,6 +34,19 @@
 // fixed; a larger body is refused with 413). Bodies to other hosts are
 // not looked at: a placeholder there goes as it is and tells the host
 // nothing.
+//
+// # Header rules
+//
+// A HeaderRule (Config.Headers; SetHeaders replaces them while the proxy
+// runs) sets headers on every request to the hosts it matches, after the
+// secrets' substitution, replacing the guest's: for a host the rule of
+// its exact name, else the one with the longest matching wildcard, never
+// two merged. Headers that frame the request or name its host cannot be
+// set. Nothing of the answer is looked at for them: unlike a secret's, a
+// rule's value reaches the guest if the host echoes it. The audit record
+// names the headers set (Record.Headers), not their values. A rule's host
+// must be one the CA may name (CA.Permits): SetHeaders cannot widen what
+// a sandbox's CA vouches for.
 //
 // # Responses
 //

@@ -57,6 +57,9 @@ type Config struct {
 	// Secrets are substituted on the way out and scrubbed on the way
 	// back.
 	Secrets []Secret
+	// Headers are set on the requests to their hosts, which are
+	// intercepted too (SetHeaders replaces them).
+	Headers []HeaderRule
 	// RootCAs verifies the real servers; nil: the host's trust store.
 	// The guest has no say in it.
 	RootCAs *x509.CertPool
@@ -95,6 +98,7 @@ type Proxy struct {
 	log       *slog.Logger
 	intercept []pattern
 	secrets   []*secret
+	headers   atomic.Pointer[headerSet]
 	all       *scrubber // every secret: for errors and reasons
 	certs     *leafCache
 	slots     chan struct{} // one per intercepted connection
@@ -110,6 +114,7 @@ type Proxy struct {
 	stats struct {
 		intercepted, passed, refused       atomic.Uint64
 		requests, substituted, blockedReqs atomic.Uint64
+		headersSet                         atomic.Uint64
 	}
 }
 
@@ -156,6 +161,16 @@ func New(cfg Config) (*Proxy, error) {
 	for _, s := range secrets {
 		p.intercept = append(p.intercept, s.hosts...)
 	}
+	hs, err := checkHeaderRules(cfg.Headers)
+	if err != nil {
+		return nil, fmt.Errorf("tlsproxy: %w", err)
+	}
+	for _, r := range hs.rules {
+		if !cfg.CA.permits(r.pattern) {
+			return nil, fmt.Errorf("tlsproxy: header rule %s: %w", r.pattern, ErrOutsideCA)
+		}
+	}
+	p.headers.Store(hs)
 	p.all = newScrubber(secrets, func(*secret) bool { return true })
 	if p.certs, err = newLeafCache(cfg.CA, cfg.MaxCerts); err != nil {
 		return nil, err
@@ -204,6 +219,7 @@ type Stats struct {
 	Refused       uint64 // connections to intercept refused (upstream certificate, limits)
 	Requests      uint64 // requests on intercepted connections
 	Substituted   uint64 // requests that had a secret substituted
+	HeadersSet    uint64 // requests that had a header rule's headers set
 	Blocked       uint64 // requests refused
 	CertsMinted   uint64
 	CertsCached   int
@@ -215,7 +231,7 @@ func (p *Proxy) Stats() Stats {
 	cached, minted := p.certs.stats()
 	return Stats{
 		Intercepted: p.stats.intercepted.Load(), PassedThrough: p.stats.passed.Load(), Refused: p.stats.refused.Load(),
-		Requests: p.stats.requests.Load(), Substituted: p.stats.substituted.Load(), Blocked: p.stats.blockedReqs.Load(),
+		Requests: p.stats.requests.Load(), Substituted: p.stats.substituted.Load(), HeadersSet: p.stats.headersSet.Load(), Blocked: p.stats.blockedReqs.Load(),
 		CertsMinted: minted, CertsCached: cached, Active: len(p.slots),
 	}
 }
@@ -241,7 +257,7 @@ func (p *Proxy) Intercept(guest, host net.Conn, dst netip.AddrPort, redial func(
 	tc := tls.Server(pc, &tls.Config{
 		GetConfigForClient: func(h *tls.ClientHelloInfo) (*tls.Config, error) {
 			name := canonicalHost(h.ServerName)
-			if name == "" || !matchesAny(p.intercept, name) {
+			if name == "" || !p.intercepts(name) {
 				return nil, errPassThrough
 			}
 			pc.decide()
@@ -515,6 +531,10 @@ func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		out.Header.Del("Content-Length")
 	}
 	pl.substitute(out)
+	if r := p.headers.Load().match(c.name); r != nil {
+		rec.Headers = r.apply(out.Header)
+		p.stats.headersSet.Add(1)
+	}
 	if c.scrub != nil {
 		// The transport then asks for gzip itself and decodes it, so
 		// the answer can be checked for the secrets.

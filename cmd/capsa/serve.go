@@ -31,6 +31,8 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 	volSize := fs.String("volume-size", "1G", "each API volume's quota (Volume.create), e.g. 512M, 10G")
 	cert := fs.String("tls-cert", "", "serve HTTPS with this certificate (PEM)")
 	key := fs.String("tls-key", "", "the certificate's private key (PEM)")
+	dns := fs.String("dns-server", "", "resolve every sandbox's DNS queries through this IP:PORT instead of the host's resolver")
+	upstreamCAs := fs.StringArray("tls-upstream-ca", nil, "for sandboxes with header rules (network.rules), trust this PEM file's CAs for the real servers too, beside the host's (repeatable)")
 	if code := parseFlags(fs, args, stderr); code >= 0 {
 		return code
 	}
@@ -93,7 +95,8 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 		level = slog.LevelDebug
 	}
 	log := slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: level}))
-	srv, err := e2b.New(e2b.Options{Manager: m, Keys: keys, Templates: templates, Log: log, DefaultTemplate: *base, Domain: *domain, MaxSandboxesPerKey: *perKey, VolumeQuota: int64(volQuota)})
+	srv, err := e2b.New(e2b.Options{Manager: m, Keys: keys, Templates: templates, Log: log, DefaultTemplate: *base, Domain: *domain, MaxSandboxesPerKey: *perKey, VolumeQuota: int64(volQuota),
+		DNSServer: *dns, UpstreamCAs: *upstreamCAs})
 	if err != nil {
 		fmt.Fprintf(stderr, "capsa serve: %v\n", err)
 		return 1

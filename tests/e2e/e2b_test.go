@@ -12,6 +12,8 @@ import (
 	"net"
 	"os"
 	"os/exec"
+	"path/filepath"
+	"strconv"
 	"strings"
 	"syscall"
 	"testing"
@@ -90,10 +92,10 @@ type e2bServer struct {
 
 // startServe starts `capsa serve` on the state directory dir, listening
 // on addr, and waits until it answers.
-func startServe(t testing.TB, dir, addr string) *e2bServer {
+func startServe(t testing.TB, dir, addr string, args ...string) *e2bServer {
 	t.Helper()
 	s := &e2bServer{t: t, dir: dir, addr: addr, log: &bytes.Buffer{}}
-	s.cmd = exec.Command(artifact(t, "capsa"), "serve", "--listen", addr)
+	s.cmd = exec.Command(artifact(t, "capsa"), append([]string{"serve", "--listen", addr}, args...)...)
 	s.cmd.Env = append(os.Environ(), "CAPSA_STATE="+dir)
 	s.cmd.Stdout, s.cmd.Stderr = s.log, s.log
 	if err := s.cmd.Start(); err != nil {
@@ -125,6 +127,34 @@ func (s *e2bServer) kill() {
 		s.cmd.Process.Signal(syscall.SIGKILL)
 		s.cmd.Wait()
 	}
+}
+
+// rulesServer is the HTTPS server of TestE2BSDK's network rules: in the
+// stand-in public host (setupNetWorld), named by a DNS server of the
+// test's, its certificate from a CA of the test's.
+type rulesServer struct {
+	dns, caFile, log string
+}
+
+func rulesUpstream(t *testing.T) rulesServer {
+	t.Helper()
+	w := setupNetWorld(t)
+	dir := t.TempDir()
+	pki := newTestPKI(t, dir, "api.example.test", "other.example.test")
+	up := rulesServer{caFile: pki.caFile, log: filepath.Join(dir, "requests.log")}
+	srv := exec.Command("nsenter", "-t", strconv.Itoa(w.serverPID), "-n", os.Args[0])
+	srv.Env = append(os.Environ(), serveTLSEnv+"=:443 "+pki.certFile+" "+pki.keyFile+" "+up.log)
+	srv.Stderr = os.Stderr
+	if err := srv.Start(); err != nil {
+		t.Fatalf("start the HTTPS server: %v", err)
+	}
+	t.Cleanup(func() { srv.Process.Kill(); srv.Wait() })
+	waitHTTPS(t, "https://api.example.test/", pki.pool, func(ctx context.Context, network, _ string) (net.Conn, error) {
+		var d net.Dialer
+		return d.DialContext(ctx, network, publicIP+":443")
+	})
+	up.dns = startDNS(t, map[string]string{"api.example.test.": publicIP, "other.example.test.": publicIP})
+	return up
 }
 
 // freeAddr returns a loopback address with a free port.
@@ -221,10 +251,15 @@ func TestE2BSDK(t *testing.T) {
 	if r.code != 0 {
 		t.Fatalf("capsa serve key create --name other: exit %d, %q", r.code, r.stderr)
 	}
+	// The network rules' HTTPS server: api.example.test, by a CA of the
+	// test's, which the server trusts for the sandboxes' interception.
+	up := rulesUpstream(t)
+	serveArgs := []string{"--dns-server", up.dns, "--tls-upstream-ca", up.caFile}
 	addr := freeAddr(t)
-	srv := startServe(t, dir, addr)
+	srv := startServe(t, dir, addr, serveArgs...)
+	ruleValue := secretValue()
 	env := []string{"E2B_API_URL=http://" + addr, "E2B_SANDBOX_URL=http://" + addr, "E2B_VOLUME_API_URL=http://" + addr,
-		"E2B_API_KEY=" + key, "E2B_OTHER_KEY=" + other, "TEMPLATE=" + ref}
+		"E2B_API_KEY=" + key, "E2B_OTHER_KEY=" + other, "TEMPLATE=" + ref, "RULE_VALUE=" + ruleValue}
 
 	lines := e2bClient(t, env, 8*time.Minute, "main")
 	var keep string
@@ -239,12 +274,21 @@ func TestE2BSDK(t *testing.T) {
 	if ps := psAll(t, cli); ps[keep].State != "running" {
 		t.Errorf("capsa ps -a: the API's sandbox %s is %+v; want running", keep, ps[keep])
 	}
+	// The rules' value reached the server, and is kept on the host in
+	// the sandboxes' secrets files alone (0600), never in a record, a
+	// snapshot or a log.
+	if log := serverLog(t, up.log); !strings.Contains(log, "api.example.test /rules Bearer "+ruleValue) || !strings.Contains(log, "Bearer second") {
+		t.Errorf("the rules' server saw:\n%s\nwant the rule's header, then the updated one", log)
+	}
+	if found := treeHolds(t, dir, []byte(ruleValue), "secrets.json"); len(found) > 0 {
+		t.Errorf("the state directory holds a header rule's value in %v", found)
+	}
 	e2bClient(t, env, 5*time.Minute, "old")
 
 	// A crash of the server leaves its sandboxes running; a new one
 	// serves them again.
 	srv.kill()
-	startServe(t, dir, addr)
+	startServe(t, dir, addr, serveArgs...)
 	e2bClient(t, env, 3*time.Minute, "after-restart", keep)
 	if ps := psAll(t, cli); ps[keep].State == "running" {
 		t.Errorf("capsa ps -a: %s still runs after the SDK killed it", keep)

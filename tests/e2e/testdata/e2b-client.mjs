@@ -343,6 +343,30 @@ if (mode === 'main') {
     await expectThrow(() => off.updateNetwork({ allowOut: ['1.1.1.1'] }), Error, 'opening a sandbox made without a network')
     await off.kill()
   })
+  await step('network rules: a header set on HTTPS requests to its host (a pre-booted template, restored, and an image booted), in getInfo; updateNetwork replaces and clears them, and refuses a host the sandbox did not intercept', async () => {
+    const value = process.env.RULE_VALUE
+    const rule = (v) => ({ 'api.example.test': [{ transform: { headers: { authorization: `Bearer ${v}` } } }] })
+    // python trusting the sandbox's CA alone: the request is intercepted
+    // or fails.
+    const get = (s) => s.commands.run(`python3 -c 'import ssl, urllib.request; ctx = ssl.create_default_context(cafile="/etc/ssl/certs/capsa-ca.pem"); print(urllib.request.urlopen("https://api.example.test/rules", context=ctx, timeout=60).read().decode())'`)
+    const made = []
+    for (const tmpl of ['web', template]) {
+      const s = await Sandbox.create(tmpl, { timeoutMs: 180_000, requestTimeoutMs: 300_000, network: { rules: rule(value) } })
+      made.push(s)
+      eq((await get(s)).stdout, `auth=Bearer ${value}\n`, `${tmpl}: what the server got`)
+      eq((await s.getInfo()).network.rules, { 'api.example.test': [{ transform: { headers: { Authorization: `Bearer ${value}` } } }] }, `${tmpl}: getInfo's rules`)
+    }
+    const s = made[0]
+    await s.updateNetwork({ rules: rule('second') })
+    eq((await get(s)).stdout, 'auth=Bearer second\n', 'after updateNetwork')
+    await expectThrow(() => s.updateNetwork({ rules: { 'other.example.test': [{ transform: { headers: { A: 'b' } } }] } }), Error, 'a rule for a host the sandbox did not intercept')
+    eq((await get(s)).stdout, 'auth=Bearer second\n', 'after the refused update')
+    await s.updateNetwork({})
+    eq((await s.getInfo()).network.rules, undefined, 'getInfo after an update without rules')
+    await expectThrow(() => get(s), CommandExitError, 'a request once the rules are cleared (not intercepted: the real certificate)')
+    await expectThrow(() => Sandbox.create(template, { network: { rules: { '10.0.0.1': [{ transform: { headers: { A: 'b' } } }] } } }), Error, 'a rule for an IP address')
+    await Promise.all(made.map((m) => m.kill()))
+  })
   await step('pause, then connect resumes with files and processes intact', async () => {
     const bg = await sbx.commands.run('sleep 1000', { background: true })
     eq(await sbx.pause(), true, 'pause')
