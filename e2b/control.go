@@ -148,13 +148,13 @@ func headerRules(in map[string][]networkRule) ([]sandbox.HeaderRule, error) {
 				set[http.CanonicalHeaderKey(k)] = v
 			}
 		}
-		if len(set) == 0 {
-			continue
-		}
 		if err := sandbox.CheckHostPattern(h); err != nil {
 			return nil, fmt.Errorf("network.rules: %w", err)
 		}
-		out = append(out, sandbox.HeaderRule{Host: strings.ToLower(h), Headers: set})
+		if len(set) == 0 {
+			continue
+		}
+		out = append(out, sandbox.HeaderRule{Host: h, Headers: set})
 	}
 	if err := sandbox.CheckHeaderRules(out); err != nil {
 		return nil, fmt.Errorf("network.rules: %w", err)
@@ -369,6 +369,7 @@ func (s *Server) create(w http.ResponseWriter, r *http.Request, key Key, defTime
 	}
 	rec.TTL = time.Duration(timeout) * time.Second
 	rec.PauseAtTTL = req.AutoPause
+	rec.PauseWithoutMemory = labels[labelAutoReboot] != ""
 	release, n, ok := s.reserve(key.ID, 1)
 	if !ok {
 		apiError(w, http.StatusTooManyRequests, fmt.Sprintf("create: this API key has %d sandboxes running or starting, its most (capsa serve --max-sandboxes-per-key)", n))
@@ -885,7 +886,7 @@ func (s *Server) pauseWithoutMemory(w http.ResponseWriter, r *http.Request, rec 
 		apiError(w, http.StatusInternalServerError, fmt.Sprintf("pause %s: %v", rec.Name, err))
 		return
 	}
-	if err := s.m.Suspend(r.Context(), rec.Name); err != nil {
+	if err := s.m.SuspendWithoutMemory(r.Context(), rec.Name); err != nil {
 		restore()
 		apiError(w, http.StatusInternalServerError, fmt.Sprintf("pause %s: %v", rec.Name, err))
 		return

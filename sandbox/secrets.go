@@ -390,7 +390,8 @@ func (b *Builder) Header(host, name, value string) *Builder {
 		b.c.errs = append(b.c.errs, fmt.Errorf("sandbox: %w", err))
 		return b
 	}
-	host, name = strings.ToLower(strings.TrimSuffix(host, ".")), http.CanonicalHeaderKey(name)
+	host, _ = tlsproxy.CanonicalPattern(host) // checked above
+	name = http.CanonicalHeaderKey(name)
 	if !b.addHeader(host, name) {
 		return b
 	}
@@ -447,7 +448,10 @@ func HeaderRuleValues(rules []tlsproxy.HeaderRule) ([]HeaderSpec, map[string]str
 	var specs []HeaderSpec
 	values := map[string]string{}
 	for _, r := range rules {
-		host := strings.ToLower(strings.TrimSuffix(r.Host, "."))
+		host, err := tlsproxy.CanonicalPattern(r.Host)
+		if err != nil {
+			host = r.Host // CheckHeaderRules refuses it
+		}
 		hs := HeaderSpec{Host: host}
 		for n, v := range r.Headers {
 			n = http.CanonicalHeaderKey(n)

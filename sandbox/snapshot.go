@@ -12,6 +12,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strings"
 	"time"
 
 	"github.com/capsa-sandbox/capsa/agent"
@@ -62,6 +63,13 @@ type SnapshotOptions struct {
 	// (package snapshot). The comparison reads both memories while the
 	// sandbox is paused.
 	Parent string
+	// DiskOnly: the snapshot holds the sandbox's spec and its image's
+	// writable root disk (and its interception's CA), not its memory or
+	// VM state (snapshot.WriteDisk): Reboot boots it again from it, and
+	// Restore refuses it. The guest should have synced its disk first
+	// (Guest.Sync): what its page cache held is lost. Only an image
+	// sandbox has a disk to keep; no parent, fork or inventory.
+	DiskOnly bool
 	// Fork: the snapshot is for copies restored from it at once (Fork,
 	// capsa fork), transient (snapshot.WriteOptions), in the sandbox's
 	// fork chain, dir's directory, which is the sandbox's from then on
@@ -94,6 +102,9 @@ func (s *Sandbox) SnapshotWith(ctx context.Context, dir string, o SnapshotOption
 		return fmt.Errorf("sandbox: snapshot: %w", err)
 	}
 	var parent *snapshot.Snapshot
+	if o.DiskOnly && (o.Fork || o.Parent != "" || o.Inventory || s.rootfs == nil) {
+		return errors.New("sandbox: snapshot of the disk alone: only of an image sandbox, with no parent, fork or inventory")
+	}
 	if o.Fork && o.Parent != "" {
 		return errors.New("sandbox: snapshot: a fork snapshot's parent is the fork chain's, not one given")
 	}
@@ -114,9 +125,15 @@ func (s *Sandbox) SnapshotWith(ctx context.Context, dir string, o SnapshotOption
 	if err := s.vm.Pause(ctx); err != nil {
 		return fmt.Errorf("sandbox: snapshot: %w", err)
 	}
-	if o.Fork {
+	switch {
+	case o.DiskOnly:
+		err = s.writeSnapshotWith(dir, spec, nil, func(m snapshot.Manifest, _ *vmm.State, extra map[string]snapshot.Extra) error {
+			m.MainProcess = 0 // nothing that runs is kept
+			return snapshot.WriteDisk(dir, m, extra)
+		})
+	case o.Fork:
 		err = s.writeFork(dir, spec)
-	} else {
+	default:
 		err = s.writeSnapshot(dir, spec, inv, parent)
 	}
 	if !wasPaused {
@@ -323,6 +340,9 @@ func Restore(ctx context.Context, dir string, o RestoreOptions) (*Sandbox, error
 		return nil, fmt.Errorf("sandbox: restore: %w", err)
 	}
 	defer snap.Close() // the memory stays mapped, the root disk copied
+	if snap.Manifest.DiskOnly {
+		return nil, fmt.Errorf("sandbox: restore: snapshot %s: %w (sandbox.Reboot)", dir, snapshot.ErrDiskOnly)
+	}
 	mark("sandbox: snapshot opened and checked (manifest, state, files)")
 	w, err := restoredWorkload("restore", dir, snap, o)
 	if err != nil {
@@ -452,6 +472,36 @@ func (w *Workload) snapshotCA(snap *snapshot.Snapshot) error {
 	}
 	if err != nil {
 		return fmt.Errorf("the interception's CA: %w", err)
+	}
+	return nil
+}
+
+// CheckSnapshotCA checks that header rules of these hosts fit a sandbox
+// restored or booted again from the snapshot in dir: its guest trusts the
+// snapshot's interception CA, which may name only the hosts it was made
+// for (tlsproxy.ErrOutsideCA otherwise). A snapshot without a CA takes
+// any: its restore makes one.
+func CheckSnapshotCA(dir string, rules []HeaderSpec) error {
+	snap, err := snapshot.Open(dir)
+	if err != nil {
+		return err
+	}
+	defer snap.Close()
+	b, err := snap.ReadFile(snapshotCAFile, 1<<20)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil
+	}
+	var ca *tlsproxy.CA
+	if err == nil {
+		ca, err = tlsproxy.ParseCA(b)
+	}
+	if err != nil {
+		return fmt.Errorf("snapshot %s: the interception's CA: %w", dir, err)
+	}
+	for _, r := range rules {
+		if !ca.Permits(r.Host) {
+			return fmt.Errorf("header rule %s: %w (%s)", r.Host, tlsproxy.ErrOutsideCA, strings.Join(ca.Certificate().PermittedDNSDomains, ", "))
+		}
 	}
 	return nil
 }

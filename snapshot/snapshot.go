@@ -111,6 +111,11 @@ type Manifest struct {
 	// MemoryRuns are, for a layer, the runs of its memory file that hold
 	// pages; every other page is the parent's.
 	MemoryRuns []guestmem.Run `json:"memory_runs,omitempty"`
+	// DiskOnly: the snapshot holds the sandbox's spec and its files (an
+	// image sandbox's root disk, its interception's CA) but no VM state
+	// and no memory (WriteDisk): it can be booted again from its disk,
+	// never restored.
+	DiskOnly bool `json:"disk_only,omitempty"`
 }
 
 // Parent names a layer's parent: a directory beside the layer's own (so
@@ -210,8 +215,15 @@ type WriteOptions struct {
 	Transient bool
 }
 
+// ErrDiskOnly is the error for restoring, or layering over, a snapshot of
+// the disk alone (Manifest.DiskOnly): it holds no memory.
+var ErrDiskOnly = errors.New("it holds the disk alone, no memory: it can only be booted again")
+
 // WriteWith is Write with options: a layer, or a transient snapshot.
 func WriteWith(dir string, m Manifest, st *vmm.State, mem *guestmem.Memory, extra map[string]Extra, o WriteOptions) error {
+	if o.Parent != nil && o.Parent.Manifest.DiskOnly {
+		return fmt.Errorf("snapshot: the parent %s: %w", o.Parent.Dir, ErrDiskOnly)
+	}
 	if o.Parent == nil {
 		m.Version, m.Parent, m.MemoryRuns = Version, nil, nil
 		return write(dir, m, st, mem.Size(), extra, o.Transient, func(f *os.File, h io.Writer) error { return mem.WriteFile(f, h) })
@@ -249,8 +261,22 @@ func WriteWith(dir string, m Manifest, st *vmm.State, mem *guestmem.Memory, extr
 	return write(dir, m, st, mem.Size(), extra, o.Transient, func(f *os.File, h io.Writer) error { return mem.WriteRuns(f, runs, h) })
 }
 
+// WriteDisk writes to dir (which must not exist) a snapshot without VM
+// state or memory (Manifest.DiskOnly): m, whose CPUs and MemoryBytes say
+// the sandbox's shape, and the files of extra, which must hold an image
+// sandbox's root disk. It is for booting the sandbox again from what it
+// wrote (E2B's pause without memory); nothing of the VM is kept.
+func WriteDisk(dir string, m Manifest, extra map[string]Extra) error {
+	if _, ok := extra[RootDiskFile]; !ok || m.ImageDigest == "" {
+		return errors.New("snapshot: a snapshot of the disk alone is of an image sandbox's root disk")
+	}
+	m.Version, m.Parent, m.MemoryRuns, m.DiskOnly = Version, nil, nil, true
+	return write(dir, m, nil, 0, extra, false, nil)
+}
+
 // write is WriteWith, with writeMem writing the memory file and, to its
-// second argument when that is not nil, its checksum's bytes.
+// second argument when that is not nil, its checksum's bytes. A disk-only
+// snapshot (m.DiskOnly) has neither state nor memory.
 func write(dir string, m Manifest, st *vmm.State, memSize uint64, extra map[string]Extra, transient bool, writeMem func(f *os.File, h io.Writer) error) error {
 	if _, err := os.Lstat(dir); err == nil {
 		return fmt.Errorf("snapshot: %s already exists", dir)
@@ -265,6 +291,9 @@ func write(dir string, m Manifest, st *vmm.State, memSize uint64, extra map[stri
 		m.Created = time.Now().UTC()
 	}
 	m.Files = map[string]File{}
+	if m.DiskOnly {
+		return writeRest(dir, tmp, m, extra)
+	}
 	b, err := json.Marshal(st)
 	if err != nil {
 		return fmt.Errorf("snapshot: state: %w", err)
@@ -301,7 +330,12 @@ func write(dir string, m Manifest, st *vmm.State, memSize uint64, extra map[stri
 		mf.CRC32C = hex.EncodeToString(h.Sum(nil))
 	}
 	m.Files[MemoryFile] = mf
+	return writeRest(dir, tmp, m, extra)
+}
 
+// writeRest writes the extra files and the manifest into tmp, and renames
+// it dir: the end of write.
+func writeRest(dir, tmp string, m Manifest, extra map[string]Extra) error {
 	for name, write := range extra {
 		if !validName(name) {
 			return fmt.Errorf("snapshot: file name %q", name)
@@ -406,6 +440,8 @@ func open(dir string, depth int) (_ *Snapshot, err error) {
 		}
 		pm := s.Parent.Manifest
 		switch {
+		case pm.DiskOnly:
+			return nil, fmt.Errorf("its parent %s holds no memory (a snapshot of the disk alone): refused", p.Name)
 		case s.Parent.ManifestSHA256 != p.ManifestSHA256:
 			return nil, fmt.Errorf("its parent %s is not the snapshot it was written over (its manifest's checksum differs): refused", p.Name)
 		case pm.CPUs != s.Manifest.CPUs || pm.MemoryBytes != s.Manifest.MemoryBytes:
@@ -429,7 +465,7 @@ func open(dir string, depth int) (_ *Snapshot, err error) {
 			return nil, fmt.Errorf("%s is %d bytes, the manifest says %d: truncated or replaced", name, fi.Size(), want.Size)
 		}
 	}
-	if depth > 1 {
+	if depth > 1 || s.Manifest.DiskOnly {
 		return s, nil
 	}
 	sb, err := s.ReadFile(StateFile, maxState)
@@ -619,9 +655,15 @@ func ParseManifest(b []byte, m *Manifest) error {
 		return errors.New("manifest: no sandbox spec")
 	}
 	for _, name := range []string{StateFile, MemoryFile} {
-		if _, ok := m.Files[name]; !ok {
+		if _, ok := m.Files[name]; ok == m.DiskOnly {
+			if m.DiskOnly {
+				return fmt.Errorf("manifest: a snapshot of the disk alone with a %s", name)
+			}
 			return fmt.Errorf("manifest: no %s", name)
 		}
+	}
+	if m.DiskOnly && (m.Parent != nil || m.MainProcess != 0 || m.ImageDigest == "") {
+		return errors.New("manifest: a snapshot of the disk alone is of an image sandbox, with no parent and no process")
 	}
 	for name, f := range m.Files {
 		if !validName(name) || name == ManifestFile || name == ManifestSumFile || f.Size < 0 {
@@ -631,7 +673,7 @@ func ParseManifest(b []byte, m *Manifest) error {
 	if _, ok := m.Files[RootDiskFile]; ok != (m.ImageDigest != "") {
 		return fmt.Errorf("manifest: image %q with a root disk %v", m.ImageDigest, ok)
 	}
-	if m.Files[MemoryFile].Size != int64(m.MemoryBytes) {
+	if !m.DiskOnly && m.Files[MemoryFile].Size != int64(m.MemoryBytes) {
 		return fmt.Errorf("manifest: a memory file of %d bytes for %d bytes of memory", m.Files[MemoryFile].Size, m.MemoryBytes)
 	}
 	if p := m.Parent; p != nil {
@@ -677,6 +719,9 @@ func readBounded(f *os.File, limit int64) ([]byte, error) {
 // is its chain's, each layer's runs mapped over its parent's memory
 // (guestmem.MapLayers).
 func (s *Snapshot) MapMemory() (*guestmem.Memory, error) {
+	if s.Manifest.DiskOnly {
+		return nil, fmt.Errorf("snapshot %s: %w", s.Dir, ErrDiskOnly)
+	}
 	base, layers, err := s.memoryFiles()
 	if err != nil {
 		return nil, err

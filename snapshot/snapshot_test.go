@@ -5,6 +5,7 @@ import (
 	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
+	"errors"
 	"os"
 	"path/filepath"
 	"strings"
@@ -294,4 +295,81 @@ func reflinked(t *testing.T, a, _ string) bool {
 	}
 	defer fp.Close()
 	return unix.IoctlFileClone(int(fp.Fd()), int(fa.Fd())) == nil
+}
+
+// TestDiskOnly: a snapshot of the disk alone holds its manifest and files
+// but no state or memory; it opens and verifies, refuses to be mapped,
+// squashed or layered over, and a manifest that says disk-only beside a
+// memory, or with no root disk, is refused.
+func TestDiskOnly(t *testing.T) {
+	base := t.TempDir()
+	disk := filepath.Join(base, "upper")
+	if err := os.WriteFile(disk, []byte("the guest's writes"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	dir := filepath.Join(base, "disk")
+	m := Manifest{Spec: json.RawMessage(`{"cpus":1}`), CPUs: 1, MemoryBytes: memBytes, ImageDigest: "sha256:abc"}
+	clone := map[string]Extra{RootDiskFile: func(p string) (string, error) { return "", CloneFile(disk, p) }}
+	if err := WriteDisk(dir, Manifest{Spec: m.Spec, CPUs: 1, MemoryBytes: memBytes}, clone); err == nil {
+		t.Error("WriteDisk without an image digest was taken")
+	}
+	if err := WriteDisk(dir, m, clone); err != nil {
+		t.Fatalf("WriteDisk() = %v", err)
+	}
+	for _, name := range []string{StateFile, MemoryFile} {
+		if _, err := os.Stat(filepath.Join(dir, name)); !os.IsNotExist(err) {
+			t.Errorf("%s written: %v", name, err)
+		}
+	}
+	s, err := Open(dir)
+	if err != nil {
+		t.Fatalf("Open() = %v", err)
+	}
+	defer s.Close()
+	if !s.Manifest.DiskOnly || s.State != nil {
+		t.Errorf("Open() = %+v with state %v; want disk-only, no state", s.Manifest, s.State)
+	}
+	if b, err := s.ReadFile(RootDiskFile, 1<<20); err != nil || string(b) != "the guest's writes" {
+		t.Errorf("its root disk: %q, %v", b, err)
+	}
+	if err := Verify(dir); err != nil {
+		t.Errorf("Verify() = %v", err)
+	}
+	if _, err := s.MapMemory(); !errors.Is(err, ErrDiskOnly) {
+		t.Errorf("MapMemory() = %v; want ErrDiskOnly", err)
+	}
+	if err := Squash(s, filepath.Join(base, "squashed")); !errors.Is(err, ErrDiskOnly) {
+		t.Errorf("Squash() = %v; want ErrDiskOnly", err)
+	}
+	mem, _ := guestmem.New(memBytes)
+	defer mem.Close()
+	if err := WriteWith(filepath.Join(base, "layer"), Manifest{Spec: m.Spec, CPUs: 1, MemoryBytes: memBytes}, testState(), mem, nil, WriteOptions{Parent: s}); !errors.Is(err, ErrDiskOnly) {
+		t.Errorf("a layer over it = %v; want ErrDiskOnly", err)
+	}
+	// A manifest edited to say disk-only beside a memory, or without
+	// its root disk, is refused.
+	full := writeTest(t)
+	for name, edit := range map[string]func(*Manifest){
+		"a memory":  func(m *Manifest) { m.DiskOnly = true },
+		"no disk":   func(m *Manifest) { m.ImageDigest = ""; delete(m.Files, RootDiskFile) },
+		"a process": func(m *Manifest) { m.MainProcess = 3 },
+	} {
+		src := dir
+		if name == "a memory" {
+			src = full
+		}
+		b, err := os.ReadFile(filepath.Join(src, ManifestFile))
+		if err != nil {
+			t.Fatal(err)
+		}
+		var mm Manifest
+		if err := json.Unmarshal(b, &mm); err != nil {
+			t.Fatal(err)
+		}
+		edit(&mm)
+		b, _ = json.Marshal(mm)
+		if err := ParseManifest(b, &mm); err == nil {
+			t.Errorf("a disk-only manifest with %s was taken", name)
+		}
+	}
 }

@@ -74,6 +74,9 @@ type Record struct {
 	// PauseAtTTL: when the TTL passes the sandbox is paused, not stopped
 	// (a resume runs it on, without a TTL until one is set).
 	PauseAtTTL bool `json:"pause_at_ttl,omitempty"`
+	// PauseWithoutMemory: that pause of an image sandbox keeps its disk
+	// alone, as Manager.SuspendWithoutMemory does; its resume boots it.
+	PauseWithoutMemory bool `json:"pause_without_memory,omitempty"`
 	// AutoRemove: the record goes when the sandbox ends (--rm).
 	AutoRemove bool `json:"auto_remove,omitempty"`
 	// RestoreFrom, when set, is the snapshot directory the sandbox starts

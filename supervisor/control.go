@@ -65,13 +65,18 @@ var (
 	opPause    = controlOp[noBody, noBody]{"pause", http.MethodPost, http.StatusNoContent}
 	opResume   = controlOp[noBody, noBody]{"resume", http.MethodPost, http.StatusNoContent}
 	opSnapshot = controlOp[snapshotBody, noBody]{"snapshot", http.MethodPost, http.StatusNoContent}
-	opSuspend  = controlOp[noBody, noBody]{"suspend", http.MethodPost, http.StatusAccepted}
+	opSuspend  = controlOp[suspendBody, noBody]{"suspend", http.MethodPost, http.StatusAccepted}
 	opStats    = controlOp[noBody, sandbox.Stats]{"stats", http.MethodGet, http.StatusOK}
 	opLimits   = controlOp[ratelimit.Limits, ratelimit.Limits]{"limits", http.MethodPut, http.StatusOK}
 	opTTL      = controlOp[ttlBody, noBody]{"ttl", http.MethodPut, http.StatusNoContent}
 	opNetwork  = controlOp[networkBody, noBody]{"network", http.MethodPut, http.StatusNoContent}
 	opHeaders  = controlOp[headersBody, noBody]{"headers", http.MethodPut, http.StatusNoContent}
 )
+
+// suspendBody says how to suspend: WithoutMemory keeps the disk alone.
+type suspendBody struct {
+	WithoutMemory bool `json:"without_memory,omitempty"`
+}
 
 // networkBody is the network policy to put in force (nil: public-only).
 type networkBody struct {
@@ -119,6 +124,8 @@ func (e *controlError) Unwrap() error { return e.err }
 // same one, so that errors.Is works across the socket as in the process.
 var controlErrorCodes = map[string]error{
 	"being-suspended": ErrBeingSuspended,
+	"no-interception": sandbox.ErrNoInterception,
+	"outside-ca":      sandbox.ErrOutsideCA,
 }
 
 const errorCodeHeader = "Capsa-Error"

@@ -7,7 +7,6 @@ import (
 	"maps"
 	"os"
 	"path/filepath"
-	"strings"
 
 	"github.com/capsa-sandbox/capsa/sandbox"
 )
@@ -18,18 +17,22 @@ type headersBody struct {
 }
 
 // SetHeaderRules replaces the header rules of the sandbox name
-// (sandbox.Builder.Header; nil: none): in its record and with its secrets
-// for its next start, then at once if it runs. Each rule's host must be
-// one the sandbox's CA vouches for, which is fixed by the hosts it
-// intercepted when it started: a host that is, or is beneath, one of the
-// hosts it intercepts now (its secrets', its interception's, its rules').
-// A sandbox that intercepts nothing takes no rules (sandbox.ErrNoInterception),
-// one without capsa's NAT none either (sandbox.ErrNoNAT).
+// (sandbox.Builder.Header; nil: none): at once if it runs, then in its
+// record and with its secrets for its next start. Each rule's host must
+// be one the sandbox's CA may name (sandbox.ErrOutsideCA): a running
+// sandbox's proxy checks that, and a suspended one's snapshot's CA;
+// a sandbox that never ran, or was suspended without interception, gets
+// a CA for its rules when it starts. A running sandbox that intercepts
+// nothing takes no rules (sandbox.ErrNoInterception), one without capsa's
+// NAT none either (sandbox.ErrNoNAT). Nothing is changed when it fails,
+// and nothing is asked of the sandbox when it has no rules and gets none.
 func (m *Manager) SetHeaderRules(ctx context.Context, name string, rules []sandbox.HeaderRule) error {
 	fail := func(err error) error { return fmt.Errorf("supervisor: set the header rules of %s: %w", name, err) }
 	if err := sandbox.CheckHeaderRules(rules); err != nil {
 		return fail(err)
 	}
+	m.headersMu.Lock()
+	defer m.headersMu.Unlock()
 	rec, err := m.st.Get(name)
 	if err != nil {
 		return err
@@ -38,25 +41,19 @@ func (m *Manager) SetHeaderRules(ctx context.Context, name string, rules []sandb
 	if n == nil || n.Tap != nil {
 		return fail(sandbox.ErrNoNAT)
 	}
-	var hosts []string
-	hosts = append(hosts, n.Intercept...)
-	for _, s := range n.Secrets {
-		hosts = append(hosts, s.Hosts...)
-	}
-	for _, h := range n.Headers {
-		hosts = append(hosts, h.Host)
-	}
-	if len(rules) > 0 && len(hosts) == 0 {
-		return fail(sandbox.ErrNoInterception)
-	}
-	for _, r := range rules {
-		if !coveredBy(r.Host, hosts) {
-			return fail(fmt.Errorf("header rule %s: %w (%s)", r.Host, sandbox.ErrOutsideCA, strings.Join(hosts, ", ")))
-		}
+	if len(rules) == 0 && len(n.Headers) == 0 {
+		return nil
 	}
 	specs, values := sandbox.HeaderRuleValues(rules)
-	// The secrets' values first: a start that reads the record's rules
-	// finds their values.
+	if rec.Alive() {
+		if err := callLive(ctx, m.st, name, opHeaders, headersBody{Rules: rules}); err != nil {
+			return err
+		}
+	} else if rec.RestoreFrom != "" {
+		if err := sandbox.CheckSnapshotCA(rec.RestoreFrom, specs); err != nil {
+			return fail(err)
+		}
+	}
 	secrets, err := ReadSecrets(m.st, name)
 	if err != nil {
 		return fail(err)
@@ -81,10 +78,7 @@ func (m *Manager) SetHeaderRules(ctx context.Context, name string, rules []sandb
 	if err != nil {
 		return fail(err)
 	}
-	if rec, err = m.st.Get(name); err == nil && rec.Alive() {
-		err = callLive(ctx, m.st, name, opHeaders, headersBody{Rules: rules})
-	}
-	return err
+	return nil
 }
 
 // HeaderRules are the header rules of the sandbox name with their values,
@@ -114,17 +108,4 @@ func (m *Manager) writeSecrets(name string, values map[string]string) error {
 		return err
 	}
 	return WriteSecrets(m.st, name, values)
-}
-
-// coveredBy says whether the host pattern h is, or is beneath, one of
-// patterns (as a CA made for patterns may name it: tlsproxy.NewCA).
-func coveredBy(h string, patterns []string) bool {
-	d := strings.TrimPrefix(strings.ToLower(strings.TrimSuffix(h, ".")), "*.")
-	for _, p := range patterns {
-		p = strings.TrimPrefix(strings.ToLower(strings.TrimSuffix(p, ".")), "*.")
-		if d == p || strings.HasSuffix(d, "."+p) {
-			return true
-		}
-	}
-	return false
 }

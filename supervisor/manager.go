@@ -8,11 +8,13 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
+	"sync"
 	"time"
 
 	"github.com/capsa-sandbox/capsa/netstack"
 	"github.com/capsa-sandbox/capsa/ratelimit"
 	"github.com/capsa-sandbox/capsa/sandbox"
+	"github.com/capsa-sandbox/capsa/snapshot"
 	"github.com/capsa-sandbox/capsa/store"
 	"github.com/capsa-sandbox/capsa/volume"
 )
@@ -27,6 +29,9 @@ import (
 type Manager struct {
 	st    *store.Store
 	stats statsHandles // Stats's
+	// headersMu makes SetHeaderRules one at a time: each rewrites a
+	// sandbox's record and secrets file together.
+	headersMu sync.Mutex
 }
 
 // The records a Manager keeps, and their states, as package store has
@@ -148,7 +153,7 @@ func (m *Manager) resume(ctx context.Context, name string, cold bool) error {
 		// Being suspended already, or suspended since it was read, it
 		// refuses both: what counts is how it ends up.
 		Resume(ctx, m.st, name)
-		serr := m.Suspend(ctx, name)
+		serr := m.SuspendWithoutMemory(ctx, name)
 		if err := m.st.WaitUnlocked(ctx, name); err != nil {
 			return fmt.Errorf("supervisor: resume %s without its memory: %w", name, err)
 		}
@@ -193,6 +198,16 @@ func (m *Manager) resume(ctx context.Context, name string, cold bool) error {
 	if err != nil {
 		return fmt.Errorf("supervisor: resume %s: %w", name, err)
 	}
+	// A suspension of the disk alone can only be booted again.
+	if !cold {
+		dir := rec.RestoreFrom
+		if dir == "" {
+			dir = m.st.SuspendDir(name)
+		}
+		if sm, _, err := snapshot.ReadManifest(dir); err == nil && sm.DiskOnly {
+			cold = true
+		}
+	}
 	// How it starts is its record's to say, set with its start (under
 	// its lock: a second resume at once is refused, not mixed in).
 	lock, err := m.st.Start(name, func(r *Record) { r.Reboot = cold })
@@ -226,7 +241,20 @@ func (m *Manager) resume(ctx context.Context, name string, cold bool) error {
 // sandbox that cannot be snapshotted (one with disks) is refused and runs
 // on as it was.
 func (m *Manager) Suspend(ctx context.Context, name string) error {
-	if err := callLive(ctx, m.st, name, opSuspend, noBody{}); err != nil {
+	return m.suspend(ctx, name, false)
+}
+
+// SuspendWithoutMemory is Suspend keeping an image sandbox's disk alone,
+// after the guest synced it: no memory is written, and its resume boots
+// it again from the disk (as ResumeCold does), its main process started
+// afresh; what ran is lost, as after a power cut. E2B calls it a pause
+// without memory. A sandbox not of an image is refused.
+func (m *Manager) SuspendWithoutMemory(ctx context.Context, name string) error {
+	return m.suspend(ctx, name, true)
+}
+
+func (m *Manager) suspend(ctx context.Context, name string, withoutMemory bool) error {
+	if err := callLive(ctx, m.st, name, opSuspend, suspendBody{WithoutMemory: withoutMemory}); err != nil {
 		return err
 	}
 	// Its supervisor records the suspension, then exits.

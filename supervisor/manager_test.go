@@ -2,6 +2,7 @@ package supervisor
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -16,6 +17,8 @@ import (
 
 	"github.com/capsa-sandbox/capsa/netstack"
 	"github.com/capsa-sandbox/capsa/sandbox"
+	"github.com/capsa-sandbox/capsa/snapshot"
+	"github.com/capsa-sandbox/capsa/tlsproxy"
 )
 
 func newManager(t *testing.T) *Manager {
@@ -101,9 +104,10 @@ func TestManagerSetNetworkPolicy(t *testing.T) {
 
 // TestManagerSetHeaderRules: rules go to the record (names) and the
 // secrets file (values) of a sandbox that is not running, for its next
-// start, the secrets' own values kept; a host beyond those the sandbox
-// intercepts, a sandbox that intercepts nothing and one without the NAT
-// are refused before anything is written; none clears them.
+// start, the secrets' own values kept, and nothing else changed when
+// they are refused: a sandbox without the NAT, bad rules, and, for one
+// to be restored from a snapshot whose guest trusts a CA, a host beyond
+// that CA's. None clears them.
 func TestManagerSetHeaderRules(t *testing.T) {
 	m := newManager(t)
 	ctx := context.Background()
@@ -111,8 +115,7 @@ func TestManagerSetHeaderRules(t *testing.T) {
 	plain, tapped, icpt := base, base, base
 	plain.Network = &sandbox.NetworkSpec{Policy: netstack.AllowAll()}
 	tapped.Network = &sandbox.NetworkSpec{Tap: &sandbox.TapSpec{Name: "tap0"}}
-	icpt.Network = &sandbox.NetworkSpec{Policy: netstack.AllowAll(), Intercept: []string{"api.test"},
-		Secrets: []sandbox.SecretSpec{{Name: "KEY", Placeholder: strings.Repeat("p", 20), Hosts: []string{"*.other.test"}}}}
+	icpt.Network = &sandbox.NetworkSpec{Policy: netstack.AllowAll(), Intercept: []string{"api.test"}}
 	for name, spec := range map[string]sandbox.Spec{"plain": plain, "tapped": tapped, "icpt": icpt} {
 		if _, err := m.Create(&Record{Name: name, Spec: spec}, map[string]string{"KEY": "value"}); err != nil {
 			t.Fatal(err)
@@ -121,46 +124,70 @@ func TestManagerSetHeaderRules(t *testing.T) {
 	rule := func(host string) []sandbox.HeaderRule {
 		return []sandbox.HeaderRule{{Host: host, Headers: map[string]string{"authorization": "Bearer x"}}}
 	}
-	if err := m.SetHeaderRules(ctx, "plain", rule("api.test")); !errors.Is(err, sandbox.ErrNoInterception) {
-		t.Errorf("rules for a sandbox that intercepts nothing: %v; want ErrNoInterception", err)
-	}
 	if err := m.SetHeaderRules(ctx, "tapped", rule("api.test")); !errors.Is(err, sandbox.ErrNoNAT) {
 		t.Errorf("rules for a tapped sandbox: %v; want ErrNoNAT", err)
 	}
-	for _, host := range []string{"plain.test", "test", "*.test"} {
+	if err := m.SetHeaderRules(ctx, "plain", []sandbox.HeaderRule{{Host: "api.test", Headers: map[string]string{"Host": "x"}}}); err == nil {
+		t.Error("a rule setting Host was taken")
+	}
+	// Never started: its CA is made for its rules when it starts.
+	want := []sandbox.HeaderRule{
+		{Host: "api.test", Headers: map[string]string{"Authorization": "Bearer x", "X-Team": "blue"}},
+		{Host: "*.other.test", Headers: map[string]string{"X-Trace": "1"}},
+	}
+	given := []sandbox.HeaderRule{
+		{Host: " API.test. ", Headers: map[string]string{"authorization": "Bearer x", "x-team": "blue"}},
+		{Host: "*.Other.test", Headers: map[string]string{"X-Trace": "1"}},
+	}
+	if err := m.SetHeaderRules(ctx, "plain", given); err != nil {
+		t.Fatal(err)
+	}
+	got, err := m.HeaderRules("plain")
+	if err != nil || fmt.Sprint(got) != fmt.Sprint(want) {
+		t.Errorf("HeaderRules = %v, %v; want %v (hosts and names in their canonical forms)", got, err, want)
+	}
+	if secrets, _ := ReadSecrets(m.st, "plain"); secrets["KEY"] != "value" {
+		t.Errorf("the secret's value after SetHeaderRules: %q", secrets["KEY"])
+	}
+	if r, _ := m.Get("plain"); len(r.Spec.Network.Headers) != 2 || strings.Contains(fmt.Sprint(r.Spec), "Bearer x") {
+		t.Errorf("the record's rules: %+v; want two, with no value", r.Spec.Network.Headers)
+	}
+	if err := m.SetHeaderRules(ctx, "plain", nil); err != nil {
+		t.Fatal(err)
+	}
+	if got, _ := m.HeaderRules("plain"); len(got) != 0 {
+		t.Errorf("after clearing: %v", got)
+	}
+	if secrets, _ := ReadSecrets(m.st, "plain"); len(secrets) != 1 {
+		t.Errorf("the secrets file after clearing the rules: %d keys; want the secret's alone", len(secrets))
+	}
+	// To be restored from a snapshot whose CA names api.test alone.
+	ca, err := tlsproxy.NewCA([]string{"api.test"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	caPEM, _ := ca.MarshalPEM()
+	snap := filepath.Join(t.TempDir(), "snap")
+	err = snapshot.WriteDisk(snap, snapshot.Manifest{Spec: json.RawMessage(`{}`), CPUs: 1, MemoryBytes: 1 << 20, ImageDigest: "sha256:x"}, map[string]snapshot.Extra{
+		snapshot.RootDiskFile: func(p string) (string, error) { return "", os.WriteFile(p, nil, 0o600) },
+		"tls-ca.pem":          func(p string) (string, error) { return "", os.WriteFile(p, caPEM, 0o600) },
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := m.st.Update("icpt", func(r *Record) error { r.RestoreFrom = snap; return nil }); err != nil {
+		t.Fatal(err)
+	}
+	for _, host := range []string{"other.test", "test", "*.test"} {
 		if err := m.SetHeaderRules(ctx, "icpt", rule(host)); !errors.Is(err, sandbox.ErrOutsideCA) || !strings.Contains(err.Error(), host) {
 			t.Errorf("a rule for %s: %v; want ErrOutsideCA naming it", host, err)
 		}
 	}
-	if err := m.SetHeaderRules(ctx, "icpt", []sandbox.HeaderRule{{Host: "api.test", Headers: map[string]string{"Host": "x"}}}); err == nil {
-		t.Error("a rule setting Host was taken")
+	if r, _ := m.Get("icpt"); len(r.Spec.Network.Headers) != 0 {
+		t.Errorf("the record after refused rules: %+v; want none", r.Spec.Network.Headers)
 	}
-	want := []sandbox.HeaderRule{
-		{Host: "api.test", Headers: map[string]string{"Authorization": "Bearer x", "X-Team": "blue"}},
-		{Host: "a.b.other.test", Headers: map[string]string{"X-Trace": "1"}},
-	}
-	if err := m.SetHeaderRules(ctx, "icpt", want); err != nil {
-		t.Fatal(err)
-	}
-	got, err := m.HeaderRules("icpt")
-	if err != nil || fmt.Sprint(got) != fmt.Sprint(want) {
-		t.Errorf("HeaderRules = %v, %v; want %v", got, err, want)
-	}
-	secrets, _ := ReadSecrets(m.st, "icpt")
-	if secrets["KEY"] != "value" {
-		t.Errorf("the secret's value after SetHeaderRules: %q", secrets["KEY"])
-	}
-	if r, _ := m.Get("icpt"); len(r.Spec.Network.Headers) != 2 || strings.Contains(fmt.Sprint(r.Spec), "Bearer x") {
-		t.Errorf("the record's rules: %+v; want two, with no value", r.Spec.Network.Headers)
-	}
-	if err := m.SetHeaderRules(ctx, "icpt", nil); err != nil {
-		t.Fatal(err)
-	}
-	if got, _ := m.HeaderRules("icpt"); len(got) != 0 {
-		t.Errorf("after clearing: %v", got)
-	}
-	if secrets, _ := ReadSecrets(m.st, "icpt"); len(secrets) != 1 {
-		t.Errorf("the secrets file after clearing the rules: %v keys; want the secret's alone", len(secrets))
+	if err := m.SetHeaderRules(ctx, "icpt", rule("x.api.test")); err != nil {
+		t.Errorf("a rule beneath the CA's host: %v", err)
 	}
 }
 

@@ -44,16 +44,23 @@ func WriteSecrets(st *store.Store, name string, values map[string]string) error 
 	if err != nil {
 		return fmt.Errorf("supervisor: secrets of %s: %w", name, err)
 	}
-	path := filepath.Join(st.SandboxDir(name), SecretsFile)
-	f, err := os.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, 0o600)
+	// Beside, then renamed over: a reader (a supervisor starting) never
+	// sees half a file, and a failed write leaves the last one whole.
+	dir := st.SandboxDir(name)
+	f, err := os.CreateTemp(dir, "."+SecretsFile+".tmp-") // 0600
+	if err != nil {
+		return fmt.Errorf("supervisor: secrets of %s: %w", name, err)
+	}
+	defer os.Remove(f.Name())
+	_, err = f.Write(b)
 	if err == nil {
-		err = f.Chmod(0o600) // a file that was there keeps no wider mode
-		if _, werr := f.Write(b); err == nil {
-			err = werr
-		}
-		if cerr := f.Close(); err == nil {
-			err = cerr
-		}
+		err = f.Sync()
+	}
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	if err == nil {
+		err = os.Rename(f.Name(), filepath.Join(dir, SecretsFile))
 	}
 	if err != nil {
 		return fmt.Errorf("supervisor: secrets of %s: %w", name, err)

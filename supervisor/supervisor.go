@@ -295,7 +295,7 @@ func Run(ctx context.Context, o Options) error {
 				ttl = nil
 				// To disk, where the sandbox can be snapshotted; else in
 				// memory.
-				if err := c.suspend(ctx, log); err == nil {
+				if err := c.suspend(ctx, rec.PauseWithoutMemory && rec.Spec.Image != nil, log); err == nil {
 					reason, suspended, suspendedAtTTL = fmt.Sprintf("suspended to disk at its TTL of %v", curTTL.Round(time.Second)), true, true
 					continue
 				}
@@ -436,9 +436,11 @@ var ErrBeingSuspended = errors.New("the sandbox is being suspended")
 // suspend writes the whole sandbox to c.suspendDir, its guest paused
 // from then on, and has the supervisor end there (suspendc): the record
 // then says Suspended, and a resume restores the sandbox from the
-// directory. A sandbox that cannot be snapshotted (it has disks) stays
-// as it was, with the error.
-func (c *control) suspend(ctx context.Context, log *slog.Logger) error {
+// directory. withoutMemory keeps an image sandbox's disk alone
+// (sandbox.SnapshotOptions.DiskOnly), which a resume boots again. A
+// sandbox that cannot be snapshotted (it has disks) stays as it was,
+// with the error.
+func (c *control) suspend(ctx context.Context, withoutMemory bool, log *slog.Logger) error {
 	if !c.sb.Paused() && c.sb.Spec().Image != nil {
 		// What the guest wrote is put on its disk first: a resume
 		// without the memory (Manager.ResumeCold) boots from the
@@ -469,7 +471,7 @@ func (c *control) suspend(ctx context.Context, log *slog.Logger) error {
 	// last one (if any) whole.
 	tmp := c.suspendDir + ".new"
 	os.RemoveAll(tmp)
-	err := c.sb.Snapshot(ctx, tmp)
+	err := c.sb.SnapshotWith(ctx, tmp, sandbox.SnapshotOptions{DiskOnly: withoutMemory})
 	if err == nil {
 		os.RemoveAll(c.suspendDir)
 		err = os.Rename(tmp, c.suspendDir)
@@ -488,7 +490,7 @@ func (c *control) suspend(ctx context.Context, log *slog.Logger) error {
 	}
 	c.suspending = true
 	c.suspendc <- struct{}{}
-	log.Info("supervisor: snapshot for the suspension written", "dir", c.suspendDir)
+	log.Info("supervisor: snapshot for the suspension written", "dir", c.suspendDir, "without_memory", withoutMemory)
 	return nil
 }
 
@@ -577,8 +579,11 @@ func (c *control) mux(log *slog.Logger) *http.ServeMux {
 		log.Info("supervisor: snapshot written", "dir", req.Dir, "paused", c.sb.LastPause())
 		return noBody{}, nil
 	})
-	opSuspend.register(mux, func(ctx context.Context, _ noBody) (noBody, error) {
-		return noBody{}, c.suspend(ctx, log)
+	opSuspend.register(mux, func(ctx context.Context, req suspendBody) (noBody, error) {
+		if req.WithoutMemory && c.sb.Spec().Image == nil {
+			return noBody{}, badRequest("suspend without the memory: not an image sandbox, it has no disk of its own to boot again from")
+		}
+		return noBody{}, c.suspend(ctx, req.WithoutMemory, log)
 	})
 	opLimits.register(mux, func(_ context.Context, l ratelimit.Limits) (ratelimit.Limits, error) {
 		if err := l.Check(); err != nil {

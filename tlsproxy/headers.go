@@ -132,12 +132,21 @@ func (hs *headerSet) match(host string) *headerRule {
 	return best
 }
 
-// apply sets r's headers on h; it returns their names.
-func (r *headerRule) apply(h http.Header) []string {
+// apply sets r's headers on h.
+func (r *headerRule) apply(h http.Header) {
 	for _, n := range r.names {
 		h[n] = []string{r.values[n]}
 	}
-	return r.names
+}
+
+// CanonicalPattern is the host pattern s as the proxy keeps it: checked
+// (see CheckPattern), lower case, without spaces or a trailing dot.
+func CanonicalPattern(s string) (string, error) {
+	p, err := parsePattern(s)
+	if err != nil {
+		return "", err
+	}
+	return p.String(), nil
 }
 
 // patterns are the hosts the rules are for.

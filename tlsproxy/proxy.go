@@ -178,9 +178,15 @@ func New(cfg Config) (*Proxy, error) {
 	p.ctx, p.cancel = context.WithCancel(context.Background())
 	p.rp = &httputil.ReverseProxy{
 		Rewrite: func(pr *httputil.ProxyRequest) {
-			c := exchangeOf(pr.In).c
-			pr.Out.URL.Scheme, pr.Out.URL.Host = "https", c.authority
+			x := exchangeOf(pr.In)
+			pr.Out.URL.Scheme, pr.Out.URL.Host = "https", x.c.authority
 			pr.Out.Host = pr.In.Host
+			// Here, after the proxy dropped the hop-by-hop headers
+			// (those the guest's Connection names among them): a
+			// guest cannot have a rule's headers dropped.
+			if x.rule != nil {
+				x.rule.apply(pr.Out.Header)
+			}
 		},
 		Transport:      roundTripper(func(r *http.Request) (*http.Response, error) { return exchangeOf(r).c.tr.RoundTrip(r) }),
 		ModifyResponse: p.modifyResponse,
@@ -448,6 +454,7 @@ type connKey struct{}
 type exchange struct {
 	c        *conn
 	rec      *Record
+	rule     *headerRule // the header rule for the request's host, if any
 	upgraded bool
 }
 
@@ -531,8 +538,8 @@ func (p *Proxy) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		out.Header.Del("Content-Length")
 	}
 	pl.substitute(out)
-	if r := p.headers.Load().match(c.name); r != nil {
-		rec.Headers = r.apply(out.Header)
+	if x.rule = p.headers.Load().match(c.name); x.rule != nil {
+		rec.Headers = x.rule.names
 		p.stats.headersSet.Add(1)
 	}
 	if c.scrub != nil {

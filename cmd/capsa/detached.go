@@ -324,7 +324,16 @@ func runPause(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 }
 
 func runSuspend(ctx context.Context, args []string, stdout, stderr io.Writer) int {
-	return pauseOrResume(ctx, "suspend", (*supervisor.Manager).Suspend, args, stdout, stderr)
+	var noMemory *bool
+	suspend := func(m *supervisor.Manager, ctx context.Context, name string) error {
+		if *noMemory {
+			return m.SuspendWithoutMemory(ctx, name)
+		}
+		return m.Suspend(ctx, name)
+	}
+	return pauseOrResume(ctx, "suspend", suspend, args, stdout, stderr, func(fs *pflag.FlagSet) {
+		noMemory = fs.Bool("no-memory", false, "keep an image sandbox's disk alone (synced first), not its memory: faster and smaller; its resume boots it again, its processes started afresh")
+	})
 }
 
 func runResume(ctx context.Context, args []string, stdout, stderr io.Writer) int {

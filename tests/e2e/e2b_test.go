@@ -20,6 +20,9 @@ import (
 	"time"
 
 	v1 "github.com/google/go-containerregistry/pkg/v1"
+
+	"github.com/capsa-sandbox/capsa/snapshot"
+	"github.com/capsa-sandbox/capsa/store"
 	"github.com/google/go-containerregistry/pkg/v1/tarball"
 )
 
@@ -126,6 +129,48 @@ func (s *e2bServer) kill() {
 	if s.cmd.ProcessState == nil {
 		s.cmd.Process.Signal(syscall.SIGKILL)
 		s.cmd.Wait()
+	}
+}
+
+// suspendWithoutMemory: capsa suspend --no-memory (what an E2B pause
+// without memory does) keeps an image sandbox's disk alone, a snapshot
+// with no memory or VM state; capsa resume boots it again: a file kept, a
+// new boot.
+func suspendWithoutMemory(t *testing.T, dir string, cli func(time.Duration, ...string) result, ref string) {
+	t.Helper()
+	if r := cli(5*time.Minute, "run", "-d", "--name", "nomem", "--image", ref, "--", "sleep", "100000"); r.code != 0 {
+		t.Fatalf("capsa run -d --image: exit %d, %q", r.code, r.stderr)
+	}
+	defer cli(time.Minute, "rm", "-f", "nomem")
+	const probe = "echo kept > /root/mark && cat /proc/sys/kernel/random/boot_id"
+	r := cli(time.Minute, "exec", "nomem", "--", "sh", "-c", probe)
+	if r.code != 0 {
+		t.Fatalf("capsa exec nomem: exit %d, %q", r.code, r.stderr)
+	}
+	boot := r.stdout
+	if r := cli(2*time.Minute, "suspend", "--no-memory", "nomem"); r.code != 0 {
+		t.Fatalf("capsa suspend --no-memory nomem: exit %d, %q", r.code, r.stderr)
+	}
+	st, err := store.Open(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	snap := st.SuspendDir("nomem")
+	m, _, err := snapshot.ReadManifest(snap)
+	if err != nil || !m.DiskOnly {
+		t.Errorf("the suspension's manifest: %+v, %v; want disk_only", m, err)
+	}
+	for _, name := range []string{snapshot.MemoryFile, snapshot.StateFile} {
+		if _, err := os.Stat(filepath.Join(snap, name)); !os.IsNotExist(err) {
+			t.Errorf("the suspension holds %s (%v); want the disk alone", name, err)
+		}
+	}
+	if r := cli(3*time.Minute, "resume", "nomem"); r.code != 0 {
+		t.Fatalf("capsa resume nomem: exit %d, %q", r.code, r.stderr)
+	}
+	r = cli(time.Minute, "exec", "nomem", "--", "sh", "-c", "cat /root/mark /proc/sys/kernel/random/boot_id")
+	if r.code != 0 || !strings.HasPrefix(r.stdout, "kept\n") || strings.HasSuffix(r.stdout, boot) {
+		t.Errorf("after the resume: exit %d, %q (boot before: %q); want the file kept and a new boot", r.code, r.stdout, boot)
 	}
 }
 
@@ -284,6 +329,7 @@ func TestE2BSDK(t *testing.T) {
 		t.Errorf("the state directory holds a header rule's value in %v", found)
 	}
 	e2bClient(t, env, 5*time.Minute, "old")
+	suspendWithoutMemory(t, dir, cli, ref)
 
 	// A crash of the server leaves its sandboxes running; a new one
 	// serves them again.

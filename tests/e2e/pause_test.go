@@ -248,6 +248,13 @@ func TestSuspendResumeCLI(t *testing.T) {
 	if _, err := os.Stat(snap); !os.IsNotExist(err) {
 		t.Errorf("the snapshot of a resumed sandbox: stat = %v, want it gone", err)
 	}
+	// Not of an image, it has no disk to keep alone.
+	if r := cli(time.Minute, "suspend", "--no-memory", "s"); r.code == 0 || !strings.Contains(r.stderr, "not an image sandbox") {
+		t.Errorf("capsa suspend --no-memory s = exit %d, stderr %q; want a refusal: not an image sandbox", r.code, r.stderr)
+	}
+	if e := psAll(t, cli)["s"]; e.State != "running" {
+		t.Errorf("capsa ps: s is %q (%s) after a refused suspension, want running", e.State, e.Reason)
+	}
 
 	// A sandbox with a disk cannot be snapshotted: refused, and it runs on.
 	disk := filepath.Join(t.TempDir(), "disk.img")
