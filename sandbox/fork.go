@@ -127,6 +127,9 @@ func NewPool(dir string, size int, o RestoreOptions) (*Pool, error) {
 		return nil, fmt.Errorf("sandbox: pool: %w", err)
 	}
 	snap.Close()
+	if snap.Manifest.DiskOnly {
+		return nil, fmt.Errorf("sandbox: pool: snapshot %s: %w", dir, snapshot.ErrDiskOnly)
+	}
 	p := &Pool{dir: dir, o: o, ready: make(chan *Sandbox, size), errc: make(chan error, 1),
 		stop: make(chan struct{}), done: make(chan struct{})}
 	go p.fill()

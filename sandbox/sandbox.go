@@ -60,9 +60,9 @@ type config struct {
 	// installCA: a restore makes the interception's CA and installs it
 	// in the guest, whose snapshot was taken without one.
 	installCA bool
-	netAudit io.Writer         // the audit log of intercepted requests
-	ca       *tlsproxy.CA      // a restored sandbox's CA
-	start    time.Time         // when a restore began (zero: at boot), for the timeline
+	netAudit  io.Writer    // the audit log of intercepted requests
+	ca        *tlsproxy.CA // a restored sandbox's CA
+	start     time.Time    // when a restore began (zero: at boot), for the timeline
 	// beforeRun runs once the VM is built and before its vCPUs first run
 	// (Workload.BeforeRun, RestoreOptions.BeforeRun).
 	beforeRun func(*Sandbox) error

@@ -127,10 +127,9 @@ func (s *Sandbox) SnapshotWith(ctx context.Context, dir string, o SnapshotOption
 	}
 	switch {
 	case o.DiskOnly:
-		err = s.writeSnapshotWith(dir, spec, nil, func(m snapshot.Manifest, _ *vmm.State, extra map[string]snapshot.Extra) error {
-			m.MainProcess = 0 // nothing that runs is kept
-			return snapshot.WriteDisk(dir, m, extra)
-		})
+		// Nothing of the VM: its shape, from the spec.
+		m := snapshot.Manifest{Spec: spec, CPUs: s.c.CPUs, MemoryBytes: uint64(s.c.MemoryMiB) << 20, ImageDigest: s.rootfs.img.Digest}
+		err = snapshot.WriteDisk(dir, m, s.snapshotFiles(nil))
 	case o.Fork:
 		err = s.writeFork(dir, spec)
 	default:
@@ -258,9 +257,18 @@ func (s *Sandbox) writeSnapshotWith(dir string, spec []byte, inv *Inventory, wri
 		m.MainProcess = s.main.ID
 	}
 	s.mu.Unlock()
+	if s.rootfs != nil {
+		m.ImageDigest = s.rootfs.img.Digest
+	}
+	return write(m, st, s.snapshotFiles(inv))
+}
+
+// snapshotFiles are the files a snapshot holds beside the VM's state and
+// memory: an image sandbox's writable root disk, the interception's CA,
+// the inventory.
+func (s *Sandbox) snapshotFiles(inv *Inventory) map[string]snapshot.Extra {
 	extra := map[string]snapshot.Extra{}
 	if r := s.rootfs; r != nil {
-		m.ImageDigest = r.img.Digest
 		extra[snapshot.RootDiskFile] = func(path string) (string, error) {
 			// Only its size is recorded: a checksum would read the
 			// whole disk, which a reflink spares.
@@ -280,7 +288,7 @@ func (s *Sandbox) writeSnapshotWith(dir string, spec []byte, inv *Inventory, wri
 	if inv != nil {
 		extra[InventoryFile] = writeInventory(inv)
 	}
-	return write(m, st, extra)
+	return extra
 }
 
 // RestoreOptions are what a restored sandbox gets that its snapshot does
@@ -545,6 +553,9 @@ func RestoredSpec(dir string, settings *Spec) (Spec, error) {
 		return Spec{}, err
 	}
 	defer snap.Close()
+	if snap.Manifest.DiskOnly {
+		return Spec{}, fmt.Errorf("snapshot %s: %w (it is a sandbox's suspension without memory: capsa resume boots it)", dir, snapshot.ErrDiskOnly)
+	}
 	spec, err := restoredSpec(snap, settings)
 	if err != nil {
 		return Spec{}, fmt.Errorf("snapshot %s: %w", dir, err)

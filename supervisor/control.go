@@ -152,7 +152,9 @@ func (o controlOp[Req, Resp]) register(mux *http.ServeMux, h func(context.Contex
 	mux.HandleFunc(o.pattern(), func(w http.ResponseWriter, r *http.Request) {
 		var req Req
 		if _, none := any(req).(noBody); !none {
-			if err := json.NewDecoder(http.MaxBytesReader(w, r.Body, maxControlRequest)).Decode(&req); err != nil {
+			// No body is the zero request (a client from before the
+			// operation took one).
+			if err := json.NewDecoder(http.MaxBytesReader(w, r.Body, maxControlRequest)).Decode(&req); err != nil && !errors.Is(err, io.EOF) {
 				http.Error(w, fmt.Sprintf("bad %s request: %v", o.name, err), http.StatusBadRequest)
 				return
 			}

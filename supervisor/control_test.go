@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"github.com/capsa-sandbox/capsa/sandbox"
 	"log/slog"
 	"net"
 	"net/http"
@@ -128,6 +129,23 @@ func TestControlOpRoundTrip(t *testing.T) {
 		resp.Body.Close()
 		if resp.StatusCode != http.StatusBadRequest {
 			t.Errorf("a request of %d bytes, malformed or oversized: %s; want 400", len(body), resp.Status)
+		}
+	}
+	// No body at all (a client from before the operation took one) is
+	// the zero request.
+	if resp, err := hc.Post("http://supervisor/v1/echo", "application/json", nil); err != nil {
+		t.Fatal(err)
+	} else if resp.Body.Close(); resp.StatusCode != http.StatusOK {
+		t.Errorf("a request without a body: %s; want 200, the zero request", resp.Status)
+	}
+	// The header rules' refusals cross it too.
+	for _, sentinel := range []error{sandbox.ErrNoInterception, sandbox.ErrOutsideCA} {
+		found := false
+		for _, e := range controlErrorCodes {
+			found = found || e == sentinel
+		}
+		if !found {
+			t.Errorf("%v has no code across the socket", sentinel)
 		}
 	}
 	srv.Close()

@@ -24,8 +24,10 @@ type headersBody struct {
 // a sandbox that never ran, or was suspended without interception, gets
 // a CA for its rules when it starts. A running sandbox that intercepts
 // nothing takes no rules (sandbox.ErrNoInterception), one without capsa's
-// NAT none either (sandbox.ErrNoNAT). Nothing is changed when it fails,
-// and nothing is asked of the sandbox when it has no rules and gets none.
+// NAT none either (sandbox.ErrNoNAT). Nothing is changed when the rules
+// are refused (a failure to write the record after the running sandbox
+// took them leaves the two apart until the next update), and nothing is
+// asked of the sandbox when it has no rules and gets none.
 func (m *Manager) SetHeaderRules(ctx context.Context, name string, rules []sandbox.HeaderRule) error {
 	fail := func(err error) error { return fmt.Errorf("supervisor: set the header rules of %s: %w", name, err) }
 	if err := sandbox.CheckHeaderRules(rules); err != nil {

@@ -14,7 +14,6 @@ import (
 	"github.com/capsa-sandbox/capsa/netstack"
 	"github.com/capsa-sandbox/capsa/ratelimit"
 	"github.com/capsa-sandbox/capsa/sandbox"
-	"github.com/capsa-sandbox/capsa/snapshot"
 	"github.com/capsa-sandbox/capsa/store"
 	"github.com/capsa-sandbox/capsa/volume"
 )
@@ -29,8 +28,9 @@ import (
 type Manager struct {
 	st    *store.Store
 	stats statsHandles // Stats's
-	// headersMu makes SetHeaderRules one at a time: each rewrites a
-	// sandbox's record and secrets file together.
+	// headersMu makes this manager's SetHeaderRules one at a time: each
+	// rewrites a sandbox's record and secrets file together (another
+	// process's manager is not held back).
 	headersMu sync.Mutex
 }
 
@@ -197,16 +197,6 @@ func (m *Manager) resume(ctx context.Context, name string, cold bool) error {
 	cancel()
 	if err != nil {
 		return fmt.Errorf("supervisor: resume %s: %w", name, err)
-	}
-	// A suspension of the disk alone can only be booted again.
-	if !cold {
-		dir := rec.RestoreFrom
-		if dir == "" {
-			dir = m.st.SuspendDir(name)
-		}
-		if sm, _, err := snapshot.ReadManifest(dir); err == nil && sm.DiskOnly {
-			cold = true
-		}
 	}
 	// How it starts is its record's to say, set with its start (under
 	// its lock: a second resume at once is refused, not mixed in).

@@ -37,7 +37,10 @@ type SnapshotInfo struct {
 	// what differs from it), and Chain how many snapshots a restore maps.
 	Parent string `json:"parent,omitempty"`
 	Chain  int    `json:"chain,omitempty"`
-	Err    string `json:"error,omitempty"` // why it cannot be read
+	// DiskOnly: it holds a sandbox's disk alone, no memory (a suspension
+	// without it): it boots again, and cannot be restored.
+	DiskOnly bool   `json:"disk_only,omitempty"`
+	Err      string `json:"error,omitempty"` // why it cannot be read
 }
 
 // SnapshotDir is the directory of snap: a snapshot's name in the state
@@ -103,7 +106,7 @@ func (m *Manager) Snapshots() ([]SnapshotInfo, error) {
 		} else {
 			s.Close()
 			mf := s.Manifest
-			info.Created, info.CPUs, info.MemoryBytes, info.Chain = mf.Created, mf.CPUs, mf.MemoryBytes, s.Chain()
+			info.Created, info.CPUs, info.MemoryBytes, info.Chain, info.DiskOnly = mf.Created, mf.CPUs, mf.MemoryBytes, s.Chain(), mf.DiskOnly
 			if mf.Parent != nil {
 				info.Parent = mf.Parent.Name
 			}

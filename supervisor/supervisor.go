@@ -31,6 +31,7 @@ import (
 	"github.com/capsa-sandbox/capsa/internal/selfpages"
 	"github.com/capsa-sandbox/capsa/ratelimit"
 	"github.com/capsa-sandbox/capsa/sandbox"
+	"github.com/capsa-sandbox/capsa/snapshot"
 	"github.com/capsa-sandbox/capsa/store"
 )
 
@@ -190,6 +191,15 @@ func Run(ctx context.Context, o Options) error {
 	// to its own files, the sandbox's, and the calls a running VMM makes.
 	p := newVMMProcess(place(st, rec), log, func(state string) { log.Warn("supervisor: on SIGQUIT, " + state) })
 	defer p.close()
+	// A snapshot of the disk alone (capsa suspend --no-memory) can only
+	// be booted again, whatever the record asked: decided here, with the
+	// sandbox's lock held, from the files that will be read.
+	reboot := rec.Reboot
+	if rec.RestoreFrom != "" && !reboot {
+		if m, _, err := snapshot.ReadManifest(rec.RestoreFrom); err == nil && m.DiskOnly {
+			reboot = true
+		}
+	}
 	sb, err := p.start(&spec, func(beforeRun func(*sandbox.Sandbox) error) (*sandbox.Sandbox, error) {
 		if rec.RestoreFrom != "" {
 			ro := sandbox.RestoreOptions{
@@ -197,7 +207,7 @@ func Run(ctx context.Context, o Options) error {
 				VsockSocket: spec.VsockSocket, Settings: &spec, Hostname: rec.Hostname,
 				Identity: o.Name, Secrets: secrets, NetAudit: netAudit, BeforeRun: beforeRun,
 			}
-			if rec.Reboot {
+			if reboot {
 				return sandbox.Reboot(ctx, rec.RestoreFrom, ro)
 			}
 			return sandbox.Restore(ctx, rec.RestoreFrom, ro)
@@ -209,7 +219,7 @@ func Run(ctx context.Context, o Options) error {
 		return fail(err)
 	}
 	defer sb.Close()
-	log.Info("supervisor: the sandbox runs", "restored", rec.RestoreFrom != "" && !rec.Reboot, "rebooted", rec.Reboot, "timeline", sb.Timeline().String())
+	log.Info("supervisor: the sandbox runs", "restored", rec.RestoreFrom != "" && !reboot, "rebooted", reboot, "timeline", sb.Timeline().String())
 
 	c := &control{sb: sb, rep: rep, stopc: make(chan stopRequest, 1), ttlc: make(chan time.Duration),
 		suspendc: make(chan struct{}, 1), suspendDir: st.SuspendDir(o.Name), started: time.Now()}
@@ -441,6 +451,16 @@ var ErrBeingSuspended = errors.New("the sandbox is being suspended")
 // sandbox that cannot be snapshotted (it has disks) stays as it was,
 // with the error.
 func (c *control) suspend(ctx context.Context, withoutMemory bool, log *slog.Logger) error {
+	// Kept without its memory, a paused guest runs for its sync: what
+	// its page cache held would be lost otherwise. A failure pauses it
+	// again.
+	repause := false
+	if withoutMemory && c.sb.Paused() {
+		if err := c.setPaused(ctx, false, log); err != nil {
+			return fmt.Errorf("suspend: run the paused guest for its sync: %w", err)
+		}
+		repause = true
+	}
 	if !c.sb.Paused() && c.sb.Spec().Image != nil {
 		// What the guest wrote is put on its disk first: a resume
 		// without the memory (Manager.ResumeCold) boots from the
@@ -459,6 +479,15 @@ func (c *control) suspend(ctx context.Context, withoutMemory bool, log *slog.Log
 	}
 	if err := c.sb.Snapshottable(); err != nil {
 		return fmt.Errorf("suspend: %w", err)
+	}
+	if repause {
+		defer func() {
+			if !c.suspending && !c.sb.Paused() {
+				if err := c.sb.Pause(context.WithoutCancel(ctx)); err == nil {
+					c.setState(store.Paused, log)
+				}
+			}
+		}()
 	}
 	ctx, cancel := context.WithTimeout(ctx, 5*time.Minute)
 	defer cancel()

@@ -149,3 +149,19 @@ func TestSetHeaders(t *testing.T) {
 		}
 	}
 }
+
+// TestHeaderRuleOnSecretHost: on a host that receives secrets, whose
+// answers are checked for them, a rule's Accept-Encoding does not reach
+// the upstream (the transport asks for what it can decode itself), and
+// the rule's other headers do.
+func TestHeaderRuleOnSecretHost(t *testing.T) {
+	h := newHarness(t, Config{Secrets: []Secret{testSecret(false)},
+		Headers: []HeaderRule{{Host: "api.test", Headers: map[string]string{"Accept-Encoding": "br", "X-Team": "blue"}}}},
+		func(w http.ResponseWriter, r *http.Request) {
+			fmt.Fprintf(w, "enc=%s team=%s", r.Header.Get("Accept-Encoding"), r.Header.Get("X-Team"))
+		})
+	resp, body := get(t, h.client(h.guestCAs, false), "https://api.test/x")
+	if want := "enc=gzip team=blue"; resp.StatusCode != 200 || body != want {
+		t.Errorf("%d %q, want 200 %q", resp.StatusCode, body, want)
+	}
+}

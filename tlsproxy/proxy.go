@@ -186,6 +186,10 @@ func New(cfg Config) (*Proxy, error) {
 			// guest cannot have a rule's headers dropped.
 			if x.rule != nil {
 				x.rule.apply(pr.Out.Header)
+				if x.c.scrub != nil {
+					// An answer to check for secrets comes plain.
+					pr.Out.Header.Del("Accept-Encoding")
+				}
 			}
 		},
 		Transport:      roundTripper(func(r *http.Request) (*http.Response, error) { return exchangeOf(r).c.tr.RoundTrip(r) }),
