@@ -545,7 +545,8 @@ func (b *Builder) Settings() (*Spec, map[string]string, error) {
 // by guest path; the network's policy, published ports, DNS server,
 // secrets' hosts (of the snapshot's secrets, by name), interception and
 // upstream CAs; hub grants; limits, CPU quota, timeouts and output limit;
-// the image store. Settings that do not fit the snapshot (a share it has
+// the image store; the kernel and initramfs a reboot boots (Reboot; a
+// restore runs the snapshot's). Settings that do not fit the snapshot (a share it has
 // none on, a network it has no NIC for) are refused, naming what.
 func RestoredSpec(dir string, settings *Spec) (Spec, error) {
 	snap, err := snapshot.Open(dir)
@@ -577,6 +578,7 @@ func restoredSpec(snap *snapshot.Snapshot, settings *Spec) (Spec, error) {
 	}
 	spec := Spec{
 		CPUs: saved.CPUs, MemoryMiB: saved.MemoryMiB, Env: saved.Env, Main: saved.Main,
+		Kernel: r.Kernel, Initrd: r.Initrd, // files of the host's, for a reboot
 		CPUQuota: r.CPUQuota, Limits: r.Limits, ReadyTimeout: r.ReadyTimeout, Watchdog: r.Watchdog, OutputLimit: r.OutputLimit,
 	}
 	if r.Hub != nil {
