@@ -769,12 +769,14 @@ func (s *Server) connect(w http.ResponseWriter, r *http.Request, key Key) {
 
 // resume runs the paused sandbox rec again, to end timeout seconds from
 // now (a sandbox paused at its timeout has none left): from its memory,
-// or booted again from its disk alone where reboot says so or its pause
-// kept no memory (labelResume).
+// or booted again from its disk alone where reboot says so, its pause
+// was to keep no memory (labelResume), or its suspension holds none.
 func (s *Server) resume(ctx context.Context, rec *supervisor.Record, timeout int, reboot bool) error {
 	s.forget(rec.Name)
 	asked := reboot
-	reboot = reboot || rec.Labels[labelResume] == "reboot"
+	// A suspension of the disk alone boots whatever asked for it (capsa
+	// suspend --no-memory from the CLI, say): its start command runs.
+	reboot = reboot || rec.Labels[labelResume] == "reboot" || s.m.SuspendedWithoutMemory(rec.Name)
 	resume := s.m.Resume
 	if reboot {
 		resume = s.m.ResumeCold

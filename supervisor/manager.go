@@ -14,6 +14,7 @@ import (
 	"github.com/capsa-sandbox/capsa/netstack"
 	"github.com/capsa-sandbox/capsa/ratelimit"
 	"github.com/capsa-sandbox/capsa/sandbox"
+	"github.com/capsa-sandbox/capsa/snapshot"
 	"github.com/capsa-sandbox/capsa/store"
 	"github.com/capsa-sandbox/capsa/volume"
 )
@@ -241,6 +242,21 @@ func (m *Manager) Suspend(ctx context.Context, name string) error {
 // without memory. A sandbox not of an image is refused.
 func (m *Manager) SuspendWithoutMemory(ctx context.Context, name string) error {
 	return m.suspend(ctx, name, true)
+}
+
+// SuspendedWithoutMemory says whether the sandbox name is suspended with
+// its disk alone (SuspendWithoutMemory): its resume boots it again.
+func (m *Manager) SuspendedWithoutMemory(name string) bool {
+	rec, err := m.st.Get(name)
+	if err != nil || rec.State != Suspended {
+		return false
+	}
+	dir := rec.RestoreFrom
+	if dir == "" {
+		dir = m.st.SuspendDir(name)
+	}
+	sm, _, err := snapshot.ReadManifest(dir)
+	return err == nil && sm.DiskOnly
 }
 
 func (m *Manager) suspend(ctx context.Context, name string, withoutMemory bool) error {

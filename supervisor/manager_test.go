@@ -389,3 +389,36 @@ func TestManagerStatsKeepsHandles(t *testing.T) {
 		t.Error("the ended sandbox's handle is still kept")
 	}
 }
+
+// TestManagerSuspendedWithoutMemory: a suspended sandbox whose suspension
+// holds its disk alone says so; one whose suspension cannot be read, one
+// not suspended and an unknown name do not.
+func TestManagerSuspendedWithoutMemory(t *testing.T) {
+	m := newManager(t)
+	spec := sandbox.Spec{CPUs: 1, MemoryMiB: 256, Main: sandbox.ProcessSpec{Argv: []string{"true"}}}
+	if _, err := m.Create(&Record{Name: "s", Spec: spec}, nil); err != nil {
+		t.Fatal(err)
+	}
+	if m.SuspendedWithoutMemory("s") || m.SuspendedWithoutMemory("nosuch") {
+		t.Error("a sandbox never suspended, or none, says it is suspended without memory")
+	}
+	disk := filepath.Join(t.TempDir(), "disk")
+	err := snapshot.WriteDisk(disk, snapshot.Manifest{Spec: json.RawMessage(`{}`), CPUs: 1, MemoryBytes: 1 << 20, ImageDigest: "sha256:x"},
+		map[string]snapshot.Extra{snapshot.RootDiskFile: func(p string) (string, error) { return "", os.WriteFile(p, nil, 0o600) }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	suspend := func(dir string) {
+		if err := m.st.Update("s", func(r *Record) error { r.State, r.RestoreFrom = Suspended, dir; return nil }); err != nil {
+			t.Fatal(err)
+		}
+	}
+	suspend(disk)
+	if !m.SuspendedWithoutMemory("s") {
+		t.Error("suspended with its disk alone: SuspendedWithoutMemory = false")
+	}
+	suspend(filepath.Join(t.TempDir(), "none"))
+	if m.SuspendedWithoutMemory("s") {
+		t.Error("a suspension that cannot be read says it holds no memory")
+	}
+}

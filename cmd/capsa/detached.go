@@ -324,29 +324,26 @@ func runPause(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 }
 
 func runSuspend(ctx context.Context, args []string, stdout, stderr io.Writer) int {
-	var noMemory *bool
-	suspend := func(m *supervisor.Manager, ctx context.Context, name string) error {
-		if *noMemory {
-			return m.SuspendWithoutMemory(ctx, name)
-		}
-		return m.Suspend(ctx, name)
-	}
-	return pauseOrResume(ctx, "suspend", suspend, args, stdout, stderr, func(fs *pflag.FlagSet) {
-		noMemory = fs.Bool("no-memory", false, "keep an image sandbox's disk alone (synced first), not its memory: faster and smaller; its resume boots it again, its processes started afresh")
-	})
+	return pauseOrResumeOr(ctx, "suspend", "no-memory", "keep an image sandbox's disk alone (synced first), not its memory: faster and smaller; its resume boots it again, its processes started afresh",
+		(*supervisor.Manager).Suspend, (*supervisor.Manager).SuspendWithoutMemory, args, stdout, stderr)
 }
 
 func runResume(ctx context.Context, args []string, stdout, stderr io.Writer) int {
-	var reboot *bool
-	resume := func(m *supervisor.Manager, ctx context.Context, name string) error {
-		if *reboot {
-			return m.ResumeCold(ctx, name)
+	return pauseOrResumeOr(ctx, "resume", "reboot", "boot an image sandbox again from its disk, not its memory: its files kept, its processes started afresh (suspends one paused in memory first)",
+		(*supervisor.Manager).Resume, (*supervisor.Manager).ResumeCold, args, stdout, stderr)
+}
+
+// pauseOrResumeOr is pauseOrResume of op, or of alt for the command's
+// boolean flag (help says what it does).
+func pauseOrResumeOr(ctx context.Context, name, flag, help string, op, alt func(*supervisor.Manager, context.Context, string) error, args []string, stdout, stderr io.Writer) int {
+	var set *bool
+	either := func(m *supervisor.Manager, ctx context.Context, n string) error {
+		if *set {
+			return alt(m, ctx, n)
 		}
-		return m.Resume(ctx, name)
+		return op(m, ctx, n)
 	}
-	return pauseOrResume(ctx, "resume", resume, args, stdout, stderr, func(fs *pflag.FlagSet) {
-		reboot = fs.Bool("reboot", false, "boot an image sandbox again from its disk, not its memory: its files kept, its processes started afresh (suspends one paused in memory first)")
-	})
+	return pauseOrResume(ctx, name, either, args, stdout, stderr, func(fs *pflag.FlagSet) { set = fs.Bool(flag, false, help) })
 }
 
 // pauseOrResume runs op on each named detached sandbox and prints the

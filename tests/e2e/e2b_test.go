@@ -13,7 +13,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"strconv"
 	"strings"
 	"syscall"
 	"testing"
@@ -187,17 +186,7 @@ func rulesUpstream(t *testing.T) rulesServer {
 	dir := t.TempDir()
 	pki := newTestPKI(t, dir, "api.example.test", "other.example.test")
 	up := rulesServer{caFile: pki.caFile, log: filepath.Join(dir, "requests.log")}
-	srv := exec.Command("nsenter", "-t", strconv.Itoa(w.serverPID), "-n", os.Args[0])
-	srv.Env = append(os.Environ(), serveTLSEnv+"=:443 "+pki.certFile+" "+pki.keyFile+" "+up.log)
-	srv.Stderr = os.Stderr
-	if err := srv.Start(); err != nil {
-		t.Fatalf("start the HTTPS server: %v", err)
-	}
-	t.Cleanup(func() { srv.Process.Kill(); srv.Wait() })
-	waitHTTPS(t, "https://api.example.test/", pki.pool, func(ctx context.Context, network, _ string) (net.Conn, error) {
-		var d net.Dialer
-		return d.DialContext(ctx, network, publicIP+":443")
-	})
+	servePublicTLS(t, w, pki, up.log)
 	up.dns = startDNS(t, map[string]string{"api.example.test.": publicIP, "other.example.test.": publicIP})
 	return up
 }

@@ -125,6 +125,25 @@ func newTestPKI(tb testing.TB, dir string, names ...string) testPKI {
 	return p
 }
 
+// servePublicTLS starts the HTTPS server of the secrets tests in the
+// stand-in public host of w (serveTLSEnv), with pki's certificate,
+// logging to logPath, and waits until api.example.test answers there
+// (which logs one request).
+func servePublicTLS(t *testing.T, w *netWorld, pki testPKI, logPath string) {
+	t.Helper()
+	srv := exec.Command("nsenter", "-t", strconv.Itoa(w.serverPID), "-n", os.Args[0])
+	srv.Env = append(os.Environ(), serveTLSEnv+"=:443 "+pki.certFile+" "+pki.keyFile+" "+logPath)
+	srv.Stderr = os.Stderr
+	if err := srv.Start(); err != nil {
+		t.Fatalf("start the HTTPS server: %v", err)
+	}
+	t.Cleanup(func() { srv.Process.Kill(); srv.Wait() })
+	waitHTTPS(t, "https://api.example.test/", pki.pool, func(ctx context.Context, network, _ string) (net.Conn, error) {
+		var d net.Dialer
+		return d.DialContext(ctx, network, publicIP+":443")
+	})
+}
+
 // waitHTTPS waits until url answers 200, trusting pool.
 func waitHTTPS(tb testing.TB, url string, pool *x509.CertPool, dial func(context.Context, string, string) (net.Conn, error)) {
 	tb.Helper()
@@ -256,17 +275,7 @@ func TestSecrets(t *testing.T) {
 	dir := t.TempDir()
 	pki := newTestPKI(t, dir, "api.example.test", "other.example.test", "plain.example.test")
 	logPath := filepath.Join(dir, "requests.log")
-	srv := exec.Command("nsenter", "-t", strconv.Itoa(w.serverPID), "-n", os.Args[0])
-	srv.Env = append(os.Environ(), serveTLSEnv+"=:443 "+pki.certFile+" "+pki.keyFile+" "+logPath)
-	srv.Stderr = os.Stderr
-	if err := srv.Start(); err != nil {
-		t.Fatalf("start the HTTPS server: %v", err)
-	}
-	t.Cleanup(func() { srv.Process.Kill(); srv.Wait() })
-	waitHTTPS(t, "https://api.example.test/", pki.pool, func(ctx context.Context, network, _ string) (net.Conn, error) {
-		var d net.Dialer
-		return d.DialContext(ctx, network, publicIP+":443")
-	})
+	servePublicTLS(t, w, pki, logPath)
 	if err := os.Truncate(logPath, 0); err != nil { // the wait's request
 		t.Fatal(err)
 	}
