@@ -264,10 +264,8 @@ func startInterception(c config, audit io.Writer, log *slog.Logger) (*intercepti
 		}
 	}
 	// A snapshot's CA vouches only for the hosts it was made for.
-	for _, p := range patterns {
-		if !cfg.CA.Permits(p) {
-			return nil, fmt.Errorf("sandbox: intercept %s: %w (%s): the guest trusts that CA alone", p, tlsproxy.ErrOutsideCA, strings.Join(cfg.CA.Certificate().PermittedDNSDomains, ", "))
-		}
+	if err := cfg.CA.CheckHosts(patterns...); err != nil {
+		return nil, fmt.Errorf("sandbox: intercept: %w: the guest trusts that CA alone", err)
 	}
 	in := &interception{audit: tlsproxy.NewAuditLog(auditKeep, audit), ca: cfg.CA}
 	cfg.Audit = in.audit.Add
@@ -423,18 +421,14 @@ func (b *Builder) addHeader(host, name string) bool {
 // headerRules are the proxy's rules for specs, with their values from
 // values (headerKey).
 func headerRules(specs []HeaderSpec, values map[string]string) ([]tlsproxy.HeaderRule, error) {
-	var out []tlsproxy.HeaderRule
 	for _, h := range specs {
-		r := tlsproxy.HeaderRule{Host: h.Host, Headers: map[string]string{}}
 		for _, n := range h.Names {
-			v, ok := values[headerKey(h.Host, n)]
-			if !ok {
+			if _, ok := values[headerKey(h.Host, n)]; !ok {
 				return nil, fmt.Errorf("sandbox: header rule %s: header %s has no value (a Spec holds none: give it with Workload.Secrets or RestoreOptions.Secrets)", h.Host, n)
 			}
-			r.Headers[n] = v
 		}
-		out = append(out, r)
 	}
+	out := HeaderRulesOf(specs, values)
 	if err := tlsproxy.CheckHeaderRules(out); err != nil {
 		return nil, fmt.Errorf("sandbox: %w", err)
 	}

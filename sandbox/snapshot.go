@@ -12,7 +12,6 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
-	"strings"
 	"time"
 
 	"github.com/capsa-sandbox/capsa/agent"
@@ -507,8 +506,8 @@ func CheckSnapshotCA(dir string, rules []HeaderSpec) error {
 		return fmt.Errorf("snapshot %s: the interception's CA: %w", dir, err)
 	}
 	for _, r := range rules {
-		if !ca.Permits(r.Host) {
-			return fmt.Errorf("header rule %s: %w (%s)", r.Host, tlsproxy.ErrOutsideCA, strings.Join(ca.Certificate().PermittedDNSDomains, ", "))
+		if err := ca.CheckHosts(r.Host); err != nil {
+			return fmt.Errorf("header rule: %w", err)
 		}
 	}
 	return nil

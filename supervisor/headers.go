@@ -2,11 +2,8 @@ package supervisor
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"maps"
-	"os"
-	"path/filepath"
 
 	"github.com/capsa-sandbox/capsa/sandbox"
 )
@@ -67,7 +64,7 @@ func (m *Manager) SetHeaderRules(ctx context.Context, name string, rules []sandb
 		}
 	}
 	maps.Copy(kept, values)
-	if err := m.writeSecrets(name, kept); err != nil {
+	if err := WriteSecrets(m.st, name, kept); err != nil {
 		return fail(err)
 	}
 	err = m.st.Update(name, func(r *Record) error {
@@ -98,16 +95,4 @@ func (m *Manager) HeaderRules(name string) ([]sandbox.HeaderRule, error) {
 		return nil, err
 	}
 	return sandbox.HeaderRulesOf(rec.Spec.Network.Headers, secrets), nil
-}
-
-// writeSecrets is WriteSecrets, removing the file when nothing is left.
-func (m *Manager) writeSecrets(name string, values map[string]string) error {
-	if len(values) == 0 {
-		err := os.Remove(filepath.Join(m.st.SandboxDir(name), SecretsFile))
-		if errors.Is(err, os.ErrNotExist) {
-			err = nil
-		}
-		return err
-	}
-	return WriteSecrets(m.st, name, values)
 }

@@ -255,8 +255,15 @@ func (m *Manager) SuspendedWithoutMemory(name string) bool {
 	if dir == "" {
 		dir = m.st.SuspendDir(name)
 	}
-	sm, _, err := snapshot.ReadManifest(dir)
-	return err == nil && sm.DiskOnly
+	return diskOnly(dir)
+}
+
+// diskOnly says whether the snapshot in dir holds a sandbox's disk alone
+// (snapshot.Manifest.DiskOnly): a start from it boots; false if it cannot
+// be read.
+func diskOnly(dir string) bool {
+	m, _, err := snapshot.ReadManifest(dir)
+	return err == nil && m.DiskOnly
 }
 
 func (m *Manager) suspend(ctx context.Context, name string, withoutMemory bool) error {

@@ -35,9 +35,14 @@ const (
 const maxSecretsFile = 1 << 20
 
 // WriteSecrets keeps the values of the recorded sandbox name's secrets
-// for its supervisor, in SecretsFile (0600). Nothing is written for none.
+// for its supervisor, in SecretsFile (0600). For none, nothing is written
+// and a file kept before goes.
 func WriteSecrets(st *store.Store, name string, values map[string]string) error {
 	if len(values) == 0 {
+		err := os.Remove(filepath.Join(st.SandboxDir(name), SecretsFile))
+		if err != nil && !errors.Is(err, fs.ErrNotExist) {
+			return fmt.Errorf("supervisor: secrets of %s: %w", name, err)
+		}
 		return nil
 	}
 	b, err := json.Marshal(values)

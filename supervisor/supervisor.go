@@ -31,7 +31,6 @@ import (
 	"github.com/capsa-sandbox/capsa/internal/selfpages"
 	"github.com/capsa-sandbox/capsa/ratelimit"
 	"github.com/capsa-sandbox/capsa/sandbox"
-	"github.com/capsa-sandbox/capsa/snapshot"
 	"github.com/capsa-sandbox/capsa/store"
 )
 
@@ -194,12 +193,7 @@ func Run(ctx context.Context, o Options) error {
 	// A snapshot of the disk alone (capsa suspend --no-memory) can only
 	// be booted again, whatever the record asked: decided here, with the
 	// sandbox's lock held, from the files that will be read.
-	reboot := rec.Reboot
-	if rec.RestoreFrom != "" && !reboot {
-		if m, _, err := snapshot.ReadManifest(rec.RestoreFrom); err == nil && m.DiskOnly {
-			reboot = true
-		}
-	}
+	reboot := rec.Reboot || (rec.RestoreFrom != "" && diskOnly(rec.RestoreFrom))
 	sb, err := p.start(&spec, func(beforeRun func(*sandbox.Sandbox) error) (*sandbox.Sandbox, error) {
 		if rec.RestoreFrom != "" {
 			ro := sandbox.RestoreOptions{

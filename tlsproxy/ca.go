@@ -102,6 +102,17 @@ func (ca *CA) Permits(s string) bool {
 	return err == nil && ca.permits(p)
 }
 
+// CheckHosts refuses the first of the host patterns the CA may not name
+// (Permits): ErrOutsideCA, naming it and the CA's domains.
+func (ca *CA) CheckHosts(patterns ...string) error {
+	for _, h := range patterns {
+		if !ca.Permits(h) {
+			return fmt.Errorf("host %s: %w (%s)", h, ErrOutsideCA, strings.Join(ca.cert.PermittedDNSDomains, ", "))
+		}
+	}
+	return nil
+}
+
 func (ca *CA) permits(p pattern) bool {
 	if len(ca.cert.PermittedDNSDomains) == 0 {
 		return true

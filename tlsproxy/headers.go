@@ -149,18 +149,6 @@ func CanonicalPattern(s string) (string, error) {
 	return p.String(), nil
 }
 
-// patterns are the hosts the rules are for.
-func (hs *headerSet) patterns() []pattern {
-	if hs == nil {
-		return nil
-	}
-	out := make([]pattern, len(hs.rules))
-	for i, r := range hs.rules {
-		out[i] = r.pattern
-	}
-	return out
-}
-
 // ErrOutsideCA is SetHeaders' error for a rule whose host the proxy's CA
 // cannot vouch for: its name constraints were fixed when it was made
 // (NewCA), from the hosts the sandbox intercepted then.
@@ -171,17 +159,27 @@ var ErrOutsideCA = errors.New("outside the hosts the sandbox's CA was made for")
 // be one the proxy's CA may name (ErrOutsideCA otherwise): a rule for a
 // host the sandbox did not intercept when it started cannot be added.
 func (p *Proxy) SetHeaders(rules []HeaderRule) error {
-	hs, err := checkHeaderRules(rules)
+	hs, err := checkHeaderRulesFor(p.cfg.CA, rules)
 	if err != nil {
-		return fmt.Errorf("tlsproxy: %w", err)
-	}
-	for _, r := range hs.rules {
-		if !p.cfg.CA.permits(r.pattern) {
-			return fmt.Errorf("tlsproxy: header rule %s: %w (%s)", r.pattern, ErrOutsideCA, strings.Join(p.cfg.CA.Certificate().PermittedDNSDomains, ", "))
-		}
+		return err
 	}
 	p.headers.Store(hs)
 	return nil
+}
+
+// checkHeaderRulesFor checks rules (CheckHeaderRules) and that ca may
+// name each one's host (CA.CheckHosts).
+func checkHeaderRulesFor(ca *CA, rules []HeaderRule) (*headerSet, error) {
+	hs, err := checkHeaderRules(rules)
+	if err != nil {
+		return nil, fmt.Errorf("tlsproxy: %w", err)
+	}
+	for _, r := range hs.rules {
+		if err := ca.CheckHosts(r.String()); err != nil {
+			return nil, fmt.Errorf("tlsproxy: header rule: %w", err)
+		}
+	}
+	return hs, nil
 }
 
 // intercepts says whether connections to name are intercepted: the

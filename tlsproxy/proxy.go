@@ -161,14 +161,9 @@ func New(cfg Config) (*Proxy, error) {
 	for _, s := range secrets {
 		p.intercept = append(p.intercept, s.hosts...)
 	}
-	hs, err := checkHeaderRules(cfg.Headers)
+	hs, err := checkHeaderRulesFor(cfg.CA, cfg.Headers)
 	if err != nil {
-		return nil, fmt.Errorf("tlsproxy: %w", err)
-	}
-	for _, r := range hs.rules {
-		if !cfg.CA.permits(r.pattern) {
-			return nil, fmt.Errorf("tlsproxy: header rule %s: %w", r.pattern, ErrOutsideCA)
-		}
+		return nil, err
 	}
 	p.headers.Store(hs)
 	p.all = newScrubber(secrets, func(*secret) bool { return true })
