@@ -302,3 +302,94 @@ func TestVMAndVCPUState(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// coalescedProgram is hand-assembled 16-bit code, loaded at 0x1000: three
+// writes into a coalesced zone at 0x9000, then one outside it, then hlt.
+//
+//	mov al, 0x5a       b0 5a
+//	mov [0x9000], al   a2 00 90   ; coalesced: no exit
+//	mov [0x9001], al   a2 01 90
+//	mov [0x9002], al   a2 02 90
+//	mov [0x8000], al   a2 00 80   ; an MMIO exit
+//	hlt                f4
+var coalescedProgram = []byte{
+	0xb0, 0x5a,
+	0xa2, 0x00, 0x90,
+	0xa2, 0x01, 0x90,
+	0xa2, 0x02, 0x90,
+	0xa2, 0x00, 0x80,
+	0xf4,
+}
+
+// TestCoalescedWrites: writes to a zone registered with CoalesceWrites go
+// to the ring without exiting, the next write outside it exits as MMIO,
+// and DiscardCoalescedWrites empties the ring.
+func TestCoalescedWrites(t *testing.T) {
+	s := openKVM(t)
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	vm, err := s.CreateVM()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer vm.Close()
+	if err := vm.CoalesceWrites(0x9000, 4); errors.Is(err, ErrNoCoalescedMMIO) {
+		t.Skip(err)
+	} else if err != nil {
+		t.Fatal(err)
+	}
+	mem, err := unix.Mmap(-1, 0, 0x8000, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Munmap(mem)
+	copy(mem[0x1000:], coalescedProgram)
+	if err := vm.SetUserMemoryRegion(0, 0, 0, mem); err != nil {
+		t.Fatal(err)
+	}
+	v, err := vm.CreateVCPU(0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer v.Close()
+	sr, err := v.GetSregs()
+	if err != nil {
+		t.Fatal(err)
+	}
+	sr.CS.Base, sr.CS.Selector = 0, 0
+	if err := v.SetSregs(sr); err != nil {
+		t.Fatal(err)
+	}
+	if err := v.SetRegs(&Regs{RIP: 0x1000, RFLAGS: 2}); err != nil {
+		t.Fatal(err)
+	}
+	next := func() ExitReason {
+		t.Helper()
+		for {
+			err := v.Run()
+			if IsInterrupted(err) {
+				continue
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			return v.ExitReason()
+		}
+	}
+	if r := next(); r != ExitMMIO {
+		t.Fatalf("exit %v, want KVM_EXIT_MMIO", r)
+	}
+	if m := v.MMIO(); !m.IsWrite || m.PhysAddr != 0x8000 {
+		t.Fatalf("first exit %+v, want the write to 0x8000 (the coalesced ones never exit)", m)
+	}
+	if n := v.PendingCoalescedWrites(); n != 3 {
+		t.Errorf("%d coalesced writes in the ring, want 3", n)
+	}
+	v.DiscardCoalescedWrites()
+	if n := v.PendingCoalescedWrites(); n != 0 {
+		t.Errorf("%d coalesced writes after the discard, want 0", n)
+	}
+	if r := next(); r != ExitHLT {
+		t.Fatalf("exit %v, want KVM_EXIT_HLT", r)
+	}
+}
