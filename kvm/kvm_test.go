@@ -77,23 +77,29 @@ var realModeProgram = []byte{
 	0xf4,
 }
 
-func TestRealModeExits(t *testing.T) {
+// realModeVM makes a VM with 32 KiB of RAM at 0 (a write to 0x8000 falls
+// just outside it) holding program at 0x1000, and a vCPU in real mode
+// about to run it, first calling prepare on the VM (nil: nothing); it
+// returns the vCPU, whose thread is locked, and a function that runs it to
+// its next exit. Everything is closed at the test's end.
+func realModeVM(t *testing.T, program []byte, prepare func(*VM)) (*VCPU, func() ExitReason) {
+	t.Helper()
 	s := openKVM(t)
 	runtime.LockOSThread()
-	defer runtime.UnlockOSThread()
-
+	t.Cleanup(runtime.UnlockOSThread)
 	vm, err := s.CreateVM()
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer vm.Close()
-	// 32 KiB of RAM at 0: the write to 0x8000 falls just outside it.
+	t.Cleanup(func() { vm.Close() })
+	if prepare != nil {
+		prepare(vm)
+	}
 	mem, err := unix.Mmap(-1, 0, 0x8000, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer unix.Munmap(mem)
-	copy(mem[0x1000:], realModeProgram)
+	copy(mem[0x1000:], program)
 	if err := vm.SetUserMemoryRegion(0, 0, 0, mem); err != nil {
 		t.Fatal(err)
 	}
@@ -101,7 +107,10 @@ func TestRealModeExits(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer v.Close()
+	// The vCPU goes before the VM (cleanups run last first), the memory
+	// after both.
+	t.Cleanup(func() { unix.Munmap(mem) })
+	t.Cleanup(func() { v.Close() })
 	sr, err := v.GetSregs()
 	if err != nil {
 		t.Fatal(err)
@@ -113,7 +122,6 @@ func TestRealModeExits(t *testing.T) {
 	if err := v.SetRegs(&Regs{RIP: 0x1000, RFLAGS: 2}); err != nil {
 		t.Fatal(err)
 	}
-
 	next := func() ExitReason {
 		t.Helper()
 		for {
@@ -127,6 +135,11 @@ func TestRealModeExits(t *testing.T) {
 			return v.ExitReason()
 		}
 	}
+	return v, next
+}
+
+func TestRealModeExits(t *testing.T) {
+	v, next := realModeVM(t, realModeProgram, nil)
 	expectOut := func(size uint8, data ...byte) {
 		t.Helper()
 		if r := next(); r != ExitIO {
@@ -325,57 +338,13 @@ var coalescedProgram = []byte{
 // to the ring without exiting, the next write outside it exits as MMIO,
 // and DiscardCoalescedWrites empties the ring.
 func TestCoalescedWrites(t *testing.T) {
-	s := openKVM(t)
-	runtime.LockOSThread()
-	defer runtime.UnlockOSThread()
-	vm, err := s.CreateVM()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer vm.Close()
-	if err := vm.CoalesceWrites(0x9000, 4); errors.Is(err, ErrNoCoalescedMMIO) {
-		t.Skip(err)
-	} else if err != nil {
-		t.Fatal(err)
-	}
-	mem, err := unix.Mmap(-1, 0, 0x8000, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer unix.Munmap(mem)
-	copy(mem[0x1000:], coalescedProgram)
-	if err := vm.SetUserMemoryRegion(0, 0, 0, mem); err != nil {
-		t.Fatal(err)
-	}
-	v, err := vm.CreateVCPU(0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer v.Close()
-	sr, err := v.GetSregs()
-	if err != nil {
-		t.Fatal(err)
-	}
-	sr.CS.Base, sr.CS.Selector = 0, 0
-	if err := v.SetSregs(sr); err != nil {
-		t.Fatal(err)
-	}
-	if err := v.SetRegs(&Regs{RIP: 0x1000, RFLAGS: 2}); err != nil {
-		t.Fatal(err)
-	}
-	next := func() ExitReason {
-		t.Helper()
-		for {
-			err := v.Run()
-			if IsInterrupted(err) {
-				continue
-			}
-			if err != nil {
-				t.Fatal(err)
-			}
-			return v.ExitReason()
+	v, next := realModeVM(t, coalescedProgram, func(vm *VM) {
+		if err := vm.CoalesceWrites(0x9000, 4); errors.Is(err, ErrNoCoalescedMMIO) {
+			t.Skip(err)
+		} else if err != nil {
+			t.Fatal(err)
 		}
-	}
+	})
 	if r := next(); r != ExitMMIO {
 		t.Fatalf("exit %v, want KVM_EXIT_MMIO", r)
 	}
