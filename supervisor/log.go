@@ -1,6 +1,7 @@
 package supervisor
 
 import (
+	"bytes"
 	"context"
 	"fmt"
 	"io"
@@ -106,14 +107,10 @@ func Logs(ctx context.Context, st *store.Store, name, file string, lines int, fo
 	if err != nil {
 		return fmt.Errorf("supervisor: logs of %s: %w", name, err)
 	}
-	data := append(old, cur...)
-	if lines >= 0 {
-		data = lastLines(data, lines)
-	}
+	data, offset := logStart(old, cur, lines, follow)
 	if _, err := w.Write(data); err != nil || !follow {
 		return err
 	}
-	offset := int64(len(cur))
 	tick := time.NewTicker(200 * time.Millisecond)
 	defer tick.Stop()
 	buf := make([]byte, 64<<10)
@@ -149,6 +146,28 @@ func Logs(ctx context.Context, st *store.Store, name, file string, lines int, fo
 		case <-tick.C:
 		}
 	}
+}
+
+// logStart is what Logs writes first of a log whose rotated part is old
+// and live part cur (the last lines of it, all if lines < 0), and, with
+// follow, the offset in cur to follow from. Following the last lines, a
+// last line still being written (no newline yet: the process's output
+// arrives in pieces) is not one of them: following starts at its
+// beginning, so that it comes out whole, never as a fragment read as a
+// line of its own.
+func logStart(old, cur []byte, lines int, follow bool) ([]byte, int64) {
+	data := append(old, cur...)
+	offset := int64(len(cur))
+	if lines < 0 {
+		return data, offset
+	}
+	if i := bytes.LastIndexByte(data, '\n'); follow && i+1 < len(data) {
+		data = data[:i+1]
+		// A line begun in old (the file rotated in its middle) is
+		// followed from cur's start, its beginning lost.
+		offset = max(0, int64(i+1-len(old)))
+	}
+	return lastLines(data, lines), offset
 }
 
 // copyFrom copies f from offset to its current end into w.

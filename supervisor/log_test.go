@@ -66,3 +66,29 @@ func TestLastLines(t *testing.T) {
 		}
 	}
 }
+
+// TestLogStart: following a log's last lines starts at the beginning of a
+// line still being written, so that it comes out whole (capsa logs -f
+// --tail 0 once printed the end of one as a line of its own).
+func TestLogStart(t *testing.T) {
+	for _, tc := range []struct {
+		old, cur   string
+		lines      int
+		follow     bool
+		want       string
+		wantOffset int64
+	}{
+		{"", "a\nb\ntick", 0, true, "", 4},
+		{"", "a\nb\ntick", 1, true, "b\n", 4},
+		{"", "a\nb\ntick", 1, false, "tick", 8},
+		{"", "a\nb\n", 0, true, "", 4},
+		{"", "a\nb\ntick", -1, true, "a\nb\ntick", 8},
+		{"x\n", "a\ntick", 5, true, "x\na\n", 2},
+		{"x\npart", "ial", 1, true, "x\n", 0},
+	} {
+		got, offset := logStart([]byte(tc.old), []byte(tc.cur), tc.lines, tc.follow)
+		if string(got) != tc.want || offset != tc.wantOffset {
+			t.Errorf("logStart(%q, %q, %d, %v) = %q, %d; want %q, %d", tc.old, tc.cur, tc.lines, tc.follow, got, offset, tc.want, tc.wantOffset)
+		}
+	}
+}
