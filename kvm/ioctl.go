@@ -99,7 +99,6 @@ var ioctlNames = map[uintptr]string{
 	kvmSetFPU: "KVM_SET_FPU", kvmGetLAPIC: "KVM_GET_LAPIC", kvmSetLAPIC: "KVM_SET_LAPIC",
 	kvmSetCPUID2: "KVM_SET_CPUID2", kvmGetMPState: "KVM_GET_MP_STATE", kvmSetMPState: "KVM_SET_MP_STATE",
 	kvmGetVCPUEvents: "KVM_GET_VCPU_EVENTS", kvmGetStatsFD: "KVM_GET_STATS_FD", kvmGetClock: "KVM_GET_CLOCK", kvmSetClock: "KVM_SET_CLOCK",
-	kvmRegisterCoalescedMMIO: "KVM_REGISTER_COALESCED_MMIO",
 }
 
 // IoctlError is a failed KVM ioctl. Its message names the ioctl, as in

@@ -103,7 +103,6 @@ const (
 	CapExtCPUID           Cap = 7
 	CapNrVCPUs            Cap = 9
 	CapMPState            Cap = 14
-	CapCoalescedMMIO      Cap = 15
 	CapIRQFD              Cap = 32
 	CapPIT2               Cap = 33
 	CapIOEventFD          Cap = 36
@@ -116,7 +115,7 @@ const (
 var capNames = map[Cap]string{
 	CapIRQChip: "KVM_CAP_IRQCHIP", CapHLT: "KVM_CAP_HLT", CapUserMemory: "KVM_CAP_USER_MEMORY",
 	CapSetTSSAddr: "KVM_CAP_SET_TSS_ADDR", CapExtCPUID: "KVM_CAP_EXT_CPUID", CapNrVCPUs: "KVM_CAP_NR_VCPUS",
-	CapMPState: "KVM_CAP_MP_STATE", CapCoalescedMMIO: "KVM_CAP_COALESCED_MMIO", CapIRQFD: "KVM_CAP_IRQFD", CapPIT2: "KVM_CAP_PIT2",
+	CapMPState: "KVM_CAP_MP_STATE", CapIRQFD: "KVM_CAP_IRQFD", CapPIT2: "KVM_CAP_PIT2",
 	CapIOEventFD: "KVM_CAP_IOEVENTFD", CapSetIdentityMapAddr: "KVM_CAP_SET_IDENTITY_MAP_ADDR",
 	CapMaxVCPUs: "KVM_CAP_MAX_VCPUS", CapTSCDeadlineTimer: "KVM_CAP_TSC_DEADLINE_TIMER",
 	CapImmediateExit: "KVM_CAP_IMMEDIATE_EXIT",
@@ -184,9 +183,6 @@ func (s *System) GetSupportedCPUID() ([]CPUIDEntry, error) {
 type VM struct {
 	fd       int
 	mmapSize int
-	// coalescedPage is the page of a vCPU's mmap holding the coalesced
-	// MMIO ring, 0 for none (coalesced.go).
-	coalescedPage int
 }
 
 // CreateVM creates a VM.
@@ -196,7 +192,7 @@ func (s *System) CreateVM() (*VM, error) {
 		return nil, err
 	}
 	unix.CloseOnExec(int(fd))
-	return &VM{fd: int(fd), mmapSize: s.mmapSize, coalescedPage: s.coalescedPage()}, nil
+	return &VM{fd: int(fd), mmapSize: s.mmapSize}, nil
 }
 
 // Close closes the VM. Its vCPUs must be closed too for KVM to free it.
@@ -324,8 +320,6 @@ type VCPU struct {
 	fd  int
 	ID  int
 	run run
-	// ringOff is where the coalesced MMIO ring starts in run, 0 for none.
-	ringOff int
 }
 
 // CreateVCPU creates vCPU id and maps its run area.
@@ -340,7 +334,7 @@ func (vm *VM) CreateVCPU(id int) (*VCPU, error) {
 		unix.Close(int(fd))
 		return nil, fmt.Errorf("mmap vCPU %d run area: %w", id, err)
 	}
-	return &VCPU{fd: int(fd), ID: id, run: run(mem), ringOff: vm.coalescedPage * unix.Getpagesize()}, nil
+	return &VCPU{fd: int(fd), ID: id, run: run(mem)}, nil
 }
 
 // Close unmaps the run area and closes the vCPU.

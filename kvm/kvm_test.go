@@ -77,29 +77,23 @@ var realModeProgram = []byte{
 	0xf4,
 }
 
-// realModeVM makes a VM with 32 KiB of RAM at 0 (a write to 0x8000 falls
-// just outside it) holding program at 0x1000, and a vCPU in real mode
-// about to run it, first calling prepare on the VM (nil: nothing); it
-// returns the vCPU, whose thread is locked, and a function that runs it to
-// its next exit. Everything is closed at the test's end.
-func realModeVM(t *testing.T, program []byte, prepare func(*VM)) (*VCPU, func() ExitReason) {
-	t.Helper()
+func TestRealModeExits(t *testing.T) {
 	s := openKVM(t)
 	runtime.LockOSThread()
-	t.Cleanup(runtime.UnlockOSThread)
+	defer runtime.UnlockOSThread()
+
 	vm, err := s.CreateVM()
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { vm.Close() })
-	if prepare != nil {
-		prepare(vm)
-	}
+	defer vm.Close()
+	// 32 KiB of RAM at 0: the write to 0x8000 falls just outside it.
 	mem, err := unix.Mmap(-1, 0, 0x8000, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
 	if err != nil {
 		t.Fatal(err)
 	}
-	copy(mem[0x1000:], program)
+	defer unix.Munmap(mem)
+	copy(mem[0x1000:], realModeProgram)
 	if err := vm.SetUserMemoryRegion(0, 0, 0, mem); err != nil {
 		t.Fatal(err)
 	}
@@ -107,10 +101,7 @@ func realModeVM(t *testing.T, program []byte, prepare func(*VM)) (*VCPU, func() 
 	if err != nil {
 		t.Fatal(err)
 	}
-	// The vCPU goes before the VM (cleanups run last first), the memory
-	// after both.
-	t.Cleanup(func() { unix.Munmap(mem) })
-	t.Cleanup(func() { v.Close() })
+	defer v.Close()
 	sr, err := v.GetSregs()
 	if err != nil {
 		t.Fatal(err)
@@ -122,6 +113,7 @@ func realModeVM(t *testing.T, program []byte, prepare func(*VM)) (*VCPU, func() 
 	if err := v.SetRegs(&Regs{RIP: 0x1000, RFLAGS: 2}); err != nil {
 		t.Fatal(err)
 	}
+
 	next := func() ExitReason {
 		t.Helper()
 		for {
@@ -135,11 +127,6 @@ func realModeVM(t *testing.T, program []byte, prepare func(*VM)) (*VCPU, func() 
 			return v.ExitReason()
 		}
 	}
-	return v, next
-}
-
-func TestRealModeExits(t *testing.T) {
-	v, next := realModeVM(t, realModeProgram, nil)
 	expectOut := func(size uint8, data ...byte) {
 		t.Helper()
 		if r := next(); r != ExitIO {
@@ -313,52 +300,5 @@ func TestVMAndVCPUState(t *testing.T) {
 	}
 	if err := v.SetMPState(MPStateRunnable); err != nil {
 		t.Fatal(err)
-	}
-}
-
-// coalescedProgram is hand-assembled 16-bit code, loaded at 0x1000: three
-// writes into a coalesced zone at 0x9000, then one outside it, then hlt.
-//
-//	mov al, 0x5a       b0 5a
-//	mov [0x9000], al   a2 00 90   ; coalesced: no exit
-//	mov [0x9001], al   a2 01 90
-//	mov [0x9002], al   a2 02 90
-//	mov [0x8000], al   a2 00 80   ; an MMIO exit
-//	hlt                f4
-var coalescedProgram = []byte{
-	0xb0, 0x5a,
-	0xa2, 0x00, 0x90,
-	0xa2, 0x01, 0x90,
-	0xa2, 0x02, 0x90,
-	0xa2, 0x00, 0x80,
-	0xf4,
-}
-
-// TestCoalescedWrites: writes to a zone registered with CoalesceWrites go
-// to the ring without exiting, the next write outside it exits as MMIO,
-// and DiscardCoalescedWrites empties the ring.
-func TestCoalescedWrites(t *testing.T) {
-	v, next := realModeVM(t, coalescedProgram, func(vm *VM) {
-		if err := vm.CoalesceWrites(0x9000, 4); errors.Is(err, ErrNoCoalescedMMIO) {
-			t.Skip(err)
-		} else if err != nil {
-			t.Fatal(err)
-		}
-	})
-	if r := next(); r != ExitMMIO {
-		t.Fatalf("exit %v, want KVM_EXIT_MMIO", r)
-	}
-	if m := v.MMIO(); !m.IsWrite || m.PhysAddr != 0x8000 {
-		t.Fatalf("first exit %+v, want the write to 0x8000 (the coalesced ones never exit)", m)
-	}
-	if n := v.PendingCoalescedWrites(); n != 3 {
-		t.Errorf("%d coalesced writes in the ring, want 3", n)
-	}
-	v.DiscardCoalescedWrites()
-	if n := v.PendingCoalescedWrites(); n != 0 {
-		t.Errorf("%d coalesced writes after the discard, want 0", n)
-	}
-	if r := next(); r != ExitHLT {
-		t.Fatalf("exit %v, want KVM_EXIT_HLT", r)
 	}
 }

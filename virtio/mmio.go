@@ -119,11 +119,6 @@ const (
 // it; the VMM can route that write to an ioeventfd instead of exiting.
 const QueueNotifyOffset = regQueueNotify
 
-// InterruptACKOffset is the InterruptACK register, a write the transport
-// ignores (reading InterruptStatus acknowledges what it returns): the VMM
-// can let the guest's writes there go without exiting.
-const InterruptACKOffset = regInterruptACK
-
 type queueConfig struct {
 	num               uint16
 	ready             bool
@@ -236,15 +231,7 @@ func (t *MMIO) Read(off uint64, data []byte) {
 			v = 1
 		}
 	case regInterruptStatus:
-		// Reading acknowledges: Linux's driver reads the register once
-		// per interrupt and writes the value back to InterruptACK at
-		// once, so clearing here is what that write would do, and the
-		// write becomes one the VMM need not exit for (two exits per
-		// interrupt become one). A bit raised after this read stays
-		// raised for the next, where an acknowledgement arriving late
-		// would have cleared it unseen.
 		v = t.interrupt
-		t.interrupt = 0
 	case regStatus:
 		v = t.status
 	case regConfigGeneration:
@@ -306,8 +293,7 @@ func (t *MMIO) Write(off uint64, data []byte) {
 			q.ready = v == 1
 		}
 	case regInterruptACK:
-		// Acknowledged already by the InterruptStatus read; a late
-		// write must not clear a bit raised since (see Read).
+		t.interrupt &^= v
 	case regStatus:
 		t.setStatus(v)
 	case regQueueDescLow:
@@ -480,7 +466,7 @@ type TransportDebug struct {
 	Name      string
 	Type      uint32
 	Status    uint32
-	Interrupt uint32 // InterruptStatus: bits raised and not yet read
+	Interrupt uint32 // InterruptStatus: bits raised and not yet acknowledged
 	Active    bool
 	Queues    []QueueDebug
 }

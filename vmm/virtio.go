@@ -9,7 +9,6 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/capsa-sandbox/capsa/guestmem"
-	"github.com/capsa-sandbox/capsa/kvm"
 	"github.com/capsa-sandbox/capsa/virtio"
 )
 
@@ -68,13 +67,6 @@ func (m *Machine) attachVirtio() (string, error) {
 		s.transport.UseGate(m.gate)
 		if err := m.mmio.Register(s.base, virtio.MMIOSize, s.transport); err != nil {
 			return "", fmt.Errorf("vmm: attach virtio device: %w", err)
-		}
-		// The driver's write to InterruptACK after each interrupt
-		// changes nothing (reading InterruptStatus acknowledged it):
-		// KVM records it in the coalesced MMIO ring, which runVCPU
-		// discards, instead of exiting for it.
-		if err := m.vm.CoalesceWrites(s.base+virtio.InterruptACKOffset, 4); err != nil && !errors.Is(err, kvm.ErrNoCoalescedMMIO) {
-			return "", fmt.Errorf("vmm: coalesce virtio device %d's InterruptACK: %w", i, err)
 		}
 		// A queue notification is a 4-byte write of the queue's index to
 		// QueueNotify: route each index to its own eventfd so it never

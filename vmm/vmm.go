@@ -502,10 +502,6 @@ func (m *Machine) runVCPU(i int) {
 			m.stop(StopError, fmt.Sprintf("vCPU %d", i), err)
 			return
 		}
-		// The coalesced writes are virtio InterruptACKs, which need
-		// nothing done (attachVirtio): emptied so that the ring never
-		// fills and the next ones do not exit either.
-		v.DiscardCoalescedWrites()
 		ok := m.handleExit(i, v, t)
 		t.leave()
 		if !ok {
