@@ -107,10 +107,15 @@ func (ca *CA) Permits(s string) bool {
 func (ca *CA) CheckHosts(patterns ...string) error {
 	for _, h := range patterns {
 		if !ca.Permits(h) {
-			return fmt.Errorf("host %s: %w (%s)", h, ErrOutsideCA, strings.Join(ca.cert.PermittedDNSDomains, ", "))
+			return ca.outside(h)
 		}
 	}
 	return nil
+}
+
+// outside is CheckHosts' error for host pattern h.
+func (ca *CA) outside(h string) error {
+	return fmt.Errorf("host %s: %w (%s)", h, ErrOutsideCA, strings.Join(ca.cert.PermittedDNSDomains, ", "))
 }
 
 func (ca *CA) permits(p pattern) bool {

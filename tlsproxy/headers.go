@@ -175,8 +175,8 @@ func checkHeaderRulesFor(ca *CA, rules []HeaderRule) (*headerSet, error) {
 		return nil, fmt.Errorf("tlsproxy: %w", err)
 	}
 	for _, r := range hs.rules {
-		if err := ca.CheckHosts(r.String()); err != nil {
-			return nil, fmt.Errorf("tlsproxy: header rule: %w", err)
+		if !ca.permits(r.pattern) { // parsed already: CheckHosts without parsing again
+			return nil, fmt.Errorf("tlsproxy: header rule: %w", ca.outside(r.String()))
 		}
 	}
 	return hs, nil
