@@ -110,8 +110,45 @@ type networkConfig struct {
 	// Rules are headers set on the sandbox's HTTPS requests to a host
 	// (SandboxNetworkRule, by host pattern).
 	Rules map[string][]networkRule `json:"rules"`
-	// EgressProxy (a SOCKS5 proxy) is refused.
-	EgressProxy json.RawMessage `json:"egressProxy"`
+	// EgressProxy tunnels the sandbox's outbound TCP through a SOCKS5
+	// proxy (SandboxEgressProxyConfig).
+	EgressProxy *egressProxyConfig `json:"egressProxy"`
+}
+
+// egressProxyConfig is a SOCKS5 proxy (SandboxEgressProxyConfig): the
+// API never gives the password back (egressProxyInfo).
+type egressProxyConfig struct {
+	Address  string `json:"address"`
+	Username string `json:"username,omitempty"`
+	Password string `json:"password,omitempty"`
+}
+
+// egressProxyInfo is the proxy as the API gives it
+// (SandboxEgressProxyInfo).
+type egressProxyInfo struct {
+	Address  string `json:"address"`
+	Username string `json:"username,omitempty"`
+}
+
+// egressProxy checks an egress proxy of a request, as E2B does before a
+// sandbox exists: its form, and unless the server allows private proxies
+// (Options.PrivateEgressProxy), that its address resolves now to public
+// ones only (it must at every dial too); nil for none.
+func (s *Server) egressProxy(ctx context.Context, c *egressProxyConfig) (*sandbox.EgressProxy, error) {
+	if c == nil {
+		return nil, nil
+	}
+	p := &sandbox.EgressProxy{Address: c.Address, Username: c.Username, Password: c.Password, PublicOnly: !s.privateProxy}
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	if err := sandbox.CheckEgressProxy(ctx, *p); err != nil {
+		msg := err.Error()
+		if p.PublicOnly && errors.Is(err, sandbox.ErrNonPublicProxy) {
+			msg += " (capsa serve --private-egress-proxy allows one)"
+		}
+		return nil, fmt.Errorf("egressProxy: %s", msg)
+	}
+	return p, nil
 }
 
 // networkRule is one of a host's rules (SandboxNetworkRule).
@@ -204,6 +241,7 @@ type networkInfo struct {
 	DenyOut            []string                 `json:"denyOut,omitempty"`
 	AllowPublicTraffic bool                     `json:"allowPublicTraffic"`
 	Rules              map[string][]networkRule `json:"rules,omitempty"`
+	EgressProxy        *egressProxyInfo         `json:"egressProxy,omitempty"`
 }
 
 // networkOf says the egress rules of the sandbox of spec as E2B writes
@@ -215,6 +253,9 @@ func networkOf(spec sandbox.Spec, labels map[string]string) *networkInfo {
 	}
 	allow, deny := n.Policy.Rules()
 	in := &networkInfo{AllowOut: allow, DenyOut: deny, AllowPublicTraffic: labels[labelTraffic] == ""}
+	if p := n.EgressProxy; p != nil {
+		in.EgressProxy = &egressProxyInfo{Address: p.Address, Username: p.Username}
+	}
 	if n.Policy.Mode() == netstack.ModeDenyAll {
 		in.DenyOut = append(in.DenyOut, "0.0.0.0/0")
 	}
@@ -300,7 +341,7 @@ func (s *Server) create(w http.ResponseWriter, r *http.Request, key Key, defTime
 		apiError(w, http.StatusBadRequest, fmt.Sprintf("create: the body: %v", err))
 		return
 	}
-	wl, tmpl, err := s.buildSandbox(&req, key)
+	wl, tmpl, err := s.buildSandbox(r.Context(), &req, key)
 	if err != nil {
 		apiError(w, http.StatusBadRequest, "create: "+err.Error())
 		return
@@ -473,7 +514,7 @@ func (s *Server) reserve(key string, n int) (release func(), have int, ok bool) 
 // workload: the template's (with it, if templateID names one), an image
 // reference's, or capsa's built-in Linux's; the environment; the
 // network.
-func (s *Server) buildSandbox(req *newSandbox, key Key) (*sandbox.Workload, *Template, error) {
+func (s *Server) buildSandbox(ctx context.Context, req *newSandbox, key Key) (*sandbox.Workload, *Template, error) {
 	if req.TemplateID == "" {
 		req.TemplateID = "base"
 	}
@@ -510,13 +551,14 @@ func (s *Server) buildSandbox(req *newSandbox, key Key) (*sandbox.Workload, *Tem
 	}
 	var allow, deny []string
 	var rules []sandbox.HeaderRule
+	var proxy *sandbox.EgressProxy
 	if n := req.Network; n != nil {
 		allow, deny = n.AllowOut, n.DenyOut
-		if len(n.EgressProxy) > 0 && string(n.EgressProxy) != "null" {
-			return nil, nil, errors.New("network.egressProxy: capsa serve has no egress proxy")
-		}
 		if rules, err = headerRules(n.Rules); err != nil {
 			return nil, nil, err
+		}
+		if proxy, err = s.egressProxy(ctx, n.EgressProxy); err != nil {
+			return nil, nil, fmt.Errorf("network.%w", err)
 		}
 	}
 	policy, err := egressPolicy(req.AllowInternetAccess, allow, deny)
@@ -525,6 +567,9 @@ func (s *Server) buildSandbox(req *newSandbox, key Key) (*sandbox.Workload, *Tem
 	}
 	if policy == nil && len(rules) > 0 {
 		return nil, nil, errors.New("network.rules: the sandbox has no network (allow_internet_access false)")
+	}
+	if policy == nil && proxy != nil {
+		return nil, nil, errors.New("network.egressProxy: the sandbox has no network (allow_internet_access false)")
 	}
 	// extra adds what a template's workload and a plain one share: the
 	// volumes and the header rules.
@@ -539,6 +584,9 @@ func (s *Server) buildSandbox(req *newSandbox, key Key) (*sandbox.Workload, *Tem
 			for _, name := range slices.Sorted(maps.Keys(r.Headers)) {
 				b.Header(r.Host, name, r.Headers[name])
 			}
+		}
+		if proxy != nil {
+			b.EgressProxy(*proxy)
 		}
 		return s.mountVolumes(b, mounts)
 	}
@@ -1348,21 +1396,23 @@ func (s *Server) deleteSnapshot(w http.ResponseWriter, r *http.Request, key Key)
 // made without internet access has no NIC to open (409). rules (header
 // transforms) replace the sandbox's, and may name only hosts it
 // intercepted at its start (its CA's, 409 otherwise: see
-// supervisor.Manager.SetHeaderRules); egressProxy is refused.
+// supervisor.Manager.SetHeaderRules). egressProxy replaces the sandbox's
+// proxy, and leaving it out sends its TCP out directly, as E2B's does.
 func (s *Server) updateNetwork(w http.ResponseWriter, r *http.Request, key Key) {
 	var body struct {
 		AllowOut            []string                 `json:"allowOut"`
 		DenyOut             []string                 `json:"denyOut"`
 		AllowInternetAccess *bool                    `json:"allow_internet_access"`
-		EgressProxy         json.RawMessage          `json:"egressProxy"`
+		EgressProxy         *egressProxyConfig       `json:"egressProxy"`
 		Rules               map[string][]networkRule `json:"rules"`
 	}
 	if err := readOptional(r, &body); err != nil {
 		apiError(w, http.StatusBadRequest, "update network: "+err.Error())
 		return
 	}
-	if raw := body.EgressProxy; len(raw) > 0 && string(raw) != "null" {
-		apiError(w, http.StatusBadRequest, "update network: egressProxy: capsa serve has no egress proxy")
+	proxy, err := s.egressProxy(r.Context(), body.EgressProxy)
+	if err != nil {
+		apiError(w, http.StatusBadRequest, "update network: "+err.Error())
 		return
 	}
 	rules, err := headerRules(body.Rules)
@@ -1391,6 +1441,13 @@ func (s *Server) updateNetwork(w http.ResponseWriter, r *http.Request, key Key) 
 		return
 	} else if err != nil && !errors.Is(err, sandbox.ErrNoNAT) {
 		apiError(w, http.StatusBadRequest, fmt.Sprintf("update network of %s: rules: %v", rec.Name, err))
+		return
+	}
+	if err := s.m.SetEgressProxy(r.Context(), rec.Name, proxy); errors.Is(err, sandbox.ErrNoNAT) {
+		apiError(w, http.StatusConflict, fmt.Sprintf("update network of %s: egressProxy: it was made without internet access (allow_internet_access false), so it has no network to tunnel", rec.Name))
+		return
+	} else if err != nil {
+		apiError(w, http.StatusBadRequest, fmt.Sprintf("update network of %s: egressProxy: %v", rec.Name, err))
 		return
 	}
 	err = s.m.SetNetworkPolicy(r.Context(), rec.Name, policy)

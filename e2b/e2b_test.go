@@ -241,7 +241,13 @@ func TestControlRefusals(t *testing.T) {
 		`{"templateID":"` + strings.Repeat("x", maxTemplateID+1) + `"}`:            "templateID",
 		`{"templateID":`: "body",
 		`{"templateID":"base","allow_internet_access":false,"network":{"denyOut":["1.2.3.4"]}}`:                                             "network",
-		`{"templateID":"base","network":{"egressProxy":{"address":"p:1080"}}}`:                                                              "egressProxy",
+		`{"templateID":"base","network":{"egressProxy":{"address":"127.0.0.1:1080"}}}`:                                                      "not a public",
+		`{"templateID":"base","network":{"egressProxy":{"address":"10.1.2.3:1080","username":"u"}}}`:                                        "private-egress-proxy",
+		`{"templateID":"base","network":{"egressProxy":{"address":"proxy.test"}}}`:                                                          "HOST:PORT",
+		`{"templateID":"base","network":{"egressProxy":{"address":"192.0.2.1:0"}}}`:                                                         "port",
+		`{"templateID":"base","network":{"egressProxy":{"address":"8.8.8.8:1080","password":"p"}}}`:                                         "password without a username",
+		`{"templateID":"base","network":{"egressProxy":{"address":"8.8.8.8:1080","username":"` + strings.Repeat("u", 256) + `"}}}`:          "255 bytes",
+		`{"templateID":"base","allow_internet_access":false,"network":{"egressProxy":{"address":"8.8.8.8:1080"}}}`:                          "no network",
 		`{"templateID":"base","network":{"rules":{"*":[{"transform":{"headers":{"A":"b"}}}]}}}`:                                             "rules",
 		`{"templateID":"base","network":{"rules":{"1.2.3.4":[{"transform":{"headers":{"A":"b"}}}]}}}`:                                       "rules",
 		`{"templateID":"base","network":{"rules":{"api.example.com":[{"transform":{"headers":{"Host":"b"}}}]}}}`:                            "Host",
@@ -276,7 +282,8 @@ func TestControlRefusals(t *testing.T) {
 		t.Errorf("update the network of no sandbox: %d; want 404", code)
 	}
 	for body, field := range map[string]string{
-		`{"egressProxy":{"address":"p:1080"}}`:                                    "egressProxy",
+		`{"egressProxy":{"address":"127.0.0.1:1080"}}`:                            "not a public",
+		`{"egressProxy":{"address":"a b:1080"}}`:                                  "egressProxy",
 		`{"rules":{"*":[{"transform":{"headers":{"A":"b"}}}]}}`:                   "rules",
 		`{"rules":{"x.test":[{"transform":{"headers":{"Content-Length":"1"}}}]}}`: "Content-Length",
 		`{"allowOut":["not a rule!"]}`:                                            "network",

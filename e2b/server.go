@@ -94,6 +94,11 @@ type Options struct {
 	// (header rules) trusts for the real servers beside the host's
 	// (sandbox.Builder.UpstreamCA): a private server's CA.
 	UpstreamCAs []string
+	// PrivateEgressProxy lets a sandbox's egress proxy (network.egressProxy)
+	// be on a loopback, private or other non-public address; without it,
+	// as on E2B's cloud, one must be public, so that an API caller cannot
+	// aim sandboxes' traffic at the host's own services.
+	PrivateEgressProxy bool
 }
 
 // DefaultMaxSandboxesPerKey is Options.MaxSandboxesPerKey's default.
@@ -104,15 +109,16 @@ const DefaultMaxSandboxesPerKey = 20
 // and the client that started them, and what the server holds of them
 // (their stdin, their terminal) lasts until they end or Close.
 type Server struct {
-	m         *supervisor.Manager
-	keys      *Keys
-	templates *Templates
-	log       *slog.Logger
-	base      string
-	domain    string
-	perKey    int
-	dns       string   // Options.DNSServer
-	upstream  []string // Options.UpstreamCAs
+	m            *supervisor.Manager
+	keys         *Keys
+	templates    *Templates
+	log          *slog.Logger
+	base         string
+	domain       string
+	perKey       int
+	dns          string   // Options.DNSServer
+	upstream     []string // Options.UpstreamCAs
+	privateProxy bool     // Options.PrivateEgressProxy
 
 	ctx    context.Context // the polling watchers' lifetime
 	cancel context.CancelFunc
@@ -158,7 +164,7 @@ func New(o Options) (*Server, error) {
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	s := &Server{m: o.Manager, keys: o.Keys, templates: o.Templates, log: log, base: o.DefaultTemplate, domain: o.Domain, perKey: perKey,
-		dns: o.DNSServer, upstream: o.UpstreamCAs,
+		dns: o.DNSServer, upstream: o.UpstreamCAs, privateProxy: o.PrivateEgressProxy,
 		ctx: ctx, cancel: cancel, guests: map[string]*guest{}, pending: map[string]int{}, openVols: map[string]*openVolume{}}
 	s.snaps = jsonFile[snapOwner]{path: filepath.Join(o.Manager.Dir(), SnapshotsFile), what: "snapshot owners"}
 	s.vols = jsonFile[volOwner]{path: filepath.Join(o.Manager.Dir(), VolumesFile), what: "volumes"}

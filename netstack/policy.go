@@ -566,6 +566,11 @@ func isCloudInfra(addr netip.Addr) bool {
 	return false
 }
 
+// NonPublic returns why addr is not a public unicast destination (as
+// PublicOnly refuses it: "loopback", "private", "link-local"...), or ""
+// when it is one.
+func NonPublic(addr netip.Addr) string { return nonPublic(addr, nil) }
+
 // nonPublic returns why addr is not a public unicast destination, or "".
 func nonPublic(addr netip.Addr, isHost func(netip.Addr) bool) string {
 	addr = addr.Unmap()

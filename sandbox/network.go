@@ -143,13 +143,13 @@ func (n *NetworkSpec) intercepts() bool {
 func (c *config) checkNetwork() error {
 	if c.Network != nil && c.Network.Tap != nil {
 		n := c.Network
-		if n.Policy != nil || len(n.Publish)+len(n.UpstreamCAs) > 0 || n.intercepts() || n.DNSServer != "" {
-			return errors.New("sandbox: a tap network has no NAT: no policy, published ports, DNS server, secrets or TLS interception")
+		if n.Policy != nil || len(n.Publish)+len(n.UpstreamCAs) > 0 || n.intercepts() || n.DNSServer != "" || n.EgressProxy != nil {
+			return errors.New("sandbox: a tap network has no NAT: no policy, published ports, DNS server, egress proxy, secrets or TLS interception")
 		}
 		return nil
 	}
 	if c.Network != nil && c.Network.Policy == nil {
-		return errors.New("sandbox: published ports, a DNS server, secrets and TLS interception need Network (the sandbox has no network)")
+		return errors.New("sandbox: published ports, a DNS server, an egress proxy, secrets and TLS interception need Network (the sandbox has no network)")
 	}
 	return nil
 }
@@ -162,6 +162,7 @@ type network struct {
 	nic       *virtionet.Device
 	intercept *interception
 	flows     *auditlog.Log[netstack.Flow] // the latest of the NAT's audit records
+	proxy     *egressDialer                // nil on a tap
 	done      chan struct{}                // closed at close: limited frames stop waiting
 }
 
@@ -212,6 +213,14 @@ func startNetwork(ctx context.Context, c config, lim *limiters, log *slog.Logger
 			return d.DialContext(ctx, network, upstream)
 		}}
 	}
+	proxy := &egressDialer{resolver: cfg.Resolver}
+	if p := nc.EgressProxy; p != nil {
+		px := p.proxy(c.secrets)
+		if err := proxy.set(&px); err != nil {
+			return nil, "", err
+		}
+	}
+	cfg.Dial = proxy.DialContext
 	st, err := netstack.New(ctx, cfg)
 	if err != nil {
 		return nil, "", fmt.Errorf("sandbox: network: %w", err)
@@ -227,7 +236,7 @@ func startNetwork(ctx context.Context, c config, lim *limiters, log *slog.Logger
 	// ip=CLIENT::GATEWAY:NETMASK:HOSTNAME:DEVICE:AUTOCONF:DNS.
 	mask := net.IP(net.CIDRMask(a.GuestIP.Bits(), 32)).String()
 	arg := fmt.Sprintf("ip=%s::%s:%s::eth0:off:%s", a.GuestIP.Addr(), a.Gateway, mask, a.DNS)
-	return &network{stack: st, nic: nic, intercept: in, flows: flows, done: done}, arg, nil
+	return &network{stack: st, nic: nic, intercept: in, flows: flows, proxy: proxy, done: done}, arg, nil
 }
 
 func (n *network) close() error {

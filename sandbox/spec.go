@@ -79,6 +79,9 @@ type NetworkSpec struct {
 	Secrets     []SecretSpec `json:"secrets,omitempty"`
 	Headers     []HeaderSpec `json:"header_rules,omitempty"` // Builder.Header
 	UpstreamCAs []string     `json:"upstream_cas,omitempty"`
+	// EgressProxy tunnels the guest's outbound TCP through a SOCKS5
+	// proxy (Builder.EgressProxy); never its password.
+	EgressProxy *EgressProxySpec `json:"egress_proxy,omitempty"`
 	// Tap, instead of the NAT, plugs the NIC into a tap device of the
 	// VMM process's network namespace (Builder.Tap); Policy is then nil.
 	Tap *TapSpec `json:"tap,omitempty"`
@@ -211,8 +214,8 @@ func FromSpec(s Spec) *Workload {
 	}
 	if n := s.Network; n != nil && n.Tap != nil {
 		b.Tap(*n.Tap)
-		if n.Policy != nil || len(n.Publish)+len(n.UpstreamCAs) > 0 || n.intercepts() || n.DNSServer != "" {
-			b.c.errs = append(b.c.errs, errors.New("sandbox: a tap network has no NAT: no policy, published ports, DNS server, secrets or TLS interception"))
+		if n.Policy != nil || len(n.Publish)+len(n.UpstreamCAs) > 0 || n.intercepts() || n.DNSServer != "" || n.EgressProxy != nil {
+			b.c.errs = append(b.c.errs, errors.New("sandbox: a tap network has no NAT: no policy, published ports, DNS server, egress proxy, secrets or TLS interception"))
 		}
 	} else if n != nil {
 		b.Network(n.Policy)
@@ -221,6 +224,9 @@ func FromSpec(s Spec) *Workload {
 		}
 		if n.DNSServer != "" {
 			b.DNSServer(n.DNSServer)
+		}
+		if p := n.EgressProxy; p != nil {
+			b.egressProxy(*p)
 		}
 		// The environment has the placeholders and the CA's variables.
 		for _, sp := range n.Secrets {

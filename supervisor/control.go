@@ -71,6 +71,7 @@ var (
 	opTTL      = controlOp[ttlBody, noBody]{"ttl", http.MethodPut, http.StatusNoContent}
 	opNetwork  = controlOp[networkBody, noBody]{"network", http.MethodPut, http.StatusNoContent}
 	opHeaders  = controlOp[headersBody, noBody]{"headers", http.MethodPut, http.StatusNoContent}
+	opEgress   = controlOp[egressBody, noBody]{"egress-proxy", http.MethodPut, http.StatusNoContent}
 )
 
 // suspendBody says how to suspend: WithoutMemory keeps the disk alone.
@@ -93,7 +94,7 @@ type controlRoute interface {
 }
 
 // controlOps is the protocol's table.
-var controlOps = []controlRoute{opStop, opPause, opResume, opSnapshot, opSuspend, opStats, opLimits, opTTL, opNetwork, opHeaders}
+var controlOps = []controlRoute{opStop, opPause, opResume, opSnapshot, opSuspend, opStats, opLimits, opTTL, opNetwork, opHeaders, opEgress}
 
 func (o controlOp[Req, Resp]) opName() string  { return o.name }
 func (o controlOp[Req, Resp]) path() string    { return "/v1/" + o.name }

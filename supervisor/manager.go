@@ -29,9 +29,9 @@ import (
 type Manager struct {
 	st    *store.Store
 	stats statsHandles // Stats's
-	// headersMu makes this manager's SetHeaderRules one at a time: each
-	// rewrites a sandbox's record and secrets file together (another
-	// process's manager is not held back).
+	// headersMu makes this manager's SetHeaderRules and SetEgressProxy
+	// one at a time: each rewrites a sandbox's record and secrets file
+	// together (another process's manager is not held back).
 	headersMu sync.Mutex
 }
 

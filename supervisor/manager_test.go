@@ -422,3 +422,55 @@ func TestManagerSuspendedWithoutMemory(t *testing.T) {
 		t.Error("a suspension that cannot be read says it holds no memory")
 	}
 }
+
+func TestManagerSetEgressProxy(t *testing.T) {
+	m := newManager(t)
+	ctx := context.Background()
+	base := sandbox.Spec{CPUs: 1, MemoryMiB: 256, Main: sandbox.ProcessSpec{Argv: []string{"true"}}}
+	plain, tapped, none := base, base, base
+	plain.Network = &sandbox.NetworkSpec{Policy: netstack.AllowAll()}
+	tapped.Network = &sandbox.NetworkSpec{Tap: &sandbox.TapSpec{Name: "tap0"}}
+	for name, spec := range map[string]sandbox.Spec{"plain": plain, "tapped": tapped, "none": none} {
+		if _, err := m.Create(&Record{Name: name, Spec: spec}, map[string]string{"KEY": "value"}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	p := &sandbox.EgressProxy{Address: "192.0.2.1:1080", Username: "agent", Password: "pw-1"}
+	for _, name := range []string{"tapped", "none"} {
+		if err := m.SetEgressProxy(ctx, name, p); !errors.Is(err, sandbox.ErrNoNAT) {
+			t.Errorf("a proxy for %s: %v; want ErrNoNAT", name, err)
+		}
+		if err := m.SetEgressProxy(ctx, name, nil); err != nil {
+			t.Errorf("no proxy for %s, which has none: %v", name, err)
+		}
+	}
+	if err := m.SetEgressProxy(ctx, "plain", &sandbox.EgressProxy{Address: "192.0.2.1:1080", Password: "x"}); err == nil {
+		t.Error("a password without a username was taken")
+	}
+	// Never started: the record and the secrets file take it.
+	if err := m.SetEgressProxy(ctx, "plain", p); err != nil {
+		t.Fatal(err)
+	}
+	r, _ := m.Get("plain")
+	if got := r.Spec.Network.EgressProxy; got == nil || *got != (sandbox.EgressProxySpec{Address: p.Address, Username: "agent"}) || strings.Contains(fmt.Sprint(r.Spec), "pw-1") {
+		t.Errorf("the record's proxy: %+v; want the address and username, no password", got)
+	}
+	if secrets, _ := ReadSecrets(m.st, "plain"); secrets["KEY"] != "value" || len(secrets) != 2 {
+		t.Errorf("the secrets file: %d keys, KEY %q; want the secret's and the password", len(secrets), secrets["KEY"])
+	}
+	// The workload of the record, with its secrets, has the password.
+	secrets, _ := ReadSecrets(m.st, "plain")
+	w := sandbox.FromSpec(r.Spec).Secrets(secrets)
+	if spec, err := w.Spec(); err != nil || spec.Network.EgressProxy == nil {
+		t.Errorf("the record's workload: %v, %+v", err, spec.Network)
+	}
+	if err := m.SetEgressProxy(ctx, "plain", nil); err != nil {
+		t.Fatal(err)
+	}
+	if r, _ := m.Get("plain"); r.Spec.Network.EgressProxy != nil {
+		t.Errorf("after clearing: %+v", r.Spec.Network.EgressProxy)
+	}
+	if secrets, _ := ReadSecrets(m.st, "plain"); len(secrets) != 1 {
+		t.Errorf("the secrets file after clearing the proxy: %d keys; want the secret's alone", len(secrets))
+	}
+}

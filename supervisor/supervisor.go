@@ -636,6 +636,19 @@ func (c *control) mux(log *slog.Logger) *http.ServeMux {
 		log.Info("supervisor: header rules set", "rules", len(req.Rules))
 		return noBody{}, nil
 	})
+	opEgress.register(mux, func(_ context.Context, req egressBody) (noBody, error) {
+		// Every failure is the proxy's settings' or a sandbox without
+		// capsa's NAT.
+		if err := c.sb.SetEgressProxy(req.Proxy); err != nil {
+			return noBody{}, badRequest("%v", err)
+		}
+		in := "none"
+		if req.Proxy != nil {
+			in = req.Proxy.String() // never the password
+		}
+		log.Info("supervisor: egress proxy set", "proxy", in)
+		return noBody{}, nil
+	})
 	opTTL.register(mux, func(ctx context.Context, req ttlBody) (noBody, error) {
 		if req.TTL < 0 {
 			return noBody{}, badRequest("bad TTL request: negative TTL")

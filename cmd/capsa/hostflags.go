@@ -2,6 +2,7 @@ package main
 
 import (
 	"fmt"
+	"os"
 	"strings"
 
 	"github.com/spf13/pflag"
@@ -10,13 +11,17 @@ import (
 	"github.com/capsa-sandbox/capsa/sandbox"
 )
 
+// egressProxyPasswordEnv holds --egress-proxy's password: kept off the
+// command line, where every process of the host can read it.
+const egressProxyPasswordEnv = "CAPSA_EGRESS_PROXY_PASSWORD"
+
 // hostFlags are a sandbox's host-facing settings on the command line: the
 // host directories, volumes and network it may reach, its grants in the
 // hub, its limits. capsa run and create take them, and so does capsa
 // snapshot restore: a restore never takes them from the snapshot.
 type hostFlags struct {
 	volumes, allow, deny, publish, mailbox, kv, limits *[]string
-	netMode, dnsServer                                 *string
+	netMode, dnsServer, egressProxy                    *string
 	cpuQuota                                           *float64
 	secrets                                            *secretFlags
 }
@@ -33,6 +38,7 @@ func addHostFlags(fs *pflag.FlagSet) *hostFlags {
 	h.deny = fs.StringArray("deny", nil, "deny destinations, same syntax as --allow; deny beats allow (repeatable)")
 	h.publish = fs.StringArrayP("publish", "p", nil, "publish a guest port: [HOSTIP:]HOSTPORT:GUESTPORT[/udp], on 127.0.0.1 by default (repeatable)")
 	h.dnsServer = fs.String("dns-server", "", "resolve the guest's DNS queries through this IP:PORT instead of the host's resolver")
+	h.egressProxy = fs.String("egress-proxy", "", "tunnel the guest's outbound TCP through this SOCKS5 proxy, [USER@]HOST:PORT, after --allow and --deny (UDP goes out directly; a connection the proxy refuses fails, never goes direct); the password, if any, from $"+egressProxyPasswordEnv)
 	h.secrets = addSecretFlags(fs)
 	h.mailbox = fs.StringArray("mailbox", nil, "let the guest publish and subscribe to this mailbox topic, or to every topic starting with PREFIX given as PREFIX* (repeatable; inside: capsa mailbox)")
 	h.kv = fs.StringArray("kv", nil, "let the guest read and change the keys starting with this prefix in the key-value store (repeatable; inside: capsa kv)")
@@ -58,8 +64,22 @@ func (h *hostFlags) apply(fs *pflag.FlagSet, b *sandbox.Builder, detach bool) er
 			return fmt.Errorf("--net: %v", err)
 		}
 		b.Network(policy)
-	case len(*h.allow) > 0 || len(*h.deny) > 0 || len(*h.publish) > 0 || *h.dnsServer != "":
-		return fmt.Errorf("--allow, --deny, --publish and --dns-server need a network: add --net")
+	case len(*h.allow) > 0 || len(*h.deny) > 0 || len(*h.publish) > 0 || *h.dnsServer != "" || *h.egressProxy != "":
+		return fmt.Errorf("--allow, --deny, --publish, --dns-server and --egress-proxy need a network: add --net")
+	}
+	if *h.egressProxy != "" {
+		p := sandbox.EgressProxy{Address: *h.egressProxy}
+		if user, addr, ok := strings.Cut(p.Address, "@"); ok {
+			if user == "" {
+				return fmt.Errorf("--egress-proxy %s: an empty USER before @", *h.egressProxy)
+			}
+			p.Username, p.Address = user, addr
+			p.Password = os.Getenv(egressProxyPasswordEnv)
+		}
+		if err := p.Check(); err != nil {
+			return fmt.Errorf("--egress-proxy: %v", err)
+		}
+		b.EgressProxy(p)
 	}
 	for _, p := range *h.publish {
 		b.Publish(p)

@@ -32,6 +32,7 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 	cert := fs.String("tls-cert", "", "serve HTTPS with this certificate (PEM)")
 	key := fs.String("tls-key", "", "the certificate's private key (PEM)")
 	dns := fs.String("dns-server", "", "resolve every sandbox's DNS queries through this IP:PORT instead of the host's resolver")
+	privateProxy := fs.Bool("private-egress-proxy", false, "let a sandbox's egress proxy (network.egressProxy) be on a loopback or private address: one on the host's own network (without it, as on E2B's cloud, it must be public, so API callers cannot aim sandboxes' traffic at the host's services)")
 	upstreamCAs := fs.StringArray("tls-upstream-ca", nil, "for sandboxes with header rules (network.rules), trust this PEM file's CAs for the real servers too, beside the host's (repeatable)")
 	if code := parseFlags(fs, args, stderr); code >= 0 {
 		return code
@@ -96,7 +97,7 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 	}
 	log := slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: level}))
 	srv, err := e2b.New(e2b.Options{Manager: m, Keys: keys, Templates: templates, Log: log, DefaultTemplate: *base, Domain: *domain, MaxSandboxesPerKey: *perKey, VolumeQuota: int64(volQuota),
-		DNSServer: *dns, UpstreamCAs: *upstreamCAs})
+		DNSServer: *dns, UpstreamCAs: *upstreamCAs, PrivateEgressProxy: *privateProxy})
 	if err != nil {
 		fmt.Fprintf(stderr, "capsa serve: %v\n", err)
 		return 1

@@ -288,12 +288,16 @@ func TestE2BSDK(t *testing.T) {
 	// The network rules' HTTPS server: api.example.test, by a CA of the
 	// test's, which the server trusts for the sandboxes' interception.
 	up := rulesUpstream(t)
-	serveArgs := []string{"--dns-server", up.dns, "--tls-upstream-ca", up.caFile}
+	// --private-egress-proxy: the SOCKS5 server the client runs for
+	// network.egressProxy listens on loopback.
+	serveArgs := []string{"--dns-server", up.dns, "--tls-upstream-ca", up.caFile, "--private-egress-proxy"}
 	addr := freeAddr(t)
 	srv := startServe(t, dir, addr, serveArgs...)
-	ruleValue := secretValue()
+	ruleValue, proxyPassword := secretValue(), secretValue()
+	_, proxyPort, _ := net.SplitHostPort(freeAddr(t))
 	env := []string{"E2B_API_URL=http://" + addr, "E2B_SANDBOX_URL=http://" + addr, "E2B_VOLUME_API_URL=http://" + addr,
-		"E2B_API_KEY=" + key, "E2B_OTHER_KEY=" + other, "TEMPLATE=" + ref, "RULE_VALUE=" + ruleValue}
+		"E2B_API_KEY=" + key, "E2B_OTHER_KEY=" + other, "TEMPLATE=" + ref, "RULE_VALUE=" + ruleValue,
+		"PROXY_PASSWORD=" + proxyPassword, "PROXY_PORT=" + proxyPort, "PUBLIC_IP=" + publicIP}
 
 	lines := e2bClient(t, env, 8*time.Minute, "main")
 	var keep string
@@ -316,6 +320,9 @@ func TestE2BSDK(t *testing.T) {
 	}
 	if found := treeHolds(t, dir, []byte(ruleValue), "secrets.json"); len(found) > 0 {
 		t.Errorf("the state directory holds a header rule's value in %v", found)
+	}
+	if found := treeHolds(t, dir, []byte(proxyPassword), "secrets.json"); len(found) > 0 {
+		t.Errorf("the state directory holds the egress proxy's password in %v", found)
 	}
 	e2bClient(t, env, 5*time.Minute, "old")
 	suspendWithoutMemory(t, dir, cli, ref)

@@ -337,7 +337,7 @@ if (mode === 'main') {
     await sbx.updateNetwork({})
     eq((await sbx.getInfo()).allowInternetAccess, true, 'after an update with no rules')
     eq((await sbx.commands.run('echo still')).stdout, 'still\n', 'the sandbox after the updates')
-    await expectThrow(() => sbx.updateNetwork({ egressProxy: { address: 'proxy.example:1080' } }), Error, 'an egress proxy')
+    await expectThrow(() => sbx.updateNetwork({ egressProxy: { address: 'proxy.example' } }), Error, 'an egress proxy without a port')
     const off = await Sandbox.create(template, { timeoutMs: 60_000, allowInternetAccess: false })
     eq((await off.getInfo()).allowInternetAccess, false, 'made without internet access')
     await expectThrow(() => off.updateNetwork({ allowOut: ['1.1.1.1'] }), Error, 'opening a sandbox made without a network')
@@ -366,6 +366,36 @@ if (mode === 'main') {
     await expectThrow(() => get(s), CommandExitError, 'a request once the rules are cleared (not intercepted: the real certificate)')
     await expectThrow(() => Sandbox.create(template, { network: { rules: { '10.0.0.1': [{ transform: { headers: { A: 'b' } } }] } } }), Error, 'a rule for an IP address')
     await Promise.all(made.map((m) => m.kill()))
+  })
+  await step('network.egressProxy: the sandbox\'s TCP through a SOCKS5 server with credentials (a real one, from npm), in getInfo without the password; a proxy refusing the credentials fails closed; updateNetwork without it goes direct', async () => {
+    const { createServer } = await import('@pondwader/socks5-server')
+    const user = 'agent'
+    const password = process.env.PROXY_PASSWORD
+    const seen = []
+    const server = createServer({ auth: { username: user, password } })
+    server.setRulesetValidator((conn) => {
+      seen.push(`${conn.username} ${conn.destAddress}:${conn.destPort}`)
+      return true
+    })
+    await new Promise((resolve) => server.listen(Number(process.env.PROXY_PORT), '127.0.0.1', resolve))
+    const proxy = { address: `127.0.0.1:${process.env.PROXY_PORT}`, username: user, password }
+    // The stand-in public host's page, over plain HTTP.
+    const get = (s) => s.commands.run(`python3 -c 'import urllib.request; print(urllib.request.urlopen("http://${process.env.PUBLIC_IP}/", timeout=30).read().decode().strip())'`)
+    const s = await Sandbox.create(template, { timeoutMs: 120_000, network: { egressProxy: proxy } })
+    try {
+      eq((await get(s)).stdout, 'public page\n', 'through the proxy')
+      eq(seen, [`${user} ${process.env.PUBLIC_IP}:80`], 'what the proxy was asked')
+      eq((await s.getInfo()).network.egressProxy, { address: proxy.address, username: user }, "getInfo's proxy")
+      await s.updateNetwork({ egressProxy: { ...proxy, password: 'not-the-password' } })
+      await expectThrow(() => get(s), CommandExitError, 'a request through a proxy that refuses the credentials')
+      await s.updateNetwork({})
+      eq((await s.getInfo()).network.egressProxy, undefined, 'getInfo after an update without it')
+      eq((await get(s)).stdout, 'public page\n', 'straight out once it is cleared')
+      eq(seen.length, 1, 'requests the proxy passed')
+    } finally {
+      await s.kill()
+      server.close()
+    }
   })
   await step('pause, then connect resumes with files and processes intact', async () => {
     const bg = await sbx.commands.run('sleep 1000', { background: true })
