@@ -118,7 +118,14 @@ type Dialer struct {
 	p      Proxy
 	opts   Options
 	direct net.Dialer
-	socks  proxy.ContextDialer
+	socks  withConn
+}
+
+// withConn is the SOCKS5 handshake on a connection already made
+// (x/net's socks.Dialer.DialWithConn): the connection to the proxy is
+// made here, pinned, and stays a *net.TCPConn the NAT can half-close.
+type withConn interface {
+	DialWithConn(ctx context.Context, c net.Conn, network, address string) (net.Addr, error)
 }
 
 // New returns a Dialer for p, once p.Check passes.
@@ -137,15 +144,15 @@ func New(p Proxy, opts Options) (*Dialer, error) {
 	if p.Username != "" {
 		auth = &proxy.Auth{User: p.Username, Password: p.Password}
 	}
-	s, err := proxy.SOCKS5("tcp", p.Address, auth, pinned{d})
+	s, err := proxy.SOCKS5("tcp", p.Address, auth, nil)
 	if err != nil {
 		return nil, fmt.Errorf("egress proxy %s: %w", p, err)
 	}
-	cd, ok := s.(proxy.ContextDialer)
+	wc, ok := s.(withConn)
 	if !ok {
-		return nil, fmt.Errorf("egress proxy %s: the SOCKS5 dialer takes no context", p)
+		return nil, fmt.Errorf("egress proxy %s: the SOCKS5 client cannot shake hands on a connection of its caller's", p)
 	}
-	d.socks = cd
+	d.socks = wc
 	return d, nil
 }
 
@@ -153,20 +160,38 @@ func New(p Proxy, opts Options) (*Dialer, error) {
 func (d *Dialer) Proxy() Proxy { return d.p }
 
 // DialContext dials addr ("IP:port") through the proxy for "tcp", "tcp4"
-// and "tcp6", and directly for every other network. An error names the
-// proxy (never its password) and is the guest's connection refused.
+// and "tcp6", and directly for every other network. The connection is a
+// *Conn. An error names the proxy (never its password) and is the
+// guest's connection refused.
 func (d *Dialer) DialContext(ctx context.Context, network, addr string) (net.Conn, error) {
 	switch network {
 	case "tcp", "tcp4", "tcp6":
 	default:
 		return d.direct.DialContext(ctx, network, addr)
 	}
-	c, err := d.socks.DialContext(ctx, "tcp", addr)
+	c, err := d.dialProxy(ctx)
 	if err != nil {
 		return nil, fmt.Errorf("egress proxy %s: dial %s: %w", d.p, addr, err)
 	}
-	return c, nil
+	// The handshake's reads are bounded by the proxy's answers' sizes
+	// and by ctx's deadline, which x/net puts on the connection.
+	if _, err := d.socks.DialWithConn(ctx, c, "tcp", addr); err != nil {
+		c.Close()
+		return nil, fmt.Errorf("egress proxy %s: dial %s: %w", d.p, addr, err)
+	}
+	return &Conn{TCPConn: c, via: d.p.String()}, nil
 }
+
+// Conn is a connection through the proxy: the TCP connection to the
+// proxy, past its handshake.
+type Conn struct {
+	*net.TCPConn
+	via string
+}
+
+// Via names the proxy the connection goes through (Proxy.String), for
+// the NAT's audit log.
+func (c *Conn) Via() string { return c.via }
 
 // Resolve resolves the proxy's host as a dial does, and refuses it as a
 // dial would (Proxy.PublicOnly); it opens no connection. A front end
@@ -201,30 +226,20 @@ func (d *Dialer) Resolve(ctx context.Context) ([]netip.Addr, error) {
 	return public, nil
 }
 
-// pinned is the dialer the SOCKS5 client reaches the proxy with: it
-// resolves the proxy's host now and connects to one address it resolved
-// to, the first that answers, so the check and the connection see the
-// same address.
-type pinned struct{ d *Dialer }
-
-func (p pinned) Dial(network, addr string) (net.Conn, error) {
-	return p.DialContext(context.Background(), network, addr)
-}
-
-func (p pinned) DialContext(ctx context.Context, network, addr string) (net.Conn, error) {
-	_, port, err := net.SplitHostPort(addr)
-	if err != nil {
-		return nil, err
-	}
-	addrs, err := p.d.Resolve(ctx)
+// dialProxy connects to the proxy: it resolves the proxy's host now and
+// connects to an address it resolved to, the first that answers, so the
+// check and the connection see the same address.
+func (d *Dialer) dialProxy(ctx context.Context) (*net.TCPConn, error) {
+	_, port, _ := net.SplitHostPort(d.p.Address) // checked by New
+	addrs, err := d.Resolve(ctx)
 	if err != nil {
 		return nil, err
 	}
 	var errs []error
 	for _, a := range addrs {
-		c, err := p.d.direct.DialContext(ctx, network, net.JoinHostPort(a.String(), port))
+		c, err := d.direct.DialContext(ctx, "tcp", net.JoinHostPort(a.String(), port))
 		if err == nil {
-			return c, nil
+			return c.(*net.TCPConn), nil
 		}
 		errs = append(errs, err)
 		if ctx.Err() != nil {

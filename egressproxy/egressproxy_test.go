@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/binary"
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"net/netip"
@@ -133,7 +134,10 @@ func (p *socksPeer) serve(c net.Conn) {
 	}
 	defer up.Close()
 	c.Write([]byte{5, 0, 0, 1, 0, 0, 0, 0, 0, 0})
-	go io.Copy(up, r)
+	go func() {
+		io.Copy(up, r)
+		up.(*net.TCPConn).CloseWrite() // the client's half-close, passed on
+	}()
 	io.Copy(c, up)
 }
 
@@ -155,6 +159,31 @@ func echoServer(t *testing.T) string {
 				defer c.Close()
 				line, _ := bufio.NewReader(c).ReadString('\n')
 				io.WriteString(c, "echo "+line)
+			}()
+		}
+	}()
+	return l.Addr().String()
+}
+
+// countServer reads each connection to its end, then says how much it
+// read: it answers only a half-closed connection.
+func countServer(t *testing.T) string {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { l.Close() })
+	go func() {
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer c.Close()
+				b, _ := io.ReadAll(c)
+				fmt.Fprintf(c, "read %d bytes", len(b))
 			}()
 		}
 	}()
@@ -190,7 +219,30 @@ func TestDialThroughProxy(t *testing.T) {
 		t.Errorf("the proxy saw %q; want the credentials and %s", got, dst)
 	}
 
-	// A wrong password: the connection fails, and does not go direct.
+	// A half-close reaches the server through the tunnel, and its
+	// answer comes back: the connection is TCP to the proxy, as a direct
+	// one is to its host, and says which proxy it goes through.
+	counter := countServer(t)
+	c, err = d.DialContext(ctx, "tcp", counter)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pc, ok := c.(*Conn)
+	if !ok || pc.Via() != "socks5://agent@"+addr {
+		t.Fatalf("the connection: %T; want a *Conn via socks5://agent@%s", c, addr)
+	}
+	pc.SetDeadline(time.Now().Add(10 * time.Second))
+	io.WriteString(pc, "12345")
+	if err := pc.CloseWrite(); err != nil {
+		t.Fatal(err)
+	}
+	if b, _ := io.ReadAll(pc); string(b) != "read 5 bytes" {
+		t.Errorf("after a half-close: %q; want the server's answer", b)
+	}
+	pc.Close()
+	<-peer.got
+
+		// A wrong password: the connection fails, and does not go direct.
 	bad, _ := New(Proxy{Address: addr, Username: "agent", Password: "wrong"}, Options{})
 	if c, err := bad.DialContext(ctx, "tcp", dst); err == nil {
 		c.Close()

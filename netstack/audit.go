@@ -30,6 +30,9 @@ type Flow struct {
 	Src  string `json:"src,omitempty"`
 	Dst  string `json:"dst,omitempty"`
 	Host string `json:"host,omitempty"`
+	// Via names the proxy a TCP connection was tunneled through, when
+	// Config.Dial's connection says (a Via method: package egressproxy's).
+	Via string `json:"via,omitempty"`
 	// Names are the names the guest resolved to Dst through the NAT's DNS.
 	Names []string `json:"names,omitempty"`
 	// Name, QType, Answers and RCode describe a DNS query and its answer.

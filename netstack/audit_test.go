@@ -1,8 +1,10 @@
 package netstack
 
 import (
+	"context"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"net/netip"
@@ -260,5 +262,46 @@ func TestAuditorRate(t *testing.T) {
 	a.flush()
 	if again, _ := log.count(func(f Flow) bool { return f.Kind == "summary" }); again != summaries {
 		t.Error("a flush with nothing left out wrote a summary")
+	}
+}
+
+// viaConn is a host connection that says it went through a proxy, as
+// package egressproxy's do.
+type viaConn struct{ net.Conn }
+
+func (viaConn) Via() string { return "socks5://agent@192.0.2.1:1080" }
+
+// TestAuditVia: a connection Config.Dial made through a proxy is logged
+// with the proxy it went through.
+func TestAuditVia(t *testing.T) {
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { io.WriteString(w, "ok") }))
+	defer srv.Close()
+	port := loopbackPort(t, srv.Listener.Addr())
+	pol, err := ParsePolicy("allow-all", nil, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var log flowLog
+	var d net.Dialer
+	dial := func(ctx context.Context, network, addr string) (net.Conn, error) {
+		c, err := d.DialContext(ctx, network, addr)
+		if err != nil {
+			return nil, err
+		}
+		return viaConn{c}, nil
+	}
+	g := newTestNAT(t, Config{Policy: pol, Audit: log.add, Dial: dial})
+	resp, err := httpClient(g).Get(fmt.Sprintf("http://%s/", gatewayPort(g, port)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	io.ReadAll(resp.Body)
+	resp.Body.Close()
+	dst := gatewayPort(g, port).String()
+	for _, ev := range []string{"open", "close"} {
+		f := log.wait(t, "the "+ev, func(f Flow) bool { return f.Kind == "tcp" && f.Event == ev && f.Dst == dst })
+		if f.Via != "socks5://agent@192.0.2.1:1080" {
+			t.Errorf("%s = %+v; want it via the proxy", ev, f)
+		}
 	}
 }

@@ -99,6 +99,9 @@ func (s *Stack) handleTCP(r *tcp.ForwarderRequest) {
 	s.stats.tcpForwarded.Add(1)
 	s.audit.count("tcp", true, v.Rule)
 	rec.Rule, rec.Reason = v.Rule, v.Reason
+	if via, ok := hc.(interface{ Via() string }); ok {
+		rec.Via = via.Via()
+	}
 	s.log.Debug("TCP forwarded", "dst", dstAP, "host", hostAddr, "names", names)
 	counted, closed := s.audit.opened(rec, gonet.NewTCPConn(&wq, ep))
 	defer closed()
@@ -174,7 +177,9 @@ func (s *Stack) splice(guest, host net.Conn, abortGuest func()) {
 	defer s.untrack(host)
 
 	abort := func() {
-		if tc, ok := host.(*net.TCPConn); ok {
+		// A reset, where the host side is TCP (a *net.TCPConn, or a
+		// tunnel's connection to its proxy).
+		if tc, ok := host.(interface{ SetLinger(int) error }); ok {
 			_ = tc.SetLinger(0)
 		}
 		host.Close()

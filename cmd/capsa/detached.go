@@ -449,17 +449,26 @@ func runInspect(ctx context.Context, args []string, stdout, stderr io.Writer) in
 // update does their resources: at once where they run, and in their
 // records.
 func runUpdate(ctx context.Context, args []string, stdout, stderr io.Writer) int {
-	fs := newFlags("update", "[--limit KEY=RATE[,...]] [--net MODE [--allow RULE]... [--deny RULE]...] NAME...", stdout)
+	fs := newFlags("update", "[--limit KEY=RATE[,...]] [--net MODE [--allow RULE]... [--deny RULE]...] [--egress-proxy [USER@]HOST:PORT|none] NAME...", stdout)
 	limits := fs.StringArray("limit", nil, "I/O limits to set, as capsa run --limit takes them, on top of those the sandbox has (a rate of 0 removes one; repeatable)")
 	netMode := fs.String("net", "", "a new network policy, replacing the one it has: public-only, allow-all or deny-all, with --allow and --deny as capsa run takes them (for new connections; those open go on)")
 	allow := fs.StringArray("allow", nil, "with --net: a destination the new policy allows (repeatable)")
 	deny := fs.StringArray("deny", nil, "with --net: a destination the new policy denies (repeatable)")
+	egress := fs.String("egress-proxy", "", "a SOCKS5 proxy for its outbound TCP from now on, as capsa run takes it (the password from $"+egressProxyPasswordEnv+"), replacing the one it has; none: straight out")
 	if code := parseFlags(fs, args, stderr); code >= 0 {
 		return code
 	}
-	if len(*limits) == 0 && *netMode == "" && len(*allow)+len(*deny) == 0 {
-		fmt.Fprintln(stderr, "capsa update: nothing to change: give --limit or --net")
+	if len(*limits) == 0 && *netMode == "" && len(*allow)+len(*deny) == 0 && *egress == "" {
+		fmt.Fprintln(stderr, "capsa update: nothing to change: give --limit, --net or --egress-proxy")
 		return 2
+	}
+	var proxy *sandbox.EgressProxy
+	if *egress != "" && *egress != "none" {
+		var err error
+		if proxy, err = parseEgressProxy(*egress); err != nil {
+			fmt.Fprintf(stderr, "capsa update: %v\n", err)
+			return 2
+		}
 	}
 	var policy *netstack.Policy
 	switch {
@@ -486,6 +495,16 @@ func runUpdate(ctx context.Context, args []string, stdout, stderr io.Writer) int
 				return err
 			}
 			fmt.Fprintf(stdout, "%s: network %s\n", name, policy)
+		}
+		if *egress != "" {
+			if err := m.SetEgressProxy(ctx, name, proxy); err != nil {
+				return err
+			}
+			via := "none"
+			if proxy != nil {
+				via = proxy.String()
+			}
+			fmt.Fprintf(stdout, "%s: egress proxy %s\n", name, via)
 		}
 		return nil
 	})

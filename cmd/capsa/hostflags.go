@@ -15,6 +15,23 @@ import (
 // command line, where every process of the host can read it.
 const egressProxyPasswordEnv = "CAPSA_EGRESS_PROXY_PASSWORD"
 
+// parseEgressProxy reads --egress-proxy's [USER@]HOST:PORT, the password
+// from egressProxyPasswordEnv when a USER is given.
+func parseEgressProxy(spec string) (*sandbox.EgressProxy, error) {
+	p := sandbox.EgressProxy{Address: spec}
+	if user, addr, ok := strings.Cut(spec, "@"); ok {
+		if user == "" {
+			return nil, fmt.Errorf("--egress-proxy %s: an empty USER before @", spec)
+		}
+		p.Username, p.Address = user, addr
+		p.Password = os.Getenv(egressProxyPasswordEnv)
+	}
+	if err := p.Check(); err != nil {
+		return nil, fmt.Errorf("--egress-proxy: %v", err)
+	}
+	return &p, nil
+}
+
 // hostFlags are a sandbox's host-facing settings on the command line: the
 // host directories, volumes and network it may reach, its grants in the
 // hub, its limits. capsa run and create take them, and so does capsa
@@ -68,18 +85,11 @@ func (h *hostFlags) apply(fs *pflag.FlagSet, b *sandbox.Builder, detach bool) er
 		return fmt.Errorf("--allow, --deny, --publish, --dns-server and --egress-proxy need a network: add --net")
 	}
 	if *h.egressProxy != "" {
-		p := sandbox.EgressProxy{Address: *h.egressProxy}
-		if user, addr, ok := strings.Cut(p.Address, "@"); ok {
-			if user == "" {
-				return fmt.Errorf("--egress-proxy %s: an empty USER before @", *h.egressProxy)
-			}
-			p.Username, p.Address = user, addr
-			p.Password = os.Getenv(egressProxyPasswordEnv)
+		p, err := parseEgressProxy(*h.egressProxy)
+		if err != nil {
+			return err
 		}
-		if err := p.Check(); err != nil {
-			return fmt.Errorf("--egress-proxy: %v", err)
-		}
-		b.EgressProxy(p)
+		b.EgressProxy(*p)
 	}
 	for _, p := range *h.publish {
 		b.Publish(p)
