@@ -242,7 +242,7 @@ func TestDialThroughProxy(t *testing.T) {
 	pc.Close()
 	<-peer.got
 
-		// A wrong password: the connection fails, and does not go direct.
+	// A wrong password: the connection fails, and does not go direct.
 	bad, _ := New(Proxy{Address: addr, Username: "agent", Password: "wrong"}, Options{})
 	if c, err := bad.DialContext(ctx, "tcp", dst); err == nil {
 		c.Close()
