@@ -211,19 +211,26 @@ func (d *Dialer) Resolve(ctx context.Context) ([]netip.Addr, error) {
 	if !d.p.PublicOnly {
 		return addrs, nil
 	}
-	var why []string
+	var why string
 	public := addrs[:0:0]
 	for _, a := range addrs {
 		if w := d.opts.NonPublic(a); w != "" {
-			why = append(why, a.String()+" is "+w)
+			why = w
 			continue
 		}
 		public = append(public, a)
 	}
-	if len(public) == 0 {
-		return nil, fmt.Errorf("egress proxy %s: %w (%s)", d.p, ErrNonPublic, strings.Join(why, ", "))
+	switch {
+	case len(public) > 0:
+		return public, nil
+	case len(addrs) == 1 && addrs[0].String() == host:
+		// An address the caller gave: say what it is.
+		return nil, fmt.Errorf("egress proxy %s: %w (%s)", d.p, ErrNonPublic, why)
+	default:
+		// What a name resolved to is the host's resolver's answer,
+		// which the caller (an API's) may not learn.
+		return nil, fmt.Errorf("egress proxy %s: %w (%s resolves to none)", d.p, ErrNonPublic, host)
 	}
-	return public, nil
 }
 
 // dialProxy connects to the proxy: it resolves the proxy's host now and

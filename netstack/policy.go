@@ -566,10 +566,16 @@ func isCloudInfra(addr netip.Addr) bool {
 	return false
 }
 
-// NonPublic returns why addr is not a public unicast destination (as
-// PublicOnly refuses it: "loopback", "private", "link-local"...), or ""
-// when it is one.
-func NonPublic(addr netip.Addr) string { return nonPublic(addr, nil) }
+// NonPublicChecker returns a function that says why an address is not a
+// public unicast destination, as PublicOnly refuses it ("loopback",
+// "private", "link-local"..., and "host's own" for the host's interface
+// addresses, public ones included: they reach its services bound to
+// 0.0.0.0), or "" when it is one. Each checker keeps its own list of the
+// host's addresses, fetched again at most every 30 s.
+func NonPublicChecker() func(netip.Addr) string {
+	h := newHostAddrs()
+	return func(addr netip.Addr) string { return nonPublic(addr, h.contains) }
+}
 
 // nonPublic returns why addr is not a public unicast destination, or "".
 func nonPublic(addr netip.Addr, isHost func(netip.Addr) bool) string {

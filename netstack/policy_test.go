@@ -1,6 +1,7 @@
 package netstack
 
 import (
+	"net"
 	"net/netip"
 	"strings"
 	"testing"
@@ -273,5 +274,27 @@ func TestNonPublicRanges(t *testing.T) {
 		if got := nonPublic(netip.MustParseAddr(addr), nil); got != want {
 			t.Errorf("nonPublic(%s) = %q, want %q", addr, got, want)
 		}
+	}
+}
+
+// TestNonPublicChecker: every address of the host's own interfaces is
+// refused, public ones too, as PublicOnly refuses them.
+func TestNonPublicChecker(t *testing.T) {
+	check := NonPublicChecker()
+	addrs, err := net.InterfaceAddrs()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, a := range addrs {
+		p, err := netip.ParsePrefix(a.String())
+		if err != nil {
+			continue
+		}
+		if why := check(p.Addr()); why == "" {
+			t.Errorf("the host's own %s: public; want it refused", p.Addr())
+		}
+	}
+	if why := check(netip.MustParseAddr("8.8.8.8")); why != "" {
+		t.Errorf("8.8.8.8: %q; want public", why)
 	}
 }

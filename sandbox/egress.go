@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"net/netip"
 	"sync/atomic"
 
 	"github.com/capsa-sandbox/capsa/egressproxy"
@@ -93,7 +94,7 @@ var ErrNonPublicProxy = egressproxy.ErrNonPublic
 // on no public address (ErrNonPublicProxy): for a front end to refuse a
 // bad proxy before a sandbox is made. It opens no connection.
 func CheckEgressProxy(ctx context.Context, p EgressProxy) error {
-	d, err := egressproxy.New(p, egressproxy.Options{NonPublic: netstack.NonPublic})
+	d, err := egressproxy.New(p, egressproxy.Options{NonPublic: netstack.NonPublicChecker()})
 	if err != nil {
 		return err
 	}
@@ -104,9 +105,10 @@ func CheckEgressProxy(ctx context.Context, p EgressProxy) error {
 // egressDialer is the NAT's dialer: through the proxy in force, if any,
 // or directly. The proxy can be replaced while the sandbox runs.
 type egressDialer struct {
-	resolver *net.Resolver
-	direct   net.Dialer
-	cur      atomic.Pointer[egressproxy.Dialer]
+	resolver  *net.Resolver
+	nonPublic func(netip.Addr) string // a PublicOnly proxy's check
+	direct    net.Dialer
+	cur       atomic.Pointer[egressproxy.Dialer]
 }
 
 // set puts p in force (nil: none) for every dial from now on.
@@ -115,7 +117,7 @@ func (e *egressDialer) set(p *EgressProxy) error {
 		e.cur.Store(nil)
 		return nil
 	}
-	d, err := egressproxy.New(*p, egressproxy.Options{Resolver: e.resolver, NonPublic: netstack.NonPublic})
+	d, err := egressproxy.New(*p, egressproxy.Options{Resolver: e.resolver, NonPublic: e.nonPublic})
 	if err != nil {
 		return fmt.Errorf("sandbox: %w", err)
 	}
@@ -150,18 +152,4 @@ func (s *Sandbox) SetEgressProxy(p *EgressProxy) error {
 		return fmt.Errorf("sandbox: set the egress proxy: %w", errors.Unwrap(err))
 	}
 	return nil
-}
-
-// EgressProxyInForce is the proxy the sandbox's TCP goes through now,
-// without its password; nil when it goes out directly.
-func (s *Sandbox) EgressProxyInForce() *EgressProxySpec {
-	if s.net == nil || s.net.proxy == nil {
-		return nil
-	}
-	d := s.net.proxy.cur.Load()
-	if d == nil {
-		return nil
-	}
-	spec, _ := EgressProxyPassword(d.Proxy())
-	return spec
 }

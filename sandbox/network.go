@@ -213,7 +213,7 @@ func startNetwork(ctx context.Context, c config, lim *limiters, log *slog.Logger
 			return d.DialContext(ctx, network, upstream)
 		}}
 	}
-	proxy := &egressDialer{resolver: cfg.Resolver}
+	proxy := &egressDialer{resolver: cfg.Resolver, nonPublic: netstack.NonPublicChecker()}
 	if p := nc.EgressProxy; p != nil {
 		px := p.proxy(c.secrets)
 		if err := proxy.set(&px); err != nil {

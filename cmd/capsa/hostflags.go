@@ -19,7 +19,9 @@ const egressProxyPasswordEnv = "CAPSA_EGRESS_PROXY_PASSWORD"
 // from egressProxyPasswordEnv when a USER is given.
 func parseEgressProxy(spec string) (*sandbox.EgressProxy, error) {
 	p := sandbox.EgressProxy{Address: spec}
-	if user, addr, ok := strings.Cut(spec, "@"); ok {
+	// At the last @: a username may hold one (me@example.com@HOST:PORT).
+	if i := strings.LastIndex(spec, "@"); i >= 0 {
+		user, addr := spec[:i], spec[i+1:]
 		if user == "" {
 			return nil, fmt.Errorf("--egress-proxy %s: an empty USER before @", spec)
 		}

@@ -101,3 +101,14 @@ func TestHelp(t *testing.T) {
 		}
 	}
 }
+
+func TestParseEgressProxy(t *testing.T) {
+	t.Setenv(egressProxyPasswordEnv, "pw")
+	p, err := parseEgressProxy("me@corp.example@203.0.113.1:1080")
+	if err != nil || p.Username != "me@corp.example" || p.Address != "203.0.113.1:1080" || p.Password != "pw" {
+		t.Errorf("parseEgressProxy = %+v, %v; want the username up to the last @, the password from $%s", p, err, egressProxyPasswordEnv)
+	}
+	if p, err := parseEgressProxy("203.0.113.1:1080"); err != nil || p.Username != "" || p.Password != "" {
+		t.Errorf("without a user: %+v, %v; want no credentials", p, err)
+	}
+}
