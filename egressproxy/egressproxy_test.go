@@ -70,22 +70,8 @@ type socksPeer struct {
 
 func startPeer(t *testing.T, user, pass string) (string, *socksPeer) {
 	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { l.Close() })
 	p := &socksPeer{user: user, pass: pass, got: make(chan string, 16)}
-	go func() {
-		for {
-			c, err := l.Accept()
-			if err != nil {
-				return
-			}
-			go p.serve(c)
-		}
-	}()
-	return l.Addr().String(), p
+	return serveEach(t, p.serve), p
 }
 
 func (p *socksPeer) serve(c net.Conn) {
@@ -141,8 +127,9 @@ func (p *socksPeer) serve(c net.Conn) {
 	io.Copy(c, up)
 }
 
-// echoServer answers each connection with what it read of its first line.
-func echoServer(t *testing.T) string {
+// serveEach serves each connection to a new loopback listener with
+// serve, until the test ends, and returns its address.
+func serveEach(t *testing.T, serve func(net.Conn)) string {
 	t.Helper()
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -157,37 +144,28 @@ func echoServer(t *testing.T) string {
 			}
 			go func() {
 				defer c.Close()
-				line, _ := bufio.NewReader(c).ReadString('\n')
-				io.WriteString(c, "echo "+line)
+				serve(c)
 			}()
 		}
 	}()
 	return l.Addr().String()
 }
 
+// echoServer answers each connection with what it read of its first line.
+func echoServer(t *testing.T) string {
+	return serveEach(t, func(c net.Conn) {
+		line, _ := bufio.NewReader(c).ReadString('\n')
+		io.WriteString(c, "echo "+line)
+	})
+}
+
 // countServer reads each connection to its end, then says how much it
 // read: it answers only a half-closed connection.
 func countServer(t *testing.T) string {
-	t.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { l.Close() })
-	go func() {
-		for {
-			c, err := l.Accept()
-			if err != nil {
-				return
-			}
-			go func() {
-				defer c.Close()
-				b, _ := io.ReadAll(c)
-				fmt.Fprintf(c, "read %d bytes", len(b))
-			}()
-		}
-	}()
-	return l.Addr().String()
+	return serveEach(t, func(c net.Conn) {
+		b, _ := io.ReadAll(c)
+		fmt.Fprintf(c, "read %d bytes", len(b))
+	})
 }
 
 func roundTrip(t *testing.T, c net.Conn) string {
@@ -262,22 +240,8 @@ func TestFailsClosed(t *testing.T) {
 	gone := l.Addr().String()
 	l.Close()
 	// Not SOCKS5: an HTTP server's answer.
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Close()
-	go func() {
-		for {
-			c, err := l.Accept()
-			if err != nil {
-				return
-			}
-			io.WriteString(c, "HTTP/1.1 400 Bad Request\r\n\r\n")
-			c.Close()
-		}
-	}()
-	for what, addr := range map[string]string{"no proxy listening": gone, "an HTTP server": l.Addr().String()} {
+	httpAddr := serveEach(t, func(c net.Conn) { io.WriteString(c, "HTTP/1.1 400 Bad Request\r\n\r\n") })
+	for what, addr := range map[string]string{"no proxy listening": gone, "an HTTP server": httpAddr} {
 		d, err := New(Proxy{Address: addr}, Options{})
 		if err != nil {
 			t.Fatal(err)

@@ -3,7 +3,6 @@ package supervisor
 import (
 	"context"
 	"fmt"
-	"maps"
 
 	"github.com/capsa-sandbox/capsa/sandbox"
 )
@@ -51,27 +50,7 @@ func (m *Manager) SetEgressProxy(ctx context.Context, name string, p *sandbox.Eg
 			return err
 		}
 	}
-	secrets, err := ReadSecrets(m.st, name)
-	if err != nil {
-		return fail(err)
-	}
-	kept := map[string]string{}
-	for k, v := range secrets {
-		if !sandbox.IsEgressProxyPassword(k) {
-			kept[k] = v
-		}
-	}
-	maps.Copy(kept, values)
-	if err := WriteSecrets(m.st, name, kept); err != nil {
-		return fail(err)
-	}
-	err = m.st.Update(name, func(r *Record) error {
-		if r.Spec.Network == nil {
-			return sandbox.ErrNoNAT
-		}
-		r.Spec.Network.EgressProxy = spec
-		return nil
-	})
+	err = m.rewriteNetwork(name, sandbox.IsEgressProxyPassword, values, func(n *sandbox.NetworkSpec) { n.EgressProxy = spec })
 	if err != nil {
 		return fail(err)
 	}

@@ -53,31 +53,40 @@ func (m *Manager) SetHeaderRules(ctx context.Context, name string, rules []sandb
 			return fail(err)
 		}
 	}
-	secrets, err := ReadSecrets(m.st, name)
+	err = m.rewriteNetwork(name, sandbox.IsHeaderValue, values, func(n *sandbox.NetworkSpec) { n.Headers = specs })
 	if err != nil {
 		return fail(err)
 	}
+	return nil
+}
+
+// rewriteNetwork replaces the secret values of the sandbox name that
+// replaced says are the setting's with values, then changes its record's
+// network with change: a setting whose values are kept with its secrets
+// (header rules, the egress proxy's password). The caller holds
+// headersMu.
+func (m *Manager) rewriteNetwork(name string, replaced func(key string) bool, values map[string]string, change func(*sandbox.NetworkSpec)) error {
+	secrets, err := ReadSecrets(m.st, name)
+	if err != nil {
+		return err
+	}
 	kept := map[string]string{}
 	for k, v := range secrets {
-		if !sandbox.IsHeaderValue(k) {
+		if !replaced(k) {
 			kept[k] = v
 		}
 	}
 	maps.Copy(kept, values)
 	if err := WriteSecrets(m.st, name, kept); err != nil {
-		return fail(err)
+		return err
 	}
-	err = m.st.Update(name, func(r *Record) error {
+	return m.st.Update(name, func(r *Record) error {
 		if r.Spec.Network == nil {
 			return sandbox.ErrNoNAT
 		}
-		r.Spec.Network.Headers = specs
+		change(r.Spec.Network)
 		return nil
 	})
-	if err != nil {
-		return fail(err)
-	}
-	return nil
 }
 
 // HeaderRules are the header rules of the sandbox name with their values,
