@@ -32,13 +32,6 @@ type file struct {
 	ofd     int  // descriptor opened for I/O by Open or Create; -1 if none
 	owrite  bool // ofd is open for writing
 	oappend bool // ofd is open with O_APPEND: writes go to the end
-	// xattrRefs counts the p9 server's extra references to this File: its
-	// Txattrwalk handler gives the new fid the same File (not a clone)
-	// and closes it when that fid is clunked, which would close the
-	// original fid's descriptors under it. Each successful GetXattr or
-	// ListXattrs (called only there, and then always followed by the new
-	// fid) adds one; Close spends one before it really closes.
-	xattrRefs int
 
 	dirMu sync.Mutex // serializes Readdir's seek and read on ofd
 }
@@ -311,12 +304,16 @@ func (f *file) SetAttr(valid p9.SetAttrMask, a p9.SetAttr) error {
 		}
 	}
 	if valid.Permissions {
+		mode := safeMode(a.Permissions)
+		if f.typ == unix.S_IFDIR {
+			mode = dirMode(a.Permissions)
+		}
 		var st unix.Stat_t
 		refresh := func() {}
 		if unix.Fstat(f.fd, &st) == nil {
-			refresh = f.s.keepOwner(f.fd, &st, safeMode(a.Permissions))
+			refresh = f.s.keepOwner(f.fd, &st, mode)
 		}
-		if err := unix.Chmod(procPath(f.fd), safeMode(a.Permissions)); err != nil {
+		if err := unix.Chmod(procPath(f.fd), mode); err != nil {
 			return errno(err)
 		}
 		refresh()
@@ -406,10 +403,6 @@ func utime(set, given bool, sec, nsec uint64) (unix.Timespec, error) {
 func (f *file) Close() error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	if f.xattrRefs > 0 {
-		f.xattrRefs--
-		return nil
-	}
 	if f.ofd >= 0 {
 		unix.Close(f.ofd)
 		f.ofd = -1
@@ -719,7 +712,7 @@ func (f *file) Mkdir(name string, perm p9.FileMode, uid p9.UID, gid p9.GID) (p9.
 		return p9.QID{}, err
 	}
 	defer f.mu.RUnlock()
-	mode := safeMode(perm)
+	mode := dirMode(perm)
 	if err := f.makeNode("mkdir", name, 2*quotaBlock, func() error { return unix.Mkdirat(f.fd, name, mode) }); err != nil {
 		return p9.QID{}, err
 	}
@@ -830,8 +823,8 @@ func (f *file) Mknod(name string, mode p9.FileMode, _, _ uint32, uid p9.UID, gid
 	return f.finishNode(name, typ, perm, uid, gid)
 }
 
-// Rename implements p9.File.Rename. p9's server always uses RenameAt,
-// and a File does not know its own name, so this is ENOSYS.
+// Rename implements p9.File.Rename (Trename). Linux's client renames with
+// Trenameat, and a File does not know its own name, so this is ENOSYS.
 func (f *file) Rename(p9.File, string) error {
 	return linux.ENOSYS
 }

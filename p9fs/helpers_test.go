@@ -16,6 +16,8 @@ import (
 	"github.com/hugelgupf/p9/linux"
 	"github.com/hugelgupf/p9/p9"
 	"golang.org/x/sys/unix"
+
+	"github.com/capsa-sandbox/capsa/p9server"
 )
 
 const secretText = "TOPSECRET"
@@ -117,8 +119,8 @@ func newShare(t testing.TB, dir string, o Options) p9.Attacher {
 	return a
 }
 
-// conn is how a test reaches a share: directly or through p9's server
-// and client.
+// conn is how a test reaches a share: directly or through capsa's 9P
+// server and p9's client.
 type conn struct {
 	name  string
 	wire  bool
@@ -146,15 +148,16 @@ func mountDirect(t testing.TB, a p9.Attacher) p9.File {
 	return f
 }
 
-// mountWire serves a over a net.Pipe and attaches a p9 client to it. The
-// cleanup waits until the server has dropped every fid.
+// mountWire serves a with capsa's 9P server (package p9server, what the
+// virtio-9p device runs) over a net.Pipe and attaches p9's client to it.
+// The cleanup waits until the server has dropped every fid.
 func mountWire(t testing.TB, a p9.Attacher) p9.File {
 	t.Helper()
 	sc, cc := net.Pipe()
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
-		p9.NewServer(a).Handle(sc, sc)
+		p9server.New(a, p9server.Options{}).ServeStream(sc)
 	}()
 	c, err := p9.NewClient(cc, p9.WithMessageSize(256<<10))
 	if err != nil {

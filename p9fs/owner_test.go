@@ -52,6 +52,13 @@ func shownIDs(t *testing.T, f p9.File) (uint32, uint32) {
 // owner in ownerXattr, which the guest can neither see nor set.
 func TestOwners(t *testing.T) {
 	for _, c := range conns {
+		if c.wire {
+			// 9P2000.L's creates carry no uid: the server gives what a
+			// fid makes the user of its attach (p9server's
+			// TestCreatorIsAttachUser), and p9's client attaches as
+			// no one.
+			continue
+		}
 		t.Run(c.name, func(t *testing.T) {
 			dir := t.TempDir()
 			userXattrs(t, dir)

@@ -1,7 +1,7 @@
 // Package p9fs serves one host directory to an untrusted guest as a
-// 9P2000.L file tree: New returns a p9.Attacher for
-// github.com/hugelgupf/p9's server, and every fid the guest holds is a
-// File of this package.
+// 9P2000.L file tree: New returns a p9.Attacher (github.com/hugelgupf/p9's
+// File interface), which package p9server serves, and every fid the guest
+// holds is a File of this package.
 //
 // # Confinement
 //
@@ -63,12 +63,13 @@
 // fail with EPERM (the server never resolves "..": the guest kernel
 // handles ".." from its own dentry cache, so walking ".." from the root,
 // or from anywhere, is refused rather than answered), and names longer
-// than 255 bytes fail with ENAMETOOLONG. p9's server refuses "", ".",
-// ".." and "/" itself (EINVAL) before this package sees them.
+// than 255 bytes fail with ENAMETOOLONG.
 //
 // # Host safety
 //
-// Modes the guest creates or sets lose their setuid and setgid bits;
+// Modes the guest creates or sets lose their setuid and setgid bits
+// (a directory keeps its setgid bit, which only gives its group to what is
+// made in it);
 // modes are applied exactly (the VMM's umask is not consulted and not
 // changed). Device nodes cannot be made (EPERM); fifos and sockets can,
 // but the server never opens anything other than regular files and

@@ -207,6 +207,13 @@ func safeMode(m p9.FileMode) uint32 {
 	return uint32(m) & (0777 | unix.S_ISVTX)
 }
 
+// dirMode is safeMode for a directory, which keeps its set-group-ID bit:
+// its new entries take its group (and new subdirectories the bit), which
+// makes nothing run as anyone.
+func dirMode(m p9.FileMode) uint32 {
+	return uint32(m) & (0777 | unix.S_ISVTX | unix.S_ISGID)
+}
+
 // qidKey groups inodes that share a QID path prefix.
 type qidKey struct{ dev, hi uint64 }
 

@@ -72,29 +72,9 @@ func (f *file) SetXattr(name string, data []byte, flags p9.XattrFlags) error {
 	})
 }
 
-// xattrRef records the p9 server's extra reference to f after a
-// successful GetXattr or ListXattrs (see file.xattrRefs). The results are
-// at most 64 KiB (the kernel's limits), well inside the 4 MiB beyond which
-// the server would drop them without making the reference.
-func (f *file) xattrRef() {
-	f.mu.Lock()
-	if f.fd >= 0 {
-		f.xattrRefs++
-	}
-	f.mu.Unlock()
-}
-
 // GetXattr implements p9.File.GetXattr. Attributes outside "user." do not
 // exist as far as the guest can tell.
 func (f *file) GetXattr(name string) ([]byte, error) {
-	b, err := f.getXattr(name)
-	if err == nil {
-		f.xattrRef()
-	}
-	return b, err
-}
-
-func (f *file) getXattr(name string) ([]byte, error) {
 	switch err := xattrName(name); err {
 	case nil:
 	case linux.EOPNOTSUPP, linux.EPERM:
@@ -133,14 +113,6 @@ func (f *file) getXattr(name string) ([]byte, error) {
 
 // ListXattrs implements p9.File.ListXattrs: the "user." names.
 func (f *file) ListXattrs() ([]string, error) {
-	names, err := f.listXattrs()
-	if err == nil {
-		f.xattrRef()
-	}
-	return names, err
-}
-
-func (f *file) listXattrs() ([]string, error) {
 	if err := f.rlock(); err != nil {
 		return nil, err
 	}

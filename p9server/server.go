@@ -622,7 +622,10 @@ func (s *Session) lcreate(r *request) ([]byte, error) {
 	defer s.put(f)
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	if f.opened || f.typ&p9.TypeDir == 0 {
+	switch {
+	case f.typ&p9.TypeDir == 0:
+		return nil, linux.ENOTDIR
+	case f.opened:
 		return nil, linux.EINVAL
 	}
 	nf, qid, iounit, err := f.file.Create(name, flags, mode, f.uid, gid)
@@ -802,8 +805,11 @@ func (s *Session) readdir(r *request) ([]byte, error) {
 		return nil, err
 	}
 	defer s.put(f)
+	if f.typ&p9.TypeDir == 0 {
+		return nil, linux.ENOTDIR
+	}
 	f.mu.Lock()
-	ok := f.opened && f.typ&p9.TypeDir != 0
+	ok := f.opened
 	f.mu.Unlock()
 	if !ok {
 		return nil, linux.EBADF

@@ -35,40 +35,12 @@ func share(t testing.TB) (string, p9.Attacher) {
 	return dir, a
 }
 
-// serveConn serves the 9P messages read from conn with s, writing each
-// reply back whole: the stream transport a socket would be.
-func serveConn(conn net.Conn, s *Session) {
-	var wmu sync.Mutex
-	go func() {
-		defer s.Close()
-		for {
-			hdr := make([]byte, 4)
-			if _, err := io.ReadFull(conn, hdr); err != nil {
-				return
-			}
-			n := binary.LittleEndian.Uint32(hdr)
-			if n < headerLen || n > MaxMessage {
-				return
-			}
-			msg := append(hdr, make([]byte, n-4)...)
-			if _, err := io.ReadFull(conn, msg[4:]); err != nil {
-				return
-			}
-			s.Serve(msg, func(b []byte) {
-				wmu.Lock()
-				conn.Write(b)
-				wmu.Unlock()
-			})
-		}
-	}()
-}
-
 // client attaches github.com/hugelgupf/p9's client (a 9P2000.L client
 // written elsewhere) to a session over a's files.
 func client(t *testing.T, a p9.Attacher) p9.File {
 	t.Helper()
 	srv, cli := net.Pipe()
-	serveConn(srv, New(a, Options{}))
+	go New(a, Options{}).ServeStream(srv)
 	c, err := p9.NewClient(cli, p9.WithMessageSize(256<<10))
 	if err != nil {
 		t.Fatal(err)
@@ -478,5 +450,90 @@ func TestFidBound(t *testing.T) {
 	// Replacing a fid in use is not one more.
 	if b := r.call(msg(msgTwalk, 2, func(e *encoder) { e.u32(0); e.u32(5); e.u16(0) })); b[4] != msgTwalk+1 {
 		t.Errorf("a walk to fid 5, in use: errno %d", errno(b))
+	}
+}
+
+// getattrIDs reads fid's mode, uid and gid with a raw Tgetattr.
+func (r *raw) getattrIDs(fid uint32) (mode, uid, gid uint32) {
+	r.t.Helper()
+	b := r.call(msg(msgTgetattr, 20, func(e *encoder) { e.u32(fid); e.u64(getMode | getUID | getGID) }))
+	if b[4] != msgTgetattr+1 {
+		r.t.Fatalf("Tgetattr: errno %d", errno(b))
+	}
+	body := b[headerLen+8+qidLen:]
+	return binary.LittleEndian.Uint32(body), binary.LittleEndian.Uint32(body[4:]), binary.LittleEndian.Uint32(body[8:])
+}
+
+// TestCreatorIsAttachUser: what a fid makes belongs to the user its
+// attach named (9P2000.L's creates carry a gid alone; Linux attaches
+// once per user).
+func TestCreatorIsAttachUser(t *testing.T) {
+	dir, a := share(t)
+	if err := unix.Setxattr(dir, "user.probe", []byte("x"), 0); err != nil {
+		t.Skipf("the host directory holds no user attributes, where owners are kept: %v", err)
+	}
+	r := newRaw(t, a)
+	if b := r.call(msg(msgTversion, NoTag, func(e *encoder) { e.u32(64 << 10); e.str(Version) })); b[4] != msgTversion+1 {
+		t.Fatal("Tversion")
+	}
+	if b := r.call(msg(msgTattach, 1, func(e *encoder) { e.u32(0); e.u32(NoFid); e.str(""); e.str(""); e.u32(1000) })); b[4] != msgTattach+1 {
+		t.Fatalf("Tattach: errno %d", errno(b))
+	}
+	if b := r.call(msg(msgTmkdir, 2, func(e *encoder) { e.u32(0); e.str("d"); e.u32(0o755); e.u32(100) })); b[4] != msgTmkdir+1 {
+		t.Fatalf("Tmkdir: errno %d", errno(b))
+	}
+	r.call(msg(msgTwalk, 3, func(e *encoder) { e.u32(0); e.u32(1); e.u16(1); e.str("d") }))
+	if _, uid, gid := r.getattrIDs(1); uid != 1000 || gid != 100 {
+		t.Errorf("d is shown as %d:%d; want 1000:100, the attach's user and the Tmkdir's group", uid, gid)
+	}
+	// Tlcreate: the fid becomes the new file, owned the same way.
+	r.call(msg(msgTwalk, 4, func(e *encoder) { e.u32(0); e.u32(2); e.u16(0) }))
+	if b := r.call(msg(msgTlcreate, 5, func(e *encoder) { e.u32(2); e.str("f"); e.u32(2); e.u32(0o644); e.u32(1000) })); b[4] != msgTlcreate+1 {
+		t.Fatalf("Tlcreate: errno %d", errno(b))
+	}
+	if mode, uid, gid := r.getattrIDs(2); uid != 1000 || gid != 1000 || mode&unix.S_IFMT != unix.S_IFREG {
+		t.Errorf("f: mode %o, %d:%d; want a regular file of 1000:1000", mode, uid, gid)
+	}
+}
+
+// TestSetgidDirectory: a directory's set-group-ID bit reaches the host,
+// made or set; a file's set-id bits never do.
+func TestSetgidDirectory(t *testing.T) {
+	dir, a := share(t)
+	r := newRaw(t, a)
+	r.start()
+	if b := r.call(msg(msgTmkdir, 2, func(e *encoder) { e.u32(0); e.str("d"); e.u32(0o2775); e.u32(NoFid) })); b[4] != msgTmkdir+1 {
+		t.Fatalf("Tmkdir: errno %d", errno(b))
+	}
+	if st, err := os.Stat(filepath.Join(dir, "d")); err != nil || st.Mode()&os.ModeSetgid == 0 || st.Mode().Perm() != 0o775 {
+		t.Errorf("the host's d: %v, %v; want setgid and 0775", st.Mode(), err)
+	}
+	if err := os.WriteFile(filepath.Join(dir, "f"), nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	setMode := func(name string, mode uint32) {
+		r.call(msg(msgTwalk, 3, func(e *encoder) { e.u32(0); e.u32(1); e.u16(1); e.str(name) }))
+		b := r.call(msg(msgTsetattr, 4, func(e *encoder) {
+			e.u32(1)
+			e.u32(setMode)
+			e.u32(mode)
+			e.u32(0)
+			e.u32(0)
+			for range 5 {
+				e.u64(0)
+			}
+		}))
+		if b[4] != msgTsetattr+1 {
+			t.Fatalf("Tsetattr %s: errno %d", name, errno(b))
+		}
+		r.call(msg(msgTclunk, 5, func(e *encoder) { e.u32(1) }))
+	}
+	setMode("d", 0o2750)
+	setMode("f", 0o6755)
+	if st, _ := os.Stat(filepath.Join(dir, "d")); st.Mode()&os.ModeSetgid == 0 || st.Mode().Perm() != 0o750 {
+		t.Errorf("d after chmod 2750: %v", st.Mode())
+	}
+	if st, _ := os.Stat(filepath.Join(dir, "f")); st.Mode()&(os.ModeSetgid|os.ModeSetuid) != 0 || st.Mode().Perm() != 0o755 {
+		t.Errorf("f after chmod 6755: %v; want 0755, no set-id bit", st.Mode())
 	}
 }

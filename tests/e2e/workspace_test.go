@@ -35,12 +35,9 @@ var localResults = map[string]string{
 // behaves better than this list says fails the test too, so the list (and
 // the docs that repeat it) stay true.
 var shareDifferences = map[string]struct{ got, why string }{
-	"rename_exchange":         {"EINVAL", "9P2000.L's Trenameat has no flags: the guest kernel does RENAME_NOREPLACE itself (kernel/patches/0002), not an exchange"},
-	"o_tmpfile":               {"ENOTSUP", "Linux's v9fs has no tmpfile operation (programs fall back to a named file)"},
-	"setxattr_trusted":        {"ENOTSUP", "only user.* attributes are served; trusted.* and security.* are the host's"},
-	"ftruncate_unlinked_file": {"EINVAL", "the p9 server library refuses Tsetattr on a file whose name was removed"},
-	"fchmod_unlinked_file":    {"EINVAL", "as ftruncate_unlinked_file"},
-	"setgid_dir":              {"bad: setgid dropped", "the p9 server library keeps only permissions and sticky (01777) of a mode it decodes"},
+	"rename_exchange":  {"EINVAL", "9P2000.L's Trenameat has no flags: the guest kernel does RENAME_NOREPLACE itself (kernel/patches/0002), not an exchange"},
+	"o_tmpfile":        {"ENOTSUP", "Linux's v9fs has no tmpfile operation (programs fall back to a named file)"},
+	"setxattr_trusted": {"ENOTSUP", "only user.* attributes are served; trusted.* and security.* are the host's"},
 }
 
 // TestWorkspaceFidelity runs the file system probe in an image sandbox on

@@ -1,10 +1,10 @@
 // Package ninep is the virtio-9p device (virtio 1.2 §5.11 is silent on the
 // protocol; Linux's 9p virtio transport defines it): each descriptor chain
 // carries one 9P2000.L request in its readable buffers and receives the
-// reply in its writable ones. The 9P messages themselves are served by
-// github.com/hugelgupf/p9 over an in-memory stream, so this package only
-// frames: it checks each request's header before the server sees it, and
-// routes each reply back to the chain whose tag it carries.
+// reply in its writable ones. The 9P messages themselves are answered by
+// package p9server, so this package only frames: it checks each request's
+// header before the server sees it, and routes each reply back to the
+// chain whose tag it carries.
 //
 // The guest is hostile: a request whose header lies about its size, is too
 // large, or reuses a tag still in flight gets an Rlerror reply from the
@@ -13,8 +13,6 @@
 package ninep
 
 import (
-	"bytes"
-	"context"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -26,6 +24,7 @@ import (
 
 	"github.com/hugelgupf/p9/p9"
 
+	"github.com/capsa-sandbox/capsa/p9server"
 	"github.com/capsa-sandbox/capsa/virtio"
 )
 
@@ -85,7 +84,7 @@ var (
 // Options configures a device.
 type Options struct {
 	// ReadOnly refuses requests that write extended attributes before
-	// they reach the server (the p9 server buffers their values itself;
+	// they reach the server (which holds their values until the clunk;
 	// the file server refuses every other mutation of a read-only share).
 	ReadOnly bool
 	// Limit, when not nil, is waited on before the server gets each
@@ -358,9 +357,9 @@ type session struct {
 	versioning bool // a Tversion is in flight: nothing else is admitted
 	// After the server's first Rversion (serverMsize set), the device
 	// answers every later Tversion itself (at most the server's msize, the
-	// same version): the p9 server replaces its buffer pool on Tversion
-	// without regard to replies still being cleaned up, and keeps reading
-	// with the old msize.
+	// same version), and the session goes on: the server would release
+	// every fid, which the device's own record of them (for snapshots)
+	// would not follow.
 	serverMsize uint32
 	version     string
 	// Flushes in flight: each Tflush's tag to the tag it flushes, and the
@@ -388,9 +387,6 @@ type session struct {
 	paths    map[uint32]*fidPath
 	pathOps  map[uint16]pathOp
 	internal map[uint16]chan []byte
-	// rewrote holds the create requests in flight sent to the server
-	// with their creator (withCreator), by tag: their original type.
-	rewrote map[uint16]byte
 }
 
 // fidOp is what a request in flight does to the session's fids once the
@@ -399,8 +395,6 @@ type fidOp struct {
 	kind  byte   // one of the fid* constants
 	fid   uint32 // the fid made, converted or released
 	reply byte   // the reply type that says it succeeded
-	list  bool   // a Txattrwalk with no name: the attribute list
-	named bool   // a Txattrwalk with a well-formed name: one attribute
 }
 
 const (
@@ -426,38 +420,30 @@ func sessionState(d *Device) *session {
 		paths:    map[uint32]*fidPath{},
 		pathOps:  map[uint16]pathOp{},
 		internal: map[uint16]chan []byte{},
-		rewrote:  map[uint16]byte{},
 	}
-}
-
-// withCreator maps each create request (Tlcreate, Tmkdir, Tsymlink,
-// Tmknod) to the p9 package's form of it that also carries the creating
-// user's uid (Tucreate...), whose reply has the same body. 9P2000.L's
-// creates carry only a gid: the uid is the one the fid's attach named
-// (Linux attaches once per user), which the p9 server does not pass on.
-// With it the file server can give a new file its creator as owner.
-var withCreator = map[byte]byte{14: 128, 72: 130, 16: 134, 18: 132}
-
-// creator is the uid of the attach fid descends from, if known; s.mu is
-// held.
-func (s *session) creator(fid uint32) (uint32, bool) {
-	p := s.paths[fid]
-	if p == nil || p.Lost || p.Attach >= len(s.attaches) {
-		return 0, false
-	}
-	uid := s.attaches[p.Attach].NUname
-	return uid, uid != ^uint32(0)
 }
 
 func (d *Device) newSession(a *virtio.Activation) *session {
 	s := sessionState(d)
-	srv := p9.NewServer(d.attacher, p9.WithServerLogger(p9Logger{d.log}))
+	srv := p9server.New(d.attacher, p9server.Options{MaxMessage: MaxMessage, MaxFids: maxFids, Logger: d.log})
 	d.workers.Add(1)
 	go func() {
 		defer d.workers.Done()
-		// Handle returns when the request stream ends, after every
-		// handler has finished and every fid is released.
-		srv.Handle(&requestStream{s: s}, &replyStream{s: s})
+		// The admitted requests, in order, each after the share's limit
+		// lets it through; at the session's end, every request being
+		// served is waited for and every fid released.
+		defer srv.Close()
+		for {
+			select {
+			case m := <-s.requests:
+				if lim := s.dev.opts.Limit; lim != nil {
+					lim.Wait(s.done, 1, ioBytes(m))
+				}
+				srv.Serve(m, s.reply)
+			case <-s.done:
+				return
+			}
+		}
 	}()
 	return s
 }
@@ -511,23 +497,11 @@ func (s *session) admitMsg(msg []byte, tag uint16, c *virtio.Chain, internal cha
 		}
 		s.flushes[tag] = old
 	}
-	if typ == tgetlock {
-		// The guest kernel keeps the locks and tests its own first: it
-		// asks the server only when it found no conflict, and the guest
-		// is this share's one client, so there is none here either
-		// (p9fs grants every Tlock for the same reason). The p9 server
-		// has no Tgetlock: unanswered, fcntl(F_GETLK) failed, and SQLite
-		// in WAL mode with it.
-		if _, held := s.fids[le.Uint32(body)]; !held {
-			return refuse(errnoEBADF, "Tgetlock on fid %d, which the guest does not hold", le.Uint32(body))
-		}
-		return nil, tag, getlockReply(tag, body), nil
-	}
 	cost := int64(len(msg))
 	op := fidOp{reply: typ + 1}
 	switch typ {
 	case tversion:
-		// The p9 server swaps its buffer pool under requests in flight.
+		// A Tversion ends every request and fid: none may be in flight.
 		if len(s.pending) > 0 {
 			return refuse(errnoEBUSY, "Tversion with %d requests in flight", len(s.pending))
 		}
@@ -556,9 +530,6 @@ func (s *session) admitMsg(msg []byte, tag uint16, c *virtio.Chain, internal cha
 	case txattrwalk:
 		// fid[4] newfid[4] name[s]
 		op.kind, op.fid = fidMakeXattr, le.Uint32(body[4:])
-		n := int(le.Uint16(body[8:]))
-		op.list = n == 0
-		op.named = n > 0 && n <= 255 && bytes.IndexByte(body[10:10+n], 0) < 0
 	case txattrcreate:
 		// fid[4] name[s] size[8] flags[4]: the server buffers the value
 		// the guest then writes, up to size, until the clunk.
@@ -593,14 +564,6 @@ func (s *session) admitMsg(msg []byte, tag uint16, c *virtio.Chain, internal cha
 		s.fidOps[tag] = op
 	}
 	s.trackPath(tag, typ, body)
-	if u, ok := withCreator[typ]; ok && len(msg)+4 <= int(s.msize) {
-		if uid, known := s.creator(le.Uint32(body)); known {
-			msg = binary.LittleEndian.AppendUint32(msg, uid)
-			le.PutUint32(msg, uint32(len(msg)))
-			msg[4] = u
-			s.rewrote[tag] = typ
-		}
-	}
 	if c == nil {
 		s.internal[tag] = internal
 	} else {
@@ -633,12 +596,6 @@ func (s *session) answered(tag uint16, msg []byte) {
 	}
 	delete(s.fidOps, tag)
 	ok = msg[4] == op.reply
-	if ok && op.list {
-		emptyList(msg)
-	}
-	if op.named {
-		missingAttr(msg)
-	}
 	if op.kind == fidMakeXattr || op.kind == fidToXattr {
 		s.xmaking--
 	}
@@ -667,44 +624,6 @@ func (s *session) answered(tag uint16, msg []byte) {
 			}
 			delete(s.fids, op.fid)
 		}
-	}
-}
-
-// getlockReply is the Rgetlock for the Tgetlock body req (fid[4] type[1]
-// start[8] length[8] proc_id[4] client_id[s], checked against its
-// layout): no conflicting lock (type P9_LOCK_TYPE_UNLCK), the range and
-// owner as asked.
-func getlockReply(tag uint16, req []byte) []byte {
-	body := []byte{2} // P9_LOCK_TYPE_UNLCK
-	return message(tgetlock+1, tag, append(body, req[5:]...))
-}
-
-// emptyList corrects the p9 server's Rxattrwalk for an empty attribute
-// list. The server sends the names joined by NUL with a NUL after the
-// last, so no names at all become one NUL byte: the guest's listxattr(2)
-// then returned one empty name, and cp -a, shutil.copystat and the like
-// failed with ERANGE getting it. A list of one byte can hold nothing
-// else (a name is at least one byte and its NUL), so its size is set to
-// 0, which is what the guest reads for an empty list: it then reads
-// nothing from the fid.
-func emptyList(msg []byte) {
-	// size[4] type[1] tag[2] attrsize[8]
-	if len(msg) == headerLen+8 && msg[4] == txattrwalk+1 && binary.LittleEndian.Uint64(msg[headerLen:]) == 1 {
-		binary.LittleEndian.PutUint64(msg[headerLen:], 0)
-	}
-}
-
-// missingAttr corrects the p9 server's error for a Txattrwalk of one
-// attribute: it answers every failure with EINVAL, where getxattr(2) of an
-// attribute that does not exist must fail with ENODATA (the attr package's
-// ENOATTR), which programs test for. p9fs's own EINVAL is for a malformed
-// name, which this request did not have, so EINVAL here means the
-// attribute could not be read: ENODATA, its usual cause (a host without
-// user attributes, whose own answer is EOPNOTSUPP, also reads as no data).
-func missingAttr(msg []byte) {
-	// size[4] type[1] tag[2] ecode[4]
-	if len(msg) == headerLen+4 && msg[4] == rlerror && binary.LittleEndian.Uint32(msg[headerLen:]) == errnoEINVAL {
-		binary.LittleEndian.PutUint32(msg[headerLen:], errnoENODATA)
 	}
 }
 
@@ -778,20 +697,14 @@ func (s *session) check(c *virtio.Chain) ([]byte, uint16, error) {
 // reply routes one whole reply message from the server to its chain.
 //
 // An Rflush is returned to the driver only after the reply of the request
-// it flushed. The p9 server can send it first (it clears the old tag
-// before sending the old reply); Linux then frees the flushed request and
-// its buffers on Rflush, and the late reply would be written into freed
-// guest memory and completed for a freed request. QEMU orders them the
-// same way.
+// it flushed (p9server sends them in that order; the device holds an
+// early one all the same): Linux frees the flushed request and its
+// buffers on Rflush, and a late reply would be written into freed guest
+// memory and completed for a freed request. QEMU orders them the same
+// way.
 func (s *session) reply(msg []byte) {
 	tag := binary.LittleEndian.Uint16(msg[5:])
 	s.mu.Lock()
-	if typ, ok := s.rewrote[tag]; ok {
-		delete(s.rewrote, tag)
-		if msg[4] == withCreator[typ]+1 {
-			msg[4] = typ + 1 // the reply the guest asked for: the same body
-		}
-	}
 	c := s.pending[tag]
 	if c == nil {
 		if ch := s.internal[tag]; ch != nil {
@@ -842,32 +755,6 @@ func (s *session) deliver(tag uint16, c *virtio.Chain, msg []byte) {
 	s.dev.complete(s, c, msg)
 }
 
-// requestStream is the server's input: the admitted requests, one after
-// another. It ends when the session does.
-type requestStream struct {
-	s   *session
-	cur []byte
-}
-
-func (r *requestStream) Read(p []byte) (int, error) {
-	for len(r.cur) == 0 {
-		select {
-		case m := <-r.s.requests:
-			r.cur = m
-			if lim := r.s.dev.opts.Limit; lim != nil {
-				lim.Wait(r.s.done, 1, ioBytes(m))
-			}
-		case <-r.s.done:
-			return 0, io.EOF
-		}
-	}
-	n := copy(p, r.cur)
-	r.cur = r.cur[n:]
-	return n, nil
-}
-
-func (r *requestStream) Close() error { r.s.close(); return nil }
-
 // ioBytes is the data a request moves: a Tread's or Twrite's count
 // (fid[4] offset[8] count[4], checked when admitted), 0 for the rest.
 func ioBytes(m []byte) int {
@@ -875,56 +762,4 @@ func ioBytes(m []byte) int {
 		return int(binary.LittleEndian.Uint32(m[headerLen+12:]))
 	}
 	return 0
-}
-
-// replyStream is the server's output. The server writes each reply whole
-// (under its send lock) but in several pieces, so pieces are gathered
-// until the size in the header is reached.
-type replyStream struct {
-	s   *session
-	buf []byte
-}
-
-func (w *replyStream) Write(p []byte) (int, error) {
-	select {
-	case <-w.s.done:
-		return 0, io.ErrClosedPipe
-	default:
-	}
-	w.buf = append(w.buf, p...)
-	for len(w.buf) >= headerLen {
-		size := binary.LittleEndian.Uint32(w.buf)
-		if size < headerLen {
-			// Never from the p9 server; refuse rather than loop.
-			return 0, fmt.Errorf("virtio-9p: server wrote a %d-byte message", size)
-		}
-		if uint32(len(w.buf)) < size {
-			break
-		}
-		msg := make([]byte, size)
-		copy(msg, w.buf)
-		w.buf = w.buf[size:]
-		w.s.reply(msg)
-	}
-	if len(w.buf) == 0 {
-		w.buf = nil
-	}
-	return len(p), nil
-}
-
-func (w *replyStream) Close() error { return nil }
-
-// p9Logger sends the p9 server's per-message trace to debug logging.
-type p9Logger struct{ log *slog.Logger }
-
-func (l p9Logger) Printf(format string, v ...any) {
-	if l.log.Enabled(context.Background(), slog.LevelDebug) {
-		l.log.Debug(fmt.Sprintf(format, v...))
-	}
-}
-
-func (l p9Logger) Print(v ...any) {
-	if l.log.Enabled(context.Background(), slog.LevelDebug) {
-		l.log.Debug(fmt.Sprint(v...))
-	}
 }

@@ -521,11 +521,11 @@ func TestEmptyXattrListIsEmpty(t *testing.T) {
 	}
 }
 
-// TestGetlockIsAnsweredByTheDevice: fcntl(F_GETLK) reaches the device as
-// Tgetlock only when the guest found no conflicting lock of its own; the
-// device answers that there is none, with the range and owner asked, and
-// refuses a fid the guest does not hold.
-func TestGetlockIsAnsweredByTheDevice(t *testing.T) {
+// TestGetlock: fcntl(F_GETLK) reaches the device as Tgetlock only when
+// the guest found no conflicting lock of its own; the server answers that
+// there is none, with the range and owner asked, and refuses a fid the
+// guest does not hold.
+func TestGetlock(t *testing.T) {
 	g := guestAtFile(t)
 	req := cat(u32b(2), []byte{1}, u64b(100), u64b(50), u32b(77), str9("guest"))
 	r := g.ok(tgetlock, 3, req, 4096)
@@ -540,10 +540,9 @@ func TestGetlockIsAnsweredByTheDevice(t *testing.T) {
 	}
 }
 
-// TestMissingAttrIsENODATA: the p9 server answers every failed Txattrwalk
-// with EINVAL; for a well-formed name the guest gets ENODATA, as
-// getxattr(2) of a missing attribute gives on a local disk. A malformed
-// name keeps EINVAL.
+// TestMissingAttrIsENODATA: a Txattrwalk of a missing attribute gets
+// ENODATA, as getxattr(2) gives on a local disk (hugelgupf/p9's server,
+// before capsa's own, answered EINVAL); a malformed name gets EINVAL.
 func TestMissingAttrIsENODATA(t *testing.T) {
 	g := guestAtFile(t)
 	if e := errnoOf(g.call(txattrwalk, 3, cat(u32b(2), u32b(3), str9("user.missing")), 4096)); e != errnoENODATA {

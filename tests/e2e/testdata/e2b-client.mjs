@@ -516,6 +516,10 @@ if (mode === 'main') {
     eq(await k.kill(), true, 'kill')
     eq(await Sandbox.kill(k.sandboxId), false, 'killing it again')
   })
+  // The sandbox kept for after-restart: its timeout from now on covers
+  // the old SDK's run, a suspension and the server's restart (its resume
+  // above set it to connect's default, 300 s, which a slow run outlasts).
+  await step('setTimeout on the sandbox kept for after-restart', () => sbx.setTimeout(900_000))
   console.log(`keep ${sbx.sandboxId}`)
 } else if (mode === 'after-restart') {
   await step('reach a sandbox after the server restarted', async () => {
