@@ -766,12 +766,15 @@ func (s *Session) clunk(r *request) ([]byte, error) {
 	return r.reply(msgTclunk+1, 0).done(), nil
 }
 
-// commitXattr sets (or, with no value declared, removes) w's attribute.
+// commitXattr sets w's attribute, or, with no value declared, removes it:
+// Linux's client sends removexattr(2) as a Txattrcreate of size 0 (with
+// XATTR_REPLACE), and so, indistinguishably, a setxattr of an empty
+// value, which QEMU's server also takes for a removal.
 func commitXattr(file p9.File, w *xattrWrite) error {
 	if uint64(len(w.buf)) != w.size {
 		return linux.EINVAL // fewer bytes written than declared
 	}
-	if w.size == 0 && w.flags == 0 {
+	if w.size == 0 {
 		return file.RemoveXattr(w.name)
 	}
 	return file.SetXattr(w.name, w.buf, w.flags)

@@ -337,6 +337,15 @@ func TestXattrs(t *testing.T) {
 	if _, _, e := read("user.nosuch"); e != uint32(linux.ENODATA) {
 		t.Errorf("a missing attribute: errno %d; want ENODATA", e)
 	}
+	// removexattr(2), as Linux sends it: a value of no bytes, replacing.
+	walkTo(16, 6)
+	r.call(msg(msgTxattrcreat, 17, func(e *encoder) { e.u32(6); e.str("user.k"); e.u64(0); e.u32(unix.XATTR_REPLACE) }))
+	if b := r.call(msg(msgTclunk, 18, func(e *encoder) { e.u32(6) })); b[4] != msgTclunk+1 {
+		t.Errorf("removing user.k: errno %d", errno(b))
+	}
+	if _, v, e := read(""); e != 0 || slices.Contains(splitNUL(v), "user.k") {
+		t.Errorf("the list after the removal: %q errno %d", v, e)
+	}
 	// More declared than given: the clunk fails, nothing is set.
 	walkTo(12, 5)
 	r.call(msg(msgTxattrcreat, 13, func(e *encoder) { e.u32(5); e.str("user.short"); e.u64(10); e.u32(0) }))
