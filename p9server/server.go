@@ -316,6 +316,21 @@ func (s *Session) insert(n uint32, f *fid) error {
 	return nil
 }
 
+// replace puts f in the table as fid n in place of old, which must still
+// be there (EBADF if it was clunked or replaced meanwhile).
+func (s *Session) replace(n uint32, old, f *fid) error {
+	s.mu.Lock()
+	if s.fids[n] != old {
+		s.mu.Unlock()
+		return linux.EBADF
+	}
+	f.refs = 1
+	s.fids[n] = f
+	s.mu.Unlock()
+	s.put(old)
+	return nil
+}
+
 // remove takes fid n out of the table and returns it, still referenced
 // for the caller.
 func (s *Session) remove(n uint32) (*fid, error) {
@@ -637,8 +652,8 @@ func (s *Session) lcreate(r *request) ([]byte, error) {
 	created := &fid{file: nf, typ: qid.Type, uid: f.uid}
 	created.openMode(flags)
 	f.opened = true // a request still holding the old one cannot open it
-	if err := s.insert(n, created); err != nil {
-		nf.Close()
+	if err := s.replace(n, f, created); err != nil {
+		nf.Close() // the file is made; the fid went meanwhile
 		return nil, err
 	}
 	e := r.reply(msgTlcreate+1, qidLen+4)
@@ -1124,22 +1139,23 @@ func (s *Session) xattrcreate(r *request) ([]byte, error) {
 		return nil, err
 	}
 	defer s.put(f)
-	s.mu.Lock()
-	if s.xattrs >= MaxXattrFids {
-		s.mu.Unlock()
-		return nil, linux.ENFILE
-	}
+	// f.mu, then s.mu: the order every handler takes them in.
 	f.mu.Lock()
+	defer f.mu.Unlock()
 	if f.opened || f.isXattr {
-		f.mu.Unlock()
-		s.mu.Unlock()
 		return nil, linux.EINVAL
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	switch {
+	case s.fids[n] != f:
+		return nil, linux.EBADF // clunked or replaced meanwhile
+	case s.xattrs >= MaxXattrFids:
+		return nil, linux.ENFILE
 	}
 	f.isXattr = true
 	f.xwrite = &xattrWrite{name: name, size: size, flags: flags}
-	f.mu.Unlock()
 	s.xattrs++
-	s.mu.Unlock()
 	return r.reply(msgTxattrcreat+1, 0).done(), nil
 }
 

@@ -3,6 +3,7 @@ package p9server
 import (
 	"encoding/binary"
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"os"
@@ -544,5 +545,35 @@ func TestSetgidDirectory(t *testing.T) {
 	}
 	if st, _ := os.Stat(filepath.Join(dir, "f")); st.Mode()&(os.ModeSetgid|os.ModeSetuid) != 0 || st.Mode().Perm() != 0o755 {
 		t.Errorf("f after chmod 6755: %v; want 0755, no set-id bit", st.Mode())
+	}
+}
+
+// TestCreateAndXattrOnOneFid: a hostile client's Tlcreate and
+// Txattrcreate on one fid at once are both answered (the handlers take
+// their locks in one order), and Tclunks racing them leave the session
+// serving.
+func TestCreateAndXattrOnOneFid(t *testing.T) {
+	_, a := share(t)
+	r := newRaw(t, a)
+	r.start()
+	for i := range 50 {
+		fid := uint32(10 + i)
+		r.call(msg(msgTwalk, 1, func(e *encoder) { e.u32(0); e.u32(fid); e.u16(0) }))
+		done := make(chan []byte, 3)
+		reply := func(b []byte) { done <- b }
+		name := fmt.Sprintf("f%d", i)
+		r.s.Serve(msg(msgTlcreate, 2, func(e *encoder) { e.u32(fid); e.str(name); e.u32(2); e.u32(0o644); e.u32(0) }), reply)
+		r.s.Serve(msg(msgTxattrcreat, 3, func(e *encoder) { e.u32(fid); e.str("user.k"); e.u64(1); e.u32(0) }), reply)
+		r.s.Serve(msg(msgTclunk, 4, func(e *encoder) { e.u32(fid) }), reply)
+		for range 3 {
+			select {
+			case <-done:
+			case <-time.After(10 * time.Second):
+				t.Fatalf("round %d: a request went unanswered (deadlock)", i)
+			}
+		}
+	}
+	if b := r.call(msg(msgTgetattr, 5, func(e *encoder) { e.u32(0); e.u64(getMode) })); b[4] != msgTgetattr+1 {
+		t.Errorf("the session after: errno %d", errno(b))
 	}
 }

@@ -60,7 +60,6 @@ const (
 	rlerror      = 7
 	tattach      = 104
 	twalk        = 110
-	twalkgetattr = 126
 	txattrwalk   = 30
 	txattrcreate = 32
 	tread        = 116
@@ -523,7 +522,7 @@ func (s *session) admitMsg(msg []byte, tag uint16, c *virtio.Chain, internal cha
 		cost += int64(le.Uint32(body[12:]))
 	case tattach:
 		op.kind, op.fid = fidMake, le.Uint32(body)
-	case twalk, twalkgetattr:
+	case twalk:
 		if fid, newfid := le.Uint32(body), le.Uint32(body[4:]); newfid != fid {
 			op.kind, op.fid = fidMake, newfid
 		}

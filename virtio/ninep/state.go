@@ -64,7 +64,7 @@ type pathOp struct {
 
 // tracked are the requests whose replies change the fids' paths.
 var tracked = map[byte]bool{
-	tattach: true, twalk: true, twalkgetattr: true, tlopen: true, tlcreate: true, tclunk: true, tremove: true,
+	tattach: true, twalk: true, tlopen: true, tlcreate: true, tclunk: true, tremove: true,
 	trename: true, trenameat: true, tunlinkat: true, txattrwalk: true, txattrcreate: true,
 }
 
@@ -165,7 +165,7 @@ func (s *session) applyPath(tag uint16, msg []byte) {
 			s.attaches = append(s.attaches, a)
 		}
 		s.paths[u32(0)] = &fidPath{Attach: i}
-	case twalk, twalkgetattr:
+	case twalk:
 		names := f[2].([]string)
 		if len(msg) < headerLen+2 || int(binary.LittleEndian.Uint16(msg[headerLen:])) != len(names) {
 			return // a partial walk leaves newfid as it was

@@ -5,18 +5,17 @@ import (
 	"fmt"
 )
 
-// layouts are the bodies of the requests the server handles (9P2000.L and
-// the p9 package's extensions), as field codes: 1, 2, 4, 8 a little-endian
+// layouts are the bodies of the 9P2000.L requests the server handles, as
+// field codes: 1, 2, 4, 8 a little-endian
 // integer of that many bytes; s a string (u16 length, then bytes); n a u16
 // count of strings, then the strings; w Twrite's data (u32 count, then
 // exactly count bytes).
 //
-// The device checks each request against them before the server sees it.
-// The p9 package answers a request it cannot decode with an error carrying
-// no tag (NOTAG), which cannot be routed back to the request's descriptor
-// chain: that request would never complete. Checked here, it gets an error
-// with its own tag instead. Types missing from the table (replies, and
-// requests the server does not handle) are answered ENOSYS.
+// The device checks each request against them before the server sees it
+// (p9server checks them again), so that a request whose body lies gets its
+// error with its own tag, routed back to its descriptor chain. Types
+// missing from the table (replies, and requests the server does not
+// handle) are answered ENOSYS.
 var layouts = map[byte]string{
 	8:   "4",          // Tstatfs fid
 	12:  "44",         // Tlopen fid flags
@@ -32,7 +31,7 @@ var layouts = map[byte]string{
 	40:  "484",        // Treaddir fid offset count
 	50:  "4",          // Tfsync fid
 	52:  "414884s",    // Tlock fid type flags start length pid client
-	54:  "41884s",     // Tgetlock fid type start length pid client (the device answers it)
+	54:  "41884s",     // Tgetlock fid type start length pid client
 	70:  "44s",        // Tlink dfid fid name
 	72:  "4s44",       // Tmkdir dfid name mode gid
 	74:  "4s4s",       // Trenameat olddir oldname newdir newname
@@ -46,11 +45,6 @@ var layouts = map[byte]string{
 	118: "48w",        // Twrite fid offset data
 	120: "4",          // Tclunk fid
 	122: "4",          // Tremove fid
-	126: "44n",        // Twalkgetattr fid newfid names
-	128: "4s4444",     // Tucreate: Tlcreate, uid
-	130: "4s444",      // Tumkdir: Tmkdir, uid
-	132: "4s44444",    // Tumknod: Tmknod, uid
-	134: "4ss44",      // Tusymlink: Tsymlink, uid
 }
 
 const errnoENOSYS = 38
