@@ -31,6 +31,8 @@ import (
 	"strings"
 
 	"golang.org/x/net/proxy"
+
+	"github.com/capsa-sandbox/capsa/netstack"
 )
 
 // MaxCredential is the longest username or password RFC 1929 carries.
@@ -68,8 +70,12 @@ func (p Proxy) Check() error {
 	if n, err := strconv.ParseUint(port, 10, 16); err != nil || n == 0 {
 		return fmt.Errorf("egress proxy address %q: port %q: want 1 to 65535", p.Address, port)
 	}
-	if _, err := netip.ParseAddr(host); err != nil && !validName(host) {
-		return fmt.Errorf("egress proxy address %q: host %q is neither an IP address nor a DNS name", p.Address, host)
+	if _, err := netip.ParseAddr(host); err != nil {
+		// A name as the NAT's domain rules take one, any case, a root
+		// dot allowed.
+		if err := netstack.CheckDomain(strings.ToLower(strings.TrimSuffix(host, "."))); err != nil {
+			return fmt.Errorf("egress proxy address %q: host %q is neither an IP address nor a DNS name: %v", p.Address, host, err)
+		}
 	}
 	if len(p.Username) > MaxCredential || len(p.Password) > MaxCredential {
 		return fmt.Errorf("egress proxy %s: a username or password longer than %d bytes (SOCKS5 carries no more)", p.Address, MaxCredential)
@@ -78,26 +84,6 @@ func (p Proxy) Check() error {
 		return fmt.Errorf("egress proxy %s: a password without a username", p.Address)
 	}
 	return nil
-}
-
-// validName says whether s is a DNS name as a resolver takes it: labels
-// of 1 to 63 letters, digits, hyphens and underscores, 253 bytes in all.
-func validName(s string) bool {
-	s = strings.TrimSuffix(s, ".")
-	if s == "" || len(s) > 253 {
-		return false
-	}
-	for _, l := range strings.Split(s, ".") {
-		if l == "" || len(l) > 63 || l[0] == '-' || l[len(l)-1] == '-' {
-			return false
-		}
-		for _, c := range []byte(l) {
-			if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '-' || c == '_') {
-				return false
-			}
-		}
-	}
-	return true
 }
 
 // ErrNonPublic is the error for a Proxy.PublicOnly proxy whose address

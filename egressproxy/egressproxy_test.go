@@ -12,19 +12,9 @@ import (
 	"strings"
 	"testing"
 	"time"
-)
 
-// nonPublic stands in for the NAT's ranges (netstack.NonPublic) with
-// what these tests need: loopback and RFC 1918.
-func nonPublic(a netip.Addr) string {
-	switch {
-	case a.IsLoopback():
-		return "loopback"
-	case a.IsPrivate():
-		return "private"
-	}
-	return ""
-}
+	"github.com/capsa-sandbox/capsa/netstack"
+)
 
 func TestCheck(t *testing.T) {
 	for _, c := range []struct {
@@ -267,7 +257,7 @@ func TestPublicOnly(t *testing.T) {
 	}
 	// A name that resolves to loopback is refused at each dial, as an IP.
 	for _, a := range []string{addr, "localhost:" + port} {
-		d, err := New(Proxy{Address: a, PublicOnly: true}, Options{NonPublic: nonPublic})
+		d, err := New(Proxy{Address: a, PublicOnly: true}, Options{NonPublic: netstack.NonPublicChecker()})
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -2,7 +2,6 @@ package sandbox
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"net"
 	"net/netip"
@@ -119,7 +118,7 @@ func (e *egressDialer) set(p *EgressProxy) error {
 	}
 	d, err := egressproxy.New(*p, egressproxy.Options{Resolver: e.resolver, NonPublic: e.nonPublic})
 	if err != nil {
-		return fmt.Errorf("sandbox: %w", err)
+		return err
 	}
 	e.cur.Store(d)
 	return nil
@@ -143,13 +142,9 @@ func (s *Sandbox) SetEgressProxy(p *EgressProxy) error {
 		}
 		return fmt.Errorf("sandbox: set the egress proxy: %w", ErrNoNAT)
 	}
-	if p != nil {
-		if err := p.Check(); err != nil {
-			return fmt.Errorf("sandbox: set the egress proxy: %w", err)
-		}
-	}
+	// set checks p (egressproxy.New) before anything changes.
 	if err := s.net.proxy.set(p); err != nil {
-		return fmt.Errorf("sandbox: set the egress proxy: %w", errors.Unwrap(err))
+		return fmt.Errorf("sandbox: set the egress proxy: %w", err)
 	}
 	return nil
 }

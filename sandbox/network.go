@@ -217,7 +217,7 @@ func startNetwork(ctx context.Context, c config, lim *limiters, log *slog.Logger
 	if p := nc.EgressProxy; p != nil {
 		px := p.proxy(c.secrets)
 		if err := proxy.set(&px); err != nil {
-			return nil, "", err
+			return nil, "", fmt.Errorf("sandbox: %w", err)
 		}
 	}
 	cfg.Dial = proxy.DialContext
