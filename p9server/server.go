@@ -30,6 +30,7 @@
 package p9server
 
 import (
+	"encoding/binary"
 	"errors"
 	"io"
 	"log/slog"
@@ -475,10 +476,7 @@ func (s *Session) walk(r *request) ([]byte, error) {
 	for i := range names {
 		names[i] = r.d.str()
 	}
-	if err := r.d.end(); err != nil {
-		return nil, err
-	}
-	f, err := s.fileFid(n)
+	f, err := s.fidOf(r, n, false)
 	if err != nil {
 		return nil, err
 	}
@@ -511,10 +509,7 @@ func (s *Session) walk(r *request) ([]byte, error) {
 // mtime, ctime and btime (sec[8] nsec[8] each), gen[8] data_version[8].
 func (s *Session) getattr(r *request) ([]byte, error) {
 	n, mask := r.d.u32(), r.d.u64()
-	if err := r.d.end(); err != nil {
-		return nil, err
-	}
-	f, err := s.fileFid(n)
+	f, err := s.fidOf(r, n, false)
 	if err != nil {
 		return nil, err
 	}
@@ -544,10 +539,7 @@ func (s *Session) setattr(r *request) ([]byte, error) {
 	n, valid := r.d.u32(), r.d.u32()
 	a := p9.SetAttr{Permissions: p9.FileMode(r.d.u32()), UID: p9.UID(r.d.u32()), GID: p9.GID(r.d.u32()), Size: r.d.u64(),
 		ATimeSeconds: r.d.u64(), ATimeNanoSeconds: r.d.u64(), MTimeSeconds: r.d.u64(), MTimeNanoSeconds: r.d.u64()}
-	if err := r.d.end(); err != nil {
-		return nil, err
-	}
-	f, err := s.fileFid(n)
+	f, err := s.fidOf(r, n, false)
 	if err != nil {
 		return nil, err
 	}
@@ -562,10 +554,7 @@ func (s *Session) setattr(r *request) ([]byte, error) {
 // files[8] ffree[8] fsid[8] namelen[4].
 func (s *Session) statfs(r *request) ([]byte, error) {
 	n := r.d.u32()
-	if err := r.d.end(); err != nil {
-		return nil, err
-	}
-	f, err := s.fileFid(n)
+	f, err := s.fidOf(r, n, false)
 	if err != nil {
 		return nil, err
 	}
@@ -596,10 +585,7 @@ func (f *fid) openMode(flags p9.OpenFlags) {
 // is opened whatever became of its name meanwhile, as on a local disk.
 func (s *Session) lopen(r *request) ([]byte, error) {
 	n, flags := r.d.u32(), p9.OpenFlags(r.d.u32())
-	if err := r.d.end(); err != nil {
-		return nil, err
-	}
-	f, err := s.fileFid(n)
+	f, err := s.fidOf(r, n, false)
 	if err != nil {
 		return nil, err
 	}
@@ -627,10 +613,7 @@ func (s *Session) lopen(r *request) ([]byte, error) {
 // The fid, a directory, becomes the new file, open.
 func (s *Session) lcreate(r *request) ([]byte, error) {
 	n, name, flags, mode, gid := r.d.u32(), r.d.str(), p9.OpenFlags(r.d.u32()), p9.FileMode(r.d.u32()), p9.GID(r.d.u32())
-	if err := r.d.end(); err != nil {
-		return nil, err
-	}
-	f, err := s.fileFid(n)
+	f, err := s.fidOf(r, n, false)
 	if err != nil {
 		return nil, err
 	}
@@ -710,10 +693,7 @@ func (s *Session) read(r *request) ([]byte, error) {
 		}
 	}
 	e.b = e.b[:headerLen+4+got]
-	e.b[headerLen] = byte(got)
-	e.b[headerLen+1] = byte(got >> 8)
-	e.b[headerLen+2] = byte(got >> 16)
-	e.b[headerLen+3] = byte(got >> 24)
+	binary.LittleEndian.PutUint32(e.b[headerLen:], uint32(got))
 	return e.done(), nil
 }
 
@@ -815,10 +795,7 @@ func (s *Session) removeFid(r *request) ([]byte, error) {
 // qid[13] offset[8] type[1] name[s], as many whole ones as count holds.
 func (s *Session) readdir(r *request) ([]byte, error) {
 	n, off, count := r.d.u32(), r.d.u64(), r.d.u32()
-	if err := r.d.end(); err != nil {
-		return nil, err
-	}
-	f, err := s.fileFid(n)
+	f, err := s.fidOf(r, n, false)
 	if err != nil {
 		return nil, err
 	}
@@ -851,20 +828,14 @@ func (s *Session) readdir(r *request) ([]byte, error) {
 		e.str(d.Name)
 		used += l
 	}
-	e.b[headerLen] = byte(used)
-	e.b[headerLen+1] = byte(used >> 8)
-	e.b[headerLen+2] = byte(used >> 16)
-	e.b[headerLen+3] = byte(used >> 24)
+	binary.LittleEndian.PutUint32(e.b[headerLen:], uint32(used))
 	return e.done(), nil
 }
 
 // readlink: fid[4] -> target[s].
 func (s *Session) readlink(r *request) ([]byte, error) {
 	n := r.d.u32()
-	if err := r.d.end(); err != nil {
-		return nil, err
-	}
-	f, err := s.fileFid(n)
+	f, err := s.fidOf(r, n, false)
 	if err != nil {
 		return nil, err
 	}
@@ -887,10 +858,7 @@ func (s *Session) fsync(r *request) ([]byte, error) {
 	if len(r.d.b) == 4 {
 		r.d.u32()
 	}
-	if err := r.d.end(); err != nil {
-		return nil, err
-	}
-	f, err := s.fileFid(n)
+	f, err := s.fidOf(r, n, false)
 	if err != nil {
 		return nil, err
 	}
@@ -899,6 +867,18 @@ func (s *Session) fsync(r *request) ([]byte, error) {
 		return nil, err
 	}
 	return r.reply(msgTfsync+1, 0).done(), nil
+}
+
+// fidOf finishes decoding r, then takes a reference to fid n: a file's,
+// or with dir a directory's. Release it with put.
+func (s *Session) fidOf(r *request, n uint32, dir bool) (*fid, error) {
+	if err := r.d.end(); err != nil {
+		return nil, err
+	}
+	if dir {
+		return s.dirFid(n)
+	}
+	return s.fileFid(n)
 }
 
 // dirFid takes a reference to fid n, a directory's.
@@ -924,10 +904,7 @@ func qidReply(r *request, typ uint8, q p9.QID) []byte {
 // mkdir: dfid[4] name[s] mode[4] gid[4] -> qid[13].
 func (s *Session) mkdir(r *request) ([]byte, error) {
 	n, name, mode, gid := r.d.u32(), r.d.str(), p9.FileMode(r.d.u32()), p9.GID(r.d.u32())
-	if err := r.d.end(); err != nil {
-		return nil, err
-	}
-	f, err := s.dirFid(n)
+	f, err := s.fidOf(r, n, true)
 	if err != nil {
 		return nil, err
 	}
@@ -942,10 +919,7 @@ func (s *Session) mkdir(r *request) ([]byte, error) {
 // symlink: fid[4] name[s] symtgt[s] gid[4] -> qid[13].
 func (s *Session) symlink(r *request) ([]byte, error) {
 	n, name, target, gid := r.d.u32(), r.d.str(), r.d.str(), p9.GID(r.d.u32())
-	if err := r.d.end(); err != nil {
-		return nil, err
-	}
-	f, err := s.dirFid(n)
+	f, err := s.fidOf(r, n, true)
 	if err != nil {
 		return nil, err
 	}
@@ -960,10 +934,7 @@ func (s *Session) symlink(r *request) ([]byte, error) {
 // mknod: dfid[4] name[s] mode[4] major[4] minor[4] gid[4] -> qid[13].
 func (s *Session) mknod(r *request) ([]byte, error) {
 	n, name, mode, major, minor, gid := r.d.u32(), r.d.str(), p9.FileMode(r.d.u32()), r.d.u32(), r.d.u32(), p9.GID(r.d.u32())
-	if err := r.d.end(); err != nil {
-		return nil, err
-	}
-	f, err := s.dirFid(n)
+	f, err := s.fidOf(r, n, true)
 	if err != nil {
 		return nil, err
 	}
@@ -1050,10 +1021,7 @@ func (s *Session) renameat(r *request) ([]byte, error) {
 // unlinkat: dirfid[4] name[s] flags[4].
 func (s *Session) unlinkat(r *request) ([]byte, error) {
 	n, name, flags := r.d.u32(), r.d.str(), r.d.u32()
-	if err := r.d.end(); err != nil {
-		return nil, err
-	}
-	f, err := s.dirFid(n)
+	f, err := s.fidOf(r, n, true)
 	if err != nil {
 		return nil, err
 	}
@@ -1069,10 +1037,7 @@ func (s *Session) unlinkat(r *request) ([]byte, error) {
 // ending in NUL), read with Tread.
 func (s *Session) xattrwalk(r *request) ([]byte, error) {
 	n, newN, name := r.d.u32(), r.d.u32(), r.d.str()
-	if err := r.d.end(); err != nil {
-		return nil, err
-	}
-	f, err := s.fileFid(n)
+	f, err := s.fidOf(r, n, false)
 	if err != nil {
 		return nil, err
 	}
@@ -1163,10 +1128,7 @@ func (s *Session) xattrcreate(r *request) ([]byte, error) {
 // client_id[s] -> status[1].
 func (s *Session) lock(r *request) ([]byte, error) {
 	n, typ, flags, start, length, pid, client := r.d.u32(), p9.LockType(r.d.u8()), p9.LockFlags(r.d.u32()), r.d.u64(), r.d.u64(), r.d.u32(), r.d.str()
-	if err := r.d.end(); err != nil {
-		return nil, err
-	}
-	f, err := s.fileFid(n)
+	f, err := s.fidOf(r, n, false)
 	if err != nil {
 		return nil, err
 	}
@@ -1188,10 +1150,7 @@ func (s *Session) getlock(r *request) ([]byte, error) {
 	n := r.d.u32()
 	r.d.u8()
 	start, length, pid, client := r.d.u64(), r.d.u64(), r.d.u32(), r.d.str()
-	if err := r.d.end(); err != nil {
-		return nil, err
-	}
-	f, err := s.fileFid(n)
+	f, err := s.fidOf(r, n, false)
 	if err != nil {
 		return nil, err
 	}

@@ -313,13 +313,11 @@ func (d *Device) complete(s *session, c *virtio.Chain, msg []byte) {
 }
 
 const (
-	errnoE2BIG   = 7
-	errnoEBADF   = 9
-	errnoEBUSY   = 16
-	errnoEINVAL  = 22
-	errnoENFILE  = 23
-	errnoEROFS   = 30
-	errnoENODATA = 61
+	errnoE2BIG  = 7
+	errnoEBUSY  = 16
+	errnoEINVAL = 22
+	errnoENFILE = 23
+	errnoEROFS  = 30
 )
 
 // message is a 9P message: size[4] type[1] tag[2], then body.

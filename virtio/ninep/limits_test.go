@@ -521,6 +521,12 @@ func TestEmptyXattrListIsEmpty(t *testing.T) {
 	}
 }
 
+// The server's errnos these tests expect (the device gives neither).
+const (
+	errnoEBADF   = 9
+	errnoENODATA = 61
+)
+
 // TestGetlock: fcntl(F_GETLK) reaches the device as Tgetlock only when
 // the guest found no conflicting lock of its own; the server answers that
 // there is none, with the range and owner asked, and refuses a fid the
