@@ -4,8 +4,10 @@ GO ?= go
 export CAPSA_CACHE ?= $(HOME)/.cache/capsa
 BUILD := build
 NESTED := $(BUILD)/capsa-nested
-# Test binaries for the KVM tier: packages whose tests need /dev/kvm.
-KVM_PKGS := ./kvm ./vmm
+# Test binaries for the KVM tier: packages whose tests need /dev/kvm, or
+# the nested host's kernel (guestmem: its soft-dirty page tracking, which
+# this machine's kernel lacks).
+KVM_PKGS := ./kvm ./vmm ./guestmem
 BENCHTIME ?= 5x
 # Which benchmarks make bench runs (a -test.bench pattern): make bench BENCH=WorkspaceMeta
 BENCH ?= .

@@ -14,12 +14,10 @@ import (
 // file server needs to serve other users' files: reading, writing and
 // searching them whatever their modes, setting their modes and times (as
 // their owner may), and keeping their set-group-ID bits when it writes.
-// One that serves none keeps none (every file it uses after confinement
-// is its own, or was opened before), or, where it reads what other users'
-// sandboxes wrote in the store (Config.ReadStore: a supervisor, asked for
-// a layer over another sandbox's snapshot), cap_dac_read_search alone,
-// which reads and changes nothing it could not before but reads.
-// Either gives up the rest for good, from its bounding set too: mounting,
+// One that serves none keeps none: every file it uses after confinement
+// is its own, or was opened before, or is lent to it (a layer's parent
+// that another user's sandbox wrote: snapshot.OpenLent). Either gives up
+// the rest for good, from its bounding set too: mounting,
 // namespaces, chown, setuid, raw sockets, network administration, module
 // loading, ptrace, kill, device nodes. Its uid stays 0, so files it makes
 // stay root's, as before. A process that is not root, or that dropped to
@@ -31,17 +29,13 @@ import (
 var KeptCapabilities = []cap.Value{cap.DAC_OVERRIDE, cap.DAC_READ_SEARCH, cap.FOWNER, cap.FSETID}
 
 // dropCapabilities leaves the process only the KeptCapabilities it holds
-// with files, cap_dac_read_search alone with readStore, none otherwise,
-// and removes every other one from its bounding and ambient sets. It
-// reports what it kept.
-func dropCapabilities(files, readStore bool) (string, error) {
+// with files, none otherwise, and removes every other one from its
+// bounding and ambient sets. It reports what it kept.
+func dropCapabilities(files bool) (string, error) {
 	cur := cap.GetProc()
 	var keep, held []cap.Value
-	switch {
-	case files:
+	if files {
 		keep = KeptCapabilities
-	case readStore:
-		keep = []cap.Value{cap.DAC_READ_SEARCH}
 	}
 	var names []string
 	for _, v := range keep {

@@ -30,7 +30,7 @@ func capsChild() int {
 			<-hold
 		}()
 	}
-	what, err := dropCapabilities(os.Getenv("CAPS_FILES") == "1", os.Getenv("CAPS_READ") == "1")
+	what, err := dropCapabilities(os.Getenv("CAPS_FILES") == "1")
 	got := map[string]string{"drop": what}
 	if err != nil {
 		got["drop"] = "error: " + err.Error()
@@ -90,24 +90,21 @@ func TestDropCapabilities(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, c := range []struct {
-		what        string
-		files, read bool
-	}{{"files", true, false}, {"store reads", false, true}, {"nothing", false, false}} {
+		what  string
+		files bool
+	}{{"files", true}, {"nothing", false}} {
 		t.Run(c.what, func(t *testing.T) {
 			cmd := exec.Command(os.Args[0], "-test.run=^$")
 			cmd.Env = append(os.Environ(), childEnv+"=caps", "CAPS_OTHERS_FILE="+others, "CAPS_MINE="+mine,
-				fmt.Sprintf("CAPS_FILES=%d", map[bool]int{true: 1}[c.files]), fmt.Sprintf("CAPS_READ=%d", map[bool]int{true: 1}[c.read]))
+				fmt.Sprintf("CAPS_FILES=%d", map[bool]int{true: 1}[c.files]))
 			got := childResult(t, cmd, "the child dropping its capabilities")
 			t.Logf("child: %v", got)
 			var mask uint64
 			var names []string
 			kept := []cap.Value(nil)
 			wantDrop, wantRead := "none held", "permission denied"
-			switch {
-			case c.files:
+			if c.files {
 				kept = KeptCapabilities
-			case c.read:
-				kept = []cap.Value{cap.DAC_READ_SEARCH}
 			}
 			for _, v := range kept {
 				mask |= 1 << uint(v)
@@ -117,7 +114,7 @@ func TestDropCapabilities(t *testing.T) {
 				wantDrop, wantRead = "kept "+strings.Join(names, ","), "ok"
 			}
 			if got["drop"] != wantDrop {
-				t.Errorf("dropCapabilities(%v, %v) = %q; want %q", c.files, c.read, got["drop"], wantDrop)
+				t.Errorf("dropCapabilities(%v) = %q; want %q", c.files, got["drop"], wantDrop)
 			}
 			want := fmt.Sprintf("CapInh: %016x; CapPrm: %016x; CapEff: %016x; CapBnd: %016x; CapAmb: %016x", 0, mask, mask, mask, 0)
 			if got["sets"] != want {

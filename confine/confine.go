@@ -73,15 +73,10 @@ type Config struct {
 	// (shares, volumes, disks, files copied in), which may be other
 	// users': run by root, it keeps KeptCapabilities for them.
 	HostFiles bool
-	// ReadStore says the process reads files other users' sandboxes
-	// wrote in the state directory (a supervisor asked for a layer over
-	// another sandbox's snapshot): run by root without HostFiles, it
-	// keeps cap_dac_read_search alone for them.
-	ReadStore bool
-	// NoJail keeps the process in the host's mount namespace, where
-	// the host mounts on its shares while it runs (a containerd pod's
-	// container roots) reach it; Landlock and seccomp still apply.
-	NoJail bool
+	// Follow are directories of Write beneath which the host mounts
+	// while the process runs (a containerd pod's container roots): its
+	// jail takes those mounts as they come (JailConfig.Follow).
+	Follow []string
 }
 
 // DefaultPids bounds a VMM's threads: the Go runtime's, one per vCPU and
@@ -148,13 +143,8 @@ func Apply(c Config, log *slog.Logger) (Layers, error) {
 			return l, errors.New("confine: jail: changing the user (" + c.User.String() + ") needs root")
 		}
 		l.Namespaces = "off: not root"
-	} else if c.NoJail {
-		if c.User != nil {
-			return l, errors.New("confine: a jail's user (" + c.User.String() + ") without the jail")
-		}
-		l.Namespaces = "off: its shares take the host's mounts while it runs"
 	} else {
-		d, e = Jail(JailConfig{Read: read, Write: c.Write, User: c.User, Own: c.Own, Shared: c.Shared}, log)
+		d, e = Jail(JailConfig{Read: read, Write: c.Write, Follow: c.Follow, User: c.User, Own: c.Own, Shared: c.Shared}, log)
 		if e != nil && c.User != nil {
 			return l, fmt.Errorf("confine: jail as %s: %w", c.User, e)
 		}
@@ -164,7 +154,7 @@ func Apply(c Config, log *slog.Logger) (Layers, error) {
 	}
 	// After the jail, which needs its mounts and chowns, and before
 	// seccomp, which refuses capset.
-	d, e = dropCapabilities(c.HostFiles, c.ReadStore)
+	d, e = dropCapabilities(c.HostFiles)
 	if l.Capabilities, err = status("capabilities", d, e); err != nil {
 		return l, err
 	}

@@ -28,6 +28,12 @@ func TestMain(m *testing.M) {
 	if os.Getenv(childEnv) == "jail" {
 		os.Exit(jailChild())
 	}
+	if os.Getenv(childEnv) == "follow-host" {
+		os.Exit(followHost())
+	}
+	if os.Getenv(childEnv) == "follow-jail" {
+		os.Exit(followJail())
+	}
 	if os.Getenv(childEnv) == "caps" {
 		os.Exit(capsChild())
 	}

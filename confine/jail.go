@@ -24,8 +24,10 @@ import (
 // all, and as that user holds no capability.
 //
 // The namespace must be made when the process is spawned
-// (SysProcAttr.Unshareflags CLONE_NEWNS): in a Go process, which has many
-// threads, unshare(CLONE_NEWNS) would move only the calling thread.
+// (SysProcAttr.Cloneflags CLONE_NEWNS): in a Go process, which has many
+// threads, unshare(CLONE_NEWNS) would move only the calling thread. (Not
+// Unshareflags, after which os/exec makes every mount private: a jail
+// that follows the host's mounts needs them as they were.)
 
 // User is the user and group a jailed process drops to.
 type User struct {
@@ -54,6 +56,20 @@ type JailConfig struct {
 	// Read and Write are bound into the jail, read-only and writable.
 	// Files and directories; missing ones are skipped.
 	Read, Write []string
+	// Follow are directories of Write beneath which the host mounts while
+	// the process runs (a containerd pod's container roots, in its
+	// shared directory): the jail takes those mounts as they come and
+	// go. Each is bound with what is mounted beneath it, as a slave of
+	// the host's mount: the host's mounts and unmounts there reach the
+	// jail, the jail's reach nothing. For them to come, the host's mount
+	// of the directory must be shared (mount --make-shared) before the
+	// process is spawned. Every other bind takes nothing from the host
+	// after it is made. A mount that comes keeps the host's flags, not
+	// the jail's nosuid, nodev and noexec (what holds the process there
+	// is seccomp, which refuses execve, and its file server, which opens
+	// no device). A directory given in Read too is bound once, and not
+	// followed.
+	Follow []string
 	// User, when set, is the user and group the process becomes.
 	User *User
 	// Own are files and directories capsa made for this sandbox alone
@@ -124,8 +140,19 @@ func Jail(c JailConfig, log *slog.Logger) (string, error) {
 			}
 		}
 	}
-	if err := unix.Mount("", "/", "", unix.MS_REC|unix.MS_PRIVATE, ""); err != nil {
-		return "", fmt.Errorf("confine: jail: make / private: %w", err)
+	// Nothing made here goes back to the host. Where the jail follows
+	// the host's mounts, they still come in: a slave receives its
+	// master's, and a bind of a slave is a slave of the same master.
+	propagation, kind := uintptr(unix.MS_PRIVATE), "private"
+	follow := map[string]bool{}
+	for _, p := range c.Follow {
+		follow[filepath.Clean(p)] = true
+	}
+	if len(follow) > 0 {
+		propagation, kind = unix.MS_SLAVE, "a slave"
+	}
+	if err := unix.Mount("", "/", "", unix.MS_REC|propagation, ""); err != nil {
+		return "", fmt.Errorf("confine: jail: make / %s: %w", kind, err)
 	}
 	// Open every path before the tmpfs covers jailRoot: some lie beneath
 	// it. Parents first, so a path inside another is mounted on top.
@@ -135,6 +162,7 @@ func Jail(c JailConfig, log *slog.Logger) (string, error) {
 		dir    bool
 		rdonly bool
 		flags  uintptr
+		rec    bool // with what is mounted beneath it, a slave (Follow)
 	}
 	var binds []bind
 	defer func() {
@@ -159,7 +187,7 @@ func Jail(c JailConfig, log *slog.Logger) (string, error) {
 				f.Close()
 				return fmt.Errorf("confine: jail: %w", err)
 			}
-			binds = append(binds, bind{p, f, fi.IsDir(), rdonly, flags})
+			binds = append(binds, bind{p, f, fi.IsDir(), rdonly, flags, follow[p] && !rdonly && fi.IsDir()})
 		}
 		return nil
 	}
@@ -182,6 +210,21 @@ func Jail(c JailConfig, log *slog.Logger) (string, error) {
 	if err := unix.Mount("tmpfs", jailRoot, "tmpfs", jailFlags, "mode=0755,size=1m,nr_inodes=4096"); err != nil {
 		return "", fmt.Errorf("confine: jail: mount its root: %w", err)
 	}
+	// isolate makes a mount of the jail's take nothing from the host
+	// from here on: under Follow, where / became a slave, a bind of a
+	// slave is one too.
+	isolate := func(target string) error {
+		if len(follow) == 0 {
+			return nil
+		}
+		if err := unix.Mount("", target, "", unix.MS_PRIVATE, ""); err != nil {
+			return fmt.Errorf("confine: jail: make %s private: %w", target, err)
+		}
+		return nil
+	}
+	if err := isolate(jailRoot); err != nil {
+		return "", err
+	}
 	bound := map[string]int{} // path -> its bind's index
 	for j, b := range binds {
 		if i, ok := bound[b.path]; ok {
@@ -193,7 +236,7 @@ func Jail(c JailConfig, log *slog.Logger) (string, error) {
 			}
 			continue
 		}
-		if i, ok := boundAbove(bound, b.path); ok && binds[i].rdonly == b.rdonly {
+		if i, ok := boundAbove(bound, b.path); ok && binds[i].rdonly == b.rdonly && (binds[i].rec || !b.rec) {
 			continue // reached through that bind, which it would only pin
 		}
 		target := jailRoot + b.path
@@ -201,8 +244,17 @@ func Jail(c JailConfig, log *slog.Logger) (string, error) {
 			return "", fmt.Errorf("confine: jail: %s: %w", b.path, err)
 		}
 		src := "/proc/self/fd/" + strconv.Itoa(int(b.f.Fd()))
-		if err := unix.Mount(src, target, "", unix.MS_BIND, ""); err != nil {
+		bindFlags := uintptr(unix.MS_BIND)
+		if b.rec {
+			bindFlags |= unix.MS_REC
+		}
+		if err := unix.Mount(src, target, "", bindFlags, ""); err != nil {
 			return "", fmt.Errorf("confine: jail: bind %s: %w", b.path, err)
+		}
+		if !b.rec {
+			if err := isolate(target); err != nil {
+				return "", err
+			}
 		}
 		flags := unix.MS_REMOUNT | unix.MS_BIND | b.flags
 		if b.rdonly {
@@ -249,6 +301,15 @@ func Jail(c JailConfig, log *slog.Logger) (string, error) {
 	what := fmt.Sprintf("mount namespace, %d paths", len(bound))
 	if how != "pivot_root" {
 		what += ", " + how
+	}
+	followed := 0
+	for _, i := range bound {
+		if binds[i].rec {
+			followed++
+		}
+	}
+	if followed > 0 {
+		what += fmt.Sprintf(", following the host's mounts beneath %d of them", followed)
 	}
 	if c.User == nil {
 		return what + ", uid 0", nil

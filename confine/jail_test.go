@@ -1,15 +1,19 @@
 package confine
 
 import (
+	"bufio"
 	"encoding/binary"
 	"encoding/json"
 	"errors"
+	"fmt"
+	"io"
 	"log/slog"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"slices"
 	"strconv"
+	"strings"
 	"syscall"
 	"testing"
 
@@ -193,5 +197,174 @@ func TestParseUser(t *testing.T) {
 		if got, err := ParseUser(in); err == nil {
 			t.Errorf("ParseUser(%q) = %v, want an error", in, got)
 		}
+	}
+}
+
+// followHost is the test binary as the host of TestJailFollowsHostMounts,
+// in a mount namespace of its own (made private first, so that nothing
+// reaches the real host): it makes FOLLOW_DIR and FOLLOW_RO shared mounts,
+// the first with a mount beneath it already, spawns two jailed children that bind it writable
+// and FOLLOW_RO read-only, one following the host's mounts beneath
+// FOLLOW_DIR and one not, and then mounts and unmounts beneath both
+// directories, and looks for the follower's own mount. It prints what
+// each saw.
+func followHost() int {
+	got := map[string]string{}
+	try := recorder(got)
+	dir, ro := os.Getenv("FOLLOW_DIR"), os.Getenv("FOLLOW_RO")
+	defer json.NewEncoder(os.Stdout).Encode(got)
+	for _, step := range []struct {
+		what string
+		err  func() error
+	}{
+		{"make / private", func() error { return unix.Mount("", "/", "", unix.MS_REC|unix.MS_PRIVATE, "") }},
+		{"bind", func() error { return unix.Mount(dir, dir, "", unix.MS_BIND, "") }},
+		{"make shared", func() error { return unix.Mount("", dir, "", unix.MS_SHARED, "") }},
+		// The read-only path shared too, as every mount of a host whose
+		// / is shared (systemd's): only the followed directory may take
+		// what comes.
+		{"bind the read-only", func() error { return unix.Mount(ro, ro, "", unix.MS_BIND, "") }},
+		{"make it shared", func() error { return unix.Mount("", ro, "", unix.MS_SHARED, "") }},
+		{"mount before", func() error { return unix.Mount("tmpfs", filepath.Join(dir, "pre"), "tmpfs", 0, "size=1m") }},
+		{"write before", func() error { return os.WriteFile(filepath.Join(dir, "pre", "f"), []byte("there before"), 0o644) }},
+	} {
+		if err := step.err(); err != nil {
+			try("host: "+step.what, err)
+			return 0
+		}
+	}
+	type jailed struct {
+		name string
+		in   io.WriteCloser
+		out  *bufio.Reader
+	}
+	var children []*jailed
+	for _, follow := range []string{"1", "0"} {
+		cmd := exec.Command(os.Args[0], "-test.run=^$")
+		cmd.Env = append(os.Environ(), childEnv+"=follow-jail", "FOLLOW="+follow)
+		cmd.SysProcAttr = &syscall.SysProcAttr{Cloneflags: syscall.CLONE_NEWNS}
+		cmd.Stderr = os.Stderr
+		in, err1 := cmd.StdinPipe()
+		out, err2 := cmd.StdoutPipe()
+		if err := errors.Join(err1, err2, cmd.Start()); err != nil {
+			try("host: spawn", err)
+			return 0
+		}
+		children = append(children, &jailed{name: map[string]string{"1": "follower", "0": "not following"}[follow], in: in, out: bufio.NewReader(out)})
+		defer cmd.Wait()
+		defer in.Close()
+	}
+	// step tells each child to go on, and takes the line it answers.
+	step := func(what string) {
+		for _, j := range children {
+			io.WriteString(j.in, what+"\n")
+			line, err := j.out.ReadString('\n')
+			if err != nil {
+				got[j.name+": "+what] = "no answer: " + err.Error()
+				continue
+			}
+			got[j.name+": "+what] = strings.TrimSpace(line)
+		}
+	}
+	step("jail")
+	try("host: mount beneath", unix.Mount("tmpfs", filepath.Join(dir, "sub"), "tmpfs", 0, "size=1m"))
+	try("host: write in it", os.WriteFile(filepath.Join(dir, "sub", "f"), []byte("mounted"), 0o644))
+	try("host: mount beneath the read-only", unix.Mount("tmpfs", filepath.Join(ro, "sub"), "tmpfs", 0, "size=1m"))
+	try("host: write in that", os.WriteFile(filepath.Join(ro, "sub", "f"), []byte("mounted"), 0o644))
+	step("read after the mounts")
+	try("host: unmount", unix.Unmount(filepath.Join(dir, "sub"), unix.MNT_DETACH))
+	step("read after the unmount")
+	_, err := os.Stat(filepath.Join(dir, "own", "f"))
+	try("host: the follower's own mount", err)
+	return 0
+}
+
+// followJail is a child of followHost: it jails itself with FOLLOW_DIR
+// writable and FOLLOW_RO read-only, following the host's mounts beneath
+// FOLLOW_DIR or not (FOLLOW), and then, at each line its host writes,
+// does the next step and answers in one line: what it reads of the files
+// its host wrote, beneath a mount made before the jail and beneath the
+// two made after.
+func followJail() int {
+	dir, ro := os.Getenv("FOLLOW_DIR"), os.Getenv("FOLLOW_RO")
+	in := bufio.NewReader(os.Stdin)
+	answer := func(s string) { fmt.Println(s) }
+	next := func() bool { _, err := in.ReadString('\n'); return err == nil }
+	read := func() string {
+		var out []string
+		for _, f := range []string{filepath.Join(dir, "pre", "f"), filepath.Join(dir, "sub", "f"), filepath.Join(ro, "sub", "f")} {
+			b, err := os.ReadFile(f)
+			if err != nil {
+				b = []byte("none")
+			}
+			out = append(out, string(b))
+		}
+		return strings.Join(out, ", ")
+	}
+	if !next() {
+		return 1
+	}
+	c := JailConfig{Read: []string{ro}, Write: []string{dir}}
+	if os.Getenv("FOLLOW") == "1" {
+		c.Follow = []string{dir}
+	}
+	what, err := Jail(c, slog.New(slog.DiscardHandler))
+	if err != nil {
+		answer("jail: " + err.Error())
+		return 0
+	}
+	// A mount of its own beneath the directory, which must not reach
+	// the host.
+	own := filepath.Join(dir, "own")
+	if err := unix.Mount("tmpfs", own, "tmpfs", 0, "size=1m"); err == nil {
+		os.WriteFile(filepath.Join(own, "f"), []byte("x"), 0o644)
+	}
+	answer(what)
+	for range 2 {
+		if !next() {
+			return 1
+		}
+		answer(read())
+	}
+	return 0
+}
+
+// TestJailFollowsHostMounts: a jail that follows the host's mounts beneath
+// a directory holds what was mounted there before it, sees a mount made
+// there after it was jailed, and its unmount, but not one made beneath a
+// read-only path; one that does not follow sees none of them; and the
+// follower's own mounts do not reach the host.
+func TestJailFollowsHostMounts(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("the jail needs root")
+	}
+	base := t.TempDir()
+	dir, ro := filepath.Join(base, "pod"), filepath.Join(base, "ro")
+	for _, d := range []string{"pod/pre", "pod/sub", "pod/own", "ro/sub"} {
+		if err := os.MkdirAll(filepath.Join(base, d), 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(), childEnv+"=follow-host", "FOLLOW_DIR="+dir, "FOLLOW_RO="+ro)
+	cmd.SysProcAttr = &syscall.SysProcAttr{Cloneflags: syscall.CLONE_NEWNS}
+	got := childResult(t, cmd, "the host child")
+	want := map[string]string{
+		"host: mount beneath": "ok", "host: write in it": "ok", "host: mount beneath the read-only": "ok", "host: write in that": "ok", "host: unmount": "ok",
+		"follower: jail":                        "mount namespace, 3 paths, following the host's mounts beneath 1 of them, uid 0",
+		"not following: jail":                   "mount namespace, 3 paths, uid 0",
+		"follower: read after the mounts":       "there before, mounted, none",
+		"follower: read after the unmount":      "there before, none, none",
+		"not following: read after the mounts":  "none, none, none",
+		"not following: read after the unmount": "none, none, none",
+		"host: the follower's own mount":        "stat " + filepath.Join(dir, "own", "f") + ": no such file or directory",
+	}
+	for k, v := range want {
+		if got[k] != v {
+			t.Errorf("%s = %q, want %q", k, got[k], v)
+		}
+	}
+	if len(got) != len(want) {
+		t.Errorf("the host child printed %v; want only %v", got, want)
 	}
 }

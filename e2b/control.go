@@ -1443,31 +1443,20 @@ func (s *Server) updateNetwork(w http.ResponseWriter, r *http.Request, key Key) 
 		apiError(w, http.StatusBadRequest, fmt.Sprintf("update network of %s: rules: %v", rec.Name, err))
 		return
 	}
-	// A proxy set goes in before the policy, one removed after it: no
-	// connection goes out directly under the policy being replaced.
-	setProxy := func() bool {
-		if err := s.m.SetEgressProxy(r.Context(), rec.Name, proxy); errors.Is(err, sandbox.ErrNoNAT) {
-			apiError(w, http.StatusConflict, fmt.Sprintf("update network of %s: egressProxy: it was made without internet access (allow_internet_access false), so it has no network to tunnel", rec.Name))
-			return false
-		} else if err != nil {
-			apiError(w, http.StatusBadRequest, fmt.Sprintf("update network of %s: egressProxy: %v", rec.Name, err))
-			return false
-		}
-		return true
-	}
-	if proxy != nil && !setProxy() {
-		return
-	}
-	err = s.m.SetNetworkPolicy(r.Context(), rec.Name, policy)
+	// A proxy set goes in before the policy, one removed after it
+	// (supervisor.Manager.UpdateNetwork).
+	err = s.m.UpdateNetwork(r.Context(), rec.Name, supervisor.NetworkUpdate{Policy: policy, SetProxy: true, Proxy: proxy})
+	var step *supervisor.NetworkStepError
 	switch {
 	case errors.Is(err, sandbox.ErrNoNAT):
-		apiError(w, http.StatusConflict, fmt.Sprintf("update network of %s: it was made without internet access (allow_internet_access false), so it has no network to change", rec.Name))
+		apiError(w, http.StatusConflict, fmt.Sprintf("update network of %s: it was made without internet access (allow_internet_access false), so it has no network to change or tunnel", rec.Name))
+		return
+	case errors.As(err, &step) && step.Step == supervisor.StepProxy:
+		// The sandbox refused the proxy: the request's.
+		apiError(w, http.StatusBadRequest, fmt.Sprintf("update network of %s: egressProxy: %v", rec.Name, err))
 		return
 	case err != nil:
 		apiError(w, http.StatusInternalServerError, fmt.Sprintf("update network of %s: %v", rec.Name, err))
-		return
-	}
-	if proxy == nil && !setProxy() {
 		return
 	}
 	s.log.Info("e2b: network updated", "sandbox", rec.Name, "policy", policy.String())

@@ -15,6 +15,7 @@ import (
 	"io"
 	"os"
 	"sort"
+	"sync/atomic"
 
 	"golang.org/x/sys/unix"
 )
@@ -46,6 +47,10 @@ type Memory struct {
 	size    uint64
 	mapped  bool // regions were mmap'd by New and are unmapped by Close
 	backed  bool // every region is a private mapping of files (Map, MapLayers, Remap): Dirty works
+	// discards, while a PreCopy runs, notes the pages Discard gives back:
+	// read again, such a page is the kernel's zero page, present and not
+	// soft-dirty, which Finish could not tell from an unchanged one.
+	discards atomic.Pointer[pageSet]
 }
 
 // New maps size bytes of guest RAM laid out for x86: below MMIOStart first,
@@ -91,15 +96,14 @@ func mapLayout(size uint64, f *os.File) (*Memory, error) {
 			off += int64(l.n)
 			continue
 		}
-		b, err := mapHuge(l.n)
+		// The region starts at a 2 MiB boundary of the mapping, so that
+		// guest and host huge pages line up.
+		b, skip, err := mapHuge(l.n)
 		if err != nil {
 			m.Close()
 			return nil, err
 		}
 		m.maps = append(m.maps, b)
-		// The region starts at the first 2 MiB boundary of the mapping,
-		// so that guest and host huge pages line up.
-		skip := (hugePage - addrOf(b)%hugePage) % hugePage
 		m.regions = append(m.regions, Region{GPA: l.gpa, Host: b[skip : skip+l.n : skip+l.n]})
 		off += int64(l.n)
 	}
@@ -109,21 +113,40 @@ func mapLayout(size uint64, f *os.File) (*Memory, error) {
 // hugePage is x86's 2 MiB page.
 const hugePage = 2 << 20
 
-// mapHuge maps n bytes of anonymous memory, and 2 MiB more so that a 2 MiB
-// aligned run of n bytes lies inside, and asks for transparent huge pages
-// on it: KVM then maps the guest's memory with 2 MiB pages of the nested
-// page table wherever the host has a huge page, and a guest's boot takes a
-// few hundred second-level page faults instead of thousands (each an exit,
-// costly when the host is itself a guest). The slack at either end is
-// never touched, so it costs address space only. Where transparent huge
-// pages are off, the advice fails quietly and memory is in 4 KiB pages.
-func mapHuge(n uint64) ([]byte, error) {
-	b, err := unix.Mmap(-1, 0, int(n+hugePage), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS|unix.MAP_NORESERVE)
+// mapHuge maps n bytes of anonymous memory, with slack at either end so
+// that a 2 MiB aligned run of n bytes lies inside, and asks for
+// transparent huge pages on that run: KVM then maps the guest's memory
+// with 2 MiB pages of the nested page table wherever the host has a huge
+// page, and a guest's boot takes a few hundred second-level page faults
+// instead of thousands (each an exit, costly when the host is itself a
+// guest). Where transparent huge pages are off, the advice fails quietly
+// and memory is in 4 KiB pages. It returns the whole mapping and the
+// run's offset in it.
+//
+// The slack, at least a page at either end, is made inaccessible: a guard
+// that keeps any later mapping of the process from lying next to the run.
+// A mapping with the run's flags placed next to it would be merged into
+// its VMA, and the kernel marks a VMA that grows soft-dirty as a whole
+// (mm/vma.c, for soft-dirty trackers that must see new memory), so every
+// page of the guest would read as written since a pre-copy began.
+func mapHuge(n uint64) ([]byte, uint64, error) {
+	total := n + hugePage + pageSize
+	b, err := unix.Mmap(-1, 0, int(total), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS|unix.MAP_NORESERVE)
 	if err != nil {
-		return nil, fmt.Errorf("mmap %d bytes of guest memory: %w", n, err)
+		return nil, 0, fmt.Errorf("mmap %d bytes of guest memory: %w", n, err)
 	}
-	_ = unix.Madvise(b, unix.MADV_HUGEPAGE)
-	return b, nil
+	// The first 2 MiB boundary at least a page in: skip is at most
+	// hugePage, and the slack after the run at least a page.
+	first := addrOf(b) + pageSize
+	skip := pageSize + (hugePage-first%hugePage)%hugePage
+	for _, guard := range [][]byte{b[:skip], b[skip+n:]} {
+		if err := unix.Mprotect(guard, unix.PROT_NONE); err != nil {
+			unix.Munmap(b)
+			return nil, 0, fmt.Errorf("guard pages of guest memory: %w", err)
+		}
+	}
+	_ = unix.Madvise(b[skip:skip+n], unix.MADV_HUGEPAGE)
+	return b, skip, nil
 }
 
 // WriteFile writes the memory to f as Map reads it: the regions one after
@@ -425,6 +448,9 @@ func (m *Memory) Discard(b []byte) (uint64, error) {
 		}
 		if err := unix.Madvise(p, unix.MADV_DONTNEED); err != nil {
 			return 0, fmt.Errorf("discard %d bytes of guest memory at %#x: %w", len(p), r.GPA+(lo-rs), err)
+		}
+		if d := m.discards.Load(); d != nil {
+			d.add(m.fileOffset(r)+int64(lo-rs), int64(len(p)))
 		}
 		return uint64(len(p)), nil
 	}

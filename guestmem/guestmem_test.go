@@ -3,8 +3,10 @@ package guestmem
 import (
 	"bytes"
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 
 	"golang.org/x/sys/unix"
@@ -238,6 +240,54 @@ func TestNewAlignsOnHugePages(t *testing.T) {
 		}
 		if err := m.Close(); err != nil {
 			t.Errorf("Close() = %v", err)
+		}
+	}
+}
+
+// TestNewGuardsItsMemory: each region is a VMA of its own, between
+// inaccessible guard pages, so that no later mapping can be merged into it
+// (which would mark all of it soft-dirty, and make a pre-copy's Finish
+// write everything). Memories mapped one after another, each given the
+// same advice, stay apart.
+func TestNewGuardsItsMemory(t *testing.T) {
+	var ms []*Memory
+	defer func() {
+		for _, m := range ms {
+			m.Close()
+		}
+	}()
+	for range 8 {
+		m, err := New(4 << 20)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ms = append(ms, m)
+	}
+	maps, err := os.ReadFile("/proc/self/maps")
+	if err != nil {
+		t.Skipf("no /proc/self/maps: %v", err)
+	}
+	// vma returns the start, end and permissions of the VMA holding a.
+	vma := func(a uint64) (start, end uint64, perms string) {
+		for _, line := range strings.Split(string(maps), "\n") {
+			var s, e uint64
+			var p string
+			if _, err := fmt.Sscanf(line, "%x-%x %s", &s, &e, &p); err == nil && s <= a && a < e {
+				return s, e, p
+			}
+		}
+		return 0, 0, ""
+	}
+	for i, m := range ms {
+		r := m.Regions()[0]
+		lo, hi := addrOf(r.Host), addrOf(r.Host)+uint64(len(r.Host))
+		if s, e, p := vma(lo); s != lo || e != hi || !strings.HasPrefix(p, "rw") {
+			t.Errorf("memory %d at %#x-%#x lies in the VMA %#x-%#x %s; want one of its own", i, lo, hi, s, e, p)
+		}
+		for _, a := range []uint64{lo - pageSize, hi} {
+			if _, _, p := vma(a); !strings.HasPrefix(p, "---") {
+				t.Errorf("memory %d at %#x-%#x: the page at %#x is %q; want a guard (---)", i, lo, hi, a, p)
+			}
 		}
 	}
 }

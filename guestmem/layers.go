@@ -3,7 +3,6 @@ package guestmem
 import (
 	"bytes"
 	"cmp"
-	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
@@ -385,36 +384,16 @@ func (m *Memory) Dirty(limit int) ([]Run, error) {
 	if limit < 2 {
 		return nil, fmt.Errorf("dirty pages of guest memory: at most %d runs", limit)
 	}
-	pm, err := os.Open("/proc/self/pagemap")
+	var l runList
+	err := m.scanPagemap(l.region, func(off int64, e uint64) {
+		// pmFile: a page of the file (or shared), not a copy of this
+		// process's own.
+		if e&pmPresent != 0 && e&pmFile == 0 || e&pmSwapped != 0 {
+			l.add(off)
+		}
+	})
 	if err != nil {
 		return nil, fmt.Errorf("dirty pages of guest memory: %w", err)
-	}
-	defer pm.Close()
-	const (
-		present = 1 << 63
-		swapped = 1 << 62
-		file    = 1 << 61 // a page of the file (or shared), not a copy of this process's own
-	)
-	var l runList
-	buf := make([]byte, 8*4096)
-	var off int64
-	for _, r := range m.regions {
-		pages := len(r.Host) / pageSize
-		l.region()
-		for i := 0; i < pages; {
-			n := min(pages-i, len(buf)/8)
-			if _, err := pm.ReadAt(buf[:8*n], int64(addrOf(r.Host)/pageSize+uint64(i))*8); err != nil {
-				return nil, fmt.Errorf("dirty pages of guest memory: read pagemap: %w", err)
-			}
-			for k := range n {
-				e := binary.LittleEndian.Uint64(buf[8*k:])
-				if e&present != 0 && e&file == 0 || e&swapped != 0 {
-					l.add(off + int64(i+k)*pageSize)
-				}
-			}
-			i += n
-		}
-		off += int64(len(r.Host))
 	}
 	if l.runs == nil {
 		return []Run{}, nil // none written: known, unlike a nil

@@ -532,3 +532,47 @@ func TestSandboxNetwork(t *testing.T) {
 		}
 	}
 }
+
+// TestEgressProxy: sandbox_create and sandbox_network take a SOCKS5 proxy
+// whose password comes from a variable the server allows; it must be
+// public unless the server allows private ones, and needs a network.
+// Refusals name what is wrong and never carry the password.
+func TestEgressProxy(t *testing.T) {
+	t.Setenv("CAPSA_MCP_TEST_PW", "pr0xy-pw")
+	m, dir := managerAndDir(t)
+	public := connectTo(t, NewServer(Options{Manager: m, SecretEnv: []string{"CAPSA_MCP_TEST_PW"}}))
+	for want, args := range map[string]map[string]any{
+		"needs a network":        {"egress_proxy": map[string]any{"address": "192.0.2.1:1080"}},
+		"--private-egress-proxy": {"network": "public-only", "egress_proxy": map[string]any{"address": "127.0.0.1:1080"}},
+		"may not use its environment variable HOME": {"network": "public-only",
+			"egress_proxy": map[string]any{"address": "192.0.2.1:1080", "username": "u", "password_env": "HOME"}},
+		"want HOST:PORT": {"network": "public-only", "egress_proxy": map[string]any{"address": "proxy.example"}},
+	} {
+		res := call(t, public, "sandbox_create", args)
+		if !res.IsError || !strings.Contains(text(res), want) || strings.Contains(text(res), "pr0xy-pw") {
+			t.Errorf("sandbox_create(%v) = IsError %v, %q; want a tool error naming %q", args, res.IsError, text(res), want)
+		}
+	}
+	withNet := sandbox.Spec{CPUs: 1, MemoryMiB: 256, Main: sandbox.ProcessSpec{Argv: []string{"true"}},
+		Network: &sandbox.NetworkSpec{Policy: netstack.PublicOnly()}}
+	supervisortest.Exited(t, dir, "net", withNet, 0, "done")
+	private := connectTo(t, NewServer(Options{Manager: m, SecretEnv: []string{"CAPSA_MCP_TEST_PW"}, PrivateEgressProxy: true}))
+	proxy := map[string]any{"address": "127.0.0.1:1080", "username": "agent", "password_env": "CAPSA_MCP_TEST_PW"}
+	res := call(t, private, "sandbox_network", map[string]any{"name": "net", "network": "public-only", "egress_proxy": proxy})
+	if res.IsError || !strings.Contains(text(res), "127.0.0.1:1080") || strings.Contains(text(res), "pr0xy-pw") {
+		t.Errorf("sandbox_network with a proxy = IsError %v, %q; want the proxy's address, no password", res.IsError, text(res))
+	}
+	if r, err := m.Get("net"); err != nil || r.Spec.Network.EgressProxy == nil || r.Spec.Network.EgressProxy.Username != "agent" {
+		t.Errorf("the record after sandbox_network: %+v, %v; want the proxy and its username", r.Spec.Network, err)
+	}
+	if res := call(t, public, "sandbox_network", map[string]any{"name": "net", "network": "public-only", "egress_proxy": proxy}); !res.IsError {
+		t.Errorf("a loopback proxy through a server that allows none: %q; want a tool error", text(res))
+	}
+	res = call(t, private, "sandbox_network", map[string]any{"name": "net", "network": "public-only", "egress_proxy": map[string]any{"address": "none"}})
+	if res.IsError {
+		t.Fatalf("sandbox_network taking the proxy away: %q", text(res))
+	}
+	if r, _ := m.Get("net"); r.Spec.Network.EgressProxy != nil {
+		t.Errorf("the record after taking the proxy away: %+v", r.Spec.Network.EgressProxy)
+	}
+}

@@ -72,6 +72,18 @@ type hostArgs struct {
 	KV       []string    `json:"kv,omitempty" jsonschema:"key prefixes of the shared key-value store the sandbox may read and change from inside (capsa kv ...)"`
 	Limits   string      `json:"limits,omitempty" jsonschema:"I/O limits as capsa run --limit takes them, KEY=RATE[:BURST] comma separated: net, net-rx, net-tx (bytes a second: 10MB, 512KiB), net-pps, disk, disk-iops, share; a guest past one is slowed, never failed"`
 	CPUQuota float64     `json:"cpu_quota,omitempty" jsonschema:"the most host CPUs the sandbox may use, its vCPUs and its VMM's own threads together (e.g. 0.5); default: its vCPU count"`
+	// EgressProxy is E2B's network.egressProxy, as capsa run
+	// --egress-proxy takes it.
+	EgressProxy *egressProxyArg `json:"egress_proxy,omitempty" jsonschema:"with a network: a SOCKS5 proxy all the sandbox's outbound TCP goes through, after the allow and deny rules (UDP and DNS go straight out; no proxy reached, no connection)"`
+}
+
+// egressProxyArg is a SOCKS5 proxy for a sandbox's outbound TCP. Its
+// password, like a secret's value, comes from the server's environment,
+// never from the agent.
+type egressProxyArg struct {
+	Address     string `json:"address" jsonschema:"HOST:PORT of the SOCKS5 proxy; it must be on a public address unless the server allows private ones (capsa mcp --private-egress-proxy)"`
+	Username    string `json:"username,omitempty" jsonschema:"the proxy's username, if it asks for one"`
+	PasswordEnv string `json:"password_env,omitempty" jsonschema:"the server's environment variable holding the proxy's password (with username; it must be one the server allows: capsa mcp --secret-env)"`
 }
 
 type createResult struct {
@@ -117,11 +129,14 @@ type networkArgs struct {
 	Network string   `json:"network" jsonschema:"the new policy, replacing the one it has: public-only (the internet, not the host's or private networks), allow-all or deny-all"`
 	Allow   []string `json:"allow,omitempty" jsonschema:"destinations to allow (CIDR, IP, [udp/]HOST[:PORT[-PORT]], DOMAIN or *.DOMAIN)"`
 	Deny    []string `json:"deny,omitempty" jsonschema:"destinations to deny, as allow; deny beats allow"`
+	// EgressProxy replaces the sandbox's proxy; absent, it keeps it.
+	EgressProxy *egressProxyArg `json:"egress_proxy,omitempty" jsonschema:"a SOCKS5 proxy for the sandbox's outbound TCP from now on, replacing the one it has (address none: straight out); absent: the proxy it has stays"`
 }
 
 type networkResult struct {
-	Name    string `json:"name"`
-	Network string `json:"network" jsonschema:"the policy now in force"`
+	Name        string `json:"name"`
+	Network     string `json:"network" jsonschema:"the policy now in force"`
+	EgressProxy string `json:"egress_proxy,omitempty" jsonschema:"the proxy now in force, if sandbox_network was given one: its address, or none"`
 }
 
 type destroyResult struct {
@@ -149,7 +164,7 @@ func registerSandboxTools(s *sdk.Server, t *tools) {
 		Annotations: &sdk.ToolAnnotations{DestructiveHint: boolPtr(false)},
 	}, t.resume)
 	addTool(s, t, &sdk.Tool{Name: "sandbox_network", Title: "Change a sandbox's network policy",
-		Description: "Replace the network policy of a sandbox made with a network: at once for every new connection and DNS query (connections already open go on), and for its next resume. It cannot give a network to a sandbox made without one.",
+		Description: "Replace the network policy of a sandbox made with a network, and with egress_proxy its SOCKS5 proxy: at once for every new connection and DNS query (connections already open go on), and for its next resume. It cannot give a network to a sandbox made without one.",
 		Annotations: &sdk.ToolAnnotations{DestructiveHint: boolPtr(false), IdempotentHint: true, OpenWorldHint: boolPtr(true)},
 	}, t.network)
 	addTool(s, t, &sdk.Tool{Name: "sandbox_destroy", Title: "Destroy a sandbox",
@@ -180,7 +195,7 @@ func (t *tools) create(ctx context.Context, a createArgs) (createResult, error) 
 	if a.MemoryMiB != 0 {
 		b.Memory(a.MemoryMiB)
 	}
-	if err := t.applyHost(b, a.hostArgs); err != nil {
+	if err := t.applyHost(ctx, b, a.hostArgs); err != nil {
 		return createResult{}, err
 	}
 	var w *sandbox.Workload
@@ -208,8 +223,9 @@ func (t *tools) create(ctx context.Context, a createArgs) (createResult, error) 
 }
 
 // applyHost gives b the host-facing settings a asks for, within what
-// this server allows (its share roots and secret variables).
-func (t *tools) applyHost(b *sandbox.Builder, a hostArgs) error {
+// this server allows (its share roots, secret variables and egress
+// proxies).
+func (t *tools) applyHost(ctx context.Context, b *sandbox.Builder, a hostArgs) error {
 	switch {
 	case a.Network != "" && a.Network != "none":
 		policy, err := netstack.ParsePolicy(a.Network, a.Allow, a.Deny)
@@ -263,7 +279,45 @@ func (t *tools) applyHost(b *sandbox.Builder, a hostArgs) error {
 	if a.CPUQuota != 0 {
 		b.CPUQuota(a.CPUQuota)
 	}
+	if a.EgressProxy != nil {
+		if a.Network == "" || a.Network == "none" {
+			return errors.New("egress_proxy needs a network (network: public-only, allow-all or deny-all)")
+		}
+		p, err := t.egressProxy(ctx, *a.EgressProxy)
+		if err != nil {
+			return err
+		}
+		b.EgressProxy(*p)
+	}
 	return nil
+}
+
+// egressProxy checks an egress proxy an agent asks for, as capsa serve
+// does E2B's: its form, its password's variable (one the server allows,
+// set), and unless the server allows private proxies, that its address
+// resolves now to public ones only (it must at every dial too).
+func (t *tools) egressProxy(ctx context.Context, a egressProxyArg) (*sandbox.EgressProxy, error) {
+	p := &sandbox.EgressProxy{Address: a.Address, Username: a.Username, PublicOnly: !t.privateProxy}
+	if a.PasswordEnv != "" {
+		if !t.secretEnv[a.PasswordEnv] {
+			return nil, fmt.Errorf("egress_proxy: password_env: this server may not use its environment variable %s (capsa mcp --secret-env %s allows it)", a.PasswordEnv, a.PasswordEnv)
+		}
+		v, ok := os.LookupEnv(a.PasswordEnv)
+		if !ok || v == "" {
+			return nil, fmt.Errorf("egress_proxy: password_env: the capsa mcp server's environment has no %s", a.PasswordEnv)
+		}
+		p.Password = v
+	}
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	if err := sandbox.CheckEgressProxy(ctx, *p); err != nil {
+		msg := err.Error()
+		if p.PublicOnly && errors.Is(err, sandbox.ErrNonPublicProxy) {
+			msg += " (capsa mcp --private-egress-proxy allows one)"
+		}
+		return nil, fmt.Errorf("egress_proxy: %s", msg)
+	}
+	return p, nil
 }
 
 // failedLaunch says, of a sandbox that was recorded but did not start,
@@ -323,10 +377,21 @@ func (t *tools) network(ctx context.Context, a networkArgs) (networkResult, erro
 	if err != nil {
 		return networkResult{}, fmt.Errorf("network: %w", err)
 	}
-	if err := t.m.SetNetworkPolicy(ctx, a.Name, policy); err != nil {
+	res := networkResult{Name: a.Name, Network: policy.String()}
+	u := supervisor.NetworkUpdate{Policy: policy}
+	if a.EgressProxy != nil {
+		u.SetProxy, res.EgressProxy = true, "none"
+		if a.EgressProxy.Address != "none" {
+			if u.Proxy, err = t.egressProxy(ctx, *a.EgressProxy); err != nil {
+				return networkResult{}, err
+			}
+			res.EgressProxy = u.Proxy.Address
+		}
+	}
+	if err := t.m.UpdateNetwork(ctx, a.Name, u); err != nil {
 		return networkResult{}, err
 	}
-	return networkResult{Name: a.Name, Network: policy.String()}, nil
+	return res, nil
 }
 
 func (t *tools) destroy(ctx context.Context, a nameArgs) (destroyResult, error) {

@@ -44,6 +44,10 @@ type Options struct {
 	// SecretEnv names the server's environment variables a tool may use
 	// as a secret's value (none: no secrets); CAPSA_MCP_TOKEN never.
 	SecretEnv []string
+	// PrivateEgressProxy lets a sandbox's egress proxy be on a loopback
+	// or private address (without it, one must be public, so that an
+	// agent cannot aim sandboxes' traffic at the host's services).
+	PrivateEgressProxy bool
 	// Log receives a line per tool call (nil: none).
 	Log *slog.Logger
 	// Version is capsa's, told to clients.
@@ -60,6 +64,8 @@ type tools struct {
 	log        *slog.Logger
 	shareRoots []string // cleaned, symlinks resolved
 	secretEnv  map[string]bool
+	// privateProxy is Options.PrivateEgressProxy.
+	privateProxy bool
 }
 
 // instructions tell the agent how the tools go together.
@@ -78,7 +84,7 @@ func NewServer(o Options) *sdk.Server {
 	}
 	s := sdk.NewServer(&sdk.Implementation{Name: "capsa", Title: "capsa sandboxes", Version: version},
 		&sdk.ServerOptions{Instructions: instructions, Logger: slog.New(atLeast{log.Handler(), slog.LevelWarn})})
-	t := &tools{m: o.Manager, log: log, secretEnv: map[string]bool{}}
+	t := &tools{m: o.Manager, log: log, secretEnv: map[string]bool{}, privateProxy: o.PrivateEgressProxy}
 	for _, r := range o.ShareRoots {
 		if real, err := filepath.EvalSymlinks(r); err == nil {
 			t.shareRoots = append(t.shareRoots, filepath.Clean(real))

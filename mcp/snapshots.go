@@ -71,7 +71,7 @@ func (t *tools) snapshot(ctx context.Context, a snapshotArgs) (snapshotResult, e
 
 func (t *tools) restore(ctx context.Context, a restoreArgs) (createResult, error) {
 	b := sandbox.New()
-	if err := t.applyHost(b, a.hostArgs); err != nil {
+	if err := t.applyHost(ctx, b, a.hostArgs); err != nil {
 		return createResult{}, err
 	}
 	settings, secrets, err := b.Settings()

@@ -804,3 +804,34 @@ func TestFDBudget(t *testing.T) {
 	}
 	must(t, f.Close())
 }
+
+// TestReopen: a share pins its root again by its path only while the path
+// names the same directory; the share serves it after, and a closed share
+// refuses.
+func TestReopen(t *testing.T) {
+	base := t.TempDir()
+	dir := filepath.Join(base, "d")
+	must(t, os.Mkdir(dir, 0o755))
+	must(t, os.WriteFile(filepath.Join(dir, "f"), []byte("same"), 0o644))
+	a := newShare(t, dir, Options{})
+	r := a.(interface{ Reopen(string) error })
+	if err := r.Reopen(dir); err != nil {
+		t.Fatalf("Reopen of the same directory: %v", err)
+	}
+	root := mountDirect(t, a)
+	_, f, err := root.Walk([]string{"f"})
+	must(t, err)
+	defer f.Close()
+	must(t, os.Rename(dir, dir+".old"))
+	must(t, os.Mkdir(dir, 0o755))
+	if err := r.Reopen(dir); err == nil || !strings.Contains(err.Error(), "another directory") {
+		t.Errorf("Reopen of another directory at the path = %v; want it refused", err)
+	}
+	if err := r.Reopen(filepath.Join(base, "missing")); err == nil {
+		t.Error("Reopen of a missing path succeeded")
+	}
+	a.(io.Closer).Close()
+	if err := r.Reopen(dir + ".old"); err == nil {
+		t.Error("Reopen of a closed share succeeded")
+	}
+}

@@ -192,20 +192,9 @@ func New(root string, o Options) (p9.Attacher, error) {
 	if root == "" {
 		return nil, errors.New("p9fs: share root is empty")
 	}
-	fd, err := unix.Open(root, unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	fd, st, err := pinRoot(root)
 	if err != nil {
-		switch err {
-		case unix.ENOENT:
-			return nil, fmt.Errorf("p9fs: share root %q does not exist", root)
-		case unix.ENOTDIR:
-			return nil, fmt.Errorf("p9fs: share root %q is not a directory", root)
-		}
-		return nil, fmt.Errorf("p9fs: share root %q: %w", root, err)
-	}
-	var st unix.Stat_t
-	if err := unix.Fstat(fd, &st); err != nil {
-		unix.Close(fd)
-		return nil, fmt.Errorf("p9fs: share root %q: %w", root, err)
+		return nil, err
 	}
 	var sfs unix.Statfs_t
 	if err := unix.Statfs("/proc/self/fd", &sfs); err != nil || sfs.Type != unix.PROC_SUPER_MAGIC {
@@ -242,6 +231,27 @@ func New(root string, o Options) (p9.Attacher, error) {
 	return s, nil
 }
 
+// pinRoot opens the directory root as a share's pinned root (O_PATH) and
+// returns it with its attributes (New, Reopen).
+func pinRoot(root string) (int, unix.Stat_t, error) {
+	var st unix.Stat_t
+	fd, err := unix.Open(root, unix.O_PATH|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		switch err {
+		case unix.ENOENT:
+			return -1, st, fmt.Errorf("p9fs: share root %q does not exist", root)
+		case unix.ENOTDIR:
+			return -1, st, fmt.Errorf("p9fs: share root %q is not a directory", root)
+		}
+		return -1, st, fmt.Errorf("p9fs: share root %q: %w", root, err)
+	}
+	if err := unix.Fstat(fd, &st); err != nil {
+		unix.Close(fd)
+		return -1, st, fmt.Errorf("p9fs: share root %q: %w", root, err)
+	}
+	return fd, st, nil
+}
+
 // Attach implements p9.Attacher: a new File for the share root.
 func (s *share) Attach() (p9.File, error) {
 	s.mu.Lock()
@@ -254,6 +264,34 @@ func (s *share) Attach() (p9.File, error) {
 		return nil, errno(err)
 	}
 	return newFile(s, fd, unix.S_IFDIR, s.rootIno)
+}
+
+// Reopen pins the share's root again by its path as the process now
+// resolves it, which must still be the same directory (device and inode):
+// for a process that moved into a jail whose bind of the directory takes
+// the mounts the host makes beneath it later, where the descriptor pinned
+// before lies in the mount tree it left, which takes none. Files already
+// attached keep the old root; call it before the guest attaches.
+func (s *share) Reopen(root string) error {
+	fd, st, err := pinRoot(root)
+	if err != nil {
+		return fmt.Errorf("p9fs: reopen: %w", err)
+	}
+	if st.Dev != s.rootDev || st.Ino != s.rootIno {
+		unix.Close(fd)
+		return fmt.Errorf("p9fs: reopen share root %q: it is another directory now (device %d inode %d, not %d %d)", root, st.Dev, st.Ino, s.rootDev, s.rootIno)
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.rootFD < 0 {
+		unix.Close(fd)
+		return linux.EBADF
+	}
+	s.cleanup.Stop()
+	unix.Close(s.rootFD)
+	s.rootFD = fd
+	s.cleanup = runtime.AddCleanup(s, func(fd int) { unix.Close(fd) }, fd)
+	return nil
 }
 
 // Close releases the root descriptor; later Attach calls fail with EBADF.

@@ -66,6 +66,9 @@ type config struct {
 	// beforeRun runs once the VM is built and before its vCPUs first run
 	// (Workload.BeforeRun, RestoreOptions.BeforeRun).
 	beforeRun func(*Sandbox) error
+	// pausedForkCopy: a first fork writes the whole memory while paused
+	// (Builder.PausedForkCopy).
+	pausedForkCopy bool
 }
 
 // Builder configures a sandbox. Choose its workload with Run to get a
@@ -94,6 +97,16 @@ func (b *Builder) CPUs(n int) *Builder {
 // (network streams) pays for, most in a nested host.
 func (b *Builder) Balloon(on bool) *Builder {
 	b.c.Balloon = on
+	return b
+}
+
+// PausedForkCopy makes the sandbox's first fork write its whole memory
+// while the sandbox is paused, as forks did before they copied it while
+// it runs (guestmem.PreCopy): for comparison, and for a host where the
+// copy's CPU time and the guest's write faults while it runs (each page's
+// first write after the copy begins) cost more than a longer pause.
+func (b *Builder) PausedForkCopy() *Builder {
+	b.c.pausedForkCopy = true
 	return b
 }
 
@@ -273,6 +286,7 @@ type Sandbox struct {
 	hybrid  *vsock.HybridSocket
 	hub     *hubServer // the guest's mailbox and key-value store
 	shares  []*ninep.Device
+	shareFS []reopener // the shares' file servers, by c.Shares's order
 	disks   []*virtioblk.Device
 	balloon *virtioballoon.Device // nil: restored from a snapshot without one
 	rootfs  *rootfs
@@ -297,6 +311,11 @@ type Sandbox struct {
 	forkWritten []string
 	forkUse     sync.RWMutex
 	lastPause   atomic.Int64
+	// clearRefs is /proc/self/clear_refs, opened before the process is
+	// confined, for a first fork's memory copy begun while the sandbox
+	// runs (guestmem.PreCopy); nil where the kernel does not track
+	// soft-dirty pages, or the memory is a snapshot's.
+	clearRefs *os.File
 
 	mu       sync.Mutex
 	main     *agent.Process
@@ -489,7 +508,7 @@ func boot(ctx context.Context, c config, root *rootfs, snap *snapshot.Snapshot, 
 		cmdline = append(cmdline, ipArg)
 		devices = append(devices, vmm.Device{ID: "net0", Device: s.net.nic})
 	}
-	if s.shares, err = shareDevices(c.Shares, s.lim, log); err != nil {
+	if s.shares, s.shareFS, err = shareDevices(c.Shares, s.lim, log); err != nil {
 		return nil, err
 	}
 	for i, d := range s.shares {
@@ -528,6 +547,12 @@ func boot(ctx context.Context, c config, root *rootfs, snap *snapshot.Snapshot, 
 	}
 	if snap == nil {
 		s.vm, err = vmm.New(ctx, vcfg) // the deferred releases give back kernel and initrd
+		if err == nil && !c.pausedForkCopy {
+			if s.clearRefs, err = guestmem.OpenClearRefs(); err != nil {
+				log.Debug("sandbox: a fork pauses for its whole first snapshot", "err", err)
+				s.clearRefs, err = nil, nil
+			}
+		}
 	} else {
 		var mem *guestmem.Memory
 		if mem, err = snap.MapMemory(); err != nil {
@@ -587,6 +612,10 @@ func (s *Sandbox) release() error {
 	if s.forkBase != nil {
 		s.forkBase.Close()
 		s.forkBase = nil
+	}
+	if s.clearRefs != nil {
+		s.clearRefs.Close()
+		s.clearRefs = nil
 	}
 	// What the fork chain holds is the sandbox's: its copies keep what
 	// they mapped. The directory goes if it made it, else if empty (a

@@ -157,20 +157,47 @@ func shareArg(i int, sh ShareSpec) string {
 	return fmt.Sprintf("capsa.share=%s,%s,%s", shareTag(i), sh.Mode, url.PathEscape(sh.Guest))
 }
 
-// shareDevices makes each share's confined file server and device. On
-// error it returns the devices made so far, for the caller to close.
-func shareDevices(shares []ShareSpec, lim *limiters, log *slog.Logger) ([]*ninep.Device, error) {
+// shareDevices makes each share's confined file server and device, and
+// returns them with the servers, by the shares' order. On error it
+// returns the devices made so far, for the caller to close.
+func shareDevices(shares []ShareSpec, lim *limiters, log *slog.Logger) ([]*ninep.Device, []reopener, error) {
 	var devs []*ninep.Device
+	var servers []reopener
 	for i, sh := range shares {
 		a, err := p9fs.New(sh.Host, p9fs.Options{ReadOnly: sh.Mode == ReadOnly, Logger: log})
 		if err != nil {
-			return devs, fmt.Errorf("sandbox: share %s: %w", sh.Host, err)
+			return devs, nil, fmt.Errorf("sandbox: share %s: %w", sh.Host, err)
 		}
 		d, err := ninep.New(shareTag(i), a, ninep.Options{ReadOnly: sh.Mode == ReadOnly, Limit: lim.share()}, log)
 		if err != nil {
-			return devs, fmt.Errorf("sandbox: share %s: %w", sh.Host, err)
+			return devs, nil, fmt.Errorf("sandbox: share %s: %w", sh.Host, err)
 		}
 		devs = append(devs, d)
+		r, ok := a.(reopener)
+		if !ok {
+			return devs, nil, fmt.Errorf("sandbox: share %s: its file server cannot pin its root again", sh.Host)
+		}
+		servers = append(servers, r)
 	}
-	return devs, nil
+	return devs, servers, nil
+}
+
+// reopener is a share's file server, which can pin its root again by its
+// path (p9fs's).
+type reopener interface{ Reopen(root string) error }
+
+// ReopenShares has each share's file server pin its root again by its
+// path, as this process now resolves it: after a jail that follows the
+// host's mounts (confine.JailConfig.Follow, a containerd pod's), whose
+// bind of a share takes the mounts the host makes beneath it later,
+// where the roots pinned before the jail lie in the mount tree it left,
+// which takes none. Before the guest runs: what it attached before keeps
+// the old root.
+func (s *Sandbox) ReopenShares() error {
+	for i, fs := range s.shareFS {
+		if err := fs.Reopen(s.c.Shares[i].Host); err != nil {
+			return fmt.Errorf("sandbox: share %s: %w", s.c.Shares[i].Host, err)
+		}
+	}
+	return nil
 }

@@ -62,6 +62,11 @@ type SnapshotOptions struct {
 	// (package snapshot). The comparison reads both memories while the
 	// sandbox is paused.
 	Parent string
+	// ParentOpen, when not nil, is Parent already opened, used instead
+	// of opening Parent here: a chain another process lent this one
+	// (snapshot.OpenLent), which it may not open itself. It stays the
+	// caller's to close.
+	ParentOpen *snapshot.Snapshot
 	// DiskOnly: the snapshot holds the sandbox's spec and its image's
 	// writable root disk (and its interception's CA), not its memory or
 	// VM state (snapshot.WriteDisk): Reboot boots it again from it, and
@@ -88,7 +93,11 @@ type SnapshotOptions struct {
 }
 
 // LastPause is how long the sandbox's last snapshot or fork kept it
-// paused: what its processes lost to it, and, for a fork, its stall.
+// paused: what its processes lost to the pause. A fork's first, which
+// copies the memory while the sandbox runs and maps it from the copy
+// after the pause, also slows the guest around it: the copy takes CPU,
+// and each page the guest touches first after is a fault (see
+// docs/performance.md).
 func (s *Sandbox) LastPause() time.Duration { return time.Duration(s.lastPause.Load()) }
 
 // SnapshotWith is Snapshot with options.
@@ -107,7 +116,13 @@ func (s *Sandbox) SnapshotWith(ctx context.Context, dir string, o SnapshotOption
 	if o.Fork && o.Parent != "" {
 		return errors.New("sandbox: snapshot: a fork snapshot's parent is the fork chain's, not one given")
 	}
-	if o.Parent != "" {
+	switch {
+	case o.ParentOpen != nil:
+		if o.Parent == "" || filepath.Clean(o.Parent) != filepath.Clean(o.ParentOpen.Dir) {
+			return fmt.Errorf("sandbox: snapshot: the parent opened is %s, not %q", o.ParentOpen.Dir, o.Parent)
+		}
+		parent = o.ParentOpen
+	case o.Parent != "":
 		if parent, err = snapshot.Open(o.Parent); err != nil {
 			return fmt.Errorf("sandbox: snapshot: the parent: %w", err)
 		}
@@ -120,6 +135,27 @@ func (s *Sandbox) SnapshotWith(ctx context.Context, dir string, o SnapshotOption
 	s.snapMu.Lock()
 	defer s.snapMu.Unlock()
 	wasPaused := s.Paused()
+	// A fork that writes the whole memory (the chain's first) writes it
+	// before the pause, while the sandbox runs, and pauses only to
+	// write again what changed meanwhile.
+	var precopy *snapshot.MemoryCopy
+	var copyTime time.Duration
+	if o.Fork && !wasPaused && s.forkBase == nil && s.clearRefs != nil {
+		t0 := time.Now()
+		var perr error
+		if precopy, perr = snapshot.PreCopy(dir, s.vm.Memory(), s.clearRefs); perr != nil {
+			s.c.logger().Info("sandbox: fork: no memory copy while running: the pause writes it all", "err", perr)
+			precopy = nil
+			if errors.Is(perr, guestmem.ErrNoSoftDirty) {
+				// Not asked again of this kernel.
+				s.clearRefs.Close()
+				s.clearRefs = nil
+			}
+		} else {
+			defer precopy.Close()
+			copyTime = time.Since(t0)
+		}
+	}
 	start := time.Now()
 	if err := s.vm.Pause(ctx); err != nil {
 		return fmt.Errorf("sandbox: snapshot: %w", err)
@@ -130,7 +166,7 @@ func (s *Sandbox) SnapshotWith(ctx context.Context, dir string, o SnapshotOption
 		m := snapshot.Manifest{Spec: spec, CPUs: s.c.CPUs, MemoryBytes: uint64(s.c.MemoryMiB) << 20, ImageDigest: s.rootfs.img.Digest}
 		err = snapshot.WriteDisk(dir, m, s.snapshotFiles(nil))
 	case o.Fork:
-		err = s.writeFork(dir, spec)
+		err = s.writeFork(dir, spec, precopy)
 	default:
 		err = s.writeSnapshot(dir, spec, inv, parent)
 	}
@@ -139,6 +175,12 @@ func (s *Sandbox) SnapshotWith(ctx context.Context, dir string, o SnapshotOption
 		// a short descheduling, and needs no setting.
 		err = errors.Join(err, s.vm.Continue())
 		s.lastPause.Store(int64(time.Since(start)))
+	}
+	if precopy != nil && precopy.Failed != nil {
+		s.c.logger().Warn("sandbox: fork: the memory copied while running could not be finished: the pause wrote it all", "err", precopy.Failed)
+	} else if precopy != nil && err == nil {
+		s.c.logger().Info("sandbox: fork: memory copied while running", "copy", copyTime.Round(time.Millisecond), "clear_refs", precopy.Cleared().Round(time.Millisecond),
+			"pause", time.Duration(s.lastPause.Load()).Round(time.Millisecond), "pages_written_paused", precopy.Pages)
 	}
 	return err
 }
@@ -161,14 +203,17 @@ const forkLayerRuns = 256
 // mapping per run and, for KVM, an invalidation of each, during the
 // pause, to save writing the same pages again at the next fork. The base
 // is written again (the first fork, a base elsewhere, the pages written
-// since grown past a quarter of the memory, Dirty failing). Nothing is
+// since grown past a quarter of the memory, Dirty failing); the chain's
+// first base, of memory that is the sandbox's own, is mostly written
+// before the pause (precopy: SnapshotWith begins it while the sandbox
+// runs, and the pause writes only what changed since). Nothing is
 // removed here: copies of an earlier fork may still be restoring from
 // it (PruneChain, once none is; the sandbox's end removes it all).
 //
 // Mapping the memory from a new base can fail half done, leaving guest
 // memory unmapped: the sandbox is then stopped, not run on with pages
 // missing.
-func (s *Sandbox) writeFork(dir string, spec []byte) error {
+func (s *Sandbox) writeFork(dir string, spec []byte, precopy *snapshot.MemoryCopy) error {
 	chain := filepath.Dir(dir)
 	if s.forkChain != chain {
 		if s.forkChain != "" {
@@ -197,6 +242,8 @@ func (s *Sandbox) writeFork(dir string, spec []byte) error {
 		o := snapshot.WriteOptions{Transient: true}
 		if base != nil {
 			o.Parent, o.Runs = base, runs
+		} else {
+			o.PreCopy = precopy
 		}
 		return snapshot.WriteWith(dir, m, st, mem, extra, o)
 	})

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"log/slog"
 	"maps"
 	"os"
@@ -35,6 +36,7 @@ import (
 	"github.com/containerd/fifo"
 	"github.com/containerd/ttrpc"
 	"github.com/containerd/typeurl/v2"
+	"github.com/moby/sys/mountinfo"
 	specs "github.com/opencontainers/runtime-spec/specs-go"
 	"golang.org/x/sys/unix"
 
@@ -180,7 +182,7 @@ func (s *service) startPod(ctx context.Context, spec *specs.Spec, group string) 
 	}
 	name := podName(s.ns, group)
 	dir := filepath.Join(mgr.Dir(), "pods", name)
-	if err := os.MkdirAll(dir, 0o700); err != nil {
+	if err := sharePodDir(dir); err != nil {
 		return nil, err
 	}
 	cpus, mem := podSize(spec)
@@ -222,13 +224,18 @@ func (s *service) startPod(ctx context.Context, spec *specs.Spec, group string) 
 		err = launch(nil)
 	}
 	if err != nil {
-		os.RemoveAll(dir)
+		if rerr := removePodDir(dir); rerr != nil {
+			s.log.Warn("shim: the pod's directory", "pod", name, "err", rerr)
+		}
 		return nil, err
 	}
 	h, err := mgr.Open(ctx, name)
 	if err != nil {
 		mgr.Stop(ctx, name, 0, true)
 		mgr.Remove(ctx, name)
+		if rerr := removePodDir(dir); rerr != nil {
+			s.log.Warn("shim: the pod's directory", "pod", name, "err", rerr)
+		}
 		return nil, err
 	}
 	r, _ := mgr.Get(name)
@@ -277,7 +284,72 @@ func (s *service) stopPod() {
 		s.log.Warn("shim: stop the pod VM", "pod", p.Name, "err", err)
 	}
 	p.mgr.Remove(ctx, p.Name)
-	os.RemoveAll(p.Dir)
+	if err := removePodDir(p.Dir); err != nil {
+		s.log.Warn("shim: the pod's directory", "pod", p.Name, "err", err)
+	}
+}
+
+// sharePodDir makes the pod's directory, which the pod VM shares, a mount
+// of its own with shared propagation, in a peer group of its own: the
+// container roots and binds mounted beneath it later, in the shim's mount
+// namespace, then reach the VM's supervisor, whose jail holds the
+// directory as a slave of it (store.Record.HostMounts), and nothing else.
+// (A bind made where / is shared, systemd's default, would join /'s peer
+// group, and each mount beneath it would be copied to every mount
+// namespace of the host: made private first, it leaves that group.) A
+// directory left a mount by a shim that died is made shared again, not
+// mounted twice.
+func sharePodDir(dir string) error {
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return fmt.Errorf("the pod's directory: %w", err)
+	}
+	mounted, err := mountinfo.Mounted(dir)
+	if err != nil {
+		return fmt.Errorf("the pod's directory: %w", err)
+	}
+	if !mounted {
+		if err := unix.Mount(dir, dir, "", unix.MS_BIND, ""); err != nil {
+			return fmt.Errorf("the pod's directory: bind %s on itself: %w", dir, err)
+		}
+	}
+	for _, p := range []struct {
+		flag uintptr
+		kind string
+	}{{unix.MS_PRIVATE, "private"}, {unix.MS_SHARED, "shared"}} {
+		if err := unix.Mount("", dir, "", p.flag, ""); err != nil {
+			unix.Unmount(dir, unix.MNT_DETACH)
+			return fmt.Errorf("the pod's directory: make %s %s: %w", dir, p.kind, err)
+		}
+	}
+	return nil
+}
+
+// removePodDir undoes sharePodDir, with whatever is still mounted
+// beneath, and removes the directory, unless something is still mounted
+// at or beneath it then (a removal would go into it).
+func removePodDir(dir string) error {
+	// mountinfo's table holds real paths: a symbolic link above dir
+	// would hide what is mounted beneath it from the check below.
+	real, err := filepath.EvalSymlinks(dir)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil
+	} else if err != nil {
+		return fmt.Errorf("the pod's directory: %w", err)
+	}
+	dir = real
+	ok, err := mountinfo.Mounted(dir)
+	if err != nil {
+		return fmt.Errorf("the pod's directory: %w", err)
+	}
+	if ok {
+		if err := unix.Unmount(dir, unix.MNT_DETACH); err != nil {
+			return fmt.Errorf("the pod's directory: unmount %s: %w", dir, err)
+		}
+	}
+	if left, err := mountinfo.GetMounts(mountinfo.PrefixFilter(dir)); err != nil || len(left) > 0 {
+		return fmt.Errorf("the pod's directory %s: %d mounts left at or beneath it (%v): not removed", dir, len(left), err)
+	}
+	return os.RemoveAll(dir)
 }
 
 // Create makes a container: the pod VM if it is the first, the
@@ -351,7 +423,16 @@ func (s *service) Create(ctx context.Context, r *taskAPI.CreateTaskRequest) (_ *
 		os.RemoveAll(cdir)
 	}
 	// The spec's bind mounts: each host source bound into the pod's
-	// directory, where the guest reaches it.
+	// directory, where the guest reaches it; read-only on the host too
+	// where every mount of it is read-only, so that not even the VMM
+	// that serves it can write it.
+	readOnly := map[string]bool{}
+	for _, m := range spec.Mounts {
+		if isBind(m) && !isPodShm(m) {
+			ro, seen := readOnly[m.Source]
+			readOnly[m.Source] = slices.Contains(m.Options, "ro") && (ro || !seen)
+		}
+	}
 	binds := map[string]string{}
 	for i, m := range spec.Mounts {
 		if !isBind(m) || isPodShm(m) {
@@ -373,6 +454,12 @@ func (s *service) Create(ctx context.Context, r *taskAPI.CreateTaskRequest) (_ *
 		if err := unix.Mount(m.Source, host, "", unix.MS_BIND|unix.MS_REC, ""); err != nil {
 			undo()
 			return nil, fmt.Errorf("create %s: share mount %s: %w", r.ID, m.Destination, err)
+		}
+		if readOnly[m.Source] {
+			if err := unix.Mount("", host, "", unix.MS_BIND|unix.MS_REMOUNT|unix.MS_RDONLY, ""); err != nil {
+				undo()
+				return nil, fmt.Errorf("create %s: share mount %s read-only: %w", r.ID, m.Destination, err)
+			}
 		}
 		binds[m.Source] = filepath.Join(podGuestDir, r.ID, "mounts", fmt.Sprint(i))
 	}

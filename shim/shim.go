@@ -176,7 +176,9 @@ func (b binary) Stop(ctx context.Context, id string) (cdshim.StopStatus, error) 
 				m.Stop(ctx, pod.Name, 0, true)
 				m.Remove(ctx, pod.Name)
 			}
-			os.RemoveAll(pod.Dir)
+			if err := removePodDir(pod.Dir); err != nil {
+				b.log.Warn("shim: delete", "id", id, "err", err)
+			}
 		}
 	}
 	return cdshim.StopStatus{ExitedAt: time.Now(), ExitStatus: 128 + int(syscall.SIGKILL)}, nil

@@ -149,8 +149,9 @@ type Snapshot struct {
 	// Parent is a layer's parent, opened and checked as this snapshot
 	// was (nil for a snapshot that has none): its manifest and memory
 	// file only (its State is nil, its other files unopened).
-	Parent *Snapshot
-	files  map[string]*os.File // every file the manifest names, opened and checked once
+	Parent   *Snapshot
+	files    map[string]*os.File // every file the manifest names, opened and checked once
+	manifest []byte              // the manifest as read, for Lend
 }
 
 // File is the snapshot's file name as Open opened and checked it (nil
@@ -213,6 +214,59 @@ type WriteOptions struct {
 	// (Verify skips it) and is not flushed to the disk, both of which
 	// cost time the sandbox spends paused.
 	Transient bool
+	// PreCopy, when not nil, is the memory file begun while the sandbox
+	// still ran (PreCopy's, for this dir): the snapshot's memory is it,
+	// finished (guestmem.PreCopy.Finish), instead of the whole memory
+	// written now. Only of a transient snapshot without a parent.
+	PreCopy *MemoryCopy
+}
+
+// MemoryCopy is a transient snapshot's memory file written while the
+// sandbox still runs, for WriteWith to finish while it is paused.
+type MemoryCopy struct {
+	pc    *guestmem.PreCopy
+	f     *os.File
+	taken bool
+	// Pages is how many pages WriteWith wrote again or cleared to finish
+	// it: what changed while it was written.
+	Pages int
+	// Failed is why WriteWith could not finish it, if it could not: it
+	// then wrote the whole memory, as without a copy.
+	Failed error
+}
+
+// PreCopy begins the memory of a transient snapshot to be written to dir
+// (WriteOptions.PreCopy) while the VM may still run: a file beside dir,
+// which WriteWith makes the snapshot's memory file. clearRefs is
+// guestmem.OpenClearRefs's. Close removes the file if no snapshot took
+// it. Memory mapped from files, and a kernel that does not track
+// soft-dirty pages (guestmem.ErrNoSoftDirty), are refused.
+func PreCopy(dir string, mem *guestmem.Memory, clearRefs *os.File) (*MemoryCopy, error) {
+	f, err := os.CreateTemp(filepath.Dir(dir), "."+filepath.Base(dir)+".memory-")
+	if err != nil {
+		return nil, fmt.Errorf("snapshot: %w", err)
+	}
+	pc, err := mem.PreCopy(f, clearRefs)
+	if err != nil {
+		f.Close()
+		os.Remove(f.Name())
+		return nil, fmt.Errorf("snapshot: %w", err)
+	}
+	return &MemoryCopy{pc: pc, f: f}, nil
+}
+
+// Cleared is how long clearing the soft-dirty bits took, at the copy's
+// start (guestmem.PreCopy.Cleared): a time its guest may stand still.
+func (c *MemoryCopy) Cleared() time.Duration { return c.pc.Cleared }
+
+// Close closes the copy, removing its file unless a snapshot took it.
+func (c *MemoryCopy) Close() error {
+	c.pc.Close()
+	err := c.f.Close()
+	if !c.taken {
+		os.Remove(c.f.Name())
+	}
+	return err
 }
 
 // ErrDiskOnly is the error for restoring, or layering over, a snapshot of
@@ -223,6 +277,28 @@ var ErrDiskOnly = errors.New("it holds the disk alone, no memory: it can only be
 func WriteWith(dir string, m Manifest, st *vmm.State, mem *guestmem.Memory, extra map[string]Extra, o WriteOptions) error {
 	if o.Parent != nil && o.Parent.Manifest.DiskOnly {
 		return fmt.Errorf("snapshot: the parent %s: %w", o.Parent.Dir, ErrDiskOnly)
+	}
+	if o.PreCopy != nil && (o.Parent != nil || !o.Transient) {
+		return errors.New("snapshot: a memory copy begun while running is for a transient snapshot without a parent")
+	}
+	if o.PreCopy != nil {
+		m.Version, m.Parent, m.MemoryRuns = Version, nil, nil
+		c := o.PreCopy
+		return write(dir, m, st, mem.Size(), extra, true, func(f *os.File, _ io.Writer) error {
+			n, err := c.pc.Finish()
+			if err != nil {
+				// Still paused: the whole memory, then.
+				c.Failed = err
+				return mem.WriteFile(f, nil)
+			}
+			// The copy, finished, takes the place of the empty memory
+			// file write made (whose descriptor write closes).
+			if err := os.Rename(c.f.Name(), f.Name()); err != nil {
+				return err
+			}
+			c.taken, c.Pages = true, n
+			return nil
+		})
 	}
 	if o.Parent == nil {
 		m.Version, m.Parent, m.MemoryRuns = Version, nil, nil
@@ -427,7 +503,7 @@ func open(dir string, depth int) (_ *Snapshot, err error) {
 	}
 	defer d.Close()
 	dfd := int(d.Fd())
-	if s.ManifestSHA256, err = readManifest(dfd, &s.Manifest); err != nil {
+	if s.ManifestSHA256, s.manifest, err = readManifest(dfd, &s.Manifest); err != nil {
 		return nil, err
 	}
 	if p := s.Manifest.Parent; p != nil {
@@ -438,14 +514,8 @@ func open(dir string, depth int) (_ *Snapshot, err error) {
 		if s.Parent, err = open(filepath.Join(filepath.Dir(filepath.Clean(dir)), p.Name), depth+1); err != nil {
 			return nil, fmt.Errorf("its parent: %w", err)
 		}
-		pm := s.Parent.Manifest
-		switch {
-		case pm.DiskOnly:
-			return nil, fmt.Errorf("its parent %s holds no memory (a snapshot of the disk alone): refused", p.Name)
-		case s.Parent.ManifestSHA256 != p.ManifestSHA256:
-			return nil, fmt.Errorf("its parent %s is not the snapshot it was written over (its manifest's checksum differs): refused", p.Name)
-		case pm.CPUs != s.Manifest.CPUs || pm.MemoryBytes != s.Manifest.MemoryBytes:
-			return nil, fmt.Errorf("its parent %s is of %d vCPUs and %d bytes, it of %d and %d: refused", p.Name, pm.CPUs, pm.MemoryBytes, s.Manifest.CPUs, s.Manifest.MemoryBytes)
+		if err := checkLink(s, s.Parent); err != nil {
+			return nil, err
 		}
 	}
 	for name, want := range s.Manifest.Files {
@@ -484,23 +554,39 @@ func open(dir string, depth int) (_ *Snapshot, err error) {
 	return s, nil
 }
 
+// checkLink says what is wrong with parent, opened, as the parent of the
+// layer s, if anything: it holds memory, its manifest is the one s was
+// written over, and it is of s's vCPUs and memory size (Open, OpenLent).
+func checkLink(s, parent *Snapshot) error {
+	p, pm := s.Manifest.Parent, parent.Manifest
+	switch {
+	case pm.DiskOnly:
+		return fmt.Errorf("its parent %s holds no memory (a snapshot of the disk alone): refused", p.Name)
+	case parent.ManifestSHA256 != p.ManifestSHA256:
+		return fmt.Errorf("its parent %s is not the snapshot it was written over (its manifest's checksum differs): refused", p.Name)
+	case pm.CPUs != s.Manifest.CPUs || pm.MemoryBytes != s.Manifest.MemoryBytes:
+		return fmt.Errorf("its parent %s is of %d vCPUs and %d bytes, it of %d and %d: refused", p.Name, pm.CPUs, pm.MemoryBytes, s.Manifest.CPUs, s.Manifest.MemoryBytes)
+	}
+	return nil
+}
+
 // readManifest reads, checks and decodes the manifest of the snapshot
 // directory dirfd into m and returns its SHA-256.
-func readManifest(dirfd int, m *Manifest) (string, error) {
+func readManifest(dirfd int, m *Manifest) (string, []byte, error) {
 	mb, err := readChecked(dirfd, ManifestFile, maxManifest)
 	if err != nil {
-		return "", err
+		return "", nil, err
 	}
 	sum, err := readChecked(dirfd, ManifestSumFile, 128)
 	if err != nil {
-		return "", err
+		return "", nil, err
 	}
 	ms := sha256.Sum256(mb)
 	hexSum := hex.EncodeToString(ms[:])
 	if strings.TrimSpace(string(sum)) != hexSum {
-		return "", fmt.Errorf("%s does not match %s: corrupted", ManifestFile, ManifestSumFile)
+		return "", nil, fmt.Errorf("%s does not match %s: corrupted", ManifestFile, ManifestSumFile)
 	}
-	return hexSum, ParseManifest(mb, m)
+	return hexSum, mb, ParseManifest(mb, m)
 }
 
 // ReadManifest reads and checks the manifest of the snapshot in dir alone,
@@ -513,7 +599,7 @@ func ReadManifest(dir string) (*Manifest, string, error) {
 	}
 	defer d.Close()
 	var m Manifest
-	sum, err := readManifest(int(d.Fd()), &m)
+	sum, _, err := readManifest(int(d.Fd()), &m)
 	if err != nil {
 		return nil, "", fmt.Errorf("snapshot %s: %w", dir, err)
 	}

@@ -95,9 +95,9 @@ type Record struct {
 	// root.
 	JailUser *confine.User `json:"jail_user,omitempty"`
 	// HostMounts: the host mounts on the sandbox's shares while it runs
-	// (a containerd pod's container roots), so its supervisor stays in
-	// the host's mount namespace, not jailed (Landlock and seccomp still
-	// apply).
+	// (a containerd pod's container roots, on a directory it made a
+	// shared mount), so its supervisor's jail follows the host's mounts
+	// beneath them (confine.JailConfig.Follow).
 	HostMounts bool   `json:"host_mounts,omitempty"`
 	Hostname   string `json:"hostname,omitempty"`
 	// Labels are a front end's own notes on the sandbox (the E2B API's
@@ -308,6 +308,48 @@ func (s *Store) WaitUnlocked(ctx context.Context, name string) error {
 	}
 }
 
+// SettingsLock takes name's settings lock, waiting for another holder
+// until ctx ends: whoever changes a sandbox's network settings (its
+// record's policy, proxy and header rules, and the secrets kept with
+// them) holds it from reading them to writing them, and, for a running
+// sandbox, across handing the change to its supervisor, so that two front
+// ends changing one sandbox at once (a CLI and capsa serve, say) neither
+// lose an update nor leave the sandbox running one setting while its
+// record says the other. It is a flock of the sandbox's directory itself,
+// which adds no file there (a file made while capsa rm empties the
+// directory would keep it from going); the liveness lock, which a
+// supervisor holds for its whole run, is its "lock" file. flock excludes
+// across goroutines too, each opening the directory anew. Never wait for
+// the liveness lock while holding it.
+func (s *Store) SettingsLock(ctx context.Context, name string) (*Lock, error) {
+	if err := CheckName(name); err != nil {
+		return nil, err
+	}
+	if _, err := s.getRaw(name); err != nil {
+		return nil, err
+	}
+	f, err := os.OpenFile(s.SandboxDir(name), os.O_RDONLY|syscall.O_DIRECTORY|syscall.O_CLOEXEC|syscall.O_NOFOLLOW, 0)
+	if err != nil {
+		return nil, fmt.Errorf("store: %s: settings lock: %w", name, err)
+	}
+	for {
+		err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB)
+		if err == nil {
+			return &Lock{f}, nil
+		}
+		if !errors.Is(err, syscall.EWOULDBLOCK) {
+			f.Close()
+			return nil, fmt.Errorf("store: %s: settings lock: %w", name, err)
+		}
+		select {
+		case <-ctx.Done():
+			f.Close()
+			return nil, fmt.Errorf("store: %s: waiting for another change of its settings to end: %w", name, ctx.Err())
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
+}
+
 // RemoveStale removes the directories of sandboxes that have no record,
 // were last changed more than age ago and whose lock nobody holds (taken
 // while the directory goes, as Remove does). Errors are skipped: it is
@@ -387,7 +429,7 @@ func (s *Store) Start(name string, set ...func(*Record)) (*Lock, error) {
 	if _, err := s.getRaw(name); err != nil {
 		return nil, err
 	}
-	l, err := s.lock(name)
+	l, err := s.lockCreated(name)
 	if err != nil {
 		return nil, fmt.Errorf("store: start %s: it is running", name)
 	}
@@ -413,6 +455,62 @@ func (s *Store) Start(name string, set ...func(*Record)) (*Lock, error) {
 		return nil, err
 	}
 	return l, nil
+}
+
+// settingsWait bounds how long Start waits for a lock held while the
+// record says the sandbox is not running: a WhileStopped rewriting a
+// record and a file or two, or a supervisor on its way out.
+const settingsWait = 2 * time.Second
+
+// lockCreated takes name's lock for Start. While the record says Created
+// or Suspended, a holder is a WhileStopped changing its settings (or a
+// supervisor that has just ended), and is waited for, up to settingsWait;
+// once the record says the sandbox runs, a held lock is refused at once,
+// as lock does.
+func (s *Store) lockCreated(name string) (*Lock, error) {
+	deadline := time.Now().Add(settingsWait)
+	for {
+		l, err := s.lock(name)
+		if err == nil || !errors.Is(err, ErrExists) || time.Now().After(deadline) {
+			return l, err
+		}
+		if r, gerr := s.getRaw(name); gerr != nil || (r.State != Created && r.State != Suspended) {
+			return nil, err
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// WhileStopped runs fn with name's record while holding its lock, if no
+// supervisor holds it and the record says the sandbox is not running (a
+// run that ended is folded in first, as Start does): a change of a stopped
+// sandbox's settings that a start cannot interleave with, since Start
+// waits for it instead of beginning from the record it is replacing.
+// stopped is false, and fn not run, when a supervisor holds the lock or
+// the record says the sandbox is starting or running.
+func (s *Store) WhileStopped(name string, fn func(*Record) error) (stopped bool, err error) {
+	if err := CheckName(name); err != nil {
+		return false, err
+	}
+	if _, err := s.getRaw(name); err != nil {
+		return false, err
+	}
+	l, err := s.lock(name)
+	if errors.Is(err, ErrExists) {
+		return false, nil
+	}
+	if err != nil {
+		return false, err
+	}
+	defer l.Close()
+	r, err := s.settle(name)
+	if err != nil {
+		return false, fmt.Errorf("store: %s: %w", name, err)
+	}
+	if r.Alive() {
+		return false, nil
+	}
+	return true, fn(r)
 }
 
 // Update changes name's record with fn, in one transaction.

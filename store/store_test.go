@@ -3,6 +3,7 @@ package store
 import (
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"sync"
@@ -137,20 +138,27 @@ func TestNames(t *testing.T) {
 
 // TestStart: only a created sandbox starts, once, and a created one is not
 // mistaken for a crashed one.
-func TestStart(t *testing.T) {
-	s := open(t)
-	l, err := s.Create(&Record{Name: "c"})
+// created records the sandbox name as capsa create leaves it: Created,
+// its lock free.
+func created(t *testing.T, s *Store, name string) {
+	t.Helper()
+	l, err := s.Create(&Record{Name: name})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := s.Update("c", func(r *Record) error { r.State = Created; return nil }); err != nil {
+	if err := s.Update(name, func(r *Record) error { r.State = Created; return nil }); err != nil {
 		t.Fatal(err)
 	}
 	l.Close()
+}
+
+func TestStart(t *testing.T) {
+	s := open(t)
+	created(t, s, "c")
 	if r, err := s.Get("c"); err != nil || r.State != Created {
 		t.Fatalf("Get(c) of a created sandbox = %+v, %v; want created (not crashed)", r, err)
 	}
-	l, err = s.Start("c", func(r *Record) { r.Reboot = true })
+	l, err := s.Start("c", func(r *Record) { r.Reboot = true })
 	if err != nil {
 		t.Fatalf("Start(c) = %v", err)
 	}
@@ -249,5 +257,96 @@ func TestRemoveStale(t *testing.T) {
 		if got := err == nil; got != c.want {
 			t.Errorf("after RemoveStale, %s's directory exists = %v, want %v", c.name, got, c.want)
 		}
+	}
+}
+
+// TestWhileStopped: a stopped sandbox's record is changed under its lock,
+// and a Start at the same time waits for the change and begins from the
+// changed record; a starting or running one is left to its supervisor.
+func TestWhileStopped(t *testing.T) {
+	s := open(t)
+	created(t, s, "c")
+	// A Start while the change holds the lock waits for it.
+	inside := make(chan struct{})
+	done := make(chan error, 1)
+	go func() {
+		stopped, err := s.WhileStopped("c", func(r *Record) error {
+			if r.State != Created {
+				return fmt.Errorf("the record given: %s, want created", r.State)
+			}
+			close(inside)
+			time.Sleep(300 * time.Millisecond)
+			return s.Update("c", func(r *Record) error { r.Spec.MemoryMiB = 777; return nil })
+		})
+		if err == nil && !stopped {
+			err = errors.New("WhileStopped of a created sandbox did not run its change")
+		}
+		done <- err
+	}()
+	<-inside
+	l, err := s.Start("c")
+	if err != nil {
+		t.Fatalf("Start during a change of the record: %v; want it to wait for the change", err)
+	}
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	if r, _ := s.getRaw("c"); r.State != Creating || r.Spec.MemoryMiB != 777 {
+		t.Errorf("the started record: %s, memory %d MiB; want creating, 777", r.State, r.Spec.MemoryMiB)
+	}
+	// Starting (its lock held): not changed here.
+	ran := false
+	if stopped, err := s.WhileStopped("c", func(*Record) error { ran = true; return nil }); stopped || ran || err != nil {
+		t.Errorf("WhileStopped of a starting sandbox = %v, %v, ran %v; want false, nil, not run", stopped, err, ran)
+	}
+	// Its supervisor gone without a word: folded in, then changed.
+	l.Close()
+	if stopped, err := s.WhileStopped("c", func(r *Record) error { ran = !r.Alive(); return nil }); !stopped || !ran || err != nil {
+		t.Errorf("WhileStopped after its supervisor died = %v, %v, given a stopped record %v; want true, nil, true", stopped, err, ran)
+	}
+	if _, err := s.WhileStopped("none", func(*Record) error { return nil }); !errors.Is(err, ErrNotFound) {
+		t.Errorf("WhileStopped(none) = %v, want ErrNotFound", err)
+	}
+}
+
+// TestSettingsLock: a second holder of a sandbox's settings lock waits
+// for the first (its ctx ends the wait, saying why), and gets it once the
+// first lets go; the liveness lock is another, taken meanwhile.
+func TestSettingsLock(t *testing.T) {
+	s := open(t)
+	created(t, s, "c")
+	ctx := context.Background()
+	l, err := s.SettingsLock(ctx, "c")
+	if err != nil {
+		t.Fatal(err)
+	}
+	short, cancel := context.WithTimeout(ctx, 50*time.Millisecond)
+	defer cancel()
+	if _, err := s.SettingsLock(short, "c"); !errors.Is(err, context.DeadlineExceeded) {
+		t.Errorf("a second settings lock while one is held: %v; want the wait ended by ctx", err)
+	}
+	if stopped, err := s.WhileStopped("c", func(*Record) error { return nil }); !stopped || err != nil {
+		t.Errorf("WhileStopped while the settings lock is held = %v, %v; want it run", stopped, err)
+	}
+	got := make(chan error, 1)
+	go func() {
+		l2, err := s.SettingsLock(ctx, "c")
+		if err == nil {
+			l2.Close()
+		}
+		got <- err
+	}()
+	time.Sleep(30 * time.Millisecond)
+	l.Close()
+	select {
+	case err := <-got:
+		if err != nil {
+			t.Errorf("the settings lock after it was let go: %v", err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Error("the settings lock was not taken after it was let go")
+	}
+	if _, err := s.SettingsLock(ctx, "../x"); err == nil {
+		t.Error("a settings lock of a bad name was taken")
 	}
 }

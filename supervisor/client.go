@@ -11,6 +11,7 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"os"
 	"path/filepath"
 	"strings"
 	"time"
@@ -19,6 +20,7 @@ import (
 	"github.com/capsa-sandbox/capsa/netstack"
 	"github.com/capsa-sandbox/capsa/ratelimit"
 	"github.com/capsa-sandbox/capsa/sandbox"
+	"github.com/capsa-sandbox/capsa/snapshot"
 	"github.com/capsa-sandbox/capsa/store"
 	"github.com/capsa-sandbox/capsa/virtio/vsock"
 )
@@ -55,12 +57,28 @@ func Snapshot(ctx context.Context, st *store.Store, name, dir string, o sandbox.
 		return err
 	}
 	body := snapshotBody{Dir: abs, Inventory: o.Inventory, Fork: o.Fork}
+	var lent []*os.File
 	if o.Parent != "" {
 		if body.Parent, err = filepath.Abs(o.Parent); err != nil {
 			return err
 		}
+		// Opened and checked here, and lent to the supervisor, which
+		// may not open it (see lend.go).
+		p, err := snapshot.Open(body.Parent)
+		if err != nil {
+			return fmt.Errorf("supervisor: snapshot %s: the parent: %w", name, err)
+		}
+		defer p.Close()
+		if lent, err = p.Lend(); err != nil {
+			return fmt.Errorf("supervisor: snapshot %s: the parent: %w", name, err)
+		}
+		defer func() {
+			for i := 0; i < len(lent); i += 2 {
+				lent[i].Close() // the manifests' files, Lend's
+			}
+		}()
 	}
-	return callLive(ctx, st, name, opSnapshot, body)
+	return callLive(ctx, st, name, opSnapshot, body, lent...)
 }
 
 // Stop ends the detached sandbox name as `capsa stop` does: SIGTERM to the
@@ -77,7 +95,7 @@ func Stop(ctx context.Context, st *store.Store, name string, timeout time.Durati
 // callLive makes the control operation op with req on the live sandbox
 // name and says what failed: the operation, the sandbox, and its end if
 // it has ended.
-func callLive[Req, Resp any](ctx context.Context, st *store.Store, name string, op controlOp[Req, Resp], req Req) error {
+func callLive[Req, Resp any](ctx context.Context, st *store.Store, name string, op controlOp[Req, Resp], req Req, lend ...*os.File) error {
 	rec, err := st.Get(name)
 	if err != nil {
 		return err
@@ -85,7 +103,12 @@ func callLive[Req, Resp any](ctx context.Context, st *store.Store, name string, 
 	if !rec.Alive() {
 		return fmt.Errorf("supervisor: %s %s: %w (%s)", op.name, name, ErrNotRunning, describeEnd(rec))
 	}
-	_, err = op.call(ctx, controlClient(filepath.Join(st.SandboxDir(name), ControlSocket)), req)
+	path := filepath.Join(st.SandboxDir(name), ControlSocket)
+	hc := controlClient(path)
+	if len(lend) > 0 {
+		hc = lendingClient(path, lend)
+	}
+	_, err = op.call(ctx, hc, req)
 	if err == nil {
 		return nil
 	}

@@ -4,15 +4,19 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"github.com/capsa-sandbox/capsa/sandbox"
+	"io"
 	"log/slog"
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/capsa-sandbox/capsa/sandbox"
 )
 
 // TestControlTableMatchesServer: every operation of the table is served
@@ -152,5 +156,93 @@ func TestControlOpRoundTrip(t *testing.T) {
 	var te *transportError
 	if _, err := op.call(ctx, hc, snapshotBody{Dir: "hello"}); !errors.As(err, &te) {
 		t.Errorf("a call to a closed server = %v; want a transport error", err)
+	}
+}
+
+// TestControlLendsFiles: files lent with a request reach its handler, as
+// descriptors of the same files, and only that request's; a connection
+// lends at most maxLentFiles; the snapshot operation refuses files lent
+// without a parent, and a lent parent that is not a snapshot chain, with
+// 400 before it touches the sandbox.
+func TestControlLendsFiles(t *testing.T) {
+	type reply struct {
+		Got []string `json:"got"`
+	}
+	op := controlOp[noBody, reply]{"lent", http.MethodPost, http.StatusOK}
+	mux := http.NewServeMux()
+	op.register(mux, func(ctx context.Context, _ noBody) (reply, error) {
+		var r reply
+		for _, f := range lentFiles(ctx) {
+			b, err := io.ReadAll(io.NewSectionReader(f, 0, 64))
+			if err != nil {
+				r.Got = append(r.Got, "error: "+err.Error())
+			} else {
+				r.Got = append(r.Got, string(b))
+			}
+			f.Close()
+		}
+		return r, nil
+	})
+	dir := t.TempDir()
+	path := filepath.Join(dir, "lend.sock")
+	l, err := net.Listen("unix", path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := &http.Server{Handler: mux, ConnContext: withLendingConn}
+	go srv.Serve(lendingListener{l.(*net.UnixListener)})
+	defer srv.Close()
+	var files []*os.File
+	for i := range maxLentFiles + 3 {
+		p := filepath.Join(dir, fmt.Sprint(i))
+		if err := os.WriteFile(p, []byte(fmt.Sprint("file ", i)), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		f, err := os.Open(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer f.Close()
+		files = append(files, f)
+	}
+	ctx := context.Background()
+	if got, err := op.call(ctx, lendingClient(path, files[:2]), noBody{}); err != nil || !slices.Equal(got.Got, []string{"file 0", "file 1"}) {
+		t.Errorf("two files lent: the handler got %+v, %v; want their contents", got, err)
+	}
+	if got, err := op.call(ctx, controlClient(path), noBody{}); err != nil || len(got.Got) != 0 {
+		t.Errorf("none lent: the handler got %+v, %v; want none", got, err)
+	}
+	if got, err := op.call(ctx, lendingClient(path, files), noBody{}); err != nil || len(got.Got) != maxLentFiles {
+		t.Errorf("%d files lent: the handler got %+v, %v; want the first %d", len(files), got, err, maxLentFiles)
+	}
+
+	c := &control{stopc: make(chan stopRequest, 1)}
+	cpath := filepath.Join(dir, ControlSocket)
+	csrv, err := c.serve(cpath, slog.New(slog.DiscardHandler))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer csrv.Close()
+	if _, err := opSnapshot.call(ctx, lendingClient(cpath, files[:2]), snapshotBody{Dir: "/a/b"}); err == nil || !strings.Contains(err.Error(), "400") || !strings.Contains(err.Error(), "without a parent") {
+		t.Errorf("a snapshot with files lent and no parent = %v; want 400", err)
+	}
+	if _, err := opSnapshot.call(ctx, lendingClient(cpath, files[:2]), snapshotBody{Dir: "/a/b", Parent: "/a/p"}); err == nil || !strings.Contains(err.Error(), "400") || !strings.Contains(err.Error(), "the parent") {
+		t.Errorf("a snapshot over a lent parent that is no snapshot = %v; want 400 naming the parent", err)
+	}
+}
+
+// TestControlRefusesSuspendingAPod: a supervisor whose host mounts beneath
+// its shares while it runs (a containerd pod's) refuses to be suspended,
+// saying why, before it touches the sandbox.
+func TestControlRefusesSuspendingAPod(t *testing.T) {
+	c := &control{stopc: make(chan stopRequest, 1), hostMounts: true}
+	path := filepath.Join(t.TempDir(), ControlSocket)
+	srv, err := c.serve(path, slog.New(slog.DiscardHandler))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer srv.Close()
+	if _, err := opSuspend.call(context.Background(), controlClient(path), suspendBody{}); err == nil || !strings.Contains(err.Error(), "409") || !strings.Contains(err.Error(), "pod's VM cannot be suspended") {
+		t.Errorf("suspending a pod's VM = %v; want 409 saying why not", err)
 	}
 }

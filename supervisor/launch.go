@@ -90,7 +90,7 @@ func Spawn(ctx context.Context, st *store.Store, name string, lock *store.Lock) 
 	cmd.Stdout, cmd.Stderr = logf, logf
 	cmd.ExtraFiles = []*os.File{lock.File(), readyW} // LockFD and ReadyFD
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
-	if Jailed(rec.NoConfine) && !rec.HostMounts {
+	if Jailed(rec.NoConfine) {
 		// The jail needs a mount namespace made with the process (see
 		// package confine), and a temporary directory the jailed
 		// supervisor can clean.

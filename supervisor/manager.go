@@ -8,7 +8,6 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
-	"sync"
 	"time"
 
 	"github.com/capsa-sandbox/capsa/netstack"
@@ -29,10 +28,6 @@ import (
 type Manager struct {
 	st    *store.Store
 	stats statsHandles // Stats's
-	// headersMu makes this manager's SetHeaderRules and SetEgressProxy
-	// one at a time: each rewrites a sandbox's record and secrets file
-	// together (another process's manager is not held back).
-	headersMu sync.Mutex
 }
 
 // The records a Manager keeps, and their states, as package store has
@@ -395,6 +390,13 @@ func (m *Manager) UpdateLimits(ctx context.Context, name, spec string) (string, 
 // a resume from disk). A sandbox made without capsa's NAT (no network, or
 // a tap) is refused: sandbox.ErrNoNAT.
 func (m *Manager) SetNetworkPolicy(ctx context.Context, name string, p *netstack.Policy) error {
+	return m.withSettings(ctx, name, func() error { return m.setNetworkPolicy(ctx, name, p) })
+}
+
+// setNetworkPolicy is SetNetworkPolicy with the settings lock held
+// (withSettings): no other change of the sandbox's network comes between
+// its record and the running sandbox.
+func (m *Manager) setNetworkPolicy(ctx context.Context, name string, p *netstack.Policy) error {
 	rec, err := m.st.Get(name)
 	if err != nil {
 		return err

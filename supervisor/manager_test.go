@@ -10,7 +10,9 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -472,5 +474,209 @@ func TestManagerSetEgressProxy(t *testing.T) {
 	}
 	if secrets, _ := ReadSecrets(m.st, "plain"); len(secrets) != 1 {
 		t.Errorf("the secrets file after clearing the proxy: %d keys; want the secret's alone", len(secrets))
+	}
+	// Starting (its lock held, its record Creating): waited for, not
+	// rewritten behind its back; here it never runs, so ctx ends the wait.
+	lock, err := m.st.Start("plain")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer lock.Close()
+	sctx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
+	defer cancel()
+	if err := m.SetEgressProxy(sctx, "plain", p); !errors.Is(err, context.DeadlineExceeded) {
+		t.Errorf("a proxy for a sandbox that is starting: %v; want the wait for it to end with ctx", err)
+	}
+	if err := m.SetHeaderRules(sctx, "plain", nil); err != nil {
+		t.Errorf("no header rules for a starting sandbox that has none: %v; want nil, without waiting", err)
+	}
+	if r, _ := m.st.Get("plain"); r.Spec.Network.EgressProxy != nil {
+		t.Errorf("a starting sandbox's record was rewritten: %+v", r.Spec.Network.EgressProxy)
+	}
+}
+
+// runningSandbox records the sandbox name as running under m's store, its
+// liveness lock held, and serves mux on its control socket, as its
+// supervisor would, until the test ends.
+func runningSandbox(t *testing.T, m *Manager, name string, spec sandbox.Spec, mux *http.ServeMux) {
+	t.Helper()
+	lock, err := m.st.Create(&Record{Name: name, Spec: spec})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { lock.Close() })
+	if err := m.st.Update(name, func(r *Record) error { r.State, r.Started = Running, time.Now(); return nil }); err != nil {
+		t.Fatal(err)
+	}
+	l, err := net.Listen("unix", filepath.Join(m.st.SandboxDir(name), ControlSocket))
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := &http.Server{Handler: mux}
+	go srv.Serve(l)
+	t.Cleanup(func() { srv.Close() })
+}
+
+// TestManagerSettingsOneAtATime: changes of one running sandbox's header
+// rules made at once by two managers (two front ends' processes, as far
+// as the store can tell) reach the sandbox and its record in the same
+// order, so that the record and the secrets file end with the rules the
+// sandbox took last. The sandbox's control socket is served here by the
+// control protocol's own table, answering the first change of each round
+// slowly: without the settings lock, the second is answered first and
+// recorded first, and the record ends with the change the sandbox took
+// first.
+func TestManagerSettingsOneAtATime(t *testing.T) {
+	dir := t.TempDir()
+	m1, err := OpenManager(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	m2, err := OpenManager(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var mu sync.Mutex
+	var last string // the rules the sandbox took last (their X-Turn)
+	var calls int
+	mux := http.NewServeMux()
+	opHeaders.register(mux, func(_ context.Context, req headersBody) (noBody, error) {
+		mu.Lock()
+		last = ""
+		if len(req.Rules) == 1 {
+			last = req.Rules[0].Headers["X-Turn"]
+		}
+		calls++
+		slow := calls%2 == 1
+		mu.Unlock()
+		if slow {
+			time.Sleep(100 * time.Millisecond)
+		}
+		return noBody{}, nil
+	})
+	runningSandbox(t, m1, "s", sandbox.Spec{CPUs: 1, MemoryMiB: 256, Network: &sandbox.NetworkSpec{Policy: netstack.AllowAll()}}, mux)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	for round := range 4 {
+		var wg sync.WaitGroup
+		errs := make(chan error, 2)
+		for i, m := range []*Manager{m1, m2} {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				turn := fmt.Sprintf("%d.%d", round, i)
+				rules := []sandbox.HeaderRule{{Host: "api.test", Headers: map[string]string{"X-Turn": turn}}}
+				if err := m.SetHeaderRules(ctx, "s", rules); err != nil {
+					errs <- err
+				}
+			}()
+			time.Sleep(10 * time.Millisecond) // the second comes while the first is answered
+		}
+		wg.Wait()
+		close(errs)
+		for err := range errs {
+			t.Fatal(err)
+		}
+		got, err := m1.HeaderRules("s")
+		if err != nil {
+			t.Fatal(err)
+		}
+		mu.Lock()
+		want := last
+		mu.Unlock()
+		if len(got) != 1 || got[0].Headers["X-Turn"] != want {
+			t.Fatalf("round %d: the record's rules after two changes at once: %+v; want the one the sandbox took last, X-Turn %q", round, got, want)
+		}
+	}
+}
+
+// TestManagerUpdateNetwork: a proxy and a policy changed together reach a
+// running sandbox in the order that lets nothing out directly that either
+// would tunnel (a new proxy before the policy, a proxy taken away after
+// it), and a step that fails says which were made before it. The
+// sandbox's control socket is served here by the control protocol's own
+// table.
+func TestManagerUpdateNetwork(t *testing.T) {
+	m := newManager(t)
+	var mu sync.Mutex
+	var order []string
+	var refuse atomic.Bool
+	mux := http.NewServeMux()
+	opNetwork.register(mux, func(_ context.Context, req networkBody) (noBody, error) {
+		if refuse.Load() {
+			return noBody{}, errors.New("refused here")
+		}
+		mu.Lock()
+		defer mu.Unlock()
+		order = append(order, "policy "+req.Policy.String())
+		return noBody{}, nil
+	})
+	opEgress.register(mux, func(_ context.Context, req egressBody) (noBody, error) {
+		mu.Lock()
+		defer mu.Unlock()
+		via := "none"
+		if req.Proxy != nil {
+			via = req.Proxy.Address
+		}
+		order = append(order, "proxy "+via)
+		return noBody{}, nil
+	})
+	runningSandbox(t, m, "s", sandbox.Spec{CPUs: 1, MemoryMiB: 256, Network: &sandbox.NetworkSpec{Policy: netstack.PublicOnly()}}, mux)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	taken := func() []string {
+		mu.Lock()
+		defer mu.Unlock()
+		o := order
+		order = nil
+		return o
+	}
+	p := &sandbox.EgressProxy{Address: "192.0.2.1:1080"}
+	if err := m.UpdateNetwork(ctx, "s", NetworkUpdate{Policy: netstack.AllowAll(), SetProxy: true, Proxy: p}); err != nil {
+		t.Fatal(err)
+	}
+	if got, want := taken(), []string{"proxy 192.0.2.1:1080", "policy allow-all"}; !slices.Equal(got, want) {
+		t.Errorf("a proxy set with a policy reached the sandbox as %q; want %q", got, want)
+	}
+	if err := m.UpdateNetwork(ctx, "s", NetworkUpdate{Policy: netstack.DenyAll(), SetProxy: true}); err != nil {
+		t.Fatal(err)
+	}
+	if got, want := taken(), []string{"policy deny-all", "proxy none"}; !slices.Equal(got, want) {
+		t.Errorf("a proxy taken away with a policy reached the sandbox as %q; want %q", got, want)
+	}
+	if r, _ := m.Get("s"); r.Spec.Network.EgressProxy != nil || r.Spec.Network.Policy.String() != "deny-all" {
+		t.Errorf("the record after both: %+v, %s", r.Spec.Network.EgressProxy, r.Spec.Network.Policy)
+	}
+	// Another change under way (its settings lock held): waited for.
+	held, err := m.st.SettingsLock(ctx, "s")
+	if err != nil {
+		t.Fatal(err)
+	}
+	short, cancelShort := context.WithTimeout(ctx, 100*time.Millisecond)
+	defer cancelShort()
+	if err := m.SetNetworkPolicy(short, "s", netstack.AllowAll()); !errors.Is(err, context.DeadlineExceeded) {
+		t.Errorf("a policy while another change holds the settings lock: %v; want the wait ended by ctx", err)
+	}
+	if err := m.UpdateNetwork(short, "s", NetworkUpdate{SetProxy: true, Proxy: p}); !errors.Is(err, context.DeadlineExceeded) {
+		t.Errorf("an update while another change holds the settings lock: %v; want the wait ended by ctx", err)
+	}
+	// A malformed proxy is refused at once, not after the wait.
+	bad := &sandbox.EgressProxy{Address: "192.0.2.1:1080", Password: "x"}
+	if err := m.SetEgressProxy(short, "s", bad); err == nil || errors.Is(err, context.DeadlineExceeded) {
+		t.Errorf("a password without a username while the lock is held: %v; want it refused without waiting", err)
+	}
+	var step *NetworkStepError
+	if err := m.UpdateNetwork(short, "s", NetworkUpdate{SetProxy: true, Proxy: bad}); !errors.As(err, &step) || step.Step != StepProxy || errors.Is(err, context.DeadlineExceeded) {
+		t.Errorf("an update with a malformed proxy while the lock is held: %v; want the proxy step refused without waiting", err)
+	}
+	held.Close()
+	if got := taken(); len(got) != 0 {
+		t.Errorf("changes that waited for the lock in vain reached the sandbox: %q", got)
+	}
+	refuse.Store(true)
+	err = m.UpdateNetwork(ctx, "s", NetworkUpdate{Policy: netstack.AllowAll(), SetProxy: true, Proxy: p})
+	if !errors.As(err, &step) || step.Step != StepPolicy || !slices.Equal(step.Made, []string{StepProxy}) ||
+		!strings.Contains(err.Error(), "refused here") || !strings.Contains(err.Error(), "the egress proxy was changed before this") {
+		t.Errorf("a policy refused after the proxy was set: %v; want the refusal, saying the proxy was changed", err)
 	}
 }

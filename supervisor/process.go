@@ -37,12 +37,17 @@ const ShutdownTimeout = 10 * time.Second
 
 // jailCommand has cmd start in a mount namespace of its own, which the
 // jail needs made with the process (package confine), with tmp as its
-// temporary directory (TMPDIR) and env added to its environment.
+// temporary directory (TMPDIR) and env added to its environment. The
+// namespace is the clone's (Cloneflags), not an unshare after it
+// (Unshareflags), after which Go's os/exec makes every mount private:
+// a jail that follows the host's mounts (confine.JailConfig.Follow) needs
+// the host's shared mounts still peers of its copies, and Jail makes them
+// private or slaves itself.
 func jailCommand(cmd *exec.Cmd, tmp string, env ...string) {
 	if cmd.SysProcAttr == nil {
 		cmd.SysProcAttr = &syscall.SysProcAttr{}
 	}
-	cmd.SysProcAttr.Unshareflags |= syscall.CLONE_NEWNS
+	cmd.SysProcAttr.Cloneflags |= syscall.CLONE_NEWNS
 	if cmd.Env == nil {
 		cmd.Env = os.Environ()
 	}
@@ -55,9 +60,11 @@ type vmmPlace struct {
 	Name      string // the sandbox's name, for the cgroup
 	NoConfine bool
 	User      *JailUser // the jail's user; nil: root's jail keeps root
-	NoJail    bool      // confined but not jailed: a pod's supervisor, which mounts from outside must reach
-	ReadStore bool      // reads what other users' sandboxes wrote in the store (confine.Config.ReadStore)
-	Terminal  bool      // the process keeps a terminal (its ioctls stay allowed)
+	// FollowMounts: the host mounts beneath its shares while it runs (a
+	// pod's supervisor: its containers' roots), and its jail takes them
+	// (confine.Config.FollowMounts).
+	FollowMounts bool
+	Terminal     bool // the process keeps a terminal (its ioctls stay allowed)
 	// StateDir is the state directory whose shared files (the hub's)
 	// the jail's user is let into, where the sandbox uses them; "": none.
 	StateDir string
@@ -96,7 +103,10 @@ func (p *vmmProcess) config(read, write []string, files bool, spec sandbox.Spec)
 	c := confine.Config{
 		Read: read, Write: slices.Concat(write, p.place.Write), HostFiles: files, Name: p.place.Name, User: p.place.User,
 		MemoryBytes: int64(spec.MemoryMiB)<<20 + VMMOverhead, CPUs: spec.EffectiveCPUQuota(),
-		Own: p.place.Own, NoJail: p.place.NoJail, Terminal: p.place.Terminal, ReadStore: p.place.ReadStore,
+		Own: p.place.Own, Terminal: p.place.Terminal,
+	}
+	if p.place.FollowMounts {
+		c.Follow = write // its shares, where the host mounts
 	}
 	if p.place.StateDir != "" {
 		c.Shared = SharedFiles(p.place.StateDir, c.Write)
@@ -124,6 +134,13 @@ func (p *vmmProcess) start(spec *sandbox.Spec, build func(beforeRun func(*sandbo
 			return err
 		}
 		p.layers = &l
+		if p.place.FollowMounts {
+			// The shares' roots, pinned before the jail, in the jail's
+			// binds that take the host's mounts.
+			if err := sb.ReopenShares(); err != nil {
+				return err
+			}
+		}
 		return nil
 	})
 	if err != nil {

@@ -21,7 +21,7 @@ func TestJailCommand(t *testing.T) {
 	cmd := exec.Command("/bin/true")
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
 	jailCommand(cmd, "/state/sandboxes/a/tmp")
-	if cmd.SysProcAttr.Unshareflags&syscall.CLONE_NEWNS == 0 || !cmd.SysProcAttr.Setsid {
+	if cmd.SysProcAttr.Cloneflags&syscall.CLONE_NEWNS == 0 || !cmd.SysProcAttr.Setsid {
 		t.Errorf("SysProcAttr = %+v; want a new mount namespace and the session kept", cmd.SysProcAttr)
 	}
 	if got := cmd.Env[len(cmd.Env)-1]; got != "TMPDIR=/state/sandboxes/a/tmp" {
@@ -37,7 +37,7 @@ func TestJailCommand(t *testing.T) {
 	if want := []string{"A=1", foregroundJailEnv + "=/tmp/capsa-run-1", "TMPDIR=/tmp/capsa-run-1"}; !slices.Equal(fg.Env, want) {
 		t.Errorf("a foreground run's environment = %q; want %q", fg.Env, want)
 	}
-	if fg.SysProcAttr == nil || fg.SysProcAttr.Unshareflags&syscall.CLONE_NEWNS == 0 {
+	if fg.SysProcAttr == nil || fg.SysProcAttr.Cloneflags&syscall.CLONE_NEWNS == 0 {
 		t.Errorf("a foreground run's SysProcAttr = %+v; want a new mount namespace", fg.SysProcAttr)
 	}
 }
@@ -68,7 +68,7 @@ func TestVMMPlaces(t *testing.T) {
 			t.Errorf("a supervisor writes the records' database %s", p)
 		}
 	}
-	if !slices.Equal(sup.Own, []string{dir}) || sup.User != user || sup.Name != "a" || sup.NoJail || !sup.HostFiles || !sup.ReadStore {
+	if !slices.Equal(sup.Own, []string{dir}) || sup.User != user || sup.Name != "a" || sup.Follow != nil || !sup.HostFiles {
 		t.Errorf("a supervisor's config = %+v; want its directory its own, its user, its name, jailed", sup)
 	}
 	if !slices.Contains(sup.Shared, hub) || !slices.Contains(sup.Shared, snaps) {
@@ -78,15 +78,15 @@ func TestVMMPlaces(t *testing.T) {
 		t.Errorf("a supervisor's memory bound = %d; want %d", sup.MemoryBytes, want)
 	}
 	pod := (&vmmProcess{place: place(st, &store.Record{Name: "p", HostMounts: true})}).config(read, write, true, spec)
-	if !pod.NoJail {
-		t.Error("a pod's supervisor (host mounts) is jailed")
+	if !slices.Equal(pod.Follow, write) {
+		t.Errorf("a pod's supervisor (host mounts) follows the host's mounts beneath %q; want its sandbox's writable paths %q", pod.Follow, write)
 	}
 
 	fg := (&vmmProcess{place: vmmPlace{Name: "run", User: user, StateDir: st.Dir(), Own: []string{"/tmp/capsa-run-1"}, Terminal: true}}).config(read, write, true, spec)
 	if !slices.Equal(fg.Write, write) || !slices.Equal(fg.Read, read) {
 		t.Errorf("a foreground run reads %q and writes %q; want only its sandbox's %q and %q", fg.Read, fg.Write, read, write)
 	}
-	if !slices.Equal(fg.Shared, []string{hub}) || !fg.Terminal || fg.MemoryBytes != sup.MemoryBytes || fg.ReadStore {
+	if !slices.Equal(fg.Shared, []string{hub}) || !fg.Terminal || fg.MemoryBytes != sup.MemoryBytes {
 		t.Errorf("a foreground run's config = %+v; want the hub's file shared, the terminal kept, the supervisor's memory bound", fg)
 	}
 }

@@ -31,6 +31,7 @@ import (
 	"github.com/capsa-sandbox/capsa/internal/selfpages"
 	"github.com/capsa-sandbox/capsa/ratelimit"
 	"github.com/capsa-sandbox/capsa/sandbox"
+	"github.com/capsa-sandbox/capsa/snapshot"
 	"github.com/capsa-sandbox/capsa/store"
 )
 
@@ -65,14 +66,15 @@ type Options struct {
 // place is where a supervisor lives (vmmPlace): beside its sandbox's host
 // paths, its sandbox's directory (its own, the jail user's where jailed
 // as one) and the store's snapshots; not the records' database, since it
-// reports its run in its own directory (store.Status). It may read the
-// snapshots other users' sandboxes wrote there (a parent of a layer it is
-// asked for). A pod's supervisor is confined but not jailed
+// reports its run in its own directory (store.Status). A layer's parent
+// that another user's sandbox wrote there, which it may not open, is lent
+// to it by the client asking for the layer (lend.go). A pod's
+// supervisor's jail follows the host's mounts beneath its shares
 // (Record.HostMounts).
 func place(st *store.Store, rec *store.Record) vmmPlace {
 	dir, snaps := st.SandboxDir(rec.Name), st.SnapshotsDir()
 	return vmmPlace{
-		Name: rec.Name, NoConfine: rec.NoConfine, User: rec.JailUser, NoJail: rec.HostMounts, ReadStore: true,
+		Name: rec.Name, NoConfine: rec.NoConfine, User: rec.JailUser, FollowMounts: rec.HostMounts,
 		StateDir: st.Dir(), Write: []string{dir, snaps}, Own: []string{dir}, Shared: []string{snaps},
 		Confined: "supervisor: confined",
 	}
@@ -216,7 +218,7 @@ func Run(ctx context.Context, o Options) error {
 	log.Info("supervisor: the sandbox runs", "restored", rec.RestoreFrom != "" && !reboot, "rebooted", reboot, "timeline", sb.Timeline().String())
 
 	c := &control{sb: sb, rep: rep, stopc: make(chan stopRequest, 1), ttlc: make(chan time.Duration),
-		suspendc: make(chan struct{}, 1), suspendDir: st.SuspendDir(o.Name), started: time.Now()}
+		suspendc: make(chan struct{}, 1), suspendDir: st.SuspendDir(o.Name), started: time.Now(), hostMounts: rec.HostMounts}
 	srv, err := c.serve(filepath.Join(dir, ControlSocket), log)
 	if err != nil {
 		return fail(err)
@@ -299,10 +301,12 @@ func Run(ctx context.Context, o Options) error {
 				ttl = nil
 				// To disk, where the sandbox can be snapshotted; else in
 				// memory.
-				if err := c.suspend(ctx, rec.PauseWithoutMemory && rec.Spec.Image != nil, log); err == nil {
+				err := c.suspend(ctx, rec.PauseWithoutMemory && rec.Spec.Image != nil, log)
+				if err == nil {
 					reason, suspended, suspendedAtTTL = fmt.Sprintf("suspended to disk at its TTL of %v", curTTL.Round(time.Second)), true, true
 					continue
 				}
+				log.Info("supervisor: not suspended at its TTL: paused in memory instead", "err", err)
 				if err := c.setPaused(ctx, true, log); err == nil {
 					log.Info("supervisor: paused at its TTL", "ttl", curTTL.Round(time.Second))
 					continue
@@ -430,6 +434,12 @@ type control struct {
 	suspendc   chan struct{}
 	suspendDir string
 	suspending bool
+	// hostMounts: the host mounts beneath its shares while it runs
+	// (store.Record.HostMounts, a containerd pod's), which it cannot be
+	// suspended with: a resumed VM's file server takes the guest's
+	// files again from the root it pinned before its jail, which
+	// follows no mount made after.
+	hostMounts bool
 }
 
 // ErrBeingSuspended refuses a pause, resume or second suspension of a
@@ -445,6 +455,9 @@ var ErrBeingSuspended = errors.New("the sandbox is being suspended")
 // sandbox that cannot be snapshotted (it has disks) stays as it was,
 // with the error.
 func (c *control) suspend(ctx context.Context, withoutMemory bool, log *slog.Logger) error {
+	if c.hostMounts {
+		return errors.New("suspend: a containerd pod's VM cannot be suspended: its containers' roots are mounts its shim makes while it runs, which a resumed VM would not follow")
+	}
 	// Kept without its memory, a paused guest runs for its sync: what
 	// its page cache held would be lost otherwise. A failure pauses it
 	// again.
@@ -563,9 +576,9 @@ func (c *control) serve(path string, log *slog.Logger) (*http.Server, error) {
 		l.Close()
 		return nil, fmt.Errorf("supervisor: control socket: %w", err)
 	}
-	srv := &http.Server{Handler: c.mux(log), ReadHeaderTimeout: 10 * time.Second,
+	srv := &http.Server{Handler: c.mux(log), ReadHeaderTimeout: 10 * time.Second, ConnContext: withLendingConn,
 		ErrorLog: slog.NewLogLogger(log.Handler(), slog.LevelWarn)}
-	go srv.Serve(l)
+	go srv.Serve(lendingListener{l.(*net.UnixListener)})
 	return srv, nil
 }
 
@@ -590,12 +603,29 @@ func (c *control) mux(log *slog.Logger) *http.ServeMux {
 		return noBody{}, c.setPaused(ctx, false, log)
 	})
 	opSnapshot.register(mux, func(ctx context.Context, req snapshotBody) (noBody, error) {
+		lent := lentFiles(ctx)
 		if !filepath.IsAbs(req.Dir) || req.Parent != "" && !filepath.IsAbs(req.Parent) {
+			closeFiles(lent)
 			return noBody{}, badRequest("bad snapshot request: %q or %q is not an absolute directory", req.Dir, req.Parent)
+		}
+		o := sandbox.SnapshotOptions{Inventory: req.Inventory, Parent: req.Parent, Fork: req.Fork}
+		if len(lent) > 0 {
+			// The parent, opened by the client: this process may not
+			// read it (it holds no capability to).
+			if req.Parent == "" {
+				closeFiles(lent)
+				return noBody{}, badRequest("bad snapshot request: files lent without a parent")
+			}
+			p, err := snapshot.OpenLent(req.Parent, lent)
+			if err != nil {
+				return noBody{}, badRequest("bad snapshot request: the parent: %v", err)
+			}
+			defer p.Close()
+			o.ParentOpen = p
 		}
 		c.pauseMu.Lock()
 		defer c.pauseMu.Unlock()
-		if err := c.sb.SnapshotWith(ctx, req.Dir, sandbox.SnapshotOptions{Inventory: req.Inventory, Parent: req.Parent, Fork: req.Fork}); err != nil {
+		if err := c.sb.SnapshotWith(ctx, req.Dir, o); err != nil {
 			log.Warn("supervisor: snapshot", "err", err)
 			return noBody{}, err
 		}

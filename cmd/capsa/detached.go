@@ -490,16 +490,15 @@ func runUpdate(ctx context.Context, args []string, stdout, stderr io.Writer) int
 			}
 			fmt.Fprintf(stdout, "%s: %s\n", name, now)
 		}
+		// Both at once in the order that lets nothing out directly
+		// that either setting would tunnel.
+		if err := m.UpdateNetwork(ctx, name, supervisor.NetworkUpdate{Policy: policy, SetProxy: *egress != "", Proxy: proxy}); err != nil {
+			return err
+		}
 		if policy != nil {
-			if err := m.SetNetworkPolicy(ctx, name, policy); err != nil {
-				return err
-			}
 			fmt.Fprintf(stdout, "%s: network %s\n", name, policy)
 		}
 		if *egress != "" {
-			if err := m.SetEgressProxy(ctx, name, proxy); err != nil {
-				return err
-			}
 			via := "none"
 			if proxy != nil {
 				via = proxy.String()

@@ -22,10 +22,11 @@ import (
 // runMCP serves the MCP tools (package mcp) on stdin and stdout, or with
 // --listen over streamable HTTP on a loopback address.
 func runMCP(ctx context.Context, args []string, stdout, stderr io.Writer) int {
-	fs := newFlags("mcp", "[--listen ADDR] [--share-root DIR]... [--secret-env NAME]...", stdout)
+	fs := newFlags("mcp", "[--listen ADDR] [--share-root DIR]... [--secret-env NAME]... [--private-egress-proxy]", stdout)
 	listen := fs.String("listen", "", "serve streamable HTTP at http://ADDR/mcp (a loopback address, e.g. 127.0.0.1:8765) instead of stdio; clients send the bearer token printed at start (or set in CAPSA_MCP_TOKEN)")
 	shareRoots := fs.StringArray("share-root", nil, "a host directory under which the tools may share directories into sandboxes (repeatable; none: no host directory is shared)")
-	secretEnv := fs.StringArray("secret-env", nil, "an environment variable of this server that the tools may use as a secret's value (repeatable; none: no secrets)")
+	secretEnv := fs.StringArray("secret-env", nil, "an environment variable of this server that the tools may use as a secret's value or an egress proxy's password (repeatable; none: no secrets)")
+	privateProxy := fs.Bool("private-egress-proxy", false, "let a sandbox's egress proxy (egress_proxy) be on a loopback or private address: one on the host's own network (without it, it must be public, so an agent cannot aim sandboxes' traffic at the host's services)")
 	if code := parseFlags(fs, args, stderr); code >= 0 {
 		return code
 	}
@@ -64,7 +65,7 @@ func runMCP(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	}
 	// stdout is the protocol's: the log goes to stderr.
 	log := slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: level}))
-	s := mcp.NewServer(mcp.Options{Manager: m, ShareRoots: *shareRoots, SecretEnv: *secretEnv, Log: log, Version: version})
+	s := mcp.NewServer(mcp.Options{Manager: m, ShareRoots: *shareRoots, SecretEnv: *secretEnv, PrivateEgressProxy: *privateProxy, Log: log, Version: version})
 	if *listen == "" {
 		err := s.Run(ctx, &sdk.IOTransport{Reader: os.Stdin, Writer: nopCloser{stdout}})
 		if err != nil && ctx.Err() == nil {

@@ -126,14 +126,14 @@ func TestConfinement(t *testing.T) {
 		t.Errorf("the restored sandbox's share, confined: exit %d, %q (stderr %q)", r.code, r.stdout, r.stderr)
 	}
 
-	// A sandbox that serves no host files: as root, its VMM keeps only
-	// the capability to read other sandboxes' snapshots, and still runs,
-	// answers and writes a snapshot.
+	// A sandbox that serves no host files: as root, its VMM keeps no
+	// capability, and still runs, answers and writes a snapshot (a layer
+	// over another user's snapshot: TestJail).
 	if r := cli(3*time.Minute, "run", "-d", "--name", "c0", "--", "sleep", "100000"); r.code != 0 {
 		t.Fatalf("capsa run -d --name c0 = exit %d, stderr %q", r.code, r.stderr)
 	}
 	rec0 := inspectConfined(t, cli, "c0")
-	checkCapabilities(t, rec0.Confinement, rec0.PID, map[bool]capsHeld{true: capsStoreReader, false: capsNone}[os.Geteuid() == 0])
+	checkCapabilities(t, rec0.Confinement, rec0.PID, capsNone)
 	if r := cli(time.Minute, "exec", "c0", "--", "sh", "-c", "echo kept > /tmp/f && cat /tmp/f"); r.code != 0 || r.stdout != "kept\n" {
 		t.Errorf("capsa exec c0, no file served: exit %d, %q (stderr %q)", r.code, r.stdout, r.stderr)
 		// Its VM's state and console now: c0 is removed below, before
@@ -285,12 +285,9 @@ const (
 	// capsFileServer: run by root and serving host files, only
 	// confine.KeptCapabilities, permitted, effective and bounding.
 	capsFileServer capsHeld = iota
-	// capsStoreReader: run by root as a supervisor serving no host
-	// files, cap_dac_read_search alone (to read other sandboxes'
-	// snapshots), in every set but the inheritable and ambient.
-	capsStoreReader
-	// capsNone: a jail's user, or not root: none permitted or effective
-	// (the bounding set was not its to drop).
+	// capsNone: a jail's user, not root, or root serving no host files:
+	// none permitted or effective (the bounding set emptied where it was
+	// root's to drop).
 	capsNone
 )
 
@@ -301,7 +298,7 @@ func checkCapabilities(t *testing.T, l *confine.Layers, pid int, held capsHeld) 
 	t.Helper()
 	var mask uint64
 	want := "on (none held)"
-	kept := map[capsHeld][]cap.Value{capsFileServer: confine.KeptCapabilities, capsStoreReader: {cap.DAC_READ_SEARCH}}[held]
+	kept := map[capsHeld][]cap.Value{capsFileServer: confine.KeptCapabilities}[held]
 	if len(kept) > 0 {
 		var names []string
 		for _, v := range kept {

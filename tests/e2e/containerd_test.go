@@ -370,6 +370,17 @@ func testContainerdShim(t *testing.T, e *containerdEnv) {
 	if st := capsaWith(t, time.Minute, func(c *exec.Cmd) { c.Env = e.env }, "stats", "--no-stream", "--format", "json", "capsa-test-c3"); st.code != 0 || !strings.Contains(st.stdout, "cpu_time_ns") {
 		t.Errorf("capsa stats capsa-test-c3 = %d %q %q, want the pod VM's figures", st.code, st.stdout, st.stderr)
 	}
+	// The pod VM's supervisor is jailed, and its jail took c3's root,
+	// which the shim mounted after it was: the exec above ran in it.
+	// (Its capabilities: a root VMM serving host files keeps the four a
+	// file server needs, and no other.)
+	pod := inspectConfined(t, func(d time.Duration, args ...string) result {
+		return capsaWith(t, d, func(c *exec.Cmd) { c.Env = e.env }, args...)
+	}, "capsa-test-c3")
+	if l := pod.Confinement; !strings.HasPrefix(l.Namespaces, "on (mount namespace") || !strings.Contains(l.Namespaces, "following the host's mounts") {
+		t.Errorf("the pod VM's namespaces layer = %q; want its jail, following the host's mounts", l.Namespaces)
+	}
+	checkCapabilities(t, pod.Confinement, pod.PID, capsFileServer)
 
 	// The spec's capabilities (ctr's default set, without CAP_SYS_ADMIN,
 	// so a mount is refused), masked paths and read-only paths.

@@ -155,6 +155,15 @@ func testContainerdCRI(t *testing.T, e *criEnv) {
 	if err := os.MkdirAll(emptyDir, 0o777); err != nil {
 		t.Fatal(err)
 	}
+	// A read-only volume of the client's: read-only in its container and
+	// on the host too, where the shim binds it for the VM.
+	configDir := filepath.Join(dir, "config")
+	if err := os.MkdirAll(configDir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(configDir, "setting"), []byte("v1"), 0o644); err != nil {
+		t.Fatal(err)
+	}
 	logs := filepath.Join(dir, "logs")
 	pod := writeJSON(t, dir, "pod.json", map[string]any{
 		"metadata":      map[string]any{"name": "p1", "namespace": "default", "uid": "p1-uid", "attempt": 0},
@@ -179,7 +188,7 @@ for i in $(seq 1000); do # minutes: the server's Python starts slowly from a 9P 
 done
 exec sleep 1000`},
 		"log_path": "client.log",
-		"mounts":   mounts,
+		"mounts":   append(mounts, map[string]any{"container_path": "/config", "host_path": configDir, "readonly": true}),
 		// Kubernetes' RuntimeDefault: containerd's default profile,
 		// which the guest applies (the server runs Unconfined).
 		"linux": map[string]any{"security_context": map[string]any{"seccomp": map[string]any{"profile_type": 0}},
@@ -286,6 +295,10 @@ exec sleep 1000`},
 	if out := e.cri("", "exec", "-s", serverID, "grep", "^Seccomp:", "/proc/self/status"); !strings.Contains(out, "Seccomp:\t0") {
 		t.Errorf("crictl exec -s into the Unconfined server = %q, want no seccomp filter (Seccomp: 0)", out)
 	}
+	if out := e.cri("", "exec", "-s", clientID, "sh", "-c", "cat /config/setting; echo; echo x > /config/new; echo wrote=$?"); !strings.HasPrefix(out, "v1\n") || strings.Contains(out, "wrote=0") {
+		t.Errorf("the client's read-only volume: %q; want its file read and a write refused", out)
+	}
+	checkReadOnlyHostBind(t, configDir)
 
 	// Each container has its own cgroup in the guest, in a cgroup
 	// namespace: its /sys/fs/cgroup is its own, with its memory limit,
@@ -382,4 +395,31 @@ func criTerminal(t *testing.T, e *criEnv, id string) {
 	keys("exit 4", "Enter")
 	seen("exit code 4") // the pane wraps crictl's long line
 	seen("cri-exit-1")
+}
+
+// checkReadOnlyHostBind checks that the shim's bind of src into a pod's
+// directory, on the host, is read-only: not even the VMM that serves it
+// to the guest can write it.
+func checkReadOnlyHostBind(t *testing.T, src string) {
+	t.Helper()
+	b, err := os.ReadFile("/proc/self/mountinfo")
+	if err != nil {
+		t.Fatal(err)
+	}
+	found := 0
+	for _, line := range strings.Split(string(b), "\n") {
+		f := strings.Fields(line)
+		// f[3] is the bind's root within its file system: src, or its
+		// tail where src's file system is mounted below /.
+		if len(f) < 6 || f[3] == "/" || !strings.HasSuffix(src, f[3]) || !strings.Contains(f[4], "/pods/") || !strings.Contains(f[4], "/mounts/") {
+			continue
+		}
+		found++
+		if opts := strings.Split(f[5], ","); opts[0] != "ro" {
+			t.Errorf("the shim's bind of %s at %s: options %s; want read-only", src, f[4], f[5])
+		}
+	}
+	if found == 0 {
+		t.Errorf("no bind of %s into a pod's directory in the host's mount table", src)
+	}
 }

@@ -18,12 +18,20 @@ import (
 // in it notes the guest's clock (/proc/uptime, in hundredths of a second)
 // without a pause of its own. The second fork writes only what the
 // sandbox wrote since the first. The process's notes show no gap at the
-// second fork longer than the pause the sandbox reports for it (and the
-// scheduling gaps it shows before any fork, and while four copies start
-// beside it without a pause), so the report is honest.
+// second fork longer than the pause the sandbox reports for it and the
+// scheduling gaps it shows without one (before any fork, and while four
+// copies start beside it), one on either side of the pause, so the
+// report is honest to within those gaps. (The first fork's gap is longer
+// than its pause, and not checked: see docs/performance.md.)
 // Every copy and the sandbox then write a file of the same name and read
 // back only their own; the second fork's copies hold what the sandbox
 // wrote between the forks, the first's do not.
+//
+// Through the first fork, whose memory is copied while the sandbox runs
+// (guestmem.PreCopy, where the host's kernel tracks soft-dirty pages) and
+// then only what changed meanwhile while it is paused, another process
+// writes 2 MiB files of random bytes, each followed by its checksum: in
+// every copy, each file with a checksum must match it.
 func TestForkStall(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 8*time.Minute)
 	defer cancel()
@@ -60,6 +68,30 @@ func TestForkStall(t *testing.T) {
 		t.Fatalf("the clock's notes: %d in 3 s; want one every 10 ms or so", len(quiet))
 	}
 	quietMax := slices.Max(quiet)
+
+	// churn writes files and their checksums, keeping the last three,
+	// until told to keep them all (keep: just before the first fork, so
+	// that those written before and while its copy runs stay), then
+	// writes six more and ends; verify waits for its end in one sandbox
+	// and checks every pair it left. (md5sum names the file in its line:
+	// relative, in /tmp/c, as the check reads it.)
+	const churn = `mkdir -p /tmp/c && cd /tmp/c && i=0; k=0; while [ ! -e stop ]; do i=$((i+1)); ` +
+		`head -c 2097152 /dev/urandom > $i; md5sum $i > $i.sum; ` +
+		`if [ -e keep ]; then k=$((k+1)); [ $k -lt 6 ] || break; else rm -f $((i-3)) $((i-3)).sum; fi; done; touch done`
+	verify := func(name string, c *sandbox.Sandbox) {
+		t.Helper()
+		out, err := c.Exec(ctx, sandbox.Shell(`while [ ! -e /tmp/c/done ]; do sleep 1; done; cd /tmp/c; n=0; `+
+			`for s in *.sum; do f=${s%.sum}; [ "$(md5sum $f)" = "$(cat $s)" ] || echo "BAD $f"; n=$((n+1)); done; echo "checked $n"`))
+		if err != nil || out.Code != 0 || strings.Contains(string(out.Stdout), "BAD") || !strings.HasPrefix(string(out.Stdout), "checked ") || strings.HasPrefix(string(out.Stdout), "checked 0") {
+			t.Errorf("%s: the files written through the first fork, against their checksums: %q, %+v, %v; want every one checked and matching", name, out.Stdout, out, err)
+		}
+	}
+	churner, err := sb.Stream(ctx, sandbox.ExecOptions{Shell: churn})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer churner.Signal(context.Background(), "KILL")
+	time.Sleep(2 * time.Second)
 
 	var copies []*sandbox.Sandbox
 	var stalls, worst []time.Duration
@@ -98,6 +130,11 @@ func TestForkStall(t *testing.T) {
 			}
 			startMax, n = slices.Max(starting), m
 		}
+		if round == 0 {
+			if out, err := sb.Exec(ctx, sandbox.Shell("touch /tmp/c/keep")); err != nil || out.Code != 0 {
+				t.Fatalf("touch /tmp/c/keep: %+v, %v", out, err)
+			}
+		}
 		cs, err := sb.Fork(ctx, 4, sandbox.RestoreOptions{})
 		if err != nil {
 			t.Fatalf("fork %d: %v", round+1, err)
@@ -110,14 +147,29 @@ func TestForkStall(t *testing.T) {
 		time.Sleep(time.Second)
 		during, _ := gaps(n)
 		worst = append(worst, slices.Max(during))
+		if round == 0 {
+			verify("the sandbox", sb)
+			for i, c := range cs {
+				verify(fmt.Sprintf("copy %d of the first fork", i+1), c)
+			}
+		}
 	}
 	t.Logf("the sandbox's pause for a fork of 4: %v for the first (the whole memory), %v for the second (what it wrote since); "+
 		"the clock's notes' largest gap: %v before each fork, %v while four copies of a copy started, %v from the first fork on, %v from the second on",
 		stalls[0].Round(time.Millisecond), stalls[1].Round(time.Millisecond), quietMax, startMax, worst[0], worst[1])
 	// The second fork's pause is all the process lost to it, beyond the
-	// waits it has anyway while four copies start beside it.
-	if limit := stalls[1] + max(quietMax, startMax) + 20*time.Millisecond; worst[1] > limit {
-		t.Errorf("the process in the sandbox stopped for %v at the second fork, more than the reported pause and its own gaps allow (%v)", worst[1], limit)
+	// waits it has anyway while four copies start beside it. The gap
+	// that holds the pause is the pause and two pieces of ordinary gaps:
+	// from the last note before the pause to its start, and from its end
+	// to the first note after; each is at most the longest gap the
+	// process shows without a pause (noise), and the clock it reads
+	// counts in hundredths. (One piece only, as this bound once was,
+	// failed on a CI host: a 640 ms gap against a 516 ms pause and 80 ms
+	// of noise, 124 ms beyond the pause where two pieces allow 160.)
+	noise := max(quietMax, startMax)
+	if limit := stalls[1] + 2*noise + 10*time.Millisecond; worst[1] > limit {
+		t.Errorf("the process in the sandbox stopped for %v at the second fork, more than the reported pause (%v) and a gap of its own (%v) on either side allow (%v)",
+			worst[1], stalls[1].Round(time.Millisecond), noise, limit)
 	}
 
 	// Each its own: a file of the same name, different in each.

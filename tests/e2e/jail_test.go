@@ -165,6 +165,7 @@ func TestJail(t *testing.T) {
 	if _, err := os.Stat(filepath.Join(dir, "sandboxes", "j")); err == nil {
 		t.Error("capsa rm -f j left its directory")
 	}
+	t.Run("layer over another user's snapshot", func(t *testing.T) { layerOverAnotherUsers(t, dir, cli) })
 
 	// In the foreground: capsa run starts itself again in a namespace of
 	// its own; the probe's open finds nothing; an image runs as 65534.
@@ -187,6 +188,46 @@ func TestJail(t *testing.T) {
 	}
 	if ents, _ := os.ReadDir(tmp); len(ents) > 0 {
 		t.Errorf("the runs left %v in their TMPDIR", ents)
+	}
+}
+
+// layerOverAnotherUsers: a layer over a snapshot that a supervisor
+// jailed as 65534 wrote (its files 65534's, mode 0600), asked of a
+// supervisor run by root that serves no host files and so holds no
+// capability to read them: the CLI lends it the parent's files, and the
+// layer restores to what both held.
+func layerOverAnotherUsers(t *testing.T, dir string, cli func(time.Duration, ...string) result) {
+	t.Helper()
+	if r := cli(3*time.Minute, "run", "-d", "--name", "js", "--jail-user", "65534", "--", "sleep", "100000"); r.code != 0 {
+		t.Fatalf("capsa run -d --jail-user 65534 = exit %d, stderr %q", r.code, r.stderr)
+	}
+	defer cli(time.Minute, "rm", "-f", "js", "jr", "jl")
+	if r := cli(time.Minute, "exec", "js", "--", "sh", "-c", "echo in-parent > /tmp/p"); r.code != 0 {
+		t.Fatalf("capsa exec js = exit %d, stderr %q", r.code, r.stderr)
+	}
+	if r := cli(3*time.Minute, "snapshot", "create", "js", "jsnap"); r.code != 0 {
+		t.Fatalf("capsa snapshot create js jsnap (jailed as 65534) = exit %d, stderr %q", r.code, r.stderr)
+	}
+	var st syscall.Stat_t
+	if err := syscall.Stat(filepath.Join(dir, "snapshots", "jsnap", "memory"), &st); err != nil || st.Uid != 65534 || st.Mode&0o077 != 0 {
+		t.Errorf("jsnap's memory: owner %d, mode %04o, %v; want 65534's alone", st.Uid, st.Mode&0o7777, err)
+	}
+	if r := cli(3*time.Minute, "snapshot", "restore", "jsnap", "--name", "jr"); r.code != 0 {
+		t.Fatalf("capsa snapshot restore jsnap, as root = exit %d, stderr %q", r.code, r.stderr)
+	}
+	rec := inspectConfined(t, cli, "jr")
+	checkCapabilities(t, rec.Confinement, rec.PID, capsNone)
+	if r := cli(time.Minute, "exec", "jr", "--", "sh", "-c", "echo in-layer > /tmp/l"); r.code != 0 {
+		t.Fatalf("capsa exec jr = exit %d, stderr %q", r.code, r.stderr)
+	}
+	if r := cli(3*time.Minute, "snapshot", "create", "--parent", "jsnap", "jr", "jlayer"); r.code != 0 {
+		t.Fatalf("capsa snapshot create --parent jsnap jr jlayer = exit %d, stderr %q", r.code, r.stderr)
+	}
+	if r := cli(3*time.Minute, "snapshot", "restore", "jlayer", "--name", "jl"); r.code != 0 {
+		t.Fatalf("capsa snapshot restore jlayer = exit %d, stderr %q", r.code, r.stderr)
+	}
+	if r := cli(time.Minute, "exec", "jl", "--", "cat", "/tmp/p", "/tmp/l"); r.code != 0 || r.stdout != "in-parent\nin-layer\n" {
+		t.Errorf("the layer over another user's snapshot, restored: exit %d, %q (stderr %q); want both files", r.code, r.stdout, r.stderr)
 	}
 }
 
