@@ -283,6 +283,7 @@ type Sandbox struct {
 	exit    *vmm.Exit
 	ready   chan struct{}
 	started time.Time
+	readyAt atomic.Int64 // when the agent first answered (UnixNano); 0 before
 	hybrid  *vsock.HybridSocket
 	hub     *hubServer // the guest's mailbox and key-value store
 	shares  []*ninep.Device
@@ -597,7 +598,7 @@ func boot(ctx context.Context, c config, root *rootfs, snap *snapshot.Snapshot, 
 			if log := c.logger(); log.Enabled(context.Background(), slog.LevelDebug) {
 				log.Debug("sandbox: agent ready", "timeline", vm.Timeline().String())
 			}
-			close(s.ready)
+			s.markReady()
 		}
 		readyL.Close()
 	}()

@@ -733,7 +733,7 @@ func (s *Sandbox) awaitAgent(timeout time.Duration, hostname string) {
 		if err == nil || errors.As(err, &re) {
 			s.vm.Mark("agent: first answer (resumed: clock, seed, hostname set)")
 			s.resumeErr = err
-			close(s.ready)
+			s.markReady()
 			return
 		}
 		if attempt <= 3 { // the timeline shows what a restore waited on

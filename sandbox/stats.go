@@ -123,18 +123,32 @@ func cpuPercent(prev, cur *Stats, of func(*Stats) time.Duration) float64 {
 
 // IdleSince says since when nobody has been connected to the sandbox's
 // vsock Unix socket (VsockSocket; every `capsa exec` and `cp` comes that
-// way): idle is false while someone is, and since is the sandbox's start
-// if nobody ever was. Without a VsockSocket the sandbox is never idle.
+// way): idle is false while someone is, and since is when its agent first
+// answered if nobody was connected after that. A sandbox whose agent has
+// not answered yet is booting, not idle (its ready timeout bounds that),
+// so an idle timeout shorter than a slow boot still leaves a client its
+// whole length to connect. Without a VsockSocket the sandbox is never
+// idle.
 func (s *Sandbox) IdleSince() (since time.Time, idle bool) {
 	if s.hybrid == nil {
+		return time.Time{}, false
+	}
+	ready := s.readyAt.Load()
+	if ready == 0 {
 		return time.Time{}, false
 	}
 	n, last := s.hybrid.Activity()
 	if n > 0 {
 		return time.Time{}, false
 	}
-	if last.Before(s.started) {
-		last = s.started
+	if at := time.Unix(0, ready); last.Before(at) {
+		last = at
 	}
 	return last, true
+}
+
+// markReady notes when the agent first answered and tells Ready's waiters.
+func (s *Sandbox) markReady() {
+	s.readyAt.Store(time.Now().UnixNano())
+	close(s.ready)
 }

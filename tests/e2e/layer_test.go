@@ -81,9 +81,9 @@ func TestIncrementalSnapshot(t *testing.T) {
 		if got := sh(name, "md5sum /tmp/big"); got != sum {
 			t.Errorf("%s: /tmp/big sums to %q, want %q", name, got, sum)
 		}
-		a, _ := strconv.Atoi(sh(name, "cat /tmp/count"))
+		a, _ := strconv.Atoi(sh(name, catCount))
 		time.Sleep(time.Second)
-		b, _ := strconv.Atoi(sh(name, "cat /tmp/count"))
+		b, _ := strconv.Atoi(sh(name, catCount))
 		if a == 0 || b <= a {
 			t.Errorf("%s: the main process's counter went from %d to %d; want it counting", name, a, b)
 		}

@@ -76,7 +76,8 @@ func bulkServer(t *testing.T, size int) int {
 // it, at most 1 MB/s, with a burst of a quarter second. The lower bounds
 // ask only what any run's host gives: the limited sandbox near its limit,
 // the other clearly above it, and after the raise clearly above the old
-// limit.
+// limit; the network's lower bound is judged only in trials where the
+// unlimited neighbour shows the host was fast enough to tell.
 func TestIOLimits(t *testing.T) {
 	dir, cli := detachedState(t)
 	bin := artifact(t, "capsa")
@@ -156,49 +157,72 @@ func TestIOLimits(t *testing.T) {
 	if r := cli(time.Minute, "update", "--limit", netLimit, "l"); r.code != 0 || !strings.Contains(r.stdout, netLimit) {
 		t.Fatalf("capsa update --limit %s l: exit %d, %q, %q", netLimit, r.code, r.stdout, r.stderr)
 	}
-	// Eight seconds' worth at the limit. Twice: the two transfers start
-	// a moment apart (two execs).
+	// Eight seconds' worth at the limit, both at once, in trials. A trial
+	// tells the limit only where the host moved bytes fast enough during
+	// it: the unlimited one received at twice the limit or more beside the
+	// limited one. In a trial where the nested host itself slowed (CI's
+	// once fell from 2.8 MB/s to 0.77 for both), neither rate says
+	// anything about the limiter, so that trial is logged and another
+	// taken, at most five, of which two must tell. An over-limit rate
+	// fails whatever the host did: a slow host cannot raise it.
 	job := fmt.Sprintf("rate 10.0.2.2:%d %d", port, int(8*netRate))
-	for i := range 2 {
+	told, best := 0, 0.0
+	for i := 0; i < 5 && told < 2; i++ {
 		l, u := both(job)
-		t.Logf("l limited to %s (frames, so about 96%% of it in TCP payload): %.3f and %.3f MB/s", netLimit, l/1e6, u/1e6)
+		t.Logf("trial %d: l limited to %s (frames, so about 96%% of it in TCP payload): %.3f and %.3f MB/s", i, netLimit, l/1e6, u/1e6)
 		// The limit counts frames, headers included, and lets a
 		// quarter second's burst through first: eight seconds' worth
 		// at the limit, less headers, plus the burst is at most 0.99
 		// of the rate in payload.
 		if l > 1.05*netRate {
-			t.Errorf("run %d: the sandbox limited to %.3f MB/s received at %.3f MB/s: over its limit", i, netRate/1e6, l/1e6)
+			t.Errorf("trial %d: the sandbox limited to %.3f MB/s received at %.3f MB/s: over its limit", i, netRate/1e6, l/1e6)
 		}
-		if l < 0.85*netRate {
-			t.Errorf("run %d: the sandbox limited to %.3f MB/s received at only %.3f MB/s (%.2f unlimited): the limiter held it below its rate", i, netRate/1e6, l/1e6, l0/1e6)
+		if u < 2*netRate {
+			t.Logf("trial %d: the unlimited sandbox received at only %.3f MB/s beside the limited one (%.2f when neither was): the host was too slow in it to tell the limit; another trial", i, u/1e6, u0/1e6)
+			continue
 		}
-		// The other is not held to its neighbour's limit.
-		if u < 1.5*netRate {
-			t.Errorf("run %d: the unlimited sandbox received at %.3f MB/s beside the limited one (%.2f when neither was): held back", i, u/1e6, u0/1e6)
-		}
+		told++
+		best = max(best, l)
+	}
+	// The other is not held to its neighbour's limit: if it never got
+	// clear of it, either the limit reached it or the host was too slow
+	// for this test throughout.
+	if told < 2 {
+		t.Errorf("in %d trials of five, the unlimited sandbox received at twice the limited one's %.3f MB/s or more beside it (%.2f when neither was limited): held back by its neighbour's limit, or the host too slow to tell", told, netRate/1e6, u0/1e6)
+	} else if best < 0.85*netRate {
+		// A stall of the host can only lower a rate, so the best
+		// trial that told is held to the lower bound.
+		t.Errorf("the sandbox limited to %.3f MB/s received at %.3f MB/s at best, in trials where its neighbour showed the host was fast enough: the limiter held it below its rate", netRate/1e6, best/1e6)
 	}
 	if got := rec("l"); !strings.Contains(got, netLimit) || !strings.Contains(got, "disk=1MB/s:256KB") {
 		t.Errorf("capsa inspect l: limits %q; want the network's and the disk's", got)
 	}
 
 	// The disk: 3 MB at 1 MB/s, then 9 MB after raising it to 3 MB/s
-	// (about three seconds each).
-	d0 := one("diskwrite /dev/vda " + fmt.Sprint(3<<20))
-	t.Logf("disk limited to 1 MB/s: %.2f MB/s", d0/1e6)
-	if d0 < 0.8e6 || d0 > 1.2e6 {
-		t.Errorf("writes to a disk limited to 1 MB/s went at %.2f MB/s; want within 20%%", d0/1e6)
+	// (about three seconds each). Every write is held to the upper bound;
+	// the lower one, which a stall of the host alone can miss (a second's
+	// stall in three), must be met by one of at most three writes.
+	diskRate := func(what string, size int, lo, hi float64) {
+		t.Helper()
+		for i := range 3 {
+			d := one("diskwrite /dev/vda " + fmt.Sprint(size))
+			t.Logf("%s, write %d: %.2f MB/s", what, i, d/1e6)
+			if d > hi {
+				t.Errorf("%s: writes went at %.2f MB/s, over %.2f", what, d/1e6, hi/1e6)
+				return
+			}
+			if d >= lo {
+				return
+			}
+		}
+		t.Errorf("%s: in three writes none went at %.2f MB/s or more", what, lo/1e6)
 	}
+	diskRate("disk limited to 1 MB/s", 3<<20, 0.8e6, 1.2e6)
 	if r := cli(time.Minute, "update", "--limit", "disk=3MB/s:256KB", "l"); r.code != 0 {
 		t.Fatalf("capsa update --limit disk=3MB/s:256KB l: exit %d, %q", r.code, r.stderr)
 	}
-	d1 := one("diskwrite /dev/vda " + fmt.Sprint(9<<20))
-	t.Logf("disk limit raised to 3 MB/s: %.2f MB/s", d1/1e6)
-	if d1 > 3.6e6 {
-		t.Errorf("writes after raising the disk limit to 3 MB/s went at %.2f MB/s: over the new limit", d1/1e6)
-	}
-	if d1 < 1.5e6 {
-		t.Errorf("writes after raising the disk limit to 3 MB/s went at %.2f MB/s: the raise did not take (1 MB/s before it)", d1/1e6)
-	}
+	// Over 1.5 MB/s: the raise took (1 MB/s before it).
+	diskRate("disk limit raised to 3 MB/s", 9<<20, 1.5e6, 3.6e6)
 
 	// Bad limits are refused, naming what is wrong, before anything runs.
 	for _, bad := range []string{"net=fast", "disk=1KB", "cpu=2"} {

@@ -49,6 +49,19 @@ func measure(t testing.TB) usage {
 	return u
 }
 
+// settle measures the test process until ok holds of it, for at most 10
+// s, and returns the last measure: goroutines of closed sandboxes end
+// shortly after Close, not at once.
+func settle(t testing.TB, ok func(usage) bool) usage {
+	t.Helper()
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(100 * time.Millisecond) {
+		u := measure(t)
+		if ok(u) || time.Now().After(deadline) {
+			return u
+		}
+	}
+}
+
 // TestSoak creates, uses and destroys sandboxes (a share and the network
 // each) in one process, and fails if that leaks descriptors or goroutines
 // or grows the process by more than 64 MiB. `make soak` runs 200 cycles;
@@ -92,13 +105,7 @@ func TestSoak(t *testing.T) {
 		}
 	}
 	// Goroutines of closed sandboxes end shortly after Close.
-	var end usage
-	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(100 * time.Millisecond) {
-		end = measure(t)
-		if end.fds <= base.fds+2 && end.goroutines <= base.goroutines+2 || time.Now().After(deadline) {
-			break
-		}
-	}
+	end := settle(t, func(u usage) bool { return u.fds <= base.fds+2 && u.goroutines <= base.goroutines+2 })
 	t.Logf("after %d cycles: %v", *soakCycles+1, end)
 	if end.fds > base.fds+2 {
 		t.Errorf("descriptors: %d after the soak, %d before", end.fds, base.fds)

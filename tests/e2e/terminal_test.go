@@ -26,7 +26,10 @@ func TestProcessOutlivesExec(t *testing.T) {
 	if r := cli(3*time.Minute, "run", "-d", "--name", "p", "--", "sleep", "3600"); r.code != 0 {
 		t.Fatalf("capsa run -d --name p = exit %d, stderr %q", r.code, r.stderr)
 	}
-	const script = "echo begun; sleep 5; echo finished > /tmp/done; echo out; exit 7"
+	// The process waits for the test's word (/tmp/go) rather than a
+	// fixed time, so that a slow host cannot see it end before it is
+	// listed.
+	const script = "echo begun; until [ -e /tmp/go ]; do sleep 0.1; done; echo finished > /tmp/done; echo out; exit 7"
 	cmd := exec.Command(artifact(t, "capsa"), "exec", "p", "--", "sh", "-c", script)
 	cmd.Env = append(os.Environ(), "CAPSA_STATE="+dir, "CAPSA_METRICS_TOKEN=metrics-test-token")
 	stdout, err := cmd.StdoutPipe()
@@ -57,6 +60,9 @@ func TestProcessOutlivesExec(t *testing.T) {
 	}
 	if found == nil || found.Exit != nil {
 		t.Fatalf("Processes() = %+v; want the killed exec's process, running", procs)
+	}
+	if err := h.WriteFile(ctx, "/tmp/go", nil, 0o644); err != nil {
+		t.Fatalf("WriteFile(/tmp/go) = %v", err)
 	}
 	var out strings.Builder
 	p, err := h.Attach(ctx, found.ID, agent.AttachOptions{Stdout: &out})
