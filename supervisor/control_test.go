@@ -233,7 +233,7 @@ func TestControlLendsFiles(t *testing.T) {
 
 // TestControlRefusesSuspendingAPod: a supervisor whose host mounts beneath
 // its shares while it runs (a containerd pod's) refuses to be suspended,
-// saying why, before it touches the sandbox.
+// snapshotted or forked, saying why, before it touches the sandbox.
 func TestControlRefusesSuspendingAPod(t *testing.T) {
 	c := &control{stopc: make(chan stopRequest, 1), hostMounts: true}
 	path := filepath.Join(t.TempDir(), ControlSocket)
@@ -244,5 +244,10 @@ func TestControlRefusesSuspendingAPod(t *testing.T) {
 	defer srv.Close()
 	if _, err := opSuspend.call(context.Background(), controlClient(path), suspendBody{}); err == nil || !strings.Contains(err.Error(), "409") || !strings.Contains(err.Error(), "pod's VM cannot be suspended") {
 		t.Errorf("suspending a pod's VM = %v; want 409 saying why not", err)
+	}
+	for _, fork := range []bool{false, true} {
+		if _, err := opSnapshot.call(context.Background(), controlClient(path), snapshotBody{Dir: "/a/b", Fork: fork}); err == nil || !strings.Contains(err.Error(), "409") || !strings.Contains(err.Error(), "pod's VM cannot be snapshotted or forked") {
+			t.Errorf("a snapshot (fork %v) of a pod's VM = %v; want 409 saying why not", fork, err)
+		}
 	}
 }

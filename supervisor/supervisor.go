@@ -436,7 +436,7 @@ type control struct {
 	suspending bool
 	// hostMounts: the host mounts beneath its shares while it runs
 	// (store.Record.HostMounts, a containerd pod's), which it cannot be
-	// suspended with: a resumed VM's file server takes the guest's
+	// suspended, snapshotted or forked with: a resumed VM's file server takes the guest's
 	// files again from the root it pinned before its jail, which
 	// follows no mount made after.
 	hostMounts bool
@@ -604,6 +604,12 @@ func (c *control) mux(log *slog.Logger) *http.ServeMux {
 	})
 	opSnapshot.register(mux, func(ctx context.Context, req snapshotBody) (noBody, error) {
 		lent := lentFiles(ctx)
+		if c.hostMounts {
+			// A restore or a fork would run without the mounts (see
+			// hostMounts), its containers' roots empty.
+			closeFiles(lent)
+			return noBody{}, errors.New("snapshot: a containerd pod's VM cannot be snapshotted or forked: its containers' roots are mounts its shim makes while it runs, which a restored copy would not have")
+		}
 		if !filepath.IsAbs(req.Dir) || req.Parent != "" && !filepath.IsAbs(req.Parent) {
 			closeFiles(lent)
 			return noBody{}, badRequest("bad snapshot request: %q or %q is not an absolute directory", req.Dir, req.Parent)
