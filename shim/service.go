@@ -185,6 +185,15 @@ func (s *service) startPod(ctx context.Context, spec *specs.Spec, group string) 
 	if err := sharePodDir(dir); err != nil {
 		return nil, err
 	}
+	// A pod that does not start leaves no directory behind.
+	started := false
+	defer func() {
+		if !started {
+			if rerr := removePodDir(dir); rerr != nil {
+				s.log.Warn("shim: the pod's directory", "pod", name, "err", rerr)
+			}
+		}
+	}()
 	cpus, mem := podSize(spec)
 	hostname := spec.Hostname
 	if supervisor.CheckName(hostname) != nil {
@@ -224,20 +233,15 @@ func (s *service) startPod(ctx context.Context, spec *specs.Spec, group string) 
 		err = launch(nil)
 	}
 	if err != nil {
-		if rerr := removePodDir(dir); rerr != nil {
-			s.log.Warn("shim: the pod's directory", "pod", name, "err", rerr)
-		}
 		return nil, err
 	}
 	h, err := mgr.Open(ctx, name)
 	if err != nil {
 		mgr.Stop(ctx, name, 0, true)
 		mgr.Remove(ctx, name)
-		if rerr := removePodDir(dir); rerr != nil {
-			s.log.Warn("shim: the pod's directory", "pod", name, "err", rerr)
-		}
 		return nil, err
 	}
+	started = true
 	r, _ := mgr.Get(name)
 	p := &pod{podInfo: podInfo{Name: name, State: mgr.Dir(), Dir: dir}, mgr: mgr, handle: h}
 	if r != nil {

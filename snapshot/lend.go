@@ -31,9 +31,7 @@ import (
 func (s *Snapshot) Lend() ([]*os.File, error) {
 	var files []*os.File
 	fail := func(err error) ([]*os.File, error) {
-		for i := 0; i < len(files); i += 2 {
-			files[i].Close()
-		}
+		CloseLent(files)
 		return nil, fmt.Errorf("snapshot %s: lend: %w", s.Dir, err)
 	}
 	for p := s; p != nil; p = p.Parent {
@@ -51,6 +49,14 @@ func (s *Snapshot) Lend() ([]*os.File, error) {
 		files = append(files, mf, mem)
 	}
 	return files, nil
+}
+
+// CloseLent closes the manifests' files of what Lend returned, the
+// caller's; the memory files stay the snapshot's.
+func CloseLent(files []*os.File) {
+	for i := 0; i < len(files); i += 2 {
+		files[i].Close()
+	}
 }
 
 // sealedFile is a memory file holding b, sealed against any change, and

@@ -72,11 +72,7 @@ func Snapshot(ctx context.Context, st *store.Store, name, dir string, o sandbox.
 		if lent, err = p.Lend(); err != nil {
 			return fmt.Errorf("supervisor: snapshot %s: the parent: %w", name, err)
 		}
-		defer func() {
-			for i := 0; i < len(lent); i += 2 {
-				lent[i].Close() // the manifests' files, Lend's
-			}
-		}()
+		defer snapshot.CloseLent(lent)
 	}
 	return callLive(ctx, st, name, opSnapshot, body, lent...)
 }

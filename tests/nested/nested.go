@@ -518,35 +518,45 @@ func (h *Host) runL1(ctx context.Context, job Job) (*Result, error) {
 	if l1Crashed(tail) {
 		return nil, fmt.Errorf("nested: %w (QEMU TCG's emulated SVM; not the job's doing)\nL1 console tail:\n%s", ErrL1Crashed, tail)
 	}
-	if why, ok := qemuAborted(cmd.ProcessState, qerr.Bytes()); ok {
-		// QEMU itself gave up (an assertion of its own): the machine L1
-		// is died under it, whatever L1 ran; a real CPU does not abort.
-		// It counts as L1's crash, with the same rules (run-e2e.sh: the
-		// tests it cut short run again once; twice in a run fails it).
+	if why, ok := qemuCrashed(cmd.ProcessState, qerr.Bytes()); ok {
+		// QEMU itself crashed (an assertion of its own, or a fault):
+		// the machine L1 is died under it, whatever L1 ran; a real CPU
+		// neither aborts nor faults. It counts as L1's crash, with the
+		// same rules (run-e2e.sh: the tests it cut short run again
+		// once; twice in a run fails it).
 		when := "before the job started"
 		if p.ready > 0 {
 			when = "while the job ran"
 		}
-		return nil, fmt.Errorf("nested: %w: QEMU, which runs it, aborted %s (%s)\nL1 console tail:\n%s", ErrL1Crashed, when, why, tail)
+		return nil, fmt.Errorf("nested: %w: QEMU, which runs it, crashed %s (%s)\nL1 console tail:\n%s", ErrL1Crashed, when, why, tail)
 	}
 	return nil, fmt.Errorf("nested: L1 guest ended without reporting the job's status (qemu: %v %s)\nL1 console tail:\n%s",
 		err, strings.TrimSpace(qerr.String()), tail)
 }
 
-// qemuAborted reports whether QEMU ended on SIGABRT, and why: the last
-// line of its stderr that names a failed assertion, else its last line.
-// (Seen once in make test, before the session's job had printed
-// anything: "memory_region_get_ram_ptr: Assertion `mr->ram_block'
-// failed".)
-func qemuAborted(st *os.ProcessState, stderr []byte) (string, bool) {
+// qemuCrashed reports whether QEMU itself crashed, and why: it ended on
+// SIGABRT (the last line of its stderr that names a failed assertion,
+// else its last line; seen once in make test, before the session's job
+// had printed anything: "memory_region_get_ram_ptr: Assertion
+// `mr->ram_block' failed"), or on a fault (SIGSEGV, SIGBUS, SIGILL,
+// SIGFPE: the signal; a SIGSEGV seen once in make test, as L1 booted,
+// its console still empty). A QEMU killed otherwise (SIGKILL: the host's
+// OOM killer, a timeout) or exiting did not crash.
+func qemuCrashed(st *os.ProcessState, stderr []byte) (string, bool) {
 	if st == nil {
 		return "", false
 	}
 	ws, ok := st.Sys().(syscall.WaitStatus)
-	if !ok || !ws.Signaled() || ws.Signal() != syscall.SIGABRT {
+	if !ok || !ws.Signaled() {
 		return "", false
 	}
-	return abortReason(stderr), true
+	switch sig := ws.Signal(); sig {
+	case syscall.SIGABRT:
+		return abortReason(stderr), true
+	case syscall.SIGSEGV, syscall.SIGBUS, syscall.SIGILL, syscall.SIGFPE:
+		return "killed by " + sig.String(), true
+	}
+	return "", false
 }
 
 // abortReason picks the line of QEMU's stderr that says why it aborted.

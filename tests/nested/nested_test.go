@@ -146,10 +146,11 @@ func TestL1HeartbeatWatch(t *testing.T) {
 	}
 }
 
-// TestQEMUAbortDetection: QEMU ending on SIGABRT (its own assertion) is
-// told from other ends, with the assertion as the reason: a real process
-// that aborts, one that exits, and one killed otherwise.
-func TestQEMUAbortDetection(t *testing.T) {
+// TestQEMUCrashDetection: QEMU ending on SIGABRT (its own assertion) or on
+// a fault is told from other ends, with the assertion or the signal as the
+// reason: a real process that aborts, one that faults, one that exits,
+// and one killed otherwise.
+func TestQEMUCrashDetection(t *testing.T) {
 	run := func(script string) *os.ProcessState {
 		cmd := exec.Command("sh", "-c", script)
 		cmd.Run()
@@ -157,19 +158,22 @@ func TestQEMUAbortDetection(t *testing.T) {
 	}
 	stderr := []byte("qemu-system-x86_64: warning: TCG doesn't support requested feature: CPUID.0DH:EAX.xsavec [bit 1]\n" +
 		"qemu-system-x86_64: ../system/memory.c:2451: memory_region_get_ram_ptr: Assertion `mr->ram_block' failed.\n")
-	why, ok := qemuAborted(run("kill -ABRT $$"), stderr)
+	why, ok := qemuCrashed(run("kill -ABRT $$"), stderr)
 	if !ok || !strings.Contains(why, "memory_region_get_ram_ptr: Assertion") {
 		t.Errorf("an aborted QEMU: %q, %v; want its assertion", why, ok)
 	}
-	if why, ok := qemuAborted(run("kill -ABRT $$"), []byte("qemu: something\n")); !ok || why != "qemu: something" {
+	if why, ok := qemuCrashed(run("kill -ABRT $$"), []byte("qemu: something\n")); !ok || why != "qemu: something" {
 		t.Errorf("an aborted QEMU without an assertion: %q, %v; want its last line", why, ok)
 	}
-	for _, script := range []string{"exit 1", "kill -KILL $$"} {
-		if why, ok := qemuAborted(run(script), stderr); ok {
+	if why, ok := qemuCrashed(run("kill -SEGV $$"), stderr); !ok || why != "killed by segmentation fault" {
+		t.Errorf("a QEMU that faulted: %q, %v; want the signal", why, ok)
+	}
+	for _, script := range []string{"exit 1", "kill -KILL $$", "kill -TERM $$"} {
+		if why, ok := qemuCrashed(run(script), stderr); ok {
 			t.Errorf("%s: %q, true; want not an abort", script, why)
 		}
 	}
-	if _, ok := qemuAborted(nil, stderr); ok {
+	if _, ok := qemuCrashed(nil, stderr); ok {
 		t.Error("no process state: an abort")
 	}
 }

@@ -268,10 +268,10 @@ if (mode === 'main') {
     eq((await Sandbox.list({ query: { metadata: { run: 'other' } } }).nextItems()).length, 0, 'another run')
   })
   await step('a sandbox ends at its timeout', async () => {
-    // Its 8 s, then the stop's grace (10 s) at most; polled for up to a
-    // minute, for a slow host.
-    await sleep(8_000)
-    for (let i = 0; i < 60; i++) {
+    // Its 8 s from its create, then the stop's grace (10 s) at most;
+    // polled from now (the listing above took some of it) for up to 70
+    // s, for a slow host.
+    for (let i = 0; i < 70; i++) {
       try {
         await Sandbox.getInfo(short.sandboxId)
       } catch (e) {
