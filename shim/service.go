@@ -182,10 +182,15 @@ func (s *service) startPod(ctx context.Context, spec *specs.Spec, group string) 
 	}
 	name := podName(s.ns, group)
 	dir := filepath.Join(mgr.Dir(), "pods", name)
-	if err := sharePodDir(dir); err != nil {
-		return nil, err
+	if old, err := mgr.Get(name); err == nil {
+		if old.Alive() {
+			// Its directory is that pod's: left as it is.
+			return nil, fmt.Errorf("pod %s runs already", name)
+		}
+		mgr.Remove(ctx, name) // a pod of the same id that ended
 	}
-	// A pod that does not start leaves no directory behind.
+	// A pod that does not start leaves no directory behind, even one
+	// sharePodDir made and then failed to mount.
 	started := false
 	defer func() {
 		if !started {
@@ -194,13 +199,13 @@ func (s *service) startPod(ctx context.Context, spec *specs.Spec, group string) 
 			}
 		}
 	}()
+	if err := sharePodDir(dir); err != nil {
+		return nil, err
+	}
 	cpus, mem := podSize(spec)
 	hostname := spec.Hostname
 	if supervisor.CheckName(hostname) != nil {
 		hostname = ""
-	}
-	if old, err := mgr.Get(name); err == nil && !old.Alive() {
-		mgr.Remove(ctx, name) // a pod of the same id that ended
 	}
 	// launch boots the VM, with the NIC tap if not nil.
 	launch := func(tap *sandbox.TapSpec) error {
@@ -237,8 +242,11 @@ func (s *service) startPod(ctx context.Context, spec *specs.Spec, group string) 
 	}
 	h, err := mgr.Open(ctx, name)
 	if err != nil {
-		mgr.Stop(ctx, name, 0, true)
-		mgr.Remove(ctx, name)
+		// Stopped even where the request was canceled: its directory
+		// goes next.
+		stopCtx := context.WithoutCancel(ctx)
+		mgr.Stop(stopCtx, name, 0, true)
+		mgr.Remove(stopCtx, name)
 		return nil, err
 	}
 	started = true

@@ -228,6 +228,11 @@ func Fork(ctx context.Context, st *store.Store, name string, count int) (names [
 	if err != nil {
 		return nil, nil, err
 	}
+	if src.HostMounts {
+		// The supervisor refuses it too (its snapshot operation); said
+		// here before a fork chain is made for it.
+		return nil, nil, fmt.Errorf("supervisor: fork %s: a containerd pod's VM cannot be forked: its containers' roots are mounts its shim makes while it runs, which a copy would not have", name)
+	}
 	for i := 1; len(names) < count; i++ {
 		n := fmt.Sprintf("%s-%d", name, i)
 		_, err := st.Get(n)

@@ -388,7 +388,9 @@ func watchIdle(sb *sandbox.Sandbox, timeout time.Duration) <-chan struct{} {
 	go func() {
 		tick := time.NewTicker(min(time.Second, max(timeout/10, 10*time.Millisecond)))
 		defer tick.Stop()
-		var paused time.Time // when it was last seen paused
+		// Idle time counts from now at the earliest: the sandbox is
+		// served from here on (its start reported, its control open).
+		paused := time.Now() // when it was last seen paused
 		for {
 			select {
 			case <-sb.Done():

@@ -158,14 +158,14 @@ func TestQEMUCrashDetection(t *testing.T) {
 	}
 	stderr := []byte("qemu-system-x86_64: warning: TCG doesn't support requested feature: CPUID.0DH:EAX.xsavec [bit 1]\n" +
 		"qemu-system-x86_64: ../system/memory.c:2451: memory_region_get_ram_ptr: Assertion `mr->ram_block' failed.\n")
-	why, ok := qemuCrashed(run("kill -ABRT $$"), stderr)
+	why, ok := qemuCrashed(run("ulimit -c 0; kill -ABRT $$"), stderr)
 	if !ok || !strings.Contains(why, "memory_region_get_ram_ptr: Assertion") {
 		t.Errorf("an aborted QEMU: %q, %v; want its assertion", why, ok)
 	}
-	if why, ok := qemuCrashed(run("kill -ABRT $$"), []byte("qemu: something\n")); !ok || why != "qemu: something" {
+	if why, ok := qemuCrashed(run("ulimit -c 0; kill -ABRT $$"), []byte("qemu: something\n")); !ok || why != "qemu: something" {
 		t.Errorf("an aborted QEMU without an assertion: %q, %v; want its last line", why, ok)
 	}
-	if why, ok := qemuCrashed(run("kill -SEGV $$"), stderr); !ok || why != "killed by segmentation fault" {
+	if why, ok := qemuCrashed(run("ulimit -c 0; kill -SEGV $$"), stderr); !ok || why != "killed by segmentation fault" {
 		t.Errorf("a QEMU that faulted: %q, %v; want the signal", why, ok)
 	}
 	for _, script := range []string{"exit 1", "kill -KILL $$", "kill -TERM $$"} {
