@@ -62,7 +62,7 @@ type vmmPlace struct {
 	User      *JailUser // the jail's user; nil: root's jail keeps root
 	// FollowMounts: the host mounts beneath its shares while it runs (a
 	// pod's supervisor: its containers' roots), and its jail takes them
-	// (confine.Config.FollowMounts).
+	// (confine.Config.Follow).
 	FollowMounts bool
 	Terminal     bool // the process keeps a terminal (its ioctls stay allowed)
 	// StateDir is the state directory whose shared files (the hub's)

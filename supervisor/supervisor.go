@@ -388,24 +388,25 @@ func watchIdle(sb *sandbox.Sandbox, timeout time.Duration) <-chan struct{} {
 	go func() {
 		tick := time.NewTicker(min(time.Second, max(timeout/10, 10*time.Millisecond)))
 		defer tick.Stop()
-		// Idle time counts from now at the earliest: the sandbox is
-		// served from here on (its start reported, its control open).
-		paused := time.Now() // when it was last seen paused
+		// Idle time counts from this at the earliest: now, when the
+		// sandbox is served (its start reported, its control open),
+		// then whenever it is seen paused (its idle time counts from
+		// its resume).
+		from := time.Now()
 		for {
 			select {
 			case <-sb.Done():
 				return
 			case <-tick.C:
 			}
-			// A paused sandbox is kept, not idle: its idle time counts
-			// from its resume.
+			// A paused sandbox is kept, not idle.
 			if sb.Paused() {
-				paused = time.Now()
+				from = time.Now()
 				continue
 			}
 			since, ok := sb.IdleSince()
-			if since.Before(paused) {
-				since = paused
+			if since.Before(from) {
+				since = from
 			}
 			if ok && time.Since(since) >= timeout {
 				close(idle)
@@ -438,9 +439,9 @@ type control struct {
 	suspending bool
 	// hostMounts: the host mounts beneath its shares while it runs
 	// (store.Record.HostMounts, a containerd pod's), which it cannot be
-	// suspended, snapshotted or forked with: a resumed VM's file server takes the guest's
-	// files again from the root it pinned before its jail, which
-	// follows no mount made after.
+	// suspended, snapshotted or forked with: a resumed or restored VM's
+	// file server takes the guest's files again from the root it pinned
+	// before its jail, which follows no mount made after.
 	hostMounts bool
 }
 
