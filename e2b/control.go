@@ -1195,7 +1195,7 @@ func (s *Server) fork(w http.ResponseWriter, r *http.Request, key Key) {
 	defer release()
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(r.Context()), 10*time.Minute)
 	defer cancel()
-	names, errs, err := s.m.Fork(ctx, src.Name, count)
+	names, errs, err := s.m.Fork(ctx, src.Name, count, nil)
 	if err != nil {
 		apiError(w, http.StatusInternalServerError, fmt.Sprintf("fork %s: %v", src.Name, err))
 		return
@@ -1304,7 +1304,7 @@ func (s *Server) createSnapshot(w http.ResponseWriter, r *http.Request, key Key)
 	if rec == nil {
 		return
 	}
-	snap, err := s.m.SaveSnapshot(context.WithoutCancel(r.Context()), rec.Name, body.Name, "")
+	snap, err := s.m.SaveSnapshot(context.WithoutCancel(r.Context()), rec.Name, body.Name, "", nil)
 	if err != nil {
 		apiError(w, http.StatusInternalServerError, fmt.Sprintf("snapshot %s: %v", rec.Name, err))
 		return

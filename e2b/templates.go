@@ -223,7 +223,7 @@ func Preboot(ctx context.Context, m *supervisor.Manager, t *Template, ready time
 		}
 		log.Info("template: ready", "template", t.Name, "in", since(start))
 	}
-	if _, err := m.SaveSnapshot(ctx, builder, snap, ""); err != nil {
+	if _, err := m.SaveSnapshot(ctx, builder, snap, "", nil); err != nil {
 		return fmt.Errorf("template %s: snapshot: %w", t.Name, err)
 	}
 	t.Snapshot = snap

@@ -152,8 +152,9 @@ func mapHuge(n uint64) ([]byte, uint64, error) {
 // WriteFile writes the memory to f as Map reads it: the regions one after
 // another. f is truncated to Size first and all-zero pages are left as
 // holes, so the file takes the disk space of the pages the guest used.
-// If sum is not nil, Hash's bytes go to it too.
-func (m *Memory) WriteFile(f *os.File, sum io.Writer) error {
+// If sum is not nil, Hash's bytes go to it too; if written is not nil,
+// it is told how far the write has come.
+func (m *Memory) WriteFile(f *os.File, sum io.Writer, written Written) error {
 	if err := f.Truncate(0); err != nil {
 		return fmt.Errorf("write guest memory: %w", err)
 	}
@@ -164,11 +165,24 @@ func (m *Memory) WriteFile(f *os.File, sum io.Writer) error {
 		if _, err := f.WriteAt(run, off); err != nil {
 			return fmt.Errorf("write guest memory: %w", err)
 		}
+		written.upTo(off + int64(len(run)))
 		if sum != nil {
 			return hashRun(sum, off, run)
 		}
 		return nil
 	})
+}
+
+// Written, when not nil, is told how far a write of guest memory has
+// come, as it goes: the offset of the memory file up to which it has
+// written (the all-zero pages it passes over are holes), which grows to
+// the memory's Size. It is for showing progress.
+type Written func(upTo int64)
+
+func (w Written) upTo(off int64) {
+	if w != nil {
+		w(off)
+	}
 }
 
 // Hash writes to w, for each page that is not all zero, its offset in

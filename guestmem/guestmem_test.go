@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 
@@ -177,7 +178,8 @@ func TestResident(t *testing.T) {
 
 // TestWriteFileAndMap: memory written to a file and mapped back holds the
 // same bytes; the file is sparse where the guest left zeros, and writes to
-// the mapping never reach the file.
+// the mapping never reach the file. The write tells how far it has come
+// after each stretch of pages written.
 func TestWriteFileAndMap(t *testing.T) {
 	const size = 16 << 20
 	m, err := New(size)
@@ -195,8 +197,13 @@ func TestWriteFileAndMap(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer f.Close()
-	if err := m.WriteFile(f, nil); err != nil {
+	var upTo []int64
+	if err := m.WriteFile(f, nil, func(off int64) { upTo = append(upTo, off) }); err != nil {
 		t.Fatalf("WriteFile() = %v", err)
+	}
+	// Told after each stretch written: the three pages, in order.
+	if want := []int64{4096, 4096 * 8, size}; !slices.Equal(upTo, want) {
+		t.Errorf("WriteFile's progress = %v; want %v", upTo, want)
 	}
 	var st unix.Stat_t
 	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
@@ -349,7 +356,7 @@ func TestDiscard(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer f.Close()
-	if err := m.WriteFile(f, nil); err != nil {
+	if err := m.WriteFile(f, nil, nil); err != nil {
 		t.Fatal(err)
 	}
 	r, err := Map(f, m.Size())

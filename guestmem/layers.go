@@ -297,8 +297,9 @@ func readSparse(f *os.File, q []byte, off int64) (int, error) {
 // WriteRuns writes the pages of runs to f, at their offsets, as a layer
 // for MapLayers: f is truncated to Size first, and all-zero pages are
 // left as holes (which read as zero too). If sum is not nil, HashRuns's
-// bytes go to it.
-func (m *Memory) WriteRuns(f *os.File, runs []Run, sum io.Writer) error {
+// bytes go to it; if written is not nil, it is told how far the write
+// has come.
+func (m *Memory) WriteRuns(f *os.File, runs []Run, sum io.Writer, written Written) error {
 	if err := CheckRuns(runs, m.size, len(runs)); err != nil {
 		return fmt.Errorf("write guest memory: %w", err)
 	}
@@ -312,6 +313,7 @@ func (m *Memory) WriteRuns(f *os.File, runs []Run, sum io.Writer) error {
 		if _, err := f.WriteAt(run, off); err != nil {
 			return fmt.Errorf("write guest memory: %w", err)
 		}
+		written.upTo(off + int64(len(run)))
 		if sum != nil {
 			return hashRun(sum, off, run)
 		}

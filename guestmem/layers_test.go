@@ -20,7 +20,7 @@ func memFile(t *testing.T, m *Memory, name string) *os.File {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { f.Close() })
-	if err := m.WriteFile(f, nil); err != nil {
+	if err := m.WriteFile(f, nil, nil); err != nil {
 		t.Fatal(err)
 	}
 	return f
@@ -102,7 +102,7 @@ func TestLayersRebuildMemory(t *testing.T) {
 		}
 		defer f.Close()
 		h := crc32.NewIEEE()
-		if err := cur.WriteRuns(f, runs, h); err != nil {
+		if err := cur.WriteRuns(f, runs, h, nil); err != nil {
 			t.Fatal(err)
 		}
 		layers = append(layers, Layer{File: f, Runs: runs})
@@ -201,7 +201,7 @@ func TestDeltaLeavesHoles(t *testing.T) {
 	}
 	defer os.Remove(f.Name())
 	defer f.Close()
-	if err := cur.WriteFile(f, nil); err != nil {
+	if err := cur.WriteFile(f, nil, nil); err != nil {
 		t.Fatal(err)
 	}
 	before := fileBlocks(t, f)
@@ -317,7 +317,7 @@ func TestRemapAndDirty(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer layer.Close()
-	if err := cur.WriteRuns(layer, runs, nil); err != nil {
+	if err := cur.WriteRuns(layer, runs, nil, nil); err != nil {
 		t.Fatal(err)
 	}
 	// The chain maps back to the same memory elsewhere too.

@@ -118,8 +118,9 @@ func (s *pageSet) has(off int64) bool {
 // kernel does holding its mmap lock for the whole walk, and makes KVM
 // drop its mappings of every VM's memory in the process: each VM's next
 // touch of a page, and its next write, is a fault. That time is not in
-// the pause, but the guests run slower for it.
-func (m *Memory) PreCopy(f, clearRefs *os.File) (*PreCopy, error) {
+// the pause, but the guests run slower for it. If written is not nil, it
+// is told how far the copy has come.
+func (m *Memory) PreCopy(f, clearRefs *os.File, written Written) (*PreCopy, error) {
 	if !m.mapped || m.backed {
 		return nil, errors.New("pre-copy of guest memory: only of memory not mapped from files")
 	}
@@ -155,6 +156,7 @@ func (m *Memory) PreCopy(f, clearRefs *os.File) (*PreCopy, error) {
 			return err
 		}
 		p.written.add(off, int64(len(run)))
+		written.upTo(off + int64(len(run)))
 		return nil
 	})
 	if err != nil {

@@ -53,7 +53,7 @@ func TestPreCopy(t *testing.T) {
 			host[p*pageSize+100] = byte(i) | 1
 		}
 	}()
-	pc, err := m.PreCopy(f, clearRefs)
+	pc, err := m.PreCopy(f, clearRefs, nil)
 	stop.Store(true)
 	wg.Wait()
 	if errors.Is(err, ErrNoSoftDirty) {
@@ -68,7 +68,7 @@ func TestPreCopy(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer other.Close()
-	if _, err := other.PreCopy(f, clearRefs); !errors.Is(err, ErrBusy) {
+	if _, err := other.PreCopy(f, clearRefs, nil); !errors.Is(err, ErrBusy) {
 		t.Errorf("a second pre-copy while one is under way: %v; want ErrBusy", err)
 	}
 	// After the copy, in the same 2 MiB: a page that was zero written, a
@@ -96,7 +96,7 @@ func TestPreCopy(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer want.Close()
-	if err := m.WriteFile(want, nil); err != nil {
+	if err := m.WriteFile(want, nil, nil); err != nil {
 		t.Fatal(err)
 	}
 	got, _ := os.ReadFile(f.Name())
@@ -114,7 +114,7 @@ func TestPreCopy(t *testing.T) {
 	}
 	t.Logf("Finish wrote or cleared %d pages of %d", n, len(exp)/pageSize)
 	// Over: another may begin.
-	if pc2, err := other.PreCopy(f, clearRefs); err != nil {
+	if pc2, err := other.PreCopy(f, clearRefs, nil); err != nil {
 		t.Errorf("a pre-copy after the first finished: %v", err)
 	} else {
 		pc2.Close()
@@ -135,7 +135,7 @@ func TestPreCopyOfFileMemory(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer m.Close()
-	if _, err := m.PreCopy(src, nil); err == nil {
+	if _, err := m.PreCopy(src, nil, nil); err == nil {
 		t.Error("PreCopy of memory mapped from a file succeeded")
 	}
 }

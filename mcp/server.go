@@ -24,11 +24,13 @@ import (
 	"net/http"
 	"path/filepath"
 	"runtime/debug"
+	"sync"
 	"time"
 
 	sdk "github.com/modelcontextprotocol/go-sdk/mcp"
 
 	"github.com/capsa-sandbox/capsa/internal/bearer"
+	"github.com/capsa-sandbox/capsa/sandbox"
 	"github.com/capsa-sandbox/capsa/supervisor"
 )
 
@@ -108,7 +110,10 @@ func NewServer(o Options) *sdk.Server {
 // puts Out in the result; an error from h, or a panic, becomes the tool's
 // error result, prefixed with the tool's name.
 func addTool[In, Out any](s *sdk.Server, t *tools, tool *sdk.Tool, h func(context.Context, In) (Out, error)) {
-	sdk.AddTool(s, tool, func(ctx context.Context, _ *sdk.CallToolRequest, in In) (_ *sdk.CallToolResult, out Out, err error) {
+	sdk.AddTool(s, tool, func(ctx context.Context, req *sdk.CallToolRequest, in In) (_ *sdk.CallToolResult, out Out, err error) {
+		if tok := req.Params.GetProgressToken(); tok != nil && req.Session != nil {
+			ctx = context.WithValue(ctx, progressKey{}, &progressTo{session: req.Session, token: tok})
+		}
 		start := time.Now()
 		defer func() {
 			if p := recover(); p != nil {
@@ -128,6 +133,37 @@ func addTool[In, Out any](s *sdk.Server, t *tools, tool *sdk.Tool, h func(contex
 		}
 		return nil, out, err
 	})
+}
+
+// progressKey is the context key of a tool call's progressTo: the call
+// asked for progress notifications (its progress token).
+type progressKey struct{}
+
+// progressTo sends a tool call's progress notifications.
+type progressTo struct {
+	session *sdk.ServerSession
+	token   any
+	mu      sync.Mutex
+	n       float64 // the notifications sent: MCP's progress must grow with each
+}
+
+// progress is the function that sends long work's progress (a snapshot, a
+// fork) to the tool call of ctx as MCP progress notifications, each with
+// the step in words; nil where the call asked for none.
+func progress(ctx context.Context) func(sandbox.Progress) {
+	p, ok := ctx.Value(progressKey{}).(*progressTo)
+	if !ok {
+		return nil
+	}
+	return func(sp sandbox.Progress) {
+		p.mu.Lock()
+		defer p.mu.Unlock()
+		p.n++
+		// A client gone or slow loses notifications, not the work.
+		nctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
+		defer cancel()
+		p.session.NotifyProgress(nctx, &sdk.ProgressNotificationParams{ProgressToken: p.token, Progress: p.n, Message: sp.String()})
+	}
 }
 
 // atLeast passes on records of level min and up: the SDK's own log says

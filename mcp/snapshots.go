@@ -62,7 +62,7 @@ func registerSnapshotTools(s *sdk.Server, t *tools) {
 }
 
 func (t *tools) snapshot(ctx context.Context, a snapshotArgs) (snapshotResult, error) {
-	snap, err := t.m.SaveSnapshot(ctx, a.Name, a.Snapshot, a.Parent)
+	snap, err := t.m.SaveSnapshot(ctx, a.Name, a.Snapshot, a.Parent, progress(ctx))
 	if err != nil {
 		return snapshotResult{}, err
 	}
@@ -93,7 +93,7 @@ func (t *tools) fork(ctx context.Context, a forkArgs) (forkResult, error) {
 	if count < 1 || count > maxFork {
 		return forkResult{}, fmt.Errorf("count %d: want 1 to %d", a.Count, maxFork)
 	}
-	names, errs, err := t.m.Fork(ctx, a.Name, count)
+	names, errs, err := t.m.Fork(ctx, a.Name, count, progress(ctx))
 	if err != nil {
 		return forkResult{}, err
 	}

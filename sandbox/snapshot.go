@@ -90,6 +90,58 @@ type SnapshotOptions struct {
 	// without reading or comparing any page: the pause lasts about as
 	// long as writing what changed since the base. Not with Parent.
 	Fork bool
+	// Progress, when not nil, is told of each step of the snapshot as it
+	// begins and, while memory is written, how far that has come, after
+	// each stretch written (as often as a page): for showing progress. It
+	// is called on the snapshot's goroutine and must be quick (the
+	// sandbox may be paused meanwhile): throttling is the caller's.
+	Progress func(Progress)
+}
+
+// Progress is how far long work on a sandbox has come (a snapshot, a
+// fork): the step under way and, where the step counts, how much of how
+// much (bytes where Bytes says so, else items).
+type Progress struct {
+	Step  string `json:"step"`
+	Done  int64  `json:"done,omitempty"`
+	Total int64  `json:"total,omitempty"`
+	Bytes bool   `json:"bytes,omitempty"`
+}
+
+// String is p in words: its step, and how far it has come where it
+// counts ("writing memory: 96.0 of 512.0 MiB").
+func (p Progress) String() string {
+	switch {
+	case p.Total == 0:
+		return p.Step
+	case p.Bytes:
+		return fmt.Sprintf("%s: %.1f of %.1f MiB", p.Step, float64(p.Done)/(1<<20), float64(p.Total)/(1<<20))
+	}
+	return fmt.Sprintf("%s: %d of %d", p.Step, p.Done, p.Total)
+}
+
+// The steps of a snapshot (SnapshotOptions.Progress).
+const (
+	StepInventory   = "listing the guest's files"
+	StepCopyRunning = "copying memory while it runs" // a fork's first
+	StepMemory      = "writing memory"               // paused
+	StepRootDisk    = "copying the root disk"        // paused
+	StepStartCopies = "starting copies"              // a fork's copies (package supervisor)
+)
+
+func (o SnapshotOptions) progress(p Progress) {
+	if o.Progress != nil {
+		o.Progress(p)
+	}
+}
+
+// written reports step's progress through memory of size bytes.
+func (o SnapshotOptions) written(step string, size uint64) guestmem.Written {
+	if o.Progress == nil {
+		return nil
+	}
+	o.progress(Progress{Step: step, Total: int64(size), Bytes: true})
+	return func(upTo int64) { o.Progress(Progress{Step: step, Done: upTo, Total: int64(size), Bytes: true}) }
 }
 
 // LastPause is how long the sandbox's last snapshot or fork kept it
@@ -130,6 +182,7 @@ func (s *Sandbox) SnapshotWith(ctx context.Context, dir string, o SnapshotOption
 	}
 	var inv *Inventory
 	if o.Inventory {
+		o.progress(Progress{Step: StepInventory})
 		inv = s.snapshotInventory(ctx)
 	}
 	s.snapMu.Lock()
@@ -143,7 +196,7 @@ func (s *Sandbox) SnapshotWith(ctx context.Context, dir string, o SnapshotOption
 	if o.Fork && !wasPaused && s.forkBase == nil && s.clearRefs != nil {
 		t0 := time.Now()
 		var perr error
-		if precopy, perr = snapshot.PreCopy(dir, s.vm.Memory(), s.clearRefs); perr != nil {
+		if precopy, perr = snapshot.PreCopy(dir, s.vm.Memory(), s.clearRefs, o.written(StepCopyRunning, s.vm.Memory().Size())); perr != nil {
 			s.c.logger().Info("sandbox: fork: no memory copy while running: the pause writes it all", "err", perr)
 			precopy = nil
 			if errors.Is(perr, guestmem.ErrNoSoftDirty) {
@@ -164,11 +217,11 @@ func (s *Sandbox) SnapshotWith(ctx context.Context, dir string, o SnapshotOption
 	case o.DiskOnly:
 		// Nothing of the VM: its shape, from the spec.
 		m := snapshot.Manifest{Spec: spec, CPUs: s.c.CPUs, MemoryBytes: uint64(s.c.MemoryMiB) << 20, ImageDigest: s.rootfs.img.Digest}
-		err = snapshot.WriteDisk(dir, m, s.snapshotFiles(nil))
+		err = snapshot.WriteDisk(dir, m, s.snapshotFiles(nil, o))
 	case o.Fork:
-		err = s.writeFork(dir, spec, precopy)
+		err = s.writeFork(dir, spec, precopy, o)
 	default:
-		err = s.writeSnapshot(dir, spec, inv, parent)
+		err = s.writeSnapshot(dir, spec, inv, parent, o)
 	}
 	if !wasPaused {
 		// The clock was never stopped for the guest: it runs on as after
@@ -213,7 +266,7 @@ const forkLayerRuns = 256
 // Mapping the memory from a new base can fail half done, leaving guest
 // memory unmapped: the sandbox is then stopped, not run on with pages
 // missing.
-func (s *Sandbox) writeFork(dir string, spec []byte, precopy *snapshot.MemoryCopy) error {
+func (s *Sandbox) writeFork(dir string, spec []byte, precopy *snapshot.MemoryCopy, so SnapshotOptions) error {
 	chain := filepath.Dir(dir)
 	if s.forkChain != chain {
 		if s.forkChain != "" {
@@ -238,8 +291,8 @@ func (s *Sandbox) writeFork(dir string, spec []byte, precopy *snapshot.MemoryCop
 			base = nil
 		}
 	}
-	err := s.writeSnapshotWith(dir, spec, nil, func(m snapshot.Manifest, st *vmm.State, extra map[string]snapshot.Extra) error {
-		o := snapshot.WriteOptions{Transient: true}
+	err := s.writeSnapshotWith(dir, spec, nil, so, func(m snapshot.Manifest, st *vmm.State, extra map[string]snapshot.Extra) error {
+		o := snapshot.WriteOptions{Transient: true, Written: so.written(StepMemory, mem.Size())}
 		if base != nil {
 			o.Parent, o.Runs = base, runs
 		} else {
@@ -284,15 +337,16 @@ func (s *Sandbox) Snapshottable() error {
 	return nil
 }
 
-func (s *Sandbox) writeSnapshot(dir string, spec []byte, inv *Inventory, parent *snapshot.Snapshot) error {
-	return s.writeSnapshotWith(dir, spec, inv, func(m snapshot.Manifest, st *vmm.State, extra map[string]snapshot.Extra) error {
-		return snapshot.WriteWith(dir, m, st, s.vm.Memory(), extra, snapshot.WriteOptions{Parent: parent})
+func (s *Sandbox) writeSnapshot(dir string, spec []byte, inv *Inventory, parent *snapshot.Snapshot, o SnapshotOptions) error {
+	return s.writeSnapshotWith(dir, spec, inv, o, func(m snapshot.Manifest, st *vmm.State, extra map[string]snapshot.Extra) error {
+		mem := s.vm.Memory()
+		return snapshot.WriteWith(dir, m, st, mem, extra, snapshot.WriteOptions{Parent: parent, Written: o.written(StepMemory, mem.Size())})
 	})
 }
 
 // writeSnapshotWith takes the paused VM's state and gathers the
 // snapshot's manifest and files, which write then writes.
-func (s *Sandbox) writeSnapshotWith(dir string, spec []byte, inv *Inventory, write func(snapshot.Manifest, *vmm.State, map[string]snapshot.Extra) error) error {
+func (s *Sandbox) writeSnapshotWith(dir string, spec []byte, inv *Inventory, o SnapshotOptions, write func(snapshot.Manifest, *vmm.State, map[string]snapshot.Extra) error) error {
 	st, err := s.vm.State()
 	if err != nil {
 		return fmt.Errorf("sandbox: snapshot: %w", err)
@@ -306,16 +360,17 @@ func (s *Sandbox) writeSnapshotWith(dir string, spec []byte, inv *Inventory, wri
 	if s.rootfs != nil {
 		m.ImageDigest = s.rootfs.img.Digest
 	}
-	return write(m, st, s.snapshotFiles(inv))
+	return write(m, st, s.snapshotFiles(inv, o))
 }
 
 // snapshotFiles are the files a snapshot holds beside the VM's state and
 // memory: an image sandbox's writable root disk, the interception's CA,
 // the inventory.
-func (s *Sandbox) snapshotFiles(inv *Inventory) map[string]snapshot.Extra {
+func (s *Sandbox) snapshotFiles(inv *Inventory, o SnapshotOptions) map[string]snapshot.Extra {
 	extra := map[string]snapshot.Extra{}
 	if r := s.rootfs; r != nil {
 		extra[snapshot.RootDiskFile] = func(path string) (string, error) {
+			o.progress(Progress{Step: StepRootDisk})
 			// Only its size is recorded: a checksum would read the
 			// whole disk, which a reflink spares.
 			return "", snapshot.CloneFile(r.upperPath, path)

@@ -219,6 +219,9 @@ type WriteOptions struct {
 	// finished (guestmem.PreCopy.Finish), instead of the whole memory
 	// written now. Only of a transient snapshot without a parent.
 	PreCopy *MemoryCopy
+	// Written, when not nil, is told how far the memory's write has
+	// come (guestmem.Written), for showing progress.
+	Written guestmem.Written
 }
 
 // MemoryCopy is a transient snapshot's memory file written while the
@@ -238,15 +241,16 @@ type MemoryCopy struct {
 // PreCopy begins the memory of a transient snapshot to be written to dir
 // (WriteOptions.PreCopy) while the VM may still run: a file beside dir,
 // which WriteWith makes the snapshot's memory file. clearRefs is
-// guestmem.OpenClearRefs's. Close removes the file if no snapshot took
-// it. Memory mapped from files, and a kernel that does not track
-// soft-dirty pages (guestmem.ErrNoSoftDirty), are refused.
-func PreCopy(dir string, mem *guestmem.Memory, clearRefs *os.File) (*MemoryCopy, error) {
+// guestmem.OpenClearRefs's; written, when not nil, is told how far the
+// copy has come. Close removes the file if no snapshot took it. Memory
+// mapped from files, and a kernel that does not track soft-dirty pages
+// (guestmem.ErrNoSoftDirty), are refused.
+func PreCopy(dir string, mem *guestmem.Memory, clearRefs *os.File, written guestmem.Written) (*MemoryCopy, error) {
 	f, err := os.CreateTemp(filepath.Dir(dir), "."+filepath.Base(dir)+".memory-")
 	if err != nil {
 		return nil, fmt.Errorf("snapshot: %w", err)
 	}
-	pc, err := mem.PreCopy(f, clearRefs)
+	pc, err := mem.PreCopy(f, clearRefs, written)
 	if err != nil {
 		f.Close()
 		os.Remove(f.Name())
@@ -289,7 +293,7 @@ func WriteWith(dir string, m Manifest, st *vmm.State, mem *guestmem.Memory, extr
 			if err != nil {
 				// Still paused: the whole memory, then.
 				c.Failed = err
-				return mem.WriteFile(f, nil)
+				return mem.WriteFile(f, nil, o.Written)
 			}
 			// The copy, finished, takes the place of the empty memory
 			// file write made (whose descriptor write closes).
@@ -302,7 +306,7 @@ func WriteWith(dir string, m Manifest, st *vmm.State, mem *guestmem.Memory, extr
 	}
 	if o.Parent == nil {
 		m.Version, m.Parent, m.MemoryRuns = Version, nil, nil
-		return write(dir, m, st, mem.Size(), extra, o.Transient, func(f *os.File, h io.Writer) error { return mem.WriteFile(f, h) })
+		return write(dir, m, st, mem.Size(), extra, o.Transient, func(f *os.File, h io.Writer) error { return mem.WriteFile(f, h, o.Written) })
 	}
 	parent, runs := o.Parent, o.Runs
 	pdir, err := filepath.Abs(parent.Dir)
@@ -334,7 +338,7 @@ func WriteWith(dir string, m Manifest, st *vmm.State, mem *guestmem.Memory, extr
 	}
 	m.Version, m.MemoryRuns = LayerVersion, runs
 	m.Parent = &Parent{Name: filepath.Base(pdir), ManifestSHA256: parent.ManifestSHA256}
-	return write(dir, m, st, mem.Size(), extra, o.Transient, func(f *os.File, h io.Writer) error { return mem.WriteRuns(f, runs, h) })
+	return write(dir, m, st, mem.Size(), extra, o.Transient, func(f *os.File, h io.Writer) error { return mem.WriteRuns(f, runs, h, o.Written) })
 }
 
 // WriteDisk writes to dir (which must not exist) a snapshot without VM

@@ -50,7 +50,8 @@ func Resume(ctx context.Context, st *store.Store, name string) error {
 }
 
 // Snapshot writes the running detached sandbox name to the snapshot
-// directory dir (sandbox.Sandbox.SnapshotWith), through its supervisor.
+// directory dir (sandbox.Sandbox.SnapshotWith), through its supervisor,
+// which reports the snapshot's steps to o.Progress as it goes.
 func Snapshot(ctx context.Context, st *store.Store, name, dir string, o sandbox.SnapshotOptions) error {
 	abs, err := filepath.Abs(dir)
 	if err != nil {
@@ -74,8 +75,15 @@ func Snapshot(ctx context.Context, st *store.Store, name, dir string, o sandbox.
 		}
 		defer snapshot.CloseLent(lent)
 	}
-	return callLive(ctx, st, name, opSnapshot, body, lent...)
+	hc, err := liveClient(st, name, opSnapshot.name, lent)
+	if err != nil {
+		return err
+	}
+	return liveError(st, name, opSnapshot.name, opSnapshot.call(ctx, hc, body, snapshotSteps, o.Progress))
 }
+
+// snapshotSteps are the steps a supervisor reports of a snapshot.
+var snapshotSteps = []string{sandbox.StepInventory, sandbox.StepCopyRunning, sandbox.StepMemory, sandbox.StepRootDisk}
 
 // Stop ends the detached sandbox name as `capsa stop` does: SIGTERM to the
 // main process, SIGKILL after timeout (at once with kill), then the VM
@@ -91,24 +99,39 @@ func Stop(ctx context.Context, st *store.Store, name string, timeout time.Durati
 // callLive makes the control operation op with req on the live sandbox
 // name and says what failed: the operation, the sandbox, and its end if
 // it has ended.
-func callLive[Req, Resp any](ctx context.Context, st *store.Store, name string, op controlOp[Req, Resp], req Req, lend ...*os.File) error {
-	rec, err := st.Get(name)
+func callLive[Req, Resp any](ctx context.Context, st *store.Store, name string, op controlOp[Req, Resp], req Req) error {
+	hc, err := liveClient(st, name, op.name, nil)
 	if err != nil {
 		return err
 	}
+	_, err = op.call(ctx, hc, req)
+	return liveError(st, name, op.name, err)
+}
+
+// liveClient is a client of the live sandbox name's supervisor for the
+// operation op, lending it the files lend (none: nil).
+func liveClient(st *store.Store, name, op string, lend []*os.File) (*http.Client, error) {
+	rec, err := st.Get(name)
+	if err != nil {
+		return nil, err
+	}
 	if !rec.Alive() {
-		return fmt.Errorf("supervisor: %s %s: %w (%s)", op.name, name, ErrNotRunning, describeEnd(rec))
+		return nil, fmt.Errorf("supervisor: %s %s: %w (%s)", op, name, ErrNotRunning, describeEnd(rec))
 	}
 	path := filepath.Join(st.SandboxDir(name), ControlSocket)
-	hc := controlClient(path)
 	if len(lend) > 0 {
-		hc = lendingClient(path, lend)
+		return lendingClient(path, lend), nil
 	}
-	_, err = op.call(ctx, hc, req)
+	return controlClient(path), nil
+}
+
+// liveError is err, the operation op's on the sandbox name, saying what
+// failed: the operation, the sandbox, and its end if it has ended.
+func liveError(st *store.Store, name, op string, err error) error {
 	if err == nil {
 		return nil
 	}
-	err = fmt.Errorf("supervisor: %s %s: %w", op.name, name, err)
+	err = fmt.Errorf("supervisor: %s %s: %w", op, name, err)
 	var te *transportError
 	if errors.As(err, &te) {
 		if rec, gerr := st.Get(name); gerr == nil && !rec.Alive() {

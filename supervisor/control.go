@@ -1,6 +1,7 @@
 package supervisor
 
 import (
+	"bufio"
 	"bytes"
 	"context"
 	"encoding/json"
@@ -9,7 +10,9 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"slices"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/capsa-sandbox/capsa/netstack"
@@ -64,7 +67,7 @@ var (
 	opStop     = controlOp[stopBody, noBody]{"stop", http.MethodPost, http.StatusAccepted}
 	opPause    = controlOp[noBody, noBody]{"pause", http.MethodPost, http.StatusNoContent}
 	opResume   = controlOp[noBody, noBody]{"resume", http.MethodPost, http.StatusNoContent}
-	opSnapshot = controlOp[snapshotBody, noBody]{"snapshot", http.MethodPost, http.StatusNoContent}
+	opSnapshot = progressOp[snapshotBody]{"snapshot", http.MethodPost}
 	opSuspend  = controlOp[suspendBody, noBody]{"suspend", http.MethodPost, http.StatusAccepted}
 	opStats    = controlOp[noBody, sandbox.Stats]{"stats", http.MethodGet, http.StatusOK}
 	opLimits   = controlOp[ratelimit.Limits, ratelimit.Limits]{"limits", http.MethodPut, http.StatusOK}
@@ -162,15 +165,9 @@ func (o controlOp[Req, Resp]) register(mux *http.ServeMux, h func(context.Contex
 		}
 		resp, err := h(r.Context(), req)
 		if err != nil {
-			status := http.StatusConflict
-			var ce *controlError
-			if errors.As(err, &ce) {
-				status = ce.status
-			}
-			for code, sentinel := range controlErrorCodes {
-				if errors.Is(err, sentinel) {
-					w.Header().Set(errorCodeHeader, code)
-				}
+			status, code := errorStatus(err)
+			if code != "" {
+				w.Header().Set(errorCodeHeader, code)
 			}
 			http.Error(w, err.Error(), status)
 			return
@@ -241,4 +238,197 @@ func controlClient(path string) *http.Client {
 			var d net.Dialer
 			return d.DialContext(ctx, "unix", path)
 		}}}
+}
+
+// progressOp is an operation whose reply streams its progress: the
+// server answers 200 with one JSON line (progressLine) per event, at most
+// progressEvery apart for one step, and last the outcome (an error, its
+// status and code; none: done). A failure before the first event is
+// answered as a controlOp's is, with its status.
+type progressOp[Req any] struct {
+	name   string // its path is /v1/NAME
+	method string
+}
+
+// progressLine is one line of a progressOp's reply.
+type progressLine struct {
+	Progress *sandbox.Progress `json:"progress,omitempty"`
+	Done     bool              `json:"done,omitempty"`
+	Error    string            `json:"error,omitempty"`
+	Status   int               `json:"status,omitempty"`
+	Code     string            `json:"code,omitempty"`
+}
+
+const (
+	// progressEvery is how often a step's progress is sent at most.
+	progressEvery = 100 * time.Millisecond
+	// maxProgressLine bounds a line a client reads.
+	maxProgressLine = 8 << 10
+)
+
+func (o progressOp[Req]) opName() string  { return o.name }
+func (o progressOp[Req]) path() string    { return "/v1/" + o.name }
+func (o progressOp[Req]) pattern() string { return o.method + " " + o.path() }
+
+func (o progressOp[Req]) clientRequest(ctx context.Context) (*http.Request, error) {
+	var req Req
+	return controlOp[Req, noBody]{o.name, o.method, http.StatusOK}.newRequest(ctx, req)
+}
+
+// register serves o on mux with h, which gets the decoded, bounded request
+// and a function to report progress with.
+func (o progressOp[Req]) register(mux *http.ServeMux, h func(context.Context, Req, func(sandbox.Progress)) error) {
+	mux.HandleFunc(o.pattern(), func(w http.ResponseWriter, r *http.Request) {
+		var req Req
+		if err := json.NewDecoder(http.MaxBytesReader(w, r.Body, maxControlRequest)).Decode(&req); err != nil && !errors.Is(err, io.EOF) {
+			http.Error(w, fmt.Sprintf("bad %s request: %v", o.name, err), http.StatusBadRequest)
+			return
+		}
+		// The handler reports on its own goroutine, which may hold the
+		// sandbox paused: events go through a queue to this writer, and
+		// are dropped while the queue is full (a client not reading).
+		var started bool
+		events := make(chan progressLine, 16)
+		written := make(chan struct{})
+		enc := json.NewEncoder(w)
+		flusher, _ := w.(http.Flusher)
+		send := func(l progressLine) {
+			if !started {
+				w.Header().Set("Content-Type", "application/x-ndjson")
+				w.WriteHeader(http.StatusOK)
+				started = true
+			}
+			enc.Encode(l)
+			if flusher != nil {
+				flusher.Flush()
+			}
+		}
+		go func() {
+			defer close(written)
+			for l := range events {
+				send(l)
+			}
+		}()
+		var (
+			mu     sync.Mutex
+			last   sandbox.Progress
+			sent   time.Time
+			closed bool
+		)
+		report := func(p sandbox.Progress) {
+			mu.Lock()
+			defer mu.Unlock()
+			if closed {
+				return
+			}
+			// A step's first and last events go; between them, one each
+			// progressEvery.
+			if p.Step == last.Step && p.Done != p.Total && time.Since(sent) < progressEvery {
+				return
+			}
+			last, sent = p, time.Now()
+			select {
+			case events <- progressLine{Progress: &p}:
+			default:
+			}
+		}
+		err := h(r.Context(), req, report)
+		mu.Lock()
+		closed = true
+		close(events)
+		mu.Unlock()
+		<-written
+		if err == nil {
+			if !started {
+				w.WriteHeader(http.StatusNoContent)
+				return
+			}
+			send(progressLine{Done: true})
+			return
+		}
+		status, code := errorStatus(err)
+		if !started {
+			if code != "" {
+				w.Header().Set(errorCodeHeader, code)
+			}
+			http.Error(w, err.Error(), status)
+			return
+		}
+		send(progressLine{Error: err.Error(), Status: status, Code: code})
+	})
+}
+
+// errorStatus is the status and error code a handler's err is answered
+// with: a controlError's status, else 409 Conflict (the sandbox could not
+// do it now); the code of the sentinel it wraps (controlErrorCodes), or "".
+func errorStatus(err error) (status int, code string) {
+	status = http.StatusConflict
+	var ce *controlError
+	if errors.As(err, &ce) {
+		status = ce.status
+	}
+	for c, sentinel := range controlErrorCodes {
+		if errors.Is(err, sentinel) {
+			code = c
+		}
+	}
+	return status, code
+}
+
+// call makes o on the supervisor hc reaches, passing each progress event
+// whose step is one of steps to progress (when not nil), and returns its
+// outcome. A server that answers 204 (done, with nothing to report)
+// is done. Events the client does not know (another step, counts out of
+// range) are dropped: the server is the VMM's process, which a guest may
+// have taken.
+func (o progressOp[Req]) call(ctx context.Context, hc *http.Client, req Req, steps []string, progress func(sandbox.Progress)) error {
+	r, err := controlOp[Req, noBody]{o.name, o.method, http.StatusOK}.newRequest(ctx, req)
+	if err != nil {
+		return err
+	}
+	resp, err := hc.Do(r)
+	if err != nil {
+		return &transportError{err}
+	}
+	defer resp.Body.Close()
+	switch resp.StatusCode {
+	case http.StatusNoContent:
+		return nil
+	case http.StatusOK:
+	default:
+		body, err := io.ReadAll(io.LimitReader(resp.Body, maxControlReply))
+		if err != nil {
+			return &transportError{err}
+		}
+		return &remoteError{resp.Status, strings.TrimSpace(string(body)), controlErrorCodes[resp.Header.Get(errorCodeHeader)]}
+	}
+	sc := bufio.NewScanner(resp.Body)
+	sc.Buffer(make([]byte, 0, 512), maxProgressLine)
+	for sc.Scan() {
+		var l progressLine
+		if err := json.Unmarshal(sc.Bytes(), &l); err != nil {
+			return fmt.Errorf("bad reply: %w", err)
+		}
+		switch {
+		case l.Done:
+			return nil
+		case l.Error != "":
+			status := http.StatusText(l.Status)
+			if status == "" {
+				status = "error"
+			}
+			return &remoteError{fmt.Sprintf("%d %s", l.Status, status), l.Error, controlErrorCodes[l.Code]}
+		case l.Progress != nil && progress != nil && knownProgress(*l.Progress, steps):
+			progress(*l.Progress)
+		}
+	}
+	if err := sc.Err(); err != nil {
+		return &transportError{err}
+	}
+	return &transportError{io.ErrUnexpectedEOF}
+}
+
+// knownProgress says whether p is one of steps, with counts in range.
+func knownProgress(p sandbox.Progress, steps []string) bool {
+	return slices.Contains(steps, p.Step) && p.Done >= 0 && p.Total >= 0 && (p.Total == 0 || p.Done <= p.Total)
 }

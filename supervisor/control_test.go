@@ -63,7 +63,7 @@ func TestControlStopAndSnapshotRequests(t *testing.T) {
 	if _, err := opStop.call(ctx, hc, stopBody{Timeout: -1}); err == nil || !strings.Contains(err.Error(), "400") || !strings.Contains(err.Error(), "negative timeout") {
 		t.Errorf("stop with a negative timeout = %v; want 400, negative timeout", err)
 	}
-	if _, err := opSnapshot.call(ctx, hc, snapshotBody{Dir: "rel/dir"}); err == nil || !strings.Contains(err.Error(), "400") || !strings.Contains(err.Error(), "absolute") {
+	if err := opSnapshot.call(ctx, hc, snapshotBody{Dir: "rel/dir"}, snapshotSteps, nil); err == nil || !strings.Contains(err.Error(), "400") || !strings.Contains(err.Error(), "absolute") {
 		t.Errorf("snapshot to a relative directory = %v; want 400 asking for an absolute one", err)
 	}
 	for range 2 {
@@ -223,10 +223,10 @@ func TestControlLendsFiles(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer csrv.Close()
-	if _, err := opSnapshot.call(ctx, lendingClient(cpath, files[:2]), snapshotBody{Dir: "/a/b"}); err == nil || !strings.Contains(err.Error(), "400") || !strings.Contains(err.Error(), "without a parent") {
+	if err := opSnapshot.call(ctx, lendingClient(cpath, files[:2]), snapshotBody{Dir: "/a/b"}, snapshotSteps, nil); err == nil || !strings.Contains(err.Error(), "400") || !strings.Contains(err.Error(), "without a parent") {
 		t.Errorf("a snapshot with files lent and no parent = %v; want 400", err)
 	}
-	if _, err := opSnapshot.call(ctx, lendingClient(cpath, files[:2]), snapshotBody{Dir: "/a/b", Parent: "/a/p"}); err == nil || !strings.Contains(err.Error(), "400") || !strings.Contains(err.Error(), "the parent") {
+	if err := opSnapshot.call(ctx, lendingClient(cpath, files[:2]), snapshotBody{Dir: "/a/b", Parent: "/a/p"}, snapshotSteps, nil); err == nil || !strings.Contains(err.Error(), "400") || !strings.Contains(err.Error(), "the parent") {
 		t.Errorf("a snapshot over a lent parent that is no snapshot = %v; want 400 naming the parent", err)
 	}
 }
@@ -246,8 +246,108 @@ func TestControlRefusesSuspendingAPod(t *testing.T) {
 		t.Errorf("suspending a pod's VM = %v; want 409 saying why not", err)
 	}
 	for _, fork := range []bool{false, true} {
-		if _, err := opSnapshot.call(context.Background(), controlClient(path), snapshotBody{Dir: "/a/b", Fork: fork}); err == nil || !strings.Contains(err.Error(), "409") || !strings.Contains(err.Error(), "pod's VM cannot be snapshotted or forked") {
+		if err := opSnapshot.call(context.Background(), controlClient(path), snapshotBody{Dir: "/a/b", Fork: fork}, snapshotSteps, nil); err == nil || !strings.Contains(err.Error(), "409") || !strings.Contains(err.Error(), "pod's VM cannot be snapshotted or forked") {
 			t.Errorf("a snapshot (fork %v) of a pod's VM = %v; want 409 saying why not", fork, err)
 		}
+	}
+}
+
+// TestProgressOp: an operation that streams its progress. The client
+// gets each step's first and last events and, between them, few (the
+// server sends one each progressEvery); an operation with nothing to
+// report is a plain success; a failure before any event keeps its status,
+// and one after it still reaches the client with its status and
+// sentinel; events of steps the client does not know, or with counts out
+// of range, are dropped; and a client that does not read never holds up
+// the handler's reports (they may come while its sandbox is paused).
+func TestProgressOp(t *testing.T) {
+	op := progressOp[snapshotBody]{"work", http.MethodPost}
+	const n = 2000
+	handled := make(chan time.Duration, 1)
+	mux := http.NewServeMux()
+	op.register(mux, func(_ context.Context, req snapshotBody, report func(sandbox.Progress)) error {
+		switch req.Dir {
+		case "quiet":
+			return nil
+		case "early":
+			return badRequest("bad thing %d", 7)
+		case "steps":
+			report(sandbox.Progress{Step: sandbox.StepInventory})
+			for i := range n + 1 {
+				report(sandbox.Progress{Step: sandbox.StepMemory, Done: int64(i) << 12, Total: n << 12, Bytes: true})
+			}
+			return nil
+		case "hostile":
+			report(sandbox.Progress{Step: "\x1b[2Jnot a step"})
+			report(sandbox.Progress{Step: sandbox.StepMemory, Done: 9, Total: 3})
+			report(sandbox.Progress{Step: sandbox.StepRootDisk, Done: -1})
+			return fmt.Errorf("late: %w", &controlError{http.StatusConflict, ErrBeingSuspended})
+		case "flood":
+			start := time.Now()
+			for i := range 200000 {
+				report(sandbox.Progress{Step: fmt.Sprintf("step %d %s", i, strings.Repeat("x", 200))})
+			}
+			handled <- time.Since(start)
+			return nil
+		}
+		return errors.New("no such case")
+	})
+	path := filepath.Join(t.TempDir(), "work.sock")
+	l, err := net.Listen("unix", path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := &http.Server{Handler: mux}
+	go srv.Serve(l)
+	defer srv.Close()
+	hc := controlClient(path)
+	ctx := context.Background()
+
+	var got []sandbox.Progress
+	collect := func(p sandbox.Progress) { got = append(got, p) }
+	if err := op.call(ctx, hc, snapshotBody{Dir: "quiet"}, snapshotSteps, collect); err != nil || len(got) != 0 {
+		t.Errorf("quiet = %v with %d events; want success, none", err, len(got))
+	}
+	if err := op.call(ctx, hc, snapshotBody{Dir: "early"}, snapshotSteps, collect); err == nil || !strings.Contains(err.Error(), "400") || !strings.Contains(err.Error(), "bad thing 7") {
+		t.Errorf("a refusal before any progress = %v; want 400 and its message", err)
+	}
+	if err := op.call(ctx, hc, snapshotBody{Dir: "steps"}, snapshotSteps, collect); err != nil {
+		t.Fatalf("steps = %v", err)
+	}
+	if len(got) < 3 || len(got) > n/4 {
+		t.Fatalf("got %d events of %d; want the steps' first and last and few between", len(got), n+2)
+	}
+	first, last := got[1], got[len(got)-1]
+	if got[0].Step != sandbox.StepInventory || first.Step != sandbox.StepMemory || first.Done != 0 || last.Done != last.Total || last.Total != n<<12 || !last.Bytes {
+		t.Errorf("events %+v ... %+v; want the inventory, then memory from 0 to its total", got[:2], last)
+	}
+	for i := 2; i < len(got); i++ {
+		if got[i].Done < got[i-1].Done {
+			t.Errorf("event %d went back: %+v after %+v", i, got[i], got[i-1])
+		}
+	}
+	got = nil
+	err = op.call(ctx, hc, snapshotBody{Dir: "hostile"}, snapshotSteps, collect)
+	if !errors.Is(err, ErrBeingSuspended) || !strings.Contains(err.Error(), "409") || !strings.Contains(err.Error(), "late") {
+		t.Errorf("a failure after progress = %v; want 409 wrapping ErrBeingSuspended", err)
+	}
+	if len(got) != 0 {
+		t.Errorf("events of unknown steps or counts out of range reached the client: %+v", got)
+	}
+
+	// A client that sends the request and never reads the reply.
+	c, err := net.Dial("unix", path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	fmt.Fprintf(c, "POST /v1/work HTTP/1.1\r\nHost: supervisor\r\nContent-Length: 16\r\n\r\n{\"dir\":\"flood\"}\n")
+	select {
+	case took := <-handled:
+		if took > 5*time.Second {
+			t.Errorf("200000 reports to a client that does not read took %v", took)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("the handler's reports blocked on a client that does not read")
 	}
 }

@@ -187,11 +187,11 @@ func DefaultSnapshotName(name string, t time.Time) string {
 // over the state directory's snapshot parent if that is not empty
 // (sandbox.SnapshotOptions.Parent). A snapshot of that name must not
 // exist.
-func SaveSnapshot(ctx context.Context, st *store.Store, name, snap, parent string) error {
+func SaveSnapshot(ctx context.Context, st *store.Store, name, snap, parent string, progress func(sandbox.Progress)) error {
 	if err := store.CheckSnapshotName(snap); err != nil {
 		return err
 	}
-	o := sandbox.SnapshotOptions{Inventory: true}
+	o := sandbox.SnapshotOptions{Inventory: true, Progress: progress}
 	if parent != "" {
 		if err := store.CheckSnapshotName(parent); err != nil {
 			return err
@@ -220,7 +220,7 @@ func SaveSnapshot(ctx context.Context, st *store.Store, name, snap, parent strin
 // snapshot (sandbox.SnapshotOptions.Fork) in the sandbox's fork chain
 // (Store.ForkDir): the first writes the memory in use, each later one
 // what the sandbox wrote since; the chain goes when the sandbox ends.
-func Fork(ctx context.Context, st *store.Store, name string, count int) (names []string, errs []error, err error) {
+func Fork(ctx context.Context, st *store.Store, name string, count int, progress func(sandbox.Progress)) (names []string, errs []error, err error) {
 	if count < 1 || count > MaxFork {
 		return nil, nil, fmt.Errorf("supervisor: fork %s: %d copies: want 1 to %d", name, count, MaxFork)
 	}
@@ -263,7 +263,7 @@ func Fork(ctx context.Context, st *store.Store, name string, count int) (names [
 		}
 	}()
 	dir := filepath.Join(chain, strconv.FormatInt(time.Now().UnixNano(), 10))
-	if err := Snapshot(ctx, st, name, dir, sandbox.SnapshotOptions{Fork: true}); err != nil {
+	if err := Snapshot(ctx, st, name, dir, sandbox.SnapshotOptions{Fork: true, Progress: progress}); err != nil {
 		return nil, nil, err
 	}
 	secrets, err := ReadSecrets(st, name) // the copies use the same
@@ -271,7 +271,17 @@ func Fork(ctx context.Context, st *store.Store, name string, count int) (names [
 		return nil, nil, err
 	}
 	errs = make([]error, len(names))
-	var wg sync.WaitGroup
+	var (
+		wg      sync.WaitGroup
+		mu      sync.Mutex
+		started int64
+	)
+	report := func() {
+		if progress != nil {
+			progress(sandbox.Progress{Step: sandbox.StepStartCopies, Done: started, Total: int64(len(names))})
+		}
+	}
+	report()
 	for i, n := range names {
 		wg.Add(1)
 		go func() {
@@ -281,6 +291,10 @@ func Fork(ctx context.Context, st *store.Store, name string, count int) (names [
 				_, err = LaunchSecrets(ctx, st, rec, secrets)
 			}
 			errs[i] = err
+			mu.Lock()
+			defer mu.Unlock()
+			started++
+			report()
 		}()
 	}
 	wg.Wait()

@@ -281,12 +281,14 @@ func (m *Manager) suspend(ctx context.Context, name string, withoutMemory bool) 
 
 // SaveSnapshot writes the running sandbox name to the state directory's
 // snapshot snap ("": DefaultSnapshotName's), as a layer over the snapshot
-// parent if that is not empty, and returns snap.
-func (m *Manager) SaveSnapshot(ctx context.Context, name, snap, parent string) (string, error) {
+// parent if that is not empty, and returns snap. Its steps go to
+// progress, when not nil, as the supervisor reports them
+// (sandbox.SnapshotOptions.Progress).
+func (m *Manager) SaveSnapshot(ctx context.Context, name, snap, parent string, progress func(sandbox.Progress)) (string, error) {
 	if snap == "" {
 		snap = DefaultSnapshotName(name, time.Now())
 	}
-	return snap, SaveSnapshot(ctx, m.st, name, snap, parent)
+	return snap, SaveSnapshot(ctx, m.st, name, snap, parent, progress)
 }
 
 // Restore starts a sandbox named name ("": a new name) from the state
@@ -299,9 +301,11 @@ func (m *Manager) Restore(ctx context.Context, snap, name, hostname string, rm b
 	return m.RestoreDir(ctx, dir, name, hostname, rm, settings, secrets)
 }
 
-// Fork makes count running copies of the running sandbox name (see Fork).
-func (m *Manager) Fork(ctx context.Context, name string, count int) ([]string, []error, error) {
-	return Fork(ctx, m.st, name, count)
+// Fork makes count running copies of the running sandbox name (see Fork),
+// reporting its steps to progress when that is not nil: the snapshot's,
+// then the copies started (sandbox.StepStartCopies).
+func (m *Manager) Fork(ctx context.Context, name string, count int, progress func(sandbox.Progress)) ([]string, []error, error) {
+	return Fork(ctx, m.st, name, count, progress)
 }
 
 // Logs writes the sandbox name's log file (MainLog or ConsoleLog) to w:

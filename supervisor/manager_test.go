@@ -49,10 +49,10 @@ func TestManagerUnknownNames(t *testing.T) {
 		"Start":  func() error { return m.Start(ctx, "nosuch") },
 		"Logs":   func() error { return m.Logs(ctx, "nosuch", MainLog, -1, false, io.Discard) },
 		"SaveSnapshot": func() error {
-			_, err := m.SaveSnapshot(ctx, "nosuch", "snap", "")
+			_, err := m.SaveSnapshot(ctx, "nosuch", "snap", "", nil)
 			return err
 		},
-		"Fork":             func() error { _, _, err := m.Fork(ctx, "nosuch", 1); return err },
+		"Fork":             func() error { _, _, err := m.Fork(ctx, "nosuch", 1, nil); return err },
 		"SetNetworkPolicy": func() error { return m.SetNetworkPolicy(ctx, "nosuch", nil) },
 		"SetHeaderRules":   func() error { return m.SetHeaderRules(ctx, "nosuch", nil) },
 	} {

@@ -605,29 +605,29 @@ func (c *control) mux(log *slog.Logger) *http.ServeMux {
 	opResume.register(mux, func(ctx context.Context, _ noBody) (noBody, error) {
 		return noBody{}, c.setPaused(ctx, false, log)
 	})
-	opSnapshot.register(mux, func(ctx context.Context, req snapshotBody) (noBody, error) {
+	opSnapshot.register(mux, func(ctx context.Context, req snapshotBody, progress func(sandbox.Progress)) error {
 		lent := lentFiles(ctx)
 		if c.hostMounts {
 			// A restore or a fork would run without the mounts (see
 			// hostMounts), its containers' roots empty.
 			closeFiles(lent)
-			return noBody{}, errors.New("snapshot: a containerd pod's VM cannot be snapshotted or forked: its containers' roots are mounts its shim makes while it runs, which a restored copy would not have")
+			return errors.New("snapshot: a containerd pod's VM cannot be snapshotted or forked: its containers' roots are mounts its shim makes while it runs, which a restored copy would not have")
 		}
 		if !filepath.IsAbs(req.Dir) || req.Parent != "" && !filepath.IsAbs(req.Parent) {
 			closeFiles(lent)
-			return noBody{}, badRequest("bad snapshot request: %q or %q is not an absolute directory", req.Dir, req.Parent)
+			return badRequest("bad snapshot request: %q or %q is not an absolute directory", req.Dir, req.Parent)
 		}
-		o := sandbox.SnapshotOptions{Inventory: req.Inventory, Parent: req.Parent, Fork: req.Fork}
+		o := sandbox.SnapshotOptions{Inventory: req.Inventory, Parent: req.Parent, Fork: req.Fork, Progress: progress}
 		if len(lent) > 0 {
 			// The parent, opened by the client: this process may not
 			// read it (it holds no capability to).
 			if req.Parent == "" {
 				closeFiles(lent)
-				return noBody{}, badRequest("bad snapshot request: files lent without a parent")
+				return badRequest("bad snapshot request: files lent without a parent")
 			}
 			p, err := snapshot.OpenLent(req.Parent, lent)
 			if err != nil {
-				return noBody{}, badRequest("bad snapshot request: the parent: %v", err)
+				return badRequest("bad snapshot request: the parent: %v", err)
 			}
 			defer p.Close()
 			o.ParentOpen = p
@@ -636,10 +636,10 @@ func (c *control) mux(log *slog.Logger) *http.ServeMux {
 		defer c.pauseMu.Unlock()
 		if err := c.sb.SnapshotWith(ctx, req.Dir, o); err != nil {
 			log.Warn("supervisor: snapshot", "err", err)
-			return noBody{}, err
+			return err
 		}
 		log.Info("supervisor: snapshot written", "dir", req.Dir, "paused", c.sb.LastPause())
-		return noBody{}, nil
+		return nil
 	})
 	opSuspend.register(mux, func(ctx context.Context, req suspendBody) (noBody, error) {
 		if req.WithoutMemory && c.sb.Spec().Image == nil {

@@ -78,7 +78,7 @@ func TestSaveRestoreContinues(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer f.Close()
-	if err := a.Memory().WriteFile(f, nil); err != nil {
+	if err := a.Memory().WriteFile(f, nil, nil); err != nil {
 		t.Fatal(err)
 	}
 	a.Stop(StopCanceled, "saved")

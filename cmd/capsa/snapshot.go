@@ -52,8 +52,14 @@ func runSnapshot(ctx context.Context, args []string, stdout, stderr io.Writer) i
 func snapshotCreate(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	fs := newFlags("snapshot create", "[flags] NAME [SNAP]  (SNAP: NAME-YYYYMMDD-HHMMSS)", stdout)
 	parent := fs.String("parent", "", "write SNAP as a layer over this earlier snapshot: only the memory that differs from it is written, and it must be kept while SNAP is")
+	progressMode := progressFlag(fs)
 	if code := parseFlags(fs, args, stderr); code >= 0 {
 		return code
+	}
+	prog, err := newProgress(*progressMode, stderr, "snapshot create")
+	if err != nil {
+		fmt.Fprintf(stderr, "capsa snapshot create: %v\n", err)
+		return 2
 	}
 	if fs.NArg() < 1 || fs.NArg() > 2 {
 		fmt.Fprintln(stderr, "capsa snapshot create: want NAME [SNAP]")
@@ -79,7 +85,9 @@ func snapshotCreate(ctx context.Context, args []string, stdout, stderr io.Writer
 		fmt.Fprintf(stderr, "capsa snapshot create: %v\n", err)
 		return 1
 	}
-	if _, err := m.SaveSnapshot(ctx, name, snap, *parent); errors.Is(err, supervisor.ErrSnapshotExists) {
+	_, err = m.SaveSnapshot(ctx, name, snap, *parent, prog.report())
+	prog.done()
+	if errors.Is(err, supervisor.ErrSnapshotExists) {
 		fmt.Fprintf(stderr, "capsa snapshot create: a snapshot called %s exists (capsa snapshot rm %s first)\n", snap, snap)
 		return 1
 	} else if err != nil {
@@ -328,6 +336,7 @@ func snapshotInspect(ctx context.Context, args []string, stdout, stderr io.Write
 func runFork(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	fs := newFlags("fork", "[flags] NAME", stdout)
 	count := fs.IntP("count", "n", 1, "how many copies")
+	progressMode := progressFlag(fs)
 	if code := parseFlags(fs, args, stderr); code >= 0 {
 		return code
 	}
@@ -335,12 +344,18 @@ func runFork(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "capsa fork: want NAME and a --count from 1 to %d\n", supervisor.MaxFork)
 		return 2
 	}
+	prog, err := newProgress(*progressMode, stderr, "fork")
+	if err != nil {
+		fmt.Fprintf(stderr, "capsa fork: %v\n", err)
+		return 2
+	}
 	m, err := openManager()
 	if err != nil {
 		fmt.Fprintf(stderr, "capsa fork: %v\n", err)
 		return 1
 	}
-	names, errs, err := m.Fork(ctx, fs.Arg(0), *count)
+	names, errs, err := m.Fork(ctx, fs.Arg(0), *count, prog.report())
+	prog.done()
 	if err != nil {
 		fmt.Fprintf(stderr, "capsa fork: %v\n", err)
 		return 1

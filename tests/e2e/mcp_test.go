@@ -33,6 +33,7 @@ type mcpLine struct {
 		Text string `json:"text"`
 	} `json:"content"`
 	Structured json.RawMessage `json:"structuredContent"`
+	Progress   []string        `json:"progress"` // the call's progress notifications' messages
 }
 
 func (l mcpLine) text() string {
@@ -48,6 +49,8 @@ type mcpCall struct {
 	Tool string         `json:"tool,omitempty"`
 	Args map[string]any `json:"args,omitempty"`
 	List bool           `json:"list,omitempty"`
+	// Progress: the call asks for progress notifications.
+	Progress bool `json:"progress,omitempty"`
 }
 
 // nodeScript writes a client script (name, its text) beside a link to the
@@ -132,7 +135,8 @@ func structured(t *testing.T, l mcpLine, v any) {
 // `capsa ps` and `capsa exec` see; a missing sandbox is a tool error; the
 // same server over streamable HTTP on loopback serves a client with its
 // token and refuses one without, and suspends the sandbox to disk and
-// resumes it with its files; the sandbox is destroyed.
+// resumes it with its files; a snapshot sends progress notifications to
+// the client that asks; the sandbox is destroyed.
 func TestMCP(t *testing.T) {
 	bin := artifact(t, "capsa")
 	dir, cli := detachedState(t)
@@ -159,6 +163,8 @@ func TestMCP(t *testing.T) {
 		{Tool: "mailbox_receive", Args: map[string]any{"topic": "results", "from": 0}},
 		// The agent's sandbox was made without a network: none to change.
 		{Tool: "sandbox_network", Args: map[string]any{"name": "agent", "network": "allow-all"}},
+		// Long work tells how far it has come, where the client asks.
+		{Tool: "snapshot_create", Args: map[string]any{"name": "agent", "snapshot": "mcpsnap"}, Progress: true},
 	}, stdio...)
 	if err != nil {
 		t.Fatalf("mcp-client over stdio: %v", err)
@@ -230,6 +236,13 @@ func TestMCP(t *testing.T) {
 	}
 	if l := lines[14]; !l.IsError || !strings.Contains(l.text(), "no NAT") {
 		t.Errorf("sandbox_network on a sandbox without a network = %+v, want a tool error saying it has no NAT", l)
+	}
+	var snapped struct{ Snapshot string }
+	if structured(t, lines[15], &snapped); snapped.Snapshot != "mcpsnap" {
+		t.Errorf("snapshot_create = %+v, want mcpsnap", snapped)
+	}
+	if p := lines[15].Progress; len(p) < 2 || p[0] != "listing the guest's files" || p[1] != "writing memory: 0.0 of 256.0 MiB" {
+		t.Errorf("snapshot_create's progress notifications = %q; want the inventory's step, then the memory's", p)
 	}
 
 	// An ordinary detached sandbox: the person sees it and reaches it.

@@ -15,6 +15,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"slices"
 	"strconv"
 	"strings"
@@ -533,8 +534,12 @@ func TestSnapshotCLI(t *testing.T) {
 	if r := cli(time.Minute, "exec", "src", "--", "sh", "-c", "echo prepared > /tmp/data"); r.code != 0 {
 		t.Fatalf("capsa exec = exit %d, stderr %q", r.code, r.stderr)
 	}
-	if r := cli(2*time.Minute, "snapshot", "create", "src", "snap1"); r.code != 0 || r.stdout != "snap1\n" {
+	// Its progress, as plain lines on standard error: each step as it
+	// begins, as the supervisor reports them.
+	if r := cli(2*time.Minute, "snapshot", "create", "--progress", "plain", "src", "snap1"); r.code != 0 || r.stdout != "snap1\n" {
 		t.Fatalf("capsa snapshot create src snap1 = exit %d, stdout %q, stderr %q", r.code, r.stdout, r.stderr)
+	} else if !strings.HasPrefix(r.stderr, "capsa snapshot create: listing the guest's files\ncapsa snapshot create: writing memory: 0.0 of 512.0 MiB\n") {
+		t.Errorf("capsa snapshot create --progress plain: stderr %q; want the inventory's step, then the memory's", r.stderr)
 	}
 	if r := cli(time.Minute, "snapshot", "create", "src", "snap1"); r.code == 0 || !strings.Contains(r.stderr, "exists") {
 		t.Errorf("capsa snapshot create over snap1 = exit %d, stderr %q; want a refusal", r.code, r.stderr)
@@ -569,8 +574,10 @@ func TestSnapshotCLI(t *testing.T) {
 	if c2 := count("r1"); c2 <= c1 {
 		t.Errorf("the restored main process's count went %d -> %d, want it counting", c1, c2)
 	}
-	if r := cli(3*time.Minute, "fork", "r1", "--count", "2"); r.code != 0 || r.stdout != "r1-1\nr1-2\n" {
+	if r := cli(3*time.Minute, "fork", "r1", "--count", "2", "--progress", "plain"); r.code != 0 || r.stdout != "r1-1\nr1-2\n" {
 		t.Fatalf("capsa fork r1 --count 2 = exit %d, stdout %q, stderr %q", r.code, r.stdout, r.stderr)
+	} else if !regexp.MustCompile(`(?m)^capsa fork: (copying memory while it runs|writing memory): 0\.0 of 512\.0 MiB$`).MatchString(r.stderr) || !strings.Contains(r.stderr, "capsa fork: starting copies: 0 of 2\n") || !strings.Contains(r.stderr, "capsa fork: starting copies: 2 of 2\n") {
+		t.Errorf("capsa fork --progress plain: stderr %q; want the memory's step and the copies started", r.stderr)
 	}
 	// A second fork writes what r1 wrote since the first, as a layer
 	// over the first's snapshot, in r1's fork chain, which holds those
@@ -578,8 +585,9 @@ func TestSnapshotCLI(t *testing.T) {
 	if r := cli(time.Minute, "exec", "r1", "--", "sh", "-c", "echo between > /tmp/between"); r.code != 0 {
 		t.Fatalf("capsa exec r1 = exit %d, stderr %q", r.code, r.stderr)
 	}
-	if r := cli(3*time.Minute, "fork", "r1"); r.code != 0 || r.stdout != "r1-3\n" || !strings.Contains(r.stderr, "r1 was paused for") {
-		t.Fatalf("capsa fork r1 = exit %d, stdout %q, stderr %q; want r1-3, and the pause", r.code, r.stdout, r.stderr)
+	// Standard error is no terminal here: by default, no progress.
+	if r := cli(3*time.Minute, "fork", "r1"); r.code != 0 || r.stdout != "r1-3\n" || !strings.Contains(r.stderr, "r1 was paused for") || strings.Contains(r.stderr, "memory") {
+		t.Fatalf("capsa fork r1 = exit %d, stdout %q, stderr %q; want r1-3, and the pause, no progress", r.code, r.stdout, r.stderr)
 	} else {
 		t.Logf("capsa fork r1, the second: %s", strings.TrimSpace(r.stderr))
 	}

@@ -4,10 +4,12 @@
 //   node mcp-client.mjs stdio CALLS COMMAND [ARGS...]   spawn the server
 //   node mcp-client.mjs http CALLS URL TOKEN             streamable HTTP
 //
-// CALLS is a JSON array of {"tool": NAME, "args": {...}}, or {"list": true}
+// CALLS is a JSON array of {"tool": NAME, "args": {...}} (with
+// "progress": true, asking for progress notifications), or {"list": true}
 // for tools/list. It prints one JSON line per call: tools/list's tool
-// names, or a tool's result (isError, content, structuredContent). A
-// protocol error ends it with exit status 1.
+// names, or a tool's result (isError, content, structuredContent, and the
+// progress notifications' messages). A protocol error ends it with exit
+// status 1.
 import { Client } from "@modelcontextprotocol/sdk/client/index.js";
 import { StdioClientTransport } from "@modelcontextprotocol/sdk/client/stdio.js";
 import { StreamableHTTPClientTransport } from "@modelcontextprotocol/sdk/client/streamableHttp.js";
@@ -41,8 +43,12 @@ try {
 			console.log(JSON.stringify({ tools: r.tools.map((t) => t.name) }));
 			continue;
 		}
-		const r = await client.callTool({ name: c.tool, arguments: c.args }, undefined, opts);
-		console.log(JSON.stringify({ tool: c.tool, isError: !!r.isError, content: r.content, structuredContent: r.structuredContent }));
+		// With "progress", the call asks for progress notifications (the
+		// SDK sends a progress token) and the line lists their messages.
+		const progress = [];
+		const callOpts = c.progress ? { ...opts, onprogress: (p) => progress.push(p.message) } : opts;
+		const r = await client.callTool({ name: c.tool, arguments: c.args }, undefined, callOpts);
+		console.log(JSON.stringify({ tool: c.tool, isError: !!r.isError, content: r.content, structuredContent: r.structuredContent, progress }));
 	}
 	await client.close();
 } catch (e) {
