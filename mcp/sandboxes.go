@@ -175,7 +175,7 @@ func registerSandboxTools(s *sdk.Server, t *tools) {
 
 // create builds the sandbox's Spec with the sandbox builder, as capsa run
 // does (so bad arguments get the builder's errors), and starts it through
-// supervisor.Launch, as capsa run -d does.
+// the manager (Manager.Launch), as capsa run -d does.
 func (t *tools) create(ctx context.Context, a createArgs) (createResult, error) {
 	if a.Name != "" {
 		if err := supervisor.CheckName(a.Name); err != nil {

@@ -16,7 +16,7 @@ import (
 
 // Guest is what runs in a sandbox's guest, through its agent: processes,
 // files and the guest's description. A Sandbox started here has it, and so
-// does a detached sandbox reached by name (supervisor.Open): each
+// does a detached sandbox reached by name (supervisor.Manager.Open): each
 // operation has this one implementation.
 type Guest struct {
 	client  *agent.Client

@@ -25,34 +25,34 @@ import (
 	"github.com/capsa-sandbox/capsa/virtio/vsock"
 )
 
-// Pause pauses the running detached sandbox name (sandbox.Sandbox.Pause)
+// pauseSandbox pauses the running detached sandbox name (sandbox.Sandbox.pauseSandbox)
 // through its supervisor; its record says paused until Resume.
-func Pause(ctx context.Context, st *store.Store, name string) error {
+func pauseSandbox(ctx context.Context, st *store.Store, name string) error {
 	return callLive(ctx, st, name, opPause, noBody{})
 }
 
-// SetLimits changes the running detached sandbox name's I/O limits
-// (sandbox.Sandbox.SetLimits), through its supervisor; its record is the
+// setLimits changes the running detached sandbox name's I/O limits
+// (sandbox.Sandbox.setLimits), through its supervisor; its record is the
 // caller's to change (Manager.UpdateLimits does both).
-func SetLimits(ctx context.Context, st *store.Store, name string, l ratelimit.Limits) error {
+func setLimits(ctx context.Context, st *store.Store, name string, l ratelimit.Limits) error {
 	return callLive(ctx, st, name, opLimits, l)
 }
 
-// SetNetworkPolicy puts p in force on the running detached sandbox
-// name's NAT (sandbox.Sandbox.SetNetworkPolicy).
-func SetNetworkPolicy(ctx context.Context, st *store.Store, name string, p *netstack.Policy) error {
+// sendNetworkPolicy puts p in force on the running detached sandbox
+// name's NAT (sandbox.Sandbox.sendNetworkPolicy).
+func sendNetworkPolicy(ctx context.Context, st *store.Store, name string, p *netstack.Policy) error {
 	return callLive(ctx, st, name, opNetwork, networkBody{Policy: p})
 }
 
-// Resume runs the paused detached sandbox name again (sandbox.Sandbox.Resume).
-func Resume(ctx context.Context, st *store.Store, name string) error {
+// resumeSandbox runs the paused detached sandbox name again (sandbox.Sandbox.resumeSandbox).
+func resumeSandbox(ctx context.Context, st *store.Store, name string) error {
 	return callLive(ctx, st, name, opResume, noBody{})
 }
 
-// Snapshot writes the running detached sandbox name to the snapshot
+// snapshotLive writes the running detached sandbox name to the snapshot
 // directory dir (sandbox.Sandbox.SnapshotWith), through its supervisor,
 // which reports the snapshot's steps to o.Progress as it goes.
-func Snapshot(ctx context.Context, st *store.Store, name, dir string, o sandbox.SnapshotOptions) error {
+func snapshotLive(ctx context.Context, st *store.Store, name, dir string, o sandbox.SnapshotOptions) error {
 	abs, err := filepath.Abs(dir)
 	if err != nil {
 		return err
@@ -85,11 +85,11 @@ func Snapshot(ctx context.Context, st *store.Store, name, dir string, o sandbox.
 // snapshotSteps are the steps a supervisor reports of a snapshot.
 var snapshotSteps = []string{sandbox.StepInventory, sandbox.StepCopyRunning, sandbox.StepMemory, sandbox.StepRootDisk}
 
-// Stop ends the detached sandbox name as `capsa stop` does: SIGTERM to the
+// stopSandbox ends the detached sandbox name as `capsa stop` does: SIGTERM to the
 // main process, SIGKILL after timeout (at once with kill), then the VM
 // stops; a paused one is resumed first. It returns once the supervisor has
 // recorded the end, or ctx ends.
-func Stop(ctx context.Context, st *store.Store, name string, timeout time.Duration, kill bool) error {
+func stopSandbox(ctx context.Context, st *store.Store, name string, timeout time.Duration, kill bool) error {
 	if err := callLive(ctx, st, name, opStop, stopBody{Timeout: timeout, Kill: kill}); err != nil {
 		return err
 	}
@@ -157,8 +157,8 @@ var ErrNotRunning = errors.New("the sandbox is not running")
 // ErrPaused is wrapped when a sandbox's guest is paused.
 var ErrPaused = errors.New("the sandbox is paused")
 
-// Open returns a handle to the running sandbox name.
-func Open(ctx context.Context, st *store.Store, name string) (*Handle, error) {
+// openHandle returns a handle to the running sandbox name.
+func openHandle(ctx context.Context, st *store.Store, name string) (*Handle, error) {
 	rec, err := st.Get(name)
 	if err != nil {
 		return nil, err
@@ -208,7 +208,7 @@ func describeEnd(r *store.Record) string {
 
 // Stop ends the sandbox: see the package's Stop.
 func (h *Handle) Stop(ctx context.Context, timeout time.Duration, kill bool) error {
-	return Stop(ctx, h.store, h.Name, timeout, kill)
+	return stopSandbox(ctx, h.store, h.Name, timeout, kill)
 }
 
 // Stats reports what the sandbox has used so far (sandbox.Stats), asked

@@ -192,7 +192,7 @@ func (m *Manager) waitStarted(ctx context.Context, name string) (*Record, error)
 // replaced says are the setting's with values, then changes its record's
 // network with change. The caller holds the settings lock.
 func (m *Manager) rewriteNetwork(name string, replaced func(key string) bool, values map[string]string, change func(*sandbox.NetworkSpec)) error {
-	secrets, err := ReadSecrets(m.st, name)
+	secrets, err := readSecrets(m.st, name)
 	if err != nil {
 		return err
 	}
@@ -203,7 +203,7 @@ func (m *Manager) rewriteNetwork(name string, replaced func(key string) bool, va
 		}
 	}
 	maps.Copy(kept, values)
-	if err := WriteSecrets(m.st, name, kept); err != nil {
+	if err := writeSecrets(m.st, name, kept); err != nil {
 		return err
 	}
 	return m.st.Update(name, func(r *Record) error {
@@ -225,7 +225,7 @@ func (m *Manager) HeaderRules(name string) ([]sandbox.HeaderRule, error) {
 	if rec.Spec.Network == nil || len(rec.Spec.Network.Headers) == 0 {
 		return nil, nil
 	}
-	secrets, err := ReadSecrets(m.st, name)
+	secrets, err := readSecrets(m.st, name)
 	if err != nil {
 		return nil, err
 	}

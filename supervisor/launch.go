@@ -2,9 +2,11 @@ package supervisor
 
 // Starting detached sandboxes: what `capsa run -d`, create/start,
 // snapshot restore, fork and the MCP server share. A sandbox is recorded
-// in the store (Create), then its supervisor process, this binary's
-// `capsa supervise`, is started in a session of its own holding the
-// sandbox's lock (Spawn); Launch does both.
+// in the store (record, create with its secrets), then its supervisor
+// process, this binary's `capsa supervise`, is started in a session of
+// its own holding the sandbox's lock (spawn); launch does both. All of it
+// is the Manager's to call: nothing here is exported but the names and
+// records its callers give it.
 
 import (
 	"context"
@@ -29,7 +31,7 @@ import (
 	"github.com/capsa-sandbox/capsa/store"
 )
 
-// The descriptors Spawn hands a supervisor process (`capsa supervise`):
+// The descriptors spawn hands a supervisor process (`capsa supervise`):
 // the sandbox's lock, held while it lives, and the pipe on which it says
 // the sandbox runs ("ok") or why not. They are the first of
 // exec.Cmd.ExtraFiles, which start at 3.
@@ -41,10 +43,10 @@ const (
 // MaxFork bounds the copies one Fork makes.
 const MaxFork = 256
 
-// Create records rec in st, under a new name if it has none (rec.Name is
-// set to it), in state Creating, and returns the sandbox's lock for Spawn.
+// record records rec in st, under a new name if it has none (rec.Name is
+// set to it), in state Creating, and returns the sandbox's lock for spawn.
 // A name that is taken is an error wrapping store.ErrExists.
-func Create(st *store.Store, rec *store.Record) (*store.Lock, error) {
+func record(st *store.Store, rec *store.Record) (*store.Lock, error) {
 	if rec.Name == "" {
 		var err error
 		if rec.Name, err = st.NewName(); err != nil {
@@ -58,13 +60,13 @@ func Create(st *store.Store, rec *store.Record) (*store.Lock, error) {
 	return lock, err
 }
 
-// Spawn starts the supervisor of the recorded sandbox name (`capsa
+// spawn starts the supervisor of the recorded sandbox name (`capsa
 // supervise`, from this process's own executable), handing it lock, and
 // waits until the sandbox runs or says why it cannot (the error then
 // starts with the name). The store removes a record that asks for it
 // (Record.AutoRemove) once its sandbox has ended. The supervisor outlives
 // ctx and this process; lock is closed here.
-func Spawn(ctx context.Context, st *store.Store, name string, lock *store.Lock) error {
+func spawn(ctx context.Context, st *store.Store, name string, lock *store.Lock) error {
 	defer lock.Close()
 	exe, err := os.Executable()
 	if err != nil {
@@ -122,7 +124,7 @@ func Spawn(ctx context.Context, st *store.Store, name string, lock *store.Lock) 
 	}
 	if len(msg) == 0 {
 		var last strings.Builder
-		if err := Logs(ctx, st, name, SupervisorLog, 20, false, &last); err != nil {
+		if err := logs(ctx, st, name, SupervisorLog, 20, false, &last); err != nil {
 			last.WriteString(err.Error())
 		}
 		msg = []byte("the supervisor ended before the sandbox ran; its log:\n" + last.String())
@@ -131,20 +133,10 @@ func Spawn(ctx context.Context, st *store.Store, name string, lock *store.Lock) 
 }
 
 // sweepAge is how long a sandbox directory with no record stays before
-// Spawn removes it (store.RemoveStale): a new sandbox's directory has no
+// spawn removes it (store.RemoveStale): a new sandbox's directory has no
 // record for a moment. Such directories are what a record's removal
 // leaves when its directory could not go with it.
 const sweepAge = time.Minute
-
-// Launch records rec (Create) and starts it (Spawn), returning its name:
-// rec.Name, or the new one it got.
-func Launch(ctx context.Context, st *store.Store, rec *store.Record) (string, error) {
-	lock, err := Create(st, rec)
-	if err != nil {
-		return "", err
-	}
-	return rec.Name, Spawn(ctx, st, rec.Name, lock)
-}
 
 // RestoreRecord is the record of a detached sandbox named name ("": a new
 // name) that starts from the snapshot in dir instead of booting, its guest
@@ -181,13 +173,13 @@ func DefaultSnapshotName(name string, t time.Time) string {
 	return name + "-" + t.Format("20060102-150405")
 }
 
-// SaveSnapshot writes the running detached sandbox name to the state
+// saveSnapshot writes the running detached sandbox name to the state
 // directory's snapshot snap (Store.SnapshotDir) through its supervisor,
 // with an inventory (a checkpoint that Manager.Diff compares), as a layer
 // over the state directory's snapshot parent if that is not empty
 // (sandbox.SnapshotOptions.Parent). A snapshot of that name must not
 // exist.
-func SaveSnapshot(ctx context.Context, st *store.Store, name, snap, parent string, progress func(sandbox.Progress)) error {
+func saveSnapshot(ctx context.Context, st *store.Store, name, snap, parent string, progress func(sandbox.Progress)) error {
 	if err := store.CheckSnapshotName(snap); err != nil {
 		return err
 	}
@@ -208,19 +200,19 @@ func SaveSnapshot(ctx context.Context, st *store.Store, name, snap, parent strin
 	if err := os.MkdirAll(filepath.Dir(dir), 0o700); err != nil {
 		return err
 	}
-	return Snapshot(ctx, st, name, dir, o)
+	return snapshotLive(ctx, st, name, dir, o)
 }
 
-// Fork makes count running detached copies of the running detached
+// fork makes count running detached copies of the running detached
 // sandbox name: it is snapshotted into a hidden directory of the state
 // directory, and each copy restored from that at once, named and
 // hostnamed NAME-1, NAME-2... (the first free names). It returns the
 // copies' names and, beside each, why that copy did not start (nil: it
 // runs); err is for what failed before any copy. The snapshot is a fork
-// snapshot (sandbox.SnapshotOptions.Fork) in the sandbox's fork chain
+// snapshot (sandbox.SnapshotOptions.fork) in the sandbox's fork chain
 // (Store.ForkDir): the first writes the memory in use, each later one
 // what the sandbox wrote since; the chain goes when the sandbox ends.
-func Fork(ctx context.Context, st *store.Store, name string, count int, progress func(sandbox.Progress)) (names []string, errs []error, err error) {
+func fork(ctx context.Context, st *store.Store, name string, count int, progress func(sandbox.Progress)) (names []string, errs []error, err error) {
 	if count < 1 || count > MaxFork {
 		return nil, nil, fmt.Errorf("supervisor: fork %s: %d copies: want 1 to %d", name, count, MaxFork)
 	}
@@ -263,10 +255,10 @@ func Fork(ctx context.Context, st *store.Store, name string, count int, progress
 		}
 	}()
 	dir := filepath.Join(chain, strconv.FormatInt(time.Now().UnixNano(), 10))
-	if err := Snapshot(ctx, st, name, dir, sandbox.SnapshotOptions{Fork: true, Progress: progress}); err != nil {
+	if err := snapshotLive(ctx, st, name, dir, sandbox.SnapshotOptions{Fork: true, Progress: progress}); err != nil {
 		return nil, nil, err
 	}
-	secrets, err := ReadSecrets(st, name) // the copies use the same
+	secrets, err := readSecrets(st, name) // the copies use the same
 	if err != nil {
 		return nil, nil, err
 	}
@@ -288,7 +280,7 @@ func Fork(ctx context.Context, st *store.Store, name string, count int, progress
 			defer wg.Done()
 			rec, err := RestoreRecord(dir, n, n, false, &src.Spec) // the source's own settings
 			if err == nil {
-				_, err = LaunchSecrets(ctx, st, rec, secrets)
+				_, err = launch(ctx, st, rec, secrets)
 			}
 			errs[i] = err
 			mu.Lock()
@@ -359,16 +351,16 @@ func CommandLine(s sandbox.Spec) string {
 	return strings.Join(s.Main.Argv, " ")
 }
 
-// Destroy kills the detached sandbox name if it runs (Stop with kill) and
+// destroy kills the detached sandbox name if it runs (Stop with kill) and
 // removes its record and files (Store.Remove).
-func Destroy(ctx context.Context, st *store.Store, name string) error {
+func destroy(ctx context.Context, st *store.Store, name string) error {
 	rec, err := st.Get(name)
 	if err != nil {
 		return err
 	}
 	if rec.Alive() {
 		sctx, cancel := context.WithTimeout(ctx, 30*time.Second)
-		err := Stop(sctx, st, name, 0, true)
+		err := stopSandbox(sctx, st, name, 0, true)
 		cancel()
 		if err != nil && !errors.Is(err, ErrNotRunning) {
 			return err

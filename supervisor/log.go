@@ -91,11 +91,11 @@ func (l *rotatingLog) Close() error {
 	return err
 }
 
-// Logs writes a sandbox's log file (MainLog or ConsoleLog) to w: the
+// logs writes a sandbox's log file (MainLog or ConsoleLog) to w: the
 // rotated part and the live one, the last lines of it (all if lines < 0),
 // then, with follow, what is written next until the sandbox ends or ctx
 // does.
-func Logs(ctx context.Context, st *store.Store, name, file string, lines int, follow bool, w io.Writer) error {
+func logs(ctx context.Context, st *store.Store, name, file string, lines int, follow bool, w io.Writer) error {
 	path := filepath.Join(st.SandboxDir(name), file)
 	old, _ := os.ReadFile(path + ".1")
 	f, err := os.Open(path)

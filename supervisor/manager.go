@@ -92,29 +92,26 @@ func (m *Manager) List() ([]*Record, error) { return m.st.List() }
 // secrets (nil: none) for it; it returns the sandbox's name (rec.Name, or
 // the new one it got) once the sandbox runs or says why it cannot.
 func (m *Manager) Launch(ctx context.Context, rec *Record, secrets map[string]string) (string, error) {
-	if len(secrets) == 0 {
-		return Launch(ctx, m.st, rec)
-	}
-	return LaunchSecrets(ctx, m.st, rec, secrets)
+	return launch(ctx, m.st, rec, secrets)
 }
 
 // Open returns a handle to the running sandbox name.
 func (m *Manager) Open(ctx context.Context, name string) (*Handle, error) {
-	return Open(ctx, m.st, name)
+	return openHandle(ctx, m.st, name)
 }
 
 // Stop ends the sandbox name: SIGTERM to its main process, SIGKILL after
 // timeout (at once with kill), then the VM stops.
 func (m *Manager) Stop(ctx context.Context, name string, timeout time.Duration, kill bool) error {
-	return Stop(ctx, m.st, name, timeout, kill)
+	return stopSandbox(ctx, m.st, name, timeout, kill)
 }
 
 // Remove kills the sandbox name if it runs and removes its record and
 // files.
-func (m *Manager) Remove(ctx context.Context, name string) error { return Destroy(ctx, m.st, name) }
+func (m *Manager) Remove(ctx context.Context, name string) error { return destroy(ctx, m.st, name) }
 
 // Pause pauses the running sandbox name.
-func (m *Manager) Pause(ctx context.Context, name string) error { return Pause(ctx, m.st, name) }
+func (m *Manager) Pause(ctx context.Context, name string) error { return pauseSandbox(ctx, m.st, name) }
 
 // Resume runs the paused sandbox name again; a suspended one is restored
 // from its snapshot (its supervisor starts again, and Resume returns once
@@ -148,7 +145,7 @@ func (m *Manager) resume(ctx context.Context, name string, cold bool) error {
 		// It runs on first, so that its suspension syncs its disk.
 		// Being suspended already, or suspended since it was read, it
 		// refuses both: what counts is how it ends up.
-		Resume(ctx, m.st, name)
+		resumeSandbox(ctx, m.st, name)
 		serr := m.SuspendWithoutMemory(ctx, name)
 		if err := m.st.WaitUnlocked(ctx, name); err != nil {
 			return fmt.Errorf("supervisor: resume %s without its memory: %w", name, err)
@@ -164,7 +161,7 @@ func (m *Manager) resume(ctx context.Context, name string, cold bool) error {
 		}
 	}
 	if rec.State != Suspended {
-		err := Resume(ctx, m.st, name)
+		err := resumeSandbox(ctx, m.st, name)
 		if err == nil {
 			return nil
 		}
@@ -200,7 +197,7 @@ func (m *Manager) resume(ctx context.Context, name string, cold bool) error {
 	if err != nil {
 		return fmt.Errorf("supervisor: resume %s: %w", name, err)
 	}
-	if err := Spawn(ctx, m.st, name, lock); err != nil {
+	if err := spawn(ctx, m.st, name, lock); err != nil {
 		return fmt.Errorf("supervisor: resume %s from disk: %w", name, err)
 	}
 	// The restored VM maps the snapshot's memory copy-on-write and has its
@@ -288,7 +285,7 @@ func (m *Manager) SaveSnapshot(ctx context.Context, name, snap, parent string, p
 	if snap == "" {
 		snap = DefaultSnapshotName(name, time.Now())
 	}
-	return snap, SaveSnapshot(ctx, m.st, name, snap, parent, progress)
+	return snap, saveSnapshot(ctx, m.st, name, snap, parent, progress)
 }
 
 // Restore starts a sandbox named name ("": a new name) from the state
@@ -301,11 +298,11 @@ func (m *Manager) Restore(ctx context.Context, snap, name, hostname string, rm b
 	return m.RestoreDir(ctx, dir, name, hostname, rm, settings, secrets)
 }
 
-// Fork makes count running copies of the running sandbox name (see Fork),
+// Fork makes count running copies of the running sandbox name (see fork),
 // reporting its steps to progress when that is not nil: the snapshot's,
 // then the copies started (sandbox.StepStartCopies).
 func (m *Manager) Fork(ctx context.Context, name string, count int, progress func(sandbox.Progress)) ([]string, []error, error) {
-	return Fork(ctx, m.st, name, count, progress)
+	return fork(ctx, m.st, name, count, progress)
 }
 
 // Logs writes the sandbox name's log file (MainLog or ConsoleLog) to w:
@@ -314,14 +311,14 @@ func (m *Manager) Logs(ctx context.Context, name, file string, lines int, follow
 	if _, err := m.st.Get(name); err != nil {
 		return err
 	}
-	return Logs(ctx, m.st, name, file, lines, follow, w)
+	return logs(ctx, m.st, name, file, lines, follow, w)
 }
 
 // Create records rec without starting it (state Created, for Start),
 // keeping its secrets' values (nil: none), and returns its name (rec.Name,
 // or the new one it got).
 func (m *Manager) Create(rec *Record, secrets map[string]string) (string, error) {
-	lock, err := CreateSecrets(m.st, rec, secrets)
+	lock, err := create(m.st, rec, secrets)
 	if err != nil {
 		return rec.Name, err
 	}
@@ -340,11 +337,11 @@ func (m *Manager) Start(ctx context.Context, name string) error {
 	if err != nil {
 		return err
 	}
-	return Spawn(ctx, m.st, name, lock)
+	return spawn(ctx, m.st, name, lock)
 }
 
 // Supervise is the life of the supervisor process of the sandbox name
-// (Run): lock and ready are the files Spawn handed it (LockFD, ReadyFD);
+// (Run): lock and ready are the files spawn handed it (LockFD, ReadyFD);
 // it writes "ok" on ready once the sandbox runs, or why it could not. The
 // lock goes with the process. The supervisor reports its run in a status
 // file (store.Status): it cannot write the records.
@@ -378,7 +375,7 @@ func (m *Manager) UpdateLimits(ctx context.Context, name, spec string) (string, 
 		return "", fmt.Errorf("supervisor: update %s: %w", name, err)
 	}
 	if rec.Alive() {
-		if err := SetLimits(ctx, m.st, name, l); err != nil {
+		if err := setLimits(ctx, m.st, name, l); err != nil {
 			return "", err
 		}
 	}
@@ -424,7 +421,7 @@ func (m *Manager) setNetworkPolicy(ctx context.Context, name string, p *netstack
 		return fmt.Errorf("supervisor: set the network policy of %s: %w", name, err)
 	}
 	if rec, err = m.st.Get(name); err == nil && rec.Alive() {
-		err = SetNetworkPolicy(ctx, m.st, name, p)
+		err = sendNetworkPolicy(ctx, m.st, name, p)
 	}
 	return err
 }
@@ -469,7 +466,7 @@ func (m *Manager) NetLogs(ctx context.Context, name string, lines int, follow bo
 	if _, err := m.st.Get(name); err != nil {
 		return err
 	}
-	return NetLogs(ctx, m.st, name, lines, follow, w)
+	return netLogs(ctx, m.st, name, lines, follow, w)
 }
 
 // DefaultDir is the default state directory: $CAPSA_STATE, else the

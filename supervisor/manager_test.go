@@ -148,7 +148,7 @@ func TestManagerSetHeaderRules(t *testing.T) {
 	if err != nil || fmt.Sprint(got) != fmt.Sprint(want) {
 		t.Errorf("HeaderRules = %v, %v; want %v (hosts and names in their canonical forms)", got, err, want)
 	}
-	if secrets, _ := ReadSecrets(m.st, "plain"); secrets["KEY"] != "value" {
+	if secrets, _ := readSecrets(m.st, "plain"); secrets["KEY"] != "value" {
 		t.Errorf("the secret's value after SetHeaderRules: %q", secrets["KEY"])
 	}
 	if r, _ := m.Get("plain"); len(r.Spec.Network.Headers) != 2 || strings.Contains(fmt.Sprint(r.Spec), "Bearer x") {
@@ -160,7 +160,7 @@ func TestManagerSetHeaderRules(t *testing.T) {
 	if got, _ := m.HeaderRules("plain"); len(got) != 0 {
 		t.Errorf("after clearing: %v", got)
 	}
-	if secrets, _ := ReadSecrets(m.st, "plain"); len(secrets) != 1 {
+	if secrets, _ := readSecrets(m.st, "plain"); len(secrets) != 1 {
 		t.Errorf("the secrets file after clearing the rules: %d keys; want the secret's alone", len(secrets))
 	}
 	// To be restored from a snapshot whose CA names api.test alone.
@@ -457,11 +457,11 @@ func TestManagerSetEgressProxy(t *testing.T) {
 	if got := r.Spec.Network.EgressProxy; got == nil || *got != (sandbox.EgressProxySpec{Address: p.Address, Username: "agent"}) || strings.Contains(fmt.Sprint(r.Spec), "pw-1") {
 		t.Errorf("the record's proxy: %+v; want the address and username, no password", got)
 	}
-	if secrets, _ := ReadSecrets(m.st, "plain"); secrets["KEY"] != "value" || len(secrets) != 2 {
+	if secrets, _ := readSecrets(m.st, "plain"); secrets["KEY"] != "value" || len(secrets) != 2 {
 		t.Errorf("the secrets file: %d keys, KEY %q; want the secret's and the password", len(secrets), secrets["KEY"])
 	}
 	// The workload of the record, with its secrets, has the password.
-	secrets, _ := ReadSecrets(m.st, "plain")
+	secrets, _ := readSecrets(m.st, "plain")
 	w := sandbox.FromSpec(r.Spec).Secrets(secrets)
 	if spec, err := w.Spec(); err != nil || spec.Network.EgressProxy == nil {
 		t.Errorf("the record's workload: %v, %+v", err, spec.Network)
@@ -472,7 +472,7 @@ func TestManagerSetEgressProxy(t *testing.T) {
 	if r, _ := m.Get("plain"); r.Spec.Network.EgressProxy != nil {
 		t.Errorf("after clearing: %+v", r.Spec.Network.EgressProxy)
 	}
-	if secrets, _ := ReadSecrets(m.st, "plain"); len(secrets) != 1 {
+	if secrets, _ := readSecrets(m.st, "plain"); len(secrets) != 1 {
 		t.Errorf("the secrets file after clearing the proxy: %d keys; want the secret's alone", len(secrets))
 	}
 	// Starting (its lock held, its record Creating): waited for, not

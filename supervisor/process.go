@@ -1,7 +1,7 @@
 package supervisor
 
 // A VMM process's life, written once for both kinds: a detached
-// sandbox's supervisor (Run, started by Spawn) and a foreground `capsa
+// sandbox's supervisor (Run, started by spawn) and a foreground `capsa
 // run` (Foreground.Run, started again by Foreground.Reexec where it is to
 // be jailed). Both
 //   - are started in a mount namespace of their own where they are to be

@@ -31,13 +31,13 @@ const (
 	NetLog = "net.log"
 )
 
-// maxSecretsFile bounds what ReadSecrets reads.
+// maxSecretsFile bounds what readSecrets reads.
 const maxSecretsFile = 1 << 20
 
-// WriteSecrets keeps the values of the recorded sandbox name's secrets
+// writeSecrets keeps the values of the recorded sandbox name's secrets
 // for its supervisor, in SecretsFile (0600). For none, nothing is written
 // and a file kept before goes.
-func WriteSecrets(st *store.Store, name string, values map[string]string) error {
+func writeSecrets(st *store.Store, name string, values map[string]string) error {
 	if len(values) == 0 {
 		err := os.Remove(filepath.Join(st.SandboxDir(name), SecretsFile))
 		if err != nil && !errors.Is(err, fs.ErrNotExist) {
@@ -73,8 +73,8 @@ func WriteSecrets(st *store.Store, name string, values map[string]string) error 
 	return nil
 }
 
-// ReadSecrets reads what WriteSecrets kept for name (nil if nothing).
-func ReadSecrets(st *store.Store, name string) (map[string]string, error) {
+// readSecrets reads what writeSecrets kept for name (nil if nothing).
+func readSecrets(st *store.Store, name string) (map[string]string, error) {
 	f, err := os.Open(filepath.Join(st.SandboxDir(name), SecretsFile))
 	if errors.Is(err, fs.ErrNotExist) {
 		return nil, nil
@@ -90,24 +90,26 @@ func ReadSecrets(st *store.Store, name string) (map[string]string, error) {
 	return values, nil
 }
 
-// LaunchSecrets is Launch for a sandbox given the values of its secrets:
-// they are kept (WriteSecrets) between recording it and starting it.
-func LaunchSecrets(ctx context.Context, st *store.Store, rec *store.Record, values map[string]string) (string, error) {
-	lock, err := CreateSecrets(st, rec, values)
+// launch records rec (create, with the values of its secrets, nil for
+// none) and starts it (spawn), returning its name: rec.Name, or the new
+// one it got.
+func launch(ctx context.Context, st *store.Store, rec *store.Record, values map[string]string) (string, error) {
+	lock, err := create(st, rec, values)
 	if err != nil {
 		return rec.Name, err
 	}
-	return rec.Name, Spawn(ctx, st, rec.Name, lock)
+	return rec.Name, spawn(ctx, st, rec.Name, lock)
 }
 
-// CreateSecrets is Create, keeping the values of the sandbox's secrets; if
-// they cannot be kept, the record says so and has ended.
-func CreateSecrets(st *store.Store, rec *store.Record, values map[string]string) (*store.Lock, error) {
-	lock, err := Create(st, rec)
+// create records rec (record) and keeps the values of its secrets (nil:
+// none) for its supervisor (writeSecrets); if they cannot be kept, the
+// record says so and has ended.
+func create(st *store.Store, rec *store.Record, values map[string]string) (*store.Lock, error) {
+	lock, err := record(st, rec)
 	if err != nil {
 		return nil, err
 	}
-	if err := WriteSecrets(st, rec.Name, values); err != nil {
+	if err := writeSecrets(st, rec.Name, values); err != nil {
 		st.Update(rec.Name, func(r *store.Record) error { r.State, r.Reason = store.Exited, err.Error(); return nil })
 		lock.Close()
 		return nil, err
@@ -128,9 +130,9 @@ func openNetLog(dir string, spec sandbox.Spec, limit int64) (*rotatingLog, error
 	return newRotatingLog(filepath.Join(dir, NetLog), limit)
 }
 
-// NetLogs writes the egress audit log of the detached sandbox name to w,
+// netLogs writes the egress audit log of the detached sandbox name to w,
 // as Logs does for its other logs.
-func NetLogs(ctx context.Context, st *store.Store, name string, lines int, follow bool, w io.Writer) error {
+func netLogs(ctx context.Context, st *store.Store, name string, lines int, follow bool, w io.Writer) error {
 	rec, err := st.Get(name)
 	if err != nil {
 		return err
@@ -138,5 +140,5 @@ func NetLogs(ctx context.Context, st *store.Store, name string, lines int, follo
 	if !hasNetwork(rec.Spec) {
 		return fmt.Errorf("supervisor: %s has no network (it was started without --net): no network audit log", name)
 	}
-	return Logs(ctx, st, name, NetLog, lines, follow, w)
+	return logs(ctx, st, name, NetLog, lines, follow, w)
 }

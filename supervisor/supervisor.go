@@ -1,8 +1,11 @@
 // Package supervisor keeps a detached sandbox alive after the command that
-// started it has gone, and reaches it by name. Its starting points are Run,
-// the life of a supervisor process (one per sandbox, started by
-// `capsa run -d`), and Open, a handle to a running sandbox with the same
-// guest operations as one started in-process.
+// started it has gone, and reaches it by name. Its starting points are
+// Manager, the one owner of a state directory's named sandboxes, whose
+// methods are every operation on one (the CLI, MCP, the E2B API and the
+// containerd shim are adapters over it; Manager.Open is a handle to a
+// running sandbox with the same guest operations as one started
+// in-process), and Run, the life of a supervisor process (one per
+// sandbox, started by Manager.Launch and Manager.Start).
 //
 // A supervisor boots the sandbox its store record describes, serves the
 // guest agent on the sandbox directory's agent.sock (the hybrid-vsock
@@ -155,7 +158,7 @@ func Run(ctx context.Context, o Options) error {
 		return fail(err)
 	}
 	defer consoleLog.Close()
-	secrets, err := ReadSecrets(st, o.Name)
+	secrets, err := readSecrets(st, o.Name)
 	if err != nil {
 		return fail(err)
 	}

@@ -40,7 +40,11 @@ func BenchmarkDetachedExec(b *testing.B) {
 	if err != nil {
 		b.Fatal(err)
 	}
-	h, err := supervisor.Open(ctx, st, "bench")
+	m, err := supervisor.OpenManager(dir)
+	if err != nil {
+		b.Fatal(err)
+	}
+	h, err := m.Open(ctx, "bench")
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -67,7 +71,7 @@ func BenchmarkDetachedExec(b *testing.B) {
 	if out, err := runNet.CombinedOutput(); err != nil {
 		b.Fatalf("capsa run -d --net=public-only: %v\n%s", err, out)
 	}
-	hn, err := supervisor.Open(ctx, st, "bench-net")
+	hn, err := m.Open(ctx, "bench-net")
 	if err != nil {
 		b.Fatal(err)
 	}

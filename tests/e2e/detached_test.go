@@ -72,15 +72,15 @@ func detachedState(t *testing.T) (string, func(time.Duration, ...string) result)
 // minutes).
 func openByName(t *testing.T, dir, name string) (context.Context, *supervisor.Handle) {
 	t.Helper()
-	st, err := store.Open(dir)
+	m, err := supervisor.OpenManager(dir)
 	if err != nil {
 		t.Fatal(err)
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	t.Cleanup(cancel)
-	h, err := supervisor.Open(ctx, st, name)
+	h, err := m.Open(ctx, name)
 	if err != nil {
-		t.Fatalf("supervisor.Open(%s) = %v", name, err)
+		t.Fatalf("Manager.Open(%s) = %v", name, err)
 	}
 	return ctx, h
 }
