@@ -135,13 +135,21 @@ func (o SnapshotOptions) progress(p Progress) {
 	}
 }
 
-// written reports step's progress through memory of size bytes.
+// written reports step's progress through memory of size bytes, the
+// first time once something is written: a step that may be given up
+// before (a pre-copy refused) says nothing.
 func (o SnapshotOptions) written(step string, size uint64) guestmem.Written {
 	if o.Progress == nil {
 		return nil
 	}
-	o.progress(Progress{Step: step, Total: int64(size), Bytes: true})
 	return func(upTo int64) { o.Progress(Progress{Step: step, Done: upTo, Total: int64(size), Bytes: true}) }
+}
+
+// writing reports that step begins, through memory of size bytes, and
+// returns what reports how far it has come (written).
+func (o SnapshotOptions) writing(step string, size uint64) guestmem.Written {
+	o.progress(Progress{Step: step, Total: int64(size), Bytes: true})
+	return o.written(step, size)
 }
 
 // LastPause is how long the sandbox's last snapshot or fork kept it
@@ -292,7 +300,7 @@ func (s *Sandbox) writeFork(dir string, spec []byte, precopy *snapshot.MemoryCop
 		}
 	}
 	err := s.writeSnapshotWith(dir, spec, nil, so, func(m snapshot.Manifest, st *vmm.State, extra map[string]snapshot.Extra) error {
-		o := snapshot.WriteOptions{Transient: true, Written: so.written(StepMemory, mem.Size())}
+		o := snapshot.WriteOptions{Transient: true, Written: so.writing(StepMemory, mem.Size())}
 		if base != nil {
 			o.Parent, o.Runs = base, runs
 		} else {
@@ -340,7 +348,7 @@ func (s *Sandbox) Snapshottable() error {
 func (s *Sandbox) writeSnapshot(dir string, spec []byte, inv *Inventory, parent *snapshot.Snapshot, o SnapshotOptions) error {
 	return s.writeSnapshotWith(dir, spec, inv, o, func(m snapshot.Manifest, st *vmm.State, extra map[string]snapshot.Extra) error {
 		mem := s.vm.Memory()
-		return snapshot.WriteWith(dir, m, st, mem, extra, snapshot.WriteOptions{Parent: parent, Written: o.written(StepMemory, mem.Size())})
+		return snapshot.WriteWith(dir, m, st, mem, extra, snapshot.WriteOptions{Parent: parent, Written: o.writing(StepMemory, mem.Size())})
 	})
 }
 
