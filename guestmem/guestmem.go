@@ -161,27 +161,42 @@ func (m *Memory) WriteFile(f *os.File, sum io.Writer, written Written) error {
 	if err := f.Truncate(int64(m.size)); err != nil {
 		return fmt.Errorf("write guest memory: %w", err)
 	}
-	return m.dataRuns(func(off int64, run []byte) error {
+	var last int64
+	err := m.dataRuns(func(off int64, run []byte) error {
 		if _, err := f.WriteAt(run, off); err != nil {
 			return fmt.Errorf("write guest memory: %w", err)
 		}
-		written.upTo(off + int64(len(run)))
+		last = off + int64(len(run))
+		written.upTo(last)
 		if sum != nil {
 			return hashRun(sum, off, run)
 		}
 		return nil
 	})
+	if err == nil {
+		written.end(last, m.size)
+	}
+	return err
 }
 
 // Written, when not nil, is told how far a write of guest memory has
 // come, as it goes: the offset of the memory file up to which it has
-// written (the all-zero pages it passes over are holes), which grows to
-// the memory's Size. It is for showing progress.
+// written (the all-zero pages it passes over are holes), after each
+// stretch written, and the memory's Size once the write is done. It is
+// for showing progress.
 type Written func(upTo int64)
 
 func (w Written) upTo(off int64) {
 	if w != nil {
 		w(off)
+	}
+}
+
+// end tells a write that ended well, whose last stretch written ended at
+// last, that it reached size: the zero pages after it are holes.
+func (w Written) end(last int64, size uint64) {
+	if last != int64(size) {
+		w.upTo(int64(size))
 	}
 }
 

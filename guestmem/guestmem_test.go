@@ -205,6 +205,26 @@ func TestWriteFileAndMap(t *testing.T) {
 	if want := []int64{4096, 4096 * 8, size}; !slices.Equal(upTo, want) {
 		t.Errorf("WriteFile's progress = %v; want %v", upTo, want)
 	}
+	// Memory whose last pages are zero: the end is told too, once.
+	tail, err := New(size)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tail.Close()
+	if err := tail.WriteAt([]byte("page"), 4096*3); err != nil {
+		t.Fatal(err)
+	}
+	upTo = nil
+	if err := tail.WriteFile(f, nil, func(off int64) { upTo = append(upTo, off) }); err != nil {
+		t.Fatalf("WriteFile() = %v", err)
+	}
+	if want := []int64{4096 * 4, size}; !slices.Equal(upTo, want) {
+		t.Errorf("WriteFile's progress, the memory's end zero = %v; want %v", upTo, want)
+	}
+	// Again as the first: the file holds the first memory below.
+	if err := m.WriteFile(f, nil, nil); err != nil {
+		t.Fatalf("WriteFile() = %v", err)
+	}
 	var st unix.Stat_t
 	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
 		t.Fatal(err)

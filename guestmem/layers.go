@@ -309,16 +309,22 @@ func (m *Memory) WriteRuns(f *os.File, runs []Run, sum io.Writer, written Writte
 	if err := f.Truncate(int64(m.size)); err != nil {
 		return fmt.Errorf("write guest memory: %w", err)
 	}
-	return m.runData(runs, func(off int64, run []byte) error {
+	var last int64
+	err := m.runData(runs, func(off int64, run []byte) error {
 		if _, err := f.WriteAt(run, off); err != nil {
 			return fmt.Errorf("write guest memory: %w", err)
 		}
-		written.upTo(off + int64(len(run)))
+		last = off + int64(len(run))
+		written.upTo(last)
 		if sum != nil {
 			return hashRun(sum, off, run)
 		}
 		return nil
 	})
+	if err == nil {
+		written.end(last, m.size)
+	}
+	return err
 }
 
 // HashRuns is Hash restricted to the pages inside runs: of a memory

@@ -151,17 +151,20 @@ func (m *Memory) PreCopy(f, clearRefs *os.File, written Written) (*PreCopy, erro
 	if err := f.Truncate(int64(m.size)); err != nil {
 		return fail(err)
 	}
+	var last int64
 	err = m.dataRuns(func(off int64, run []byte) error {
 		if _, err := f.WriteAt(run, off); err != nil {
 			return err
 		}
 		p.written.add(off, int64(len(run)))
-		written.upTo(off + int64(len(run)))
+		last = off + int64(len(run))
+		written.upTo(last)
 		return nil
 	})
 	if err != nil {
 		return fail(err)
 	}
+	written.end(last, m.size)
 	return p, nil
 }
 

@@ -126,7 +126,7 @@ const (
 	StepCopyRunning = "copying memory while it runs" // a fork's first
 	StepMemory      = "writing memory"               // paused
 	StepRootDisk    = "copying the root disk"        // paused
-	StepStartCopies = "starting copies"              // a fork's copies (package supervisor)
+	StepStartCopies = "starting copies"              // a fork's copies done starting, or failing (package supervisor)
 )
 
 func (o SnapshotOptions) progress(p Progress) {

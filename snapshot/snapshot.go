@@ -301,6 +301,9 @@ func WriteWith(dir string, m Manifest, st *vmm.State, mem *guestmem.Memory, extr
 				return err
 			}
 			c.taken, c.Pages = true, n
+			if o.Written != nil {
+				o.Written(int64(mem.Size())) // the pages changed since, written
+			}
 			return nil
 		})
 	}

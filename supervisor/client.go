@@ -25,26 +25,28 @@ import (
 	"github.com/capsa-sandbox/capsa/virtio/vsock"
 )
 
-// pauseSandbox pauses the running detached sandbox name (sandbox.Sandbox.pauseSandbox)
-// through its supervisor; its record says paused until Resume.
+// pauseSandbox pauses the running detached sandbox name
+// (sandbox.Sandbox.Pause) through its supervisor; its record says paused
+// until resumeSandbox (Manager.Pause, Manager.Resume).
 func pauseSandbox(ctx context.Context, st *store.Store, name string) error {
 	return callLive(ctx, st, name, opPause, noBody{})
 }
 
 // setLimits changes the running detached sandbox name's I/O limits
-// (sandbox.Sandbox.setLimits), through its supervisor; its record is the
+// (sandbox.Sandbox.SetLimits), through its supervisor; its record is the
 // caller's to change (Manager.UpdateLimits does both).
 func setLimits(ctx context.Context, st *store.Store, name string, l ratelimit.Limits) error {
 	return callLive(ctx, st, name, opLimits, l)
 }
 
 // sendNetworkPolicy puts p in force on the running detached sandbox
-// name's NAT (sandbox.Sandbox.sendNetworkPolicy).
+// name's NAT (sandbox.Sandbox.SetNetworkPolicy).
 func sendNetworkPolicy(ctx context.Context, st *store.Store, name string, p *netstack.Policy) error {
 	return callLive(ctx, st, name, opNetwork, networkBody{Policy: p})
 }
 
-// resumeSandbox runs the paused detached sandbox name again (sandbox.Sandbox.resumeSandbox).
+// resumeSandbox runs the paused detached sandbox name again
+// (sandbox.Sandbox.Resume).
 func resumeSandbox(ctx context.Context, st *store.Store, name string) error {
 	return callLive(ctx, st, name, opResume, noBody{})
 }
@@ -206,7 +208,7 @@ func describeEnd(r *store.Record) string {
 	return b.String()
 }
 
-// Stop ends the sandbox: see the package's Stop.
+// Stop ends the sandbox: see Manager.Stop.
 func (h *Handle) Stop(ctx context.Context, timeout time.Duration, kill bool) error {
 	return stopSandbox(ctx, h.store, h.Name, timeout, kill)
 }

@@ -14,6 +14,8 @@ import (
 	"strings"
 	"sync"
 	"time"
+	"unicode"
+	"unicode/utf8"
 
 	"github.com/capsa-sandbox/capsa/netstack"
 	"github.com/capsa-sandbox/capsa/ratelimit"
@@ -165,11 +167,7 @@ func (o controlOp[Req, Resp]) register(mux *http.ServeMux, h func(context.Contex
 		}
 		resp, err := h(r.Context(), req)
 		if err != nil {
-			status, code := errorStatus(err)
-			if code != "" {
-				w.Header().Set(errorCodeHeader, code)
-			}
-			http.Error(w, err.Error(), status)
+			writeError(w, err)
 			return
 		}
 		if _, none := any(resp).(noBody); none {
@@ -214,7 +212,7 @@ func (o controlOp[Req, Resp]) call(ctx context.Context, hc *http.Client, req Req
 	}
 	if resp.StatusCode != o.ok {
 		// An unknown code is no sentinel: the message stands alone.
-		return nil, &remoteError{resp.Status, strings.TrimSpace(string(body)), controlErrorCodes[resp.Header.Get(errorCodeHeader)]}
+		return nil, &remoteError{resp.Status, printable(strings.TrimSpace(string(body))), controlErrorCodes[resp.Header.Get(errorCodeHeader)]}
 	}
 	var out Resp
 	if _, none := any(out).(noBody); !none {
@@ -240,11 +238,13 @@ func controlClient(path string) *http.Client {
 		}}}
 }
 
-// progressOp is an operation whose reply streams its progress: the
-// server answers 200 with one JSON line (progressLine) per event, at most
-// progressEvery apart for one step, and last the outcome (an error, its
-// status and code; none: done). A failure before the first event is
-// answered as a controlOp's is, with its status.
+// progressOp is an operation whose reply streams its progress to a
+// client that accepts it (progressType): the server answers 200 with one
+// JSON line (progressLine) per event, at most progressEvery apart for one
+// step, and last the outcome (an error, its status and code; none: done).
+// A failure before the first event is answered as a controlOp's is, with
+// its status, and so is every request that does not accept the stream (a
+// client from before it: 204 on success, as then).
 type progressOp[Req any] struct {
 	name   string // its path is /v1/NAME
 	method string
@@ -260,10 +260,15 @@ type progressLine struct {
 }
 
 const (
+	// progressType is the stream's media type, which a client asks for
+	// in its Accept header.
+	progressType = "application/x-ndjson"
 	// progressEvery is how often a step's progress is sent at most.
 	progressEvery = 100 * time.Millisecond
-	// maxProgressLine bounds a line a client reads.
+	// maxProgressLine bounds a line a client reads, and maxProgress the
+	// whole stream.
 	maxProgressLine = 8 << 10
+	maxProgress     = 16 << 20
 )
 
 func (o progressOp[Req]) opName() string  { return o.name }
@@ -284,6 +289,15 @@ func (o progressOp[Req]) register(mux *http.ServeMux, h func(context.Context, Re
 			http.Error(w, fmt.Sprintf("bad %s request: %v", o.name, err), http.StatusBadRequest)
 			return
 		}
+		if !strings.Contains(r.Header.Get("Accept"), progressType) {
+			// A client that takes no stream: the outcome alone.
+			if err := h(r.Context(), req, func(sandbox.Progress) {}); err != nil {
+				writeError(w, err)
+				return
+			}
+			w.WriteHeader(http.StatusNoContent)
+			return
+		}
 		// The handler reports on its own goroutine, which may hold the
 		// sandbox paused: events go through a queue to this writer, and
 		// are dropped while the queue is full (a client not reading).
@@ -294,7 +308,7 @@ func (o progressOp[Req]) register(mux *http.ServeMux, h func(context.Context, Re
 		flusher, _ := w.(http.Flusher)
 		send := func(l progressLine) {
 			if !started {
-				w.Header().Set("Content-Type", "application/x-ndjson")
+				w.Header().Set("Content-Type", progressType)
 				w.WriteHeader(http.StatusOK)
 				started = true
 			}
@@ -332,11 +346,17 @@ func (o progressOp[Req]) register(mux *http.ServeMux, h func(context.Context, Re
 			default:
 			}
 		}
+		end := func() {
+			mu.Lock()
+			defer mu.Unlock()
+			if !closed {
+				closed = true
+				close(events)
+			}
+		}
+		defer end() // a handler that panics leaves no writer behind
 		err := h(r.Context(), req, report)
-		mu.Lock()
-		closed = true
-		close(events)
-		mu.Unlock()
+		end()
 		<-written
 		if err == nil {
 			if !started {
@@ -346,16 +366,23 @@ func (o progressOp[Req]) register(mux *http.ServeMux, h func(context.Context, Re
 			send(progressLine{Done: true})
 			return
 		}
-		status, code := errorStatus(err)
 		if !started {
-			if code != "" {
-				w.Header().Set(errorCodeHeader, code)
-			}
-			http.Error(w, err.Error(), status)
+			writeError(w, err)
 			return
 		}
+		status, code := errorStatus(err)
 		send(progressLine{Error: err.Error(), Status: status, Code: code})
 	})
+}
+
+// writeError answers a handler's err with its status and code
+// (errorStatus) and its message.
+func writeError(w http.ResponseWriter, err error) {
+	status, code := errorStatus(err)
+	if code != "" {
+		w.Header().Set(errorCodeHeader, code)
+	}
+	http.Error(w, err.Error(), status)
 }
 
 // errorStatus is the status and error code a handler's err is answered
@@ -386,6 +413,7 @@ func (o progressOp[Req]) call(ctx context.Context, hc *http.Client, req Req, ste
 	if err != nil {
 		return err
 	}
+	r.Header.Set("Accept", progressType)
 	resp, err := hc.Do(r)
 	if err != nil {
 		return &transportError{err}
@@ -400,9 +428,9 @@ func (o progressOp[Req]) call(ctx context.Context, hc *http.Client, req Req, ste
 		if err != nil {
 			return &transportError{err}
 		}
-		return &remoteError{resp.Status, strings.TrimSpace(string(body)), controlErrorCodes[resp.Header.Get(errorCodeHeader)]}
+		return &remoteError{resp.Status, printable(strings.TrimSpace(string(body))), controlErrorCodes[resp.Header.Get(errorCodeHeader)]}
 	}
-	sc := bufio.NewScanner(resp.Body)
+	sc := bufio.NewScanner(io.LimitReader(resp.Body, maxProgress))
 	sc.Buffer(make([]byte, 0, 512), maxProgressLine)
 	for sc.Scan() {
 		var l progressLine
@@ -417,7 +445,7 @@ func (o progressOp[Req]) call(ctx context.Context, hc *http.Client, req Req, ste
 			if status == "" {
 				status = "error"
 			}
-			return &remoteError{fmt.Sprintf("%d %s", l.Status, status), l.Error, controlErrorCodes[l.Code]}
+			return &remoteError{fmt.Sprintf("%d %s", l.Status, status), printable(l.Error), controlErrorCodes[l.Code]}
 		case l.Progress != nil && progress != nil && knownProgress(*l.Progress, steps):
 			progress(*l.Progress)
 		}
@@ -426,6 +454,19 @@ func (o progressOp[Req]) call(ctx context.Context, hc *http.Client, req Req, ste
 		return &transportError{err}
 	}
 	return &transportError{io.ErrUnexpectedEOF}
+}
+
+// printable is a supervisor's message as a terminal may show it: control
+// characters (an escape sequence's among them) become '?', but for new
+// lines and tabs. The supervisor is the VMM's process, which a guest may
+// have taken.
+func printable(msg string) string {
+	return strings.Map(func(r rune) rune {
+		if r != '\n' && r != '\t' && (unicode.IsControl(r) || r == utf8.RuneError) {
+			return '?'
+		}
+		return r
+	}, msg)
 }
 
 // knownProgress says whether p is one of steps, with counts in range.

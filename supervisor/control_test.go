@@ -258,8 +258,10 @@ func TestControlRefusesSuspendingAPod(t *testing.T) {
 // report is a plain success; a failure before any event keeps its status,
 // and one after it still reaches the client with its status and
 // sentinel; events of steps the client does not know, or with counts out
-// of range, are dropped; and a client that does not read never holds up
-// the handler's reports (they may come while its sandbox is paused).
+// of range, are dropped, and its messages' control characters made
+// printable; a client from before the stream gets the outcome alone; and a
+// client that does not read never holds up the handler's reports (they
+// may come while its sandbox is paused).
 func TestProgressOp(t *testing.T) {
 	op := progressOp[snapshotBody]{"work", http.MethodPost}
 	const n = 2000
@@ -281,11 +283,12 @@ func TestProgressOp(t *testing.T) {
 			report(sandbox.Progress{Step: "\x1b[2Jnot a step"})
 			report(sandbox.Progress{Step: sandbox.StepMemory, Done: 9, Total: 3})
 			report(sandbox.Progress{Step: sandbox.StepRootDisk, Done: -1})
-			return fmt.Errorf("late: %w", &controlError{http.StatusConflict, ErrBeingSuspended})
+			return fmt.Errorf("late \x1b[2J: %w", &controlError{http.StatusConflict, ErrBeingSuspended})
 		case "flood":
 			start := time.Now()
-			for i := range 200000 {
-				report(sandbox.Progress{Step: fmt.Sprintf("step %d %s", i, strings.Repeat("x", 200))})
+			pad := strings.Repeat("x", 200)
+			for i := range 20000 {
+				report(sandbox.Progress{Step: fmt.Sprintf("step %d %s", i, pad)})
 			}
 			handled <- time.Since(start)
 			return nil
@@ -328,11 +331,28 @@ func TestProgressOp(t *testing.T) {
 	}
 	got = nil
 	err = op.call(ctx, hc, snapshotBody{Dir: "hostile"}, snapshotSteps, collect)
-	if !errors.Is(err, ErrBeingSuspended) || !strings.Contains(err.Error(), "409") || !strings.Contains(err.Error(), "late") {
-		t.Errorf("a failure after progress = %v; want 409 wrapping ErrBeingSuspended", err)
+	if !errors.Is(err, ErrBeingSuspended) || !strings.Contains(err.Error(), "409") || !strings.Contains(err.Error(), "late ?[2J") {
+		t.Errorf("a failure after progress = %v; want 409 wrapping ErrBeingSuspended, its escape made printable", err)
 	}
 	if len(got) != 0 {
 		t.Errorf("events of unknown steps or counts out of range reached the client: %+v", got)
+	}
+
+	// A client from before the stream (no Accept) gets the outcome alone,
+	// as it did: 204, or the refusal with its status and code.
+	for _, c := range []struct {
+		dir    string
+		status int
+		code   string
+	}{{"steps", http.StatusNoContent, ""}, {"early", http.StatusBadRequest, ""}, {"hostile", http.StatusConflict, "being-suspended"}} {
+		resp, err := hc.Post("http://supervisor/v1/work", "application/json", strings.NewReader(`{"dir":"`+c.dir+`"}`))
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode != c.status || resp.Header.Get(errorCodeHeader) != c.code {
+			t.Errorf("%s without Accept: %s, code %q; want %d, %q", c.dir, resp.Status, resp.Header.Get(errorCodeHeader), c.status, c.code)
+		}
 	}
 
 	// A client that sends the request and never reads the reply.
@@ -341,11 +361,11 @@ func TestProgressOp(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer c.Close()
-	fmt.Fprintf(c, "POST /v1/work HTTP/1.1\r\nHost: supervisor\r\nContent-Length: 16\r\n\r\n{\"dir\":\"flood\"}\n")
+	fmt.Fprintf(c, "POST /v1/work HTTP/1.1\r\nHost: supervisor\r\nAccept: %s\r\nContent-Length: 16\r\n\r\n{\"dir\":\"flood\"}\n", progressType)
 	select {
 	case took := <-handled:
 		if took > 5*time.Second {
-			t.Errorf("200000 reports to a client that does not read took %v", took)
+			t.Errorf("20000 reports to a client that does not read took %v", took)
 		}
 	case <-time.After(30 * time.Second):
 		t.Fatal("the handler's reports blocked on a client that does not read")

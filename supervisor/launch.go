@@ -209,7 +209,7 @@ func saveSnapshot(ctx context.Context, st *store.Store, name, snap, parent strin
 // hostnamed NAME-1, NAME-2... (the first free names). It returns the
 // copies' names and, beside each, why that copy did not start (nil: it
 // runs); err is for what failed before any copy. The snapshot is a fork
-// snapshot (sandbox.SnapshotOptions.fork) in the sandbox's fork chain
+// snapshot (sandbox.SnapshotOptions.Fork) in the sandbox's fork chain
 // (Store.ForkDir): the first writes the memory in use, each later one
 // what the sandbox wrote since; the chain goes when the sandbox ends.
 func fork(ctx context.Context, st *store.Store, name string, count int, progress func(sandbox.Progress)) (names []string, errs []error, err error) {
@@ -351,7 +351,7 @@ func CommandLine(s sandbox.Spec) string {
 	return strings.Join(s.Main.Argv, " ")
 }
 
-// destroy kills the detached sandbox name if it runs (Stop with kill) and
+// destroy kills the detached sandbox name if it runs (stopSandbox with kill) and
 // removes its record and files (Store.Remove).
 func destroy(ctx context.Context, st *store.Store, name string) error {
 	rec, err := st.Get(name)

@@ -90,7 +90,8 @@ func (m *Manager) List() ([]*Record, error) { return m.st.List() }
 
 // Launch records rec and starts its supervisor, keeping the values of its
 // secrets (nil: none) for it; it returns the sandbox's name (rec.Name, or
-// the new one it got) once the sandbox runs or says why it cannot.
+// the new one it got; "" with an error where nothing was recorded) once
+// the sandbox runs or says why it cannot.
 func (m *Manager) Launch(ctx context.Context, rec *Record, secrets map[string]string) (string, error) {
 	return launch(ctx, m.st, rec, secrets)
 }
@@ -300,7 +301,8 @@ func (m *Manager) Restore(ctx context.Context, snap, name, hostname string, rm b
 
 // Fork makes count running copies of the running sandbox name (see fork),
 // reporting its steps to progress when that is not nil: the snapshot's,
-// then the copies started (sandbox.StepStartCopies).
+// then how many of the copies have done starting, started or failed
+// (sandbox.StepStartCopies).
 func (m *Manager) Fork(ctx context.Context, name string, count int, progress func(sandbox.Progress)) ([]string, []error, error) {
 	return fork(ctx, m.st, name, count, progress)
 }
@@ -316,11 +318,11 @@ func (m *Manager) Logs(ctx context.Context, name, file string, lines int, follow
 
 // Create records rec without starting it (state Created, for Start),
 // keeping its secrets' values (nil: none), and returns its name (rec.Name,
-// or the new one it got).
+// or the new one it got; "" with an error where nothing was recorded).
 func (m *Manager) Create(rec *Record, secrets map[string]string) (string, error) {
-	lock, err := create(m.st, rec, secrets)
+	lock, left, err := create(m.st, rec, secrets)
 	if err != nil {
-		return rec.Name, err
+		return left, err
 	}
 	defer lock.Close()
 	return rec.Name, m.st.Update(rec.Name, func(r *store.Record) error { r.State = store.Created; return nil })

@@ -92,29 +92,30 @@ func readSecrets(st *store.Store, name string) (map[string]string, error) {
 
 // launch records rec (create, with the values of its secrets, nil for
 // none) and starts it (spawn), returning its name: rec.Name, or the new
-// one it got.
+// one it got; "" with an error where nothing was recorded (a name that is
+// taken is another's).
 func launch(ctx context.Context, st *store.Store, rec *store.Record, values map[string]string) (string, error) {
-	lock, err := create(st, rec, values)
+	lock, left, err := create(st, rec, values)
 	if err != nil {
-		return rec.Name, err
+		return left, err
 	}
 	return rec.Name, spawn(ctx, st, rec.Name, lock)
 }
 
 // create records rec (record) and keeps the values of its secrets (nil:
-// none) for its supervisor (writeSecrets); if they cannot be kept, the
-// record says so and has ended.
-func create(st *store.Store, rec *store.Record, values map[string]string) (*store.Lock, error) {
-	lock, err := record(st, rec)
-	if err != nil {
-		return nil, err
+// none) for its supervisor (writeSecrets), and returns the sandbox's lock.
+// If they cannot be kept, the record says so and has ended, and its name
+// is left, beside the error; where nothing was recorded, left is "".
+func create(st *store.Store, rec *store.Record, values map[string]string) (lock *store.Lock, left string, err error) {
+	if lock, err = record(st, rec); err != nil {
+		return nil, "", err
 	}
 	if err := writeSecrets(st, rec.Name, values); err != nil {
 		st.Update(rec.Name, func(r *store.Record) error { r.State, r.Reason = store.Exited, err.Error(); return nil })
 		lock.Close()
-		return nil, err
+		return nil, rec.Name, err
 	}
-	return lock, nil
+	return lock, "", nil
 }
 
 // hasNetwork reports whether a sandbox of spec has a network, and so an

@@ -15,7 +15,7 @@ import (
 
 // BenchmarkDetachedExec measures `true` run in a detached sandbox, beside
 // the same in a sandbox of this process (the anchor): through a library
-// handle to the supervisor (supervisor.Open), and as a whole `capsa exec`
+// handle to the supervisor (Manager.Open), and as a whole `capsa exec`
 // command. It also reports the supervisor's RSS beside the guest memory
 // the host holds for it.
 func BenchmarkDetachedExec(b *testing.B) {
