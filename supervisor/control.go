@@ -354,7 +354,9 @@ func (o progressOp[Req]) register(mux *http.ServeMux, h func(context.Context, Re
 				close(events)
 			}
 		}
-		defer end() // a handler that panics leaves no writer behind
+		// A handler that panics leaves no writer behind, nor one that
+		// writes after this returns.
+		defer func() { end(); <-written }()
 		err := h(r.Context(), req, report)
 		end()
 		<-written
