@@ -26,14 +26,15 @@ const plainEvery = 2 * time.Second
 type progressShower struct {
 	w     io.Writer
 	what  string
-	live  bool // redraw one line in place (a terminal)
-	drawn bool // a line is drawn and not ended
+	live  bool          // redraw one line in place (a terminal)
+	every time.Duration // plain: how often a step that goes on is shown again
+	drawn bool          // a line is drawn and not ended
 	step  string
 	shown time.Time
 }
 
 func newProgress(mode string, w io.Writer, what string) (*progressShower, error) {
-	p := &progressShower{w: w, what: what}
+	p := &progressShower{w: w, what: what, every: plainEvery}
 	switch mode {
 	case "none":
 		return nil, nil
@@ -66,7 +67,7 @@ func (p *progressShower) show(sp sandbox.Progress) {
 		p.drawn = true
 		return
 	}
-	if sp.Step == p.step && time.Since(p.shown) < plainEvery && (sp.Total == 0 || sp.Done != sp.Total) {
+	if sp.Step == p.step && time.Since(p.shown) < p.every && (sp.Total == 0 || sp.Done != sp.Total) {
 		return
 	}
 	p.step, p.shown = sp.Step, time.Now()

@@ -4,20 +4,22 @@ import (
 	"bytes"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/capsa-sandbox/capsa/sandbox"
 )
 
 // TestProgressModes: plain progress is a line per step begun, the end of
-// a counted step, and nothing between (within 2 s); auto writes nothing
+// a counted step, and nothing between (within its interval, 2 s); auto writes nothing
 // where standard error is not a terminal; none is nothing; an unknown
 // mode is refused, named.
 func TestProgressModes(t *testing.T) {
 	var b bytes.Buffer
 	p, err := newProgress("plain", &b, "fork")
-	if err != nil || p == nil {
-		t.Fatalf("newProgress(plain) = %v, %v", p, err)
+	if err != nil || p == nil || p.every != plainEvery {
+		t.Fatalf("newProgress(plain) = %+v, %v", p, err)
 	}
+	p.every = time.Hour // however slow this machine is between the events
 	report := p.report()
 	report(sandbox.Progress{Step: sandbox.StepCopyRunning, Total: 64 << 20, Bytes: true})
 	for i := int64(1); i <= 8; i++ {
