@@ -4,12 +4,9 @@ import (
 	"context"
 	"fmt"
 	"io"
-	"os"
 	"strings"
 	"text/tabwriter"
 	"time"
-
-	"golang.org/x/term"
 
 	"github.com/capsa-sandbox/capsa/image"
 )
@@ -37,8 +34,7 @@ func openStore(stderr io.Writer, name string) (*image.Store, bool) {
 // pullProgress shows per-layer progress (bytes and rate) on a terminal
 // and nothing otherwise.
 func pullProgress(w io.Writer) func(image.Progress) {
-	f, ok := w.(*os.File)
-	if !ok || !term.IsTerminal(int(f.Fd())) {
+	if !isTerminal(w) {
 		return nil
 	}
 	start := time.Now()

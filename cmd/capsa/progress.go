@@ -12,6 +12,12 @@ import (
 	"github.com/capsa-sandbox/capsa/sandbox"
 )
 
+// isTerminal says whether w is a terminal (a file that is one).
+func isTerminal(w io.Writer) bool {
+	f, ok := w.(*os.File)
+	return ok && term.IsTerminal(int(f.Fd()))
+}
+
 // progressFlag adds --progress to fs: how long work (a snapshot, a fork)
 // shows how far it has come.
 func progressFlag(fs *pflag.FlagSet) *string {
@@ -40,8 +46,7 @@ func newProgress(mode string, w io.Writer, what string) (*progressShower, error)
 		return nil, nil
 	case "plain":
 	case "auto":
-		f, ok := w.(*os.File)
-		if !ok || !term.IsTerminal(int(f.Fd())) {
+		if !isTerminal(w) {
 			return nil, nil
 		}
 		p.live = true

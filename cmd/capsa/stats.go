@@ -5,11 +5,8 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
-	"os"
 	"text/tabwriter"
 	"time"
-
-	"golang.org/x/term"
 
 	"github.com/capsa-sandbox/capsa/sandbox"
 	"github.com/capsa-sandbox/capsa/supervisor"
@@ -58,10 +55,7 @@ func runStats(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 			return fail(1, "%v", err)
 		}
 	}
-	clear := false
-	if f, ok := stdout.(*os.File); ok && !*noStream && *format == "table" {
-		clear = term.IsTerminal(int(f.Fd()))
-	}
+	clear := !*noStream && *format == "table" && isTerminal(stdout)
 	prev := map[string]*sandbox.Stats{}
 	// measure takes one round; rows for names that stopped say so.
 	measure := func() []statsRow {
