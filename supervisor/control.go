@@ -69,7 +69,7 @@ var (
 	opStop     = controlOp[stopBody, noBody]{"stop", http.MethodPost, http.StatusAccepted}
 	opPause    = controlOp[noBody, noBody]{"pause", http.MethodPost, http.StatusNoContent}
 	opResume   = controlOp[noBody, noBody]{"resume", http.MethodPost, http.StatusNoContent}
-	opSnapshot = progressOp[snapshotBody]{"snapshot", http.MethodPost}
+	opSnapshot = progressOp[snapshotBody]{controlOp[snapshotBody, noBody]{"snapshot", http.MethodPost, http.StatusNoContent}}
 	opSuspend  = controlOp[suspendBody, noBody]{"suspend", http.MethodPost, http.StatusAccepted}
 	opStats    = controlOp[noBody, sandbox.Stats]{"stats", http.MethodGet, http.StatusOK}
 	opLimits   = controlOp[ratelimit.Limits, ratelimit.Limits]{"limits", http.MethodPut, http.StatusOK}
@@ -244,10 +244,10 @@ func controlClient(path string) *http.Client {
 // step, and last the outcome (an error, its status and code; none: done).
 // A failure before the first event is answered as a controlOp's is, with
 // its status, and so is every request that does not accept the stream (a
-// client from before it: 204 on success, as then).
+// client from before it: its ok, 204, on success, as then). Its name, route
+// and request are its controlOp's; register and call are its own.
 type progressOp[Req any] struct {
-	name   string // its path is /v1/NAME
-	method string
+	controlOp[Req, noBody]
 }
 
 // progressLine is one line of a progressOp's reply.
@@ -271,15 +271,6 @@ const (
 	maxProgress     = 16 << 20
 )
 
-func (o progressOp[Req]) opName() string  { return o.name }
-func (o progressOp[Req]) path() string    { return "/v1/" + o.name }
-func (o progressOp[Req]) pattern() string { return o.method + " " + o.path() }
-
-func (o progressOp[Req]) clientRequest(ctx context.Context) (*http.Request, error) {
-	var req Req
-	return controlOp[Req, noBody]{o.name, o.method, http.StatusOK}.newRequest(ctx, req)
-}
-
 // register serves o on mux with h, which gets the decoded, bounded request
 // and a function to report progress with.
 func (o progressOp[Req]) register(mux *http.ServeMux, h func(context.Context, Req, func(sandbox.Progress)) error) {
@@ -295,7 +286,7 @@ func (o progressOp[Req]) register(mux *http.ServeMux, h func(context.Context, Re
 				writeError(w, err)
 				return
 			}
-			w.WriteHeader(http.StatusNoContent)
+			w.WriteHeader(o.ok)
 			return
 		}
 		// The handler reports on its own goroutine, which may hold the
@@ -411,7 +402,7 @@ func errorStatus(err error) (status int, code string) {
 // range) are dropped: the server is the VMM's process, which a guest may
 // have taken.
 func (o progressOp[Req]) call(ctx context.Context, hc *http.Client, req Req, steps []string, progress func(sandbox.Progress)) error {
-	r, err := controlOp[Req, noBody]{o.name, o.method, http.StatusOK}.newRequest(ctx, req)
+	r, err := o.newRequest(ctx, req)
 	if err != nil {
 		return err
 	}

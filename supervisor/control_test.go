@@ -263,7 +263,7 @@ func TestControlRefusesSuspendingAPod(t *testing.T) {
 // client that does not read never holds up the handler's reports (they
 // may come while its sandbox is paused).
 func TestProgressOp(t *testing.T) {
-	op := progressOp[snapshotBody]{"work", http.MethodPost}
+	op := progressOp[snapshotBody]{controlOp[snapshotBody, noBody]{"work", http.MethodPost, http.StatusNoContent}}
 	const n = 2000
 	handled := make(chan time.Duration, 1)
 	mux := http.NewServeMux()
