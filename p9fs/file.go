@@ -373,6 +373,45 @@ func (f *file) truncate(size int64) error {
 	})
 }
 
+// Allocate is fallocate(2) on f's open descriptor (which must be open
+// for writing): mode 0 or FALLOC_FL_KEEP_SIZE reserves blocks,
+// FALLOC_FL_PUNCH_HOLE|FALLOC_FL_KEEP_SIZE frees them, FALLOC_FL_ZERO_RANGE
+// zeroes a range. A size it grows is charged as a write's would be. 9P has
+// no way to ask for it; a FUSE client (package fusefs) does.
+func (f *file) Allocate(mode uint32, off, length uint64) error {
+	const known = unix.FALLOC_FL_KEEP_SIZE | unix.FALLOC_FL_PUNCH_HOLE | unix.FALLOC_FL_ZERO_RANGE
+	if f.s.ro {
+		return linux.EROFS
+	}
+	if mode&^known != 0 || off > math.MaxInt64 || length == 0 || length > math.MaxInt64-off {
+		return linux.EINVAL
+	}
+	fd, err := f.openFD()
+	if err != nil {
+		return err
+	}
+	defer f.mu.RUnlock()
+	if !f.owrite {
+		return linux.EBADF
+	}
+	return f.s.charged("fallocate", func(tx QuotaTx) error {
+		var st unix.Stat_t
+		if tx != nil {
+			if err := unix.Fstat(fd, &st); err != nil {
+				return errno(err)
+			}
+			if end := int64(off + length); mode&unix.FALLOC_FL_KEEP_SIZE == 0 && end > st.Size {
+				if err := room(tx, roundUp(end)-roundUp(st.Size)); err != nil {
+					return err
+				}
+			}
+		}
+		err := unix.Fallocate(fd, mode, int64(off), int64(length))
+		chargeSize(tx, fd, st.Size)
+		return errno(err)
+	})
+}
+
 // chargeSize charges how the size of the regular file fd changed since it
 // was old.
 func chargeSize(tx QuotaTx, fd int, old int64) {
@@ -833,6 +872,19 @@ func (f *file) Rename(p9.File, string) error {
 // this share; renameat(2) never follows a symlink in the final component,
 // so renaming over a symlink replaces the symlink.
 func (f *file) RenameAt(oldName string, newDir p9.File, newName string) error {
+	return f.RenameAtFlags(oldName, newDir, newName, 0)
+}
+
+// RenameAtFlags is RenameAt with renameat2(2)'s flags: RENAME_NOREPLACE
+// (fail with EEXIST where newName exists) and RENAME_EXCHANGE (swap the
+// two entries, which must both exist). 9P has no way to send them; a
+// FUSE client (package fusefs) does. Other flags fail with EINVAL.
+func (f *file) RenameAtFlags(oldName string, newDir p9.File, newName string, flags uint32) error {
+	const known = unix.RENAME_NOREPLACE | unix.RENAME_EXCHANGE
+	if flags&^known != 0 || flags == known {
+		return linux.EINVAL
+	}
+	exchange := flags&unix.RENAME_EXCHANGE != 0
 	if err := f.dirLocked(oldName, "rename"); err != nil {
 		return err
 	}
@@ -856,15 +908,16 @@ func (f *file) RenameAt(oldName string, newDir p9.File, newName string) error {
 				return errno(err)
 			}
 			// Replacing an entry reuses it; a new name may need room.
+			// An exchange adds and drops no entry.
 			replaces = unix.Fstatat(nd.fd, newName, &dst, unix.AT_SYMLINK_NOFOLLOW) == nil
-			if !replaces {
+			if !replaces && !exchange {
 				if err := room(tx, entryRoom); err != nil {
 					return err
 				}
 			}
 		}
 		from, to := markDir(tx, f.fd), markDir(tx, nd.fd)
-		if err := unix.Renameat(f.fd, oldName, nd.fd, newName); err != nil {
+		if err := unix.Renameat2(f.fd, oldName, nd.fd, newName, uint(flags)); err != nil {
 			return errno(err)
 		}
 		from.charge(tx)
@@ -872,7 +925,7 @@ func (f *file) RenameAt(oldName string, newDir p9.File, newName string) error {
 			to.charge(tx)
 		}
 		// Renaming onto another link of the same inode changes nothing.
-		if replaces && (dst.Ino != src.Ino || dst.Dev != src.Dev) {
+		if replaces && !exchange && (dst.Ino != src.Ino || dst.Dev != src.Dev) {
 			f.s.dropLink(tx, &dst)
 		}
 		return nil

@@ -34,7 +34,6 @@ import (
 	"github.com/capsa-sandbox/capsa/tlsproxy"
 	virtioballoon "github.com/capsa-sandbox/capsa/virtio/balloon"
 	virtioblk "github.com/capsa-sandbox/capsa/virtio/blk"
-	"github.com/capsa-sandbox/capsa/virtio/ninep"
 	"github.com/capsa-sandbox/capsa/virtio/vsock"
 	"github.com/capsa-sandbox/capsa/vmm"
 )
@@ -286,7 +285,7 @@ type Sandbox struct {
 	readyAt atomic.Int64 // when the agent first answered (UnixNano); 0 before
 	hybrid  *vsock.HybridSocket
 	hub     *hubServer // the guest's mailbox and key-value store
-	shares  []*ninep.Device
+	shares  []shareDevice
 	shareFS []reopener // the shares' file servers, by c.Shares's order
 	disks   []*virtioblk.Device
 	balloon *virtioballoon.Device // nil: restored from a snapshot without one
@@ -509,17 +508,19 @@ func boot(ctx context.Context, c config, root *rootfs, snap *snapshot.Snapshot, 
 		cmdline = append(cmdline, ipArg)
 		devices = append(devices, vmm.Device{ID: "net0", Device: s.net.nic})
 	}
-	if s.shares, s.shareFS, err = shareDevices(c.Shares, s.lim, log); err != nil {
+	if s.shares, s.shareFS, err = shareDevices(c.Shares, c.ShareFS, s.lim, log); err != nil {
 		return nil, err
 	}
 	for i, d := range s.shares {
-		cmdline = append(cmdline, shareArg(i, c.Shares[i]))
-		devices = append(devices, vmm.Device{ID: "9p:" + c.Shares[i].Guest, Device: d})
+		cmdline = append(cmdline, shareArgFS(i, c.Shares[i], c.ShareFS))
+		devices = append(devices, vmm.Device{ID: shareDeviceID(c.Shares[i], c.ShareFS), Device: d})
 	}
 	// Volumes are shares too, numbered after them (in this order at a
 	// restore as at a boot), and closed with them.
 	vols, err := volumeDevices(c.Volumes, len(c.Shares), s.lim, log)
-	s.shares = append(s.shares, vols...)
+	for _, v := range vols {
+		s.shares = append(s.shares, v)
+	}
 	if err != nil {
 		return nil, err
 	}

@@ -67,3 +67,25 @@ func TestShareArgEscapesThePath(t *testing.T) {
 		t.Errorf("shareArg %q holds a space or quote", got)
 	}
 }
+
+func TestShareFS(t *testing.T) {
+	dir := t.TempDir()
+	for _, kind := range []string{"", ShareFS9P, ShareFSVirtioFS} {
+		b := New().Share(dir, "/w", ReadWrite).ShareFS(kind)
+		if err := b.Err(); err != nil {
+			t.Errorf("ShareFS(%q): %v", kind, err)
+		}
+		if want := map[string]string{ShareFSVirtioFS: ShareFSVirtioFS}[kind]; b.c.ShareFS != want {
+			t.Errorf("ShareFS(%q) recorded %q, want %q", kind, b.c.ShareFS, want)
+		}
+		// The spec comes back through FromSpec.
+		spec := b.c.Spec
+		spec.Main.Argv = []string{"true"}
+		if got, err := FromSpec(spec).Spec(); err != nil || got.ShareFS != b.c.ShareFS {
+			t.Errorf("ShareFS(%q) after FromSpec: %q, %v", kind, got.ShareFS, err)
+		}
+	}
+	if err := New().ShareFS("nfs").Err(); err == nil || !strings.Contains(err.Error(), `share transport "nfs"`) {
+		t.Errorf("ShareFS(nfs): %v, want an error naming it", err)
+	}
+}

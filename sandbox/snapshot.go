@@ -337,10 +337,13 @@ func (s *Sandbox) writeFork(dir string, spec []byte, precopy *snapshot.MemoryCop
 }
 
 // Snapshottable says why the sandbox cannot be snapshotted, if it cannot:
-// a sandbox with disks.
+// a sandbox with disks, or with virtio-fs shares.
 func (s *Sandbox) Snapshottable() error {
 	if len(s.c.Disks) > 0 {
 		return errors.New("sandbox: snapshot: a sandbox with disks cannot be snapshotted: the snapshot would depend on the disk files staying unchanged")
+	}
+	if s.c.ShareFS == ShareFSVirtioFS && len(s.c.Shares) > 0 {
+		return errors.New("sandbox: snapshot: a sandbox with virtio-fs shares cannot be snapshotted yet: the guest's FUSE node ids name files this VMM holds open (use --share-fs 9p)")
 	}
 	return nil
 }

@@ -42,7 +42,10 @@ type Spec struct {
 	OutputLimit  int64         `json:"output_limit,omitempty"`
 	VsockSocket  string        `json:"vsock_socket,omitempty"`
 
-	Shares  []ShareSpec  `json:"shares,omitempty"`
+	Shares []ShareSpec `json:"shares,omitempty"`
+	// ShareFS is the transport of Shares (Builder.ShareFS): "" or "9p",
+	// or "virtiofs".
+	ShareFS string       `json:"share_fs,omitempty"`
 	Volumes []VolumeSpec `json:"volumes,omitempty"` // mounted after the shares
 	Disks   []DiskSpec   `json:"disks,omitempty"`
 	Network *NetworkSpec `json:"network,omitempty"` // nil: no NIC
@@ -206,6 +209,7 @@ func FromSpec(s Spec) *Workload {
 	for _, sh := range s.Shares {
 		b.Share(sh.Host, sh.Guest, sh.Mode)
 	}
+	b.ShareFS(s.ShareFS)
 	for _, v := range s.Volumes {
 		b.VolumeOwned(v.Dir, v.Name, v.Guest, v.Mode, v.UID, v.GID)
 	}

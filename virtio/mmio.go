@@ -16,6 +16,7 @@ const (
 	TypeBlock   = 2
 	TypeBalloon = 5
 	Type9P      = 9
+	TypeFS      = 26
 	TypeVsock   = 19
 )
 

@@ -40,7 +40,7 @@ func parseEgressProxy(spec string) (*sandbox.EgressProxy, error) {
 // snapshot restore: a restore never takes them from the snapshot.
 type hostFlags struct {
 	volumes, allow, deny, publish, mailbox, kv, limits *[]string
-	netMode, dnsServer, egressProxy                    *string
+	netMode, dnsServer, egressProxy, shareFS           *string
 	cpuQuota                                           *float64
 	secrets                                            *secretFlags
 }
@@ -50,6 +50,7 @@ func addHostFlags(fs *pflag.FlagSet) *hostFlags {
 		limits:   fs.StringArray("limit", nil, "I/O limits, KEY=RATE[:BURST] comma separated (repeatable): net, net-rx, net-tx (bytes a second: 10MB, 512KiB), net-pps, net-rx-pps, net-tx-pps, disk (each disk, the image's root included), disk-iops, share (each share); see capsa update"),
 		cpuQuota: fs.Float64("cpu-quota", 0, "the most host CPUs the sandbox may use, vCPUs and the VMM's own threads together (e.g. 0.5, 2); default: --cpus"),
 		volumes:  fs.StringArrayP("volume", "v", nil, "share a host directory, HOST:GUEST[:ro], or mount a named volume (capsa volume create), NAME:GUEST[:ro]; a NAME has no slash (repeatable)"),
+		shareFS:  fs.String("share-fs", "9p", "how -v host directories reach the guest: 9p, or virtiofs (fewer round trips a call, renameat2's flags; no snapshot or fork yet)"),
 		netMode:  fs.String("net", "none", "network: none (no NIC), public-only, allow-all or deny-all; --net alone is public-only"),
 	}
 	fs.Lookup("net").NoOptDefVal = "public-only"
@@ -121,6 +122,7 @@ func (h *hostFlags) apply(fs *pflag.FlagSet, b *sandbox.Builder, detach bool) er
 			b.Volume(host, guest, mode)
 		}
 	}
+	b.ShareFS(*h.shareFS)
 	b.Mailbox(*h.mailbox...).KV(*h.kv...)
 	return nil
 }

@@ -49,6 +49,24 @@ func TestPosixSuite(t *testing.T) {
 		runPosixSuite(t, dir)
 		return
 	}
+	posixSuite(t, "9p", posixShareDifferences)
+}
+
+// posixVirtioFSDifferences are posixShareDifferences for a virtio-fs
+// share.
+var posixVirtioFSDifferences = map[string]struct{ got, why string }{
+	"Tmpfile": {"SKIP", "capsa's FUSE server does not serve FUSE_TMPFILE yet: O_TMPFILE is EOPNOTSUPP, which the suite skips on"},
+}
+
+// TestPosixSuiteVirtioFS is TestPosixSuite on a virtio-fs share
+// (--share-fs virtiofs).
+func TestPosixSuiteVirtioFS(t *testing.T) {
+	posixSuite(t, "virtiofs", posixVirtioFSDifferences)
+}
+
+// posixSuite runs the suite on a share over transport shareFS, whose
+// results differ from tmpfs's as differences says.
+func posixSuite(t *testing.T, shareFS string, differences map[string]struct{ got, why string }) {
 	share := t.TempDir()
 	// User attributes on the share are the host directory's: with them
 	// the suite's XAttr cases pass; without (the nested host's tmpfs),
@@ -70,7 +88,7 @@ func TestPosixSuite(t *testing.T) {
 		return fmt.Sprintf("mkdir -p %[1]s && %[2]s=%[1]s /tmp/e2e.test -test.run '^TestPosixSuite$' -test.v -test.timeout 10m", dir, posixDirEnv)
 	}
 	// Two vCPUs, so that the cases' threads run at once, as on a host.
-	r := capsa(t, 15*time.Minute, "run", "--cpus", "2", "--memory", "1G", "-v", share+":/mnt/share", "--copy", self+":/tmp/e2e.test", "--",
+	r := capsa(t, 15*time.Minute, "run", "--cpus", "2", "--memory", "1G", "--share-fs", shareFS, "-v", share+":/mnt/share", "--copy", self+":/tmp/e2e.test", "--",
 		"sh", "-c", suite("/mnt/share/posix")+" > /tmp/share.out 2>&1; "+suite("/tmp/posix")+" > /tmp/tmpfs.out 2>&1; "+
 			"echo '=== share'; cat /tmp/share.out; echo '=== tmpfs'; cat /tmp/tmpfs.out")
 	shareOut, tmpfsOut, ok := strings.Cut(strings.TrimPrefix(r.stdout, "=== share\n"), "=== tmpfs\n")
@@ -95,7 +113,7 @@ func TestPosixSuite(t *testing.T) {
 			t.Errorf("%s on the guest's tmpfs: %s, want %s (%s)", name, onTmpfs[name], local, localWhy)
 		}
 		want, why := onTmpfs[name], "as tmpfs"
-		if d, ok := posixShareDifferences[name]; ok {
+		if d, ok := differences[name]; ok {
 			want, why = d.got, d.why
 		}
 		switch name {
@@ -216,11 +234,11 @@ func mmapGrowWhileStat(t *testing.T, dir string) {
 	// A fault in the mapping becomes a panic this goroutine recovers.
 	defer debug.SetPanicOnFault(debug.SetPanicOnFault(true))
 	fd := int(f.Fd())
-	// 15 s on a 9P share, where the race lies (a round there takes tens
-	// of milliseconds); elsewhere, the control, thousands of rounds a
-	// second, 2 s.
+	// 15 s on a share (9P or virtio-fs), where the race lies (a round
+	// there takes tens of milliseconds); elsewhere, the control,
+	// thousands of rounds a second, 2 s.
 	run := 2 * time.Second
-	if fsType(t, dir) == "9p" {
+	if typ := fsType(t, dir); typ == "9p" || typ == "virtiofs" {
 		run = 15 * time.Second
 	}
 	rounds, faults := 0, 0

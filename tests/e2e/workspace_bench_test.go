@@ -46,9 +46,10 @@ print(time.perf_counter() - t)
 `
 
 // scriptSandbox starts a python image sandbox (1 GiB) whose read-write
-// share at /w holds script as /w/NAME.py, pulled from the test registry
-// under tag name; it is closed when the benchmark ends.
-func scriptSandbox(b *testing.B, ctx context.Context, name, script string) *sandbox.Sandbox {
+// share at /w, over transport shareFS, holds script as /w/NAME.py, pulled
+// from the test registry under tag name; it is closed when the benchmark
+// ends.
+func scriptSandbox(b *testing.B, ctx context.Context, name, script, shareFS string) *sandbox.Sandbox {
 	b.Helper()
 	ref := pythonImage(b, name)
 	if r := capsaWith(b, 10*time.Minute, nil, "image", "pull", ref); r.code != 0 {
@@ -59,7 +60,7 @@ func scriptSandbox(b *testing.B, ctx context.Context, name, script string) *sand
 		b.Fatal(err)
 	}
 	sb, err := sandbox.New().Memory(1024).Kernel(artifactB(b, "vmlinux")).Initrd(artifactB(b, "initramfs.cpio")).
-		Share(share, "/w", sandbox.ReadWrite).Pull(sandbox.PullNever).OCI(ref, "sleep", "100000").User("0").Start(ctx)
+		Share(share, "/w", sandbox.ReadWrite).ShareFS(shareFS).Pull(sandbox.PullNever).OCI(ref, "sleep", "100000").User("0").Start(ctx)
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -68,17 +69,19 @@ func scriptSandbox(b *testing.B, ctx context.Context, name, script string) *sand
 }
 
 // BenchmarkWorkspaceMeta runs the metadata workload in one image sandbox
-// on a read-write share and on the image's own root disk, one after the
-// other in the same run, and reports min, median and max of each, and the
-// share's median over the disk's; the share also with the guest kernel
-// keeping no dentries (9p.dentry_ttl_ms=0, Linux's own behaviour), the
-// anchor for what kernel/patches/0002 changed.
+// on a read-write 9P share and on the image's own root disk, one after
+// the other in the same run, and in a second sandbox on a virtio-fs share
+// (--share-fs virtiofs), and reports min, median and max of each, and each
+// share's median over its sandbox's disk's; the 9P share also with the
+// guest kernel keeping no dentries (9p.dentry_ttl_ms=0, Linux's own
+// behaviour), the anchor for what kernel/patches/0002 changed.
 //
 //	make bench   (runs it in the nested host)
 func BenchmarkWorkspaceMeta(b *testing.B) {
 	ctx := context.Background()
-	sb := scriptSandbox(b, ctx, "meta", metaScript)
-	run := func(b *testing.B, op, dir string) time.Duration {
+	sb9p := scriptSandbox(b, ctx, "meta", metaScript, sandbox.ShareFS9P)
+	sbFS := scriptSandbox(b, ctx, "meta", metaScript, sandbox.ShareFSVirtioFS)
+	run := func(b *testing.B, sb *sandbox.Sandbox, op, dir string) time.Duration {
 		b.Helper()
 		o := sandbox.Command("python3", "/w/meta.py", op, dir)
 		o.User, o.Timeout = "0", 10*time.Minute
@@ -96,36 +99,46 @@ func BenchmarkWorkspaceMeta(b *testing.B) {
 		return time.Duration(s * float64(time.Second))
 	}
 	// ttl sets how long the guest kernel trusts a directory's or a
-	// missing name's dentry on the share (kernel/patches/0002); 0 is the
-	// unpatched client's behaviour, every dentry gone with its last use.
-	ttl := func(b *testing.B, ms string) {
+	// missing name's dentry on a 9P share (kernel/patches/0002); 0 is
+	// the unpatched client's behaviour, every dentry gone with its last
+	// use.
+	ttl := func(b *testing.B, sb *sandbox.Sandbox, ms string) {
 		o := sandbox.Shell("echo " + ms + " > /sys/module/9p/parameters/dentry_ttl_ms")
 		o.User = "0"
 		if r, err := sb.Exec(ctx, o); err != nil || r.Code != 0 {
 			b.Fatalf("set 9p.dentry_ttl_ms to %s: %v %v", ms, r, err)
 		}
 	}
-	places := []struct{ name, dir, ttl string }{
-		{"disk", "/root/meta", "1000"},
-		{"share", "/w/meta", "1000"},
-		{"share-dentries-not-kept", "/w/meta0", "0"},
+	places := []struct {
+		name, dir, ttl string
+		sb             *sandbox.Sandbox
+	}{
+		{"disk", "/root/meta", "1000", sb9p},
+		{"share", "/w/meta", "1000", sb9p},
+		{"share-dentries-not-kept", "/w/meta0", "0", sb9p},
+		{"disk-virtiofs-sandbox", "/root/meta", "", sbFS},
+		{"share-virtiofs", "/w/meta", "", sbFS},
 	}
 	for _, place := range places {
-		ttl(b, place.ttl)
-		run(b, "tree", place.dir)
+		if place.ttl != "" {
+			ttl(b, place.sb, place.ttl)
+		}
+		run(b, place.sb, "tree", place.dir)
 	}
 	for _, op := range []string{"files", "walk"} {
 		var diskMedian time.Duration
 		for _, place := range places {
 			b.Run(place.name+"/"+op, func(b *testing.B) {
-				ttl(b, place.ttl)
+				if place.ttl != "" {
+					ttl(b, place.sb, place.ttl)
+				}
 				var samples []time.Duration
 				for b.Loop() {
-					samples = append(samples, run(b, op, place.dir))
+					samples = append(samples, run(b, place.sb, op, place.dir))
 				}
 				reportSpread(b, samples)
 				m := samples[len(samples)/2] // reportSpread sorted them
-				if place.name == "disk" {
+				if strings.HasPrefix(place.name, "disk") {
 					diskMedian = m
 				} else if diskMedian > 0 {
 					b.ReportMetric(float64(m)/float64(diskMedian), "x-disk")
@@ -178,13 +191,16 @@ print(time.perf_counter() - t)
 //	make bench BENCH=ShareRoundTrips
 func BenchmarkShareRoundTrips(b *testing.B) {
 	ctx := context.Background()
-	sb := scriptSandbox(b, ctx, "trips", tripScript)
+	sb9p := scriptSandbox(b, ctx, "trips", tripScript, sandbox.ShareFS9P)
+	sbFS := scriptSandbox(b, ctx, "trips", tripScript, sandbox.ShareFSVirtioFS)
 	// The script runs from the image's disk, so that only the timed calls
 	// ask the share anything (its directory made once, untimed).
-	cp := sandbox.Shell("cp /w/trips.py /root/trips.py")
-	cp.User = "0"
-	if r, err := sb.Exec(ctx, cp); err != nil || r.Code != 0 {
-		b.Fatalf("copy trips.py to the disk: %v %+v", err, r)
+	for _, sb := range []*sandbox.Sandbox{sb9p, sbFS} {
+		cp := sandbox.Shell("cp /w/trips.py /root/trips.py")
+		cp.User = "0"
+		if r, err := sb.Exec(ctx, cp); err != nil || r.Code != 0 {
+			b.Fatalf("copy trips.py to the disk: %v %+v", err, r)
+		}
 	}
 	// L1's KVM counters, where this runs as root in the nested host.
 	if _, err := os.Stat("/sys/kernel/debug/kvm"); err != nil && os.Geteuid() == 0 {
@@ -198,23 +214,34 @@ func BenchmarkShareRoundTrips(b *testing.B) {
 		n, err := strconv.ParseUint(strings.TrimSpace(string(s)), 10, 64)
 		return n, err == nil
 	}
-	// requests9P is each 9P device's used index: its completed requests,
-	// which wrap at 2^16.
-	requests9P := func() []uint16 {
+	// requests is each share device's queues' used indexes: their
+	// completed requests, which wrap at 2^16 (a virtio-fs device's
+	// high-priority queue's FORGETs among them).
+	requests := func(sb *sandbox.Sandbox) []uint16 {
 		var idx []uint16
 		for _, tr := range sb.Debug(ctx).Virtio {
-			if tr.Type == virtio.Type9P && len(tr.Queues) > 0 {
-				idx = append(idx, tr.Queues[0].UsedIdx)
+			if tr.Type == virtio.Type9P || tr.Type == virtio.TypeFS {
+				for _, q := range tr.Queues {
+					idx = append(idx, q.UsedIdx)
+				}
 			}
 		}
 		return idx
 	}
 	const n = 200
 	for _, op := range []string{"stat", "fstat", "missing", "read", "create"} {
-		for _, place := range []struct{ name, dir string }{{"disk", "/root/trips"}, {"share", "/w/trips"}} {
+		for _, place := range []struct {
+			name, dir, metric string
+			sb                *sandbox.Sandbox
+		}{
+			{"disk", "/root/trips", "", sb9p},
+			{"share", "/w/trips", "9p-requests/call", sb9p},
+			{"share-virtiofs", "/w/trips", "fuse-requests/call", sbFS},
+		} {
+			sb := place.sb
 			b.Run(place.name+"/"+op, func(b *testing.B) {
 				var samples []time.Duration
-				var requests, exits, l1Exits uint64
+				var reqs, exits, l1Exits uint64
 				var vmmCPU time.Duration
 				l1 := true
 				for b.Loop() {
@@ -222,7 +249,7 @@ func BenchmarkShareRoundTrips(b *testing.B) {
 					if err != nil {
 						b.Fatal(err)
 					}
-					q0 := requests9P()
+					q0 := requests(sb)
 					k0, ok0 := kvmExits()
 					o := sandbox.Command("python3", "/root/trips.py", op, place.dir, strconv.Itoa(n))
 					o.User, o.Timeout = "0", 10*time.Minute
@@ -231,7 +258,7 @@ func BenchmarkShareRoundTrips(b *testing.B) {
 						b.Fatalf("trips.py %s %s: %v %+v", op, place.dir, err, r)
 					}
 					k1, ok1 := kvmExits()
-					q1 := requests9P()
+					q1 := requests(sb)
 					st1, err := sb.Stats()
 					if err != nil {
 						b.Fatal(err)
@@ -242,7 +269,7 @@ func BenchmarkShareRoundTrips(b *testing.B) {
 					}
 					samples = append(samples, time.Duration(s*float64(time.Second)/n))
 					for i := range min(len(q0), len(q1)) {
-						requests += uint64(q1[i] - q0[i])
+						reqs += uint64(q1[i] - q0[i])
 					}
 					exits += st1.Exits - st0.Exits
 					vmmCPU += st1.VMMCPUTime - st0.VMMCPUTime
@@ -250,15 +277,15 @@ func BenchmarkShareRoundTrips(b *testing.B) {
 					l1Exits += k1 - k0
 				}
 				reportSpreadAs(b, samples, "call-")
-				if place.name != "share" || requests == 0 {
+				if place.metric == "" || reqs == 0 {
 					return
 				}
 				calls := float64(n) * float64(len(samples))
-				b.ReportMetric(float64(requests)/calls, "9p-requests/call")
-				b.ReportMetric(float64(exits)/float64(requests), "exits/request")
-				b.ReportMetric(float64(vmmCPU.Microseconds())/float64(requests), "vmm-cpu-us/request")
+				b.ReportMetric(float64(reqs)/calls, place.metric)
+				b.ReportMetric(float64(exits)/float64(reqs), "exits/request")
+				b.ReportMetric(float64(vmmCPU.Microseconds())/float64(reqs), "vmm-cpu-us/request")
 				if l1 {
-					b.ReportMetric(float64(l1Exits)/float64(requests), "l1-kvm-exits/request")
+					b.ReportMetric(float64(l1Exits)/float64(reqs), "l1-kvm-exits/request")
 				}
 			})
 		}

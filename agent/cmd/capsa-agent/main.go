@@ -105,6 +105,9 @@ func initMachine(log *slog.Logger) {
 			if v, ok := strings.CutPrefix(f, "capsa.share="); ok {
 				shares = append(shares, v)
 			}
+			if v, ok := strings.CutPrefix(f, "capsa.virtiofs="); ok {
+				shares = append(shares, "virtiofs:"+v)
+			}
 			if f == "capsa.root=image" {
 				imageRoot = true
 			}
@@ -269,9 +272,14 @@ func writeHosts(hostname string) error {
 	return os.WriteFile("/etc/hosts", []byte("127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n127.0.1.1\t"+hostname+"\n"), 0o644)
 }
 
-// mountShare mounts a virtio-9p share named on the kernel command line as
-// TAG,ro|rw,PATH (PATH escaped as a URL path).
+// mountShare mounts a share named on the kernel command line as
+// TAG,ro|rw,PATH (PATH escaped as a URL path): a virtio-9p share, or a
+// virtio-fs one where the spec starts "virtiofs:" (capsa.virtiofs=).
 func mountShare(spec string) error {
+	fstype := "9p"
+	if v, ok := strings.CutPrefix(spec, "virtiofs:"); ok {
+		fstype, spec = "virtiofs", v
+	}
 	parts := strings.SplitN(spec, ",", 3)
 	if len(parts) != 3 || (parts[1] != "ro" && parts[1] != "rw") {
 		return fmt.Errorf("capsa.share=%s: want TAG,ro|rw,PATH", spec)
@@ -287,6 +295,15 @@ func mountShare(spec string) error {
 	var flags uintptr = unix.MS_NODEV
 	if parts[1] == "ro" {
 		flags |= unix.MS_RDONLY
+	}
+	if fstype == "virtiofs" {
+		// The server says how long names and attributes stay valid
+		// (package fusefs); the guest checks permissions itself
+		// (virtio-fs mounts with default_permissions).
+		if err := unix.Mount(tag, dir, "virtiofs", flags, ""); err != nil {
+			return fmt.Errorf("mount virtio-fs share %s on %s: %w", tag, dir, err)
+		}
+		return nil
 	}
 	// access=client: the guest kernel checks permissions, as on a local
 	// filesystem; the host enforces confinement and read-only itself.

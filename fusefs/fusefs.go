@@ -1,0 +1,825 @@
+// Package fusefs serves a share's file tree to an untrusted guest over the
+// FUSE protocol, for virtio-fs (package virtio/virtiofs): FS is a
+// go-fuse fuse.RawFileSystem whose every operation is one of package
+// p9fs's, so a share served over FUSE has the confinement, read-only mode,
+// quotas and owner mapping a 9P share has (see p9fs's documentation). Its
+// starting point is the FUSE protocol as Linux's fs/fuse and
+// include/uapi/linux/fuse.h define it; go-fuse's ProtocolServer decodes
+// the requests and encodes the replies, and this package answers them.
+//
+// # Nodes
+//
+// FUSE names files by node ids that the server hands out in LOOKUP,
+// CREATE, MKDIR, MKNOD, SYMLINK and LINK replies and that the kernel gives
+// back, with the number of lookups it is forgetting, in FORGET. Each node
+// holds one p9fs File (an O_PATH descriptor pinning one inode); one inode
+// is one node, whatever the names it was looked up by, so hard links share
+// a node and the guest's node count is bounded by the share's descriptor
+// budget (p9fs.Options.MaxFDs: past it the guest gets ENFILE). The root is
+// node 1 and is never forgotten.
+//
+// An open file or directory is a handle: a second File of the node's inode,
+// opened for I/O. Handles are bounded by the same budget.
+//
+// # What the guest caches
+//
+// Entries (names, and names that do not exist) and attributes are valid
+// for Options.Timeout (default 1 s), as a 9P share's names are: a change
+// the host makes is seen within that time. Open replies carry no
+// FOPEN_KEEP_CACHE, so the guest drops a file's cached pages at each open
+// and reads what the host has then; writes go straight to the host (no
+// writeback cache is negotiated). POSIX and BSD locks are not negotiated,
+// so the guest kernel keeps them itself, which is right for one guest.
+//
+// # Not served
+//
+// Device nodes (p9fs refuses them), FUSE_TMPFILE, LSEEK's
+// SEEK_DATA/SEEK_HOLE, COPY_FILE_RANGE, IOCTL, POLL and READDIRPLUS answer
+// ENOSYS, on which the guest kernel falls back or fails as it documents.
+package fusefs
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/hanwen/go-fuse/v2/fuse"
+	"github.com/hugelgupf/p9/linux"
+	"github.com/hugelgupf/p9/p9"
+	"golang.org/x/sys/unix"
+)
+
+// rootID is the root's node id (FUSE_ROOT_ID).
+const rootID = 1
+
+// Options configures an FS.
+type Options struct {
+	// Timeout is how long the guest may keep an entry or attributes
+	// without asking again (0: one second).
+	Timeout time.Duration
+	// Logger receives refused requests at debug level.
+	Logger *slog.Logger
+}
+
+// allocator is p9fs's fallocate(2) on an open file.
+type allocator interface {
+	Allocate(mode uint32, off, length uint64) error
+}
+
+// renamer is p9fs's rename with renameat2(2)'s flags.
+type renamer interface {
+	RenameAtFlags(oldName string, newDir p9.File, newName string, flags uint32) error
+}
+
+// node is one inode the guest has looked up.
+type node struct {
+	f       p9.File // pinned, never opened
+	path    uint64  // its QID path: the inode's identity in the share
+	lookups uint64  // lookups the guest has not forgotten
+}
+
+// FS answers FUSE requests for one share. It is safe for concurrent use:
+// virtio-fs requests are served in parallel.
+type FS struct {
+	fuse.RawFileSystem // ENOSYS for what is not served
+
+	timeout time.Duration
+	log     *slog.Logger
+
+	mu      sync.Mutex
+	nodes   map[uint64]*node // by node id
+	byPath  map[uint64]uint64
+	nextID  uint64
+	handles map[uint64]p9.File
+	nextFH  uint64
+	closed  bool
+}
+
+var _ fuse.RawFileSystem = (*FS)(nil)
+
+// New returns an FS serving the tree a attaches to. The FS attaches once,
+// now; Close releases every File it holds.
+func New(a p9.Attacher, o Options) (*FS, error) {
+	root, err := a.Attach()
+	if err != nil {
+		return nil, fmt.Errorf("fusefs: attach: %w", err)
+	}
+	qid, _, _, err := root.GetAttr(p9.AttrMask{})
+	if err != nil {
+		root.Close()
+		return nil, fmt.Errorf("fusefs: stat the root: %w", err)
+	}
+	if o.Timeout <= 0 {
+		o.Timeout = time.Second
+	}
+	if o.Logger == nil {
+		o.Logger = slog.New(slog.DiscardHandler)
+	}
+	fs := &FS{
+		RawFileSystem: fuse.NewDefaultRawFileSystem(),
+		timeout:       o.Timeout,
+		log:           o.Logger,
+		nodes:         map[uint64]*node{rootID: {f: root, path: qid.Path, lookups: 1}},
+		byPath:        map[uint64]uint64{qid.Path: rootID},
+		nextID:        rootID + 1,
+		handles:       map[uint64]p9.File{},
+		nextFH:        1,
+	}
+	return fs, nil
+}
+
+// MountOptions are the go-fuse options an FS is served with: what the
+// INIT reply offers the guest. go-fuse's own messages (a request it could
+// not decode, an opcode it lacks) go to log at debug level: the guest
+// decides how many there are.
+func MountOptions(maxWrite int, log *slog.Logger) *fuse.MountOptions {
+	return &fuse.MountOptions{
+		Logger:   slog.NewLogLogger(log.Handler(), slog.LevelDebug),
+		MaxWrite: maxWrite,
+		// READDIRPLUS would make every listed entry a lookup the guest
+		// holds; passthrough and idmapped mounts are for a kernel server.
+		DisabledCapabilities: fuse.CAP_READDIRPLUS | fuse.CAP_READDIRPLUS_AUTO | fuse.CAP_PASSTHROUGH | fuse.CAP_ALLOW_IDMAP | fuse.CAP_NO_OPEN_SUPPORT,
+		MaxBackground:        64,
+		Name:                 "capsa",
+	}
+}
+
+// String implements fuse.RawFileSystem.
+func (fs *FS) String() string { return "capsa" }
+
+// Close releases every node and handle; later requests get EBADF.
+func (fs *FS) Close() error {
+	fs.mu.Lock()
+	nodes, handles := fs.nodes, fs.handles
+	fs.nodes, fs.handles, fs.byPath, fs.closed = map[uint64]*node{}, map[uint64]p9.File{}, map[uint64]uint64{}, true
+	fs.mu.Unlock()
+	for _, n := range nodes {
+		n.f.Close()
+	}
+	for _, h := range handles {
+		h.Close()
+	}
+	return nil
+}
+
+// Nodes reports how many nodes and handles the guest holds.
+func (fs *FS) Nodes() (nodes, handles int) {
+	fs.mu.Lock()
+	defer fs.mu.Unlock()
+	return len(fs.nodes), len(fs.handles)
+}
+
+// status converts an error of p9fs's to a FUSE status.
+func status(err error) fuse.Status {
+	if err == nil {
+		return fuse.OK
+	}
+	var le linux.Errno
+	if errors.As(err, &le) {
+		return fuse.Status(le)
+	}
+	var se syscall.Errno
+	if errors.As(err, &se) {
+		return fuse.Status(se)
+	}
+	return fuse.EIO
+}
+
+// file returns node id's File.
+func (fs *FS) file(id uint64) (p9.File, fuse.Status) {
+	fs.mu.Lock()
+	defer fs.mu.Unlock()
+	n := fs.nodes[id]
+	if n == nil {
+		return nil, fuse.EBADF
+	}
+	return n.f, fuse.OK
+}
+
+// handle returns open file fh.
+func (fs *FS) handle(fh uint64) (p9.File, fuse.Status) {
+	fs.mu.Lock()
+	defer fs.mu.Unlock()
+	h := fs.handles[fh]
+	if h == nil {
+		return nil, fuse.EBADF
+	}
+	return h, fuse.OK
+}
+
+// addHandle records an opened File and returns its handle.
+func (fs *FS) addHandle(f p9.File) (uint64, fuse.Status) {
+	fs.mu.Lock()
+	defer fs.mu.Unlock()
+	if fs.closed {
+		f.Close()
+		return 0, fuse.EBADF
+	}
+	fh := fs.nextFH
+	fs.nextFH++
+	fs.handles[fh] = f
+	return fh, fuse.OK
+}
+
+// remember makes f, just walked to with attributes a, a node the guest
+// has looked up once more, filling out; f is the FS's from then on (closed
+// here where the inode already has a node).
+func (fs *FS) remember(f p9.File, qid p9.QID, a p9.Attr, out *fuse.EntryOut) fuse.Status {
+	fs.mu.Lock()
+	if fs.closed {
+		fs.mu.Unlock()
+		f.Close()
+		return fuse.EBADF
+	}
+	id, ok := fs.byPath[qid.Path]
+	if ok {
+		fs.nodes[id].lookups++
+	} else {
+		id = fs.nextID
+		fs.nextID++
+		fs.nodes[id] = &node{f: f, path: qid.Path, lookups: 1}
+		fs.byPath[qid.Path] = id
+	}
+	fs.mu.Unlock()
+	if ok {
+		f.Close()
+	}
+	*out = fuse.EntryOut{NodeId: id}
+	fs.fill(&out.Attr, qid, a)
+	out.SetEntryTimeout(fs.timeout)
+	out.SetAttrTimeout(fs.timeout)
+	return fuse.OK
+}
+
+// lookup walks from dir to name and remembers what it finds.
+func (fs *FS) lookup(dir p9.File, name string, out *fuse.EntryOut) fuse.Status {
+	qids, f, _, a, err := dir.WalkGetAttr([]string{name})
+	if err != nil {
+		return status(err)
+	}
+	if len(qids) != 1 {
+		f.Close()
+		return fuse.EIO
+	}
+	return fs.remember(f, qids[0], a, out)
+}
+
+// fill converts p9 attributes.
+func (fs *FS) fill(out *fuse.Attr, qid p9.QID, a p9.Attr) {
+	*out = fuse.Attr{
+		Ino:       qid.Path,
+		Size:      a.Size,
+		Blocks:    a.Blocks,
+		Atime:     a.ATimeSeconds,
+		Atimensec: uint32(a.ATimeNanoSeconds),
+		Mtime:     a.MTimeSeconds,
+		Mtimensec: uint32(a.MTimeNanoSeconds),
+		Ctime:     a.CTimeSeconds,
+		Ctimensec: uint32(a.CTimeNanoSeconds),
+		Mode:      uint32(a.Mode),
+		Nlink:     uint32(a.NLink),
+		Owner:     fuse.Owner{Uid: uint32(a.UID), Gid: uint32(a.GID)},
+		Rdev:      uint32(a.RDev),
+		Blksize:   uint32(a.BlockSize),
+	}
+}
+
+// Lookup implements fuse.RawFileSystem. A name that does not exist is a
+// negative entry the guest keeps for the timeout.
+func (fs *FS) Lookup(_ <-chan struct{}, h *fuse.InHeader, name string, out *fuse.EntryOut) fuse.Status {
+	dir, st := fs.file(h.NodeId)
+	if !st.Ok() {
+		return st
+	}
+	st = fs.lookup(dir, name, out)
+	if st == fuse.ENOENT {
+		*out = fuse.EntryOut{}
+		out.SetEntryTimeout(fs.timeout)
+		return fuse.OK
+	}
+	return st
+}
+
+// Forget implements fuse.RawFileSystem.
+func (fs *FS) Forget(id, nlookup uint64) {
+	if id == rootID {
+		return
+	}
+	fs.mu.Lock()
+	n := fs.nodes[id]
+	if n == nil {
+		fs.mu.Unlock()
+		return
+	}
+	if nlookup < n.lookups {
+		n.lookups -= nlookup
+		fs.mu.Unlock()
+		return
+	}
+	delete(fs.nodes, id)
+	if fs.byPath[n.path] == id {
+		delete(fs.byPath, n.path)
+	}
+	fs.mu.Unlock()
+	n.f.Close()
+}
+
+// allAttrs is what GETATTR asks p9fs for.
+var allAttrs = p9.AttrMask{Mode: true, NLink: true, UID: true, GID: true, RDev: true, ATime: true, MTime: true, CTime: true, INo: true, Size: true, Blocks: true}
+
+// GetAttr implements fuse.RawFileSystem.
+func (fs *FS) GetAttr(_ <-chan struct{}, in *fuse.GetAttrIn, out *fuse.AttrOut) fuse.Status {
+	f, st := fs.file(in.NodeId)
+	if !st.Ok() {
+		return st
+	}
+	return fs.attrOut(f, out)
+}
+
+func (fs *FS) attrOut(f p9.File, out *fuse.AttrOut) fuse.Status {
+	qid, _, a, err := f.GetAttr(allAttrs)
+	if err != nil {
+		return status(err)
+	}
+	*out = fuse.AttrOut{}
+	fs.fill(&out.Attr, qid, a)
+	out.SetTimeout(fs.timeout)
+	return fuse.OK
+}
+
+// SetAttr implements fuse.RawFileSystem: mode, owner, size and times, as
+// p9fs's SetAttr applies them.
+func (fs *FS) SetAttr(_ <-chan struct{}, in *fuse.SetAttrIn, out *fuse.AttrOut) fuse.Status {
+	f, st := fs.file(in.NodeId)
+	if !st.Ok() {
+		return st
+	}
+	var m p9.SetAttrMask
+	var a p9.SetAttr
+	v := in.Valid
+	if v&fuse.FATTR_MODE != 0 {
+		m.Permissions, a.Permissions = true, p9.FileMode(in.Mode&07777)
+	}
+	if v&fuse.FATTR_UID != 0 {
+		m.UID, a.UID = true, p9.UID(in.Uid)
+	}
+	if v&fuse.FATTR_GID != 0 {
+		m.GID, a.GID = true, p9.GID(in.Gid)
+	}
+	if v&fuse.FATTR_SIZE != 0 {
+		m.Size, a.Size = true, in.Size
+	}
+	// 9P's convention: ATime alone is now, with ATimeNotSystemTime the
+	// time given.
+	if v&(fuse.FATTR_ATIME|fuse.FATTR_ATIME_NOW) != 0 {
+		m.ATime = true
+		if v&fuse.FATTR_ATIME_NOW == 0 {
+			m.ATimeNotSystemTime, a.ATimeSeconds, a.ATimeNanoSeconds = true, in.Atime, uint64(in.Atimensec)
+		}
+	}
+	if v&(fuse.FATTR_MTIME|fuse.FATTR_MTIME_NOW) != 0 {
+		m.MTime = true
+		if v&fuse.FATTR_MTIME_NOW == 0 {
+			m.MTimeNotSystemTime, a.MTimeSeconds, a.MTimeNanoSeconds = true, in.Mtime, uint64(in.Mtimensec)
+		}
+	}
+	if v&fuse.FATTR_CTIME != 0 {
+		m.CTime = true
+	}
+	if !m.Empty() {
+		if err := f.SetAttr(m, a); err != nil {
+			return status(err)
+		}
+	}
+	return fs.attrOut(f, out)
+}
+
+// inherit applies a set-group-ID directory's rule to what a caller of
+// group gid makes in dir, as a local file system does: the new entry
+// takes dir's group, and a new directory the bit too. (A 9P client does
+// this in the guest; a FUSE client leaves it to the server, which
+// creates with the caller's group.)
+func inherit(dir p9.File, gid uint32, mode uint32, isDir bool) (p9.GID, uint32) {
+	_, _, a, err := dir.GetAttr(p9.AttrMask{Mode: true, GID: true})
+	if err != nil || uint32(a.Mode)&unix.S_ISGID == 0 {
+		return p9.GID(gid), mode
+	}
+	if isDir {
+		mode |= unix.S_ISGID
+	}
+	return a.GID, mode
+}
+
+// made looks up name, which an operation just made in dir.
+func (fs *FS) made(dir p9.File, name string, out *fuse.EntryOut) fuse.Status {
+	return fs.lookup(dir, name, out)
+}
+
+// Mkdir implements fuse.RawFileSystem.
+func (fs *FS) Mkdir(_ <-chan struct{}, in *fuse.MkdirIn, name string, out *fuse.EntryOut) fuse.Status {
+	dir, st := fs.file(in.NodeId)
+	if !st.Ok() {
+		return st
+	}
+	gid, mode := inherit(dir, in.Gid, in.Mode&^in.Umask, true)
+	if _, err := dir.Mkdir(name, p9.FileMode(mode), p9.UID(in.Uid), gid); err != nil {
+		return status(err)
+	}
+	return fs.made(dir, name, out)
+}
+
+// Mknod implements fuse.RawFileSystem (fifos and sockets; p9fs refuses
+// devices).
+func (fs *FS) Mknod(_ <-chan struct{}, in *fuse.MknodIn, name string, out *fuse.EntryOut) fuse.Status {
+	dir, st := fs.file(in.NodeId)
+	if !st.Ok() {
+		return st
+	}
+	gid, mode := inherit(dir, in.Gid, in.Mode&unix.S_IFMT|in.Mode&07777&^in.Umask, false)
+	if _, err := dir.Mknod(name, p9.FileMode(mode), unix.Major(uint64(in.Rdev)), unix.Minor(uint64(in.Rdev)), p9.UID(in.Uid), gid); err != nil {
+		return status(err)
+	}
+	return fs.made(dir, name, out)
+}
+
+// Symlink implements fuse.RawFileSystem.
+func (fs *FS) Symlink(_ <-chan struct{}, h *fuse.InHeader, target, name string, out *fuse.EntryOut) fuse.Status {
+	dir, st := fs.file(h.NodeId)
+	if !st.Ok() {
+		return st
+	}
+	gid, _ := inherit(dir, h.Gid, 0, false)
+	if _, err := dir.Symlink(target, name, p9.UID(h.Uid), gid); err != nil {
+		return status(err)
+	}
+	return fs.made(dir, name, out)
+}
+
+// Link implements fuse.RawFileSystem.
+func (fs *FS) Link(_ <-chan struct{}, in *fuse.LinkIn, name string, out *fuse.EntryOut) fuse.Status {
+	dir, st := fs.file(in.NodeId)
+	if !st.Ok() {
+		return st
+	}
+	target, st := fs.file(in.Oldnodeid)
+	if !st.Ok() {
+		return st
+	}
+	if err := dir.Link(target, name); err != nil {
+		return status(err)
+	}
+	return fs.made(dir, name, out)
+}
+
+// Unlink implements fuse.RawFileSystem.
+func (fs *FS) Unlink(_ <-chan struct{}, h *fuse.InHeader, name string) fuse.Status {
+	dir, st := fs.file(h.NodeId)
+	if !st.Ok() {
+		return st
+	}
+	return status(dir.UnlinkAt(name, 0))
+}
+
+// Rmdir implements fuse.RawFileSystem.
+func (fs *FS) Rmdir(_ <-chan struct{}, h *fuse.InHeader, name string) fuse.Status {
+	dir, st := fs.file(h.NodeId)
+	if !st.Ok() {
+		return st
+	}
+	return status(dir.UnlinkAt(name, unix.AT_REMOVEDIR))
+}
+
+// Rename implements fuse.RawFileSystem, with renameat2(2)'s
+// RENAME_NOREPLACE and RENAME_EXCHANGE.
+func (fs *FS) Rename(_ <-chan struct{}, in *fuse.RenameIn, oldName, newName string) fuse.Status {
+	from, st := fs.file(in.NodeId)
+	if !st.Ok() {
+		return st
+	}
+	to, st := fs.file(in.Newdir)
+	if !st.Ok() {
+		return st
+	}
+	if r, ok := from.(renamer); ok {
+		return status(r.RenameAtFlags(oldName, to, newName, in.Flags))
+	}
+	if in.Flags != 0 {
+		return fuse.EINVAL
+	}
+	return status(from.RenameAt(oldName, to, newName))
+}
+
+// Readlink implements fuse.RawFileSystem.
+func (fs *FS) Readlink(_ <-chan struct{}, h *fuse.InHeader) ([]byte, fuse.Status) {
+	f, st := fs.file(h.NodeId)
+	if !st.Ok() {
+		return nil, st
+	}
+	s, err := f.Readlink()
+	if err != nil {
+		return nil, status(err)
+	}
+	return []byte(s), fuse.OK
+}
+
+// open clones node id's File and opens the clone as flags say.
+func (fs *FS) open(id uint64, flags uint32) (uint64, fuse.Status) {
+	f, st := fs.file(id)
+	if !st.Ok() {
+		return 0, st
+	}
+	_, c, err := f.Walk(nil)
+	if err != nil {
+		return 0, status(err)
+	}
+	if _, _, err := c.Open(p9.OpenFlags(flags)); err != nil {
+		c.Close()
+		return 0, status(err)
+	}
+	return fs.addHandle(c)
+}
+
+// Open implements fuse.RawFileSystem. The guest's cached pages of the
+// file are dropped (no FOPEN_KEEP_CACHE): each open reads what the host
+// has.
+func (fs *FS) Open(_ <-chan struct{}, in *fuse.OpenIn, out *fuse.OpenOut) fuse.Status {
+	fh, st := fs.open(in.NodeId, in.Flags)
+	if st.Ok() {
+		*out = fuse.OpenOut{Fh: fh}
+	}
+	return st
+}
+
+// Create implements fuse.RawFileSystem: a new file, opened, in one request.
+func (fs *FS) Create(_ <-chan struct{}, in *fuse.CreateIn, name string, out *fuse.CreateOut) fuse.Status {
+	dir, st := fs.file(in.NodeId)
+	if !st.Ok() {
+		return st
+	}
+	if in.Flags&unix.O_EXCL == 0 {
+		// The guest looked the name up first and found nothing; if the
+		// host made it meanwhile, open what is there, as open(2) would.
+		if st := fs.lookup(dir, name, &out.EntryOut); st.Ok() {
+			fh, st := fs.open(out.NodeId, in.Flags&^unix.O_CREAT)
+			if !st.Ok() {
+				fs.Forget(out.NodeId, 1)
+				return st
+			}
+			out.OpenOut = fuse.OpenOut{Fh: fh}
+			return fuse.OK
+		}
+	}
+	gid, mode := inherit(dir, in.Gid, in.Mode&07777&^in.Umask, false)
+	nf, _, _, err := dir.Create(name, p9.OpenFlags(in.Flags), p9.FileMode(mode), p9.UID(in.Uid), gid)
+	if err != nil {
+		return status(err)
+	}
+	// nf is opened; the node is a clone of it, pinned and not opened.
+	_, pinned, err := nf.Walk(nil)
+	if err != nil {
+		nf.Close()
+		return status(err)
+	}
+	qid, _, a, err := pinned.GetAttr(allAttrs)
+	if err != nil {
+		nf.Close()
+		pinned.Close()
+		return status(err)
+	}
+	if st := fs.remember(pinned, qid, a, &out.EntryOut); !st.Ok() {
+		nf.Close()
+		return st
+	}
+	fh, st := fs.addHandle(nf)
+	if !st.Ok() {
+		fs.Forget(out.NodeId, 1)
+		return st
+	}
+	out.OpenOut = fuse.OpenOut{Fh: fh}
+	return fuse.OK
+}
+
+// Read implements fuse.RawFileSystem.
+func (fs *FS) Read(_ <-chan struct{}, in *fuse.ReadIn, buf []byte) (fuse.ReadResult, fuse.Status) {
+	h, st := fs.handle(in.Fh)
+	if !st.Ok() {
+		return nil, st
+	}
+	if int(in.Size) < len(buf) {
+		buf = buf[:in.Size]
+	}
+	n, err := h.ReadAt(buf, int64(in.Offset))
+	if err != nil && n == 0 && !errors.Is(err, io.EOF) {
+		return nil, status(err)
+	}
+	return fuse.ReadResultData(buf[:n]), fuse.OK
+}
+
+// Write implements fuse.RawFileSystem.
+func (fs *FS) Write(_ <-chan struct{}, in *fuse.WriteIn, data []byte) (uint32, fuse.Status) {
+	h, st := fs.handle(in.Fh)
+	if !st.Ok() {
+		return 0, st
+	}
+	n, err := h.WriteAt(data, int64(in.Offset))
+	if err != nil && n == 0 {
+		return 0, status(err)
+	}
+	return uint32(n), fuse.OK
+}
+
+// Writev implements fuse.RawFileSystem: the pieces of one write, which
+// lie in separate stretches of guest memory, written in order.
+func (fs *FS) Writev(_ <-chan struct{}, in *fuse.WriteIn, data [][]byte) (uint32, fuse.Status) {
+	h, st := fs.handle(in.Fh)
+	if !st.Ok() {
+		return 0, st
+	}
+	var total uint32
+	off := int64(in.Offset)
+	for _, d := range data {
+		n, err := h.WriteAt(d, off)
+		total += uint32(n)
+		off += int64(n)
+		if err != nil || n < len(d) {
+			if total == 0 {
+				return 0, status(err)
+			}
+			break
+		}
+	}
+	return total, fuse.OK
+}
+
+// Fallocate implements fuse.RawFileSystem.
+func (fs *FS) Fallocate(_ <-chan struct{}, in *fuse.FallocateIn) fuse.Status {
+	h, st := fs.handle(in.Fh)
+	if !st.Ok() {
+		return st
+	}
+	a, ok := h.(allocator)
+	if !ok {
+		return fuse.ENOSYS
+	}
+	return status(a.Allocate(in.Mode, in.Offset, in.Length))
+}
+
+// Flush implements fuse.RawFileSystem: writes went to the host already.
+func (fs *FS) Flush(<-chan struct{}, *fuse.FlushIn) fuse.Status { return fuse.OK }
+
+// Fsync implements fuse.RawFileSystem.
+func (fs *FS) Fsync(_ <-chan struct{}, in *fuse.FsyncIn) fuse.Status {
+	h, st := fs.handle(in.Fh)
+	if !st.Ok() {
+		return st
+	}
+	return status(h.FSync())
+}
+
+// Release implements fuse.RawFileSystem.
+func (fs *FS) Release(_ <-chan struct{}, in *fuse.ReleaseIn) {
+	fs.release(in.Fh)
+}
+
+func (fs *FS) release(fh uint64) {
+	fs.mu.Lock()
+	h := fs.handles[fh]
+	delete(fs.handles, fh)
+	fs.mu.Unlock()
+	if h != nil {
+		h.Close()
+	}
+}
+
+// OpenDir implements fuse.RawFileSystem.
+func (fs *FS) OpenDir(_ <-chan struct{}, in *fuse.OpenIn, out *fuse.OpenOut) fuse.Status {
+	fh, st := fs.open(in.NodeId, unix.O_RDONLY)
+	if st.Ok() {
+		*out = fuse.OpenOut{Fh: fh}
+	}
+	return st
+}
+
+// ReadDir implements fuse.RawFileSystem. Offsets are the host
+// directory's own cookies, so a listing resumes where it stopped.
+func (fs *FS) ReadDir(_ <-chan struct{}, in *fuse.ReadIn, out *fuse.DirEntryList) fuse.Status {
+	h, st := fs.handle(in.Fh)
+	if !st.Ok() {
+		return st
+	}
+	ents, err := h.Readdir(in.Offset, in.Size)
+	if err != nil {
+		return status(err)
+	}
+	for _, e := range ents {
+		if !out.AddDirEntry(fuse.DirEntry{Name: e.Name, Ino: e.QID.Path, Mode: dtMode(uint8(e.Type)), Off: e.Offset}) {
+			break
+		}
+	}
+	return fuse.OK
+}
+
+// dtMode is a directory entry type's S_IFMT bits.
+func dtMode(t uint8) uint32 {
+	return uint32(t) << 12
+}
+
+// ReleaseDir implements fuse.RawFileSystem.
+func (fs *FS) ReleaseDir(in *fuse.ReleaseIn) { fs.release(in.Fh) }
+
+// FsyncDir implements fuse.RawFileSystem.
+func (fs *FS) FsyncDir(_ <-chan struct{}, in *fuse.FsyncIn) fuse.Status {
+	h, st := fs.handle(in.Fh)
+	if !st.Ok() {
+		return st
+	}
+	return status(h.FSync())
+}
+
+// StatFs implements fuse.RawFileSystem.
+func (fs *FS) StatFs(_ <-chan struct{}, h *fuse.InHeader, out *fuse.StatfsOut) fuse.Status {
+	f, st := fs.file(h.NodeId)
+	if !st.Ok() {
+		return st
+	}
+	s, err := f.StatFS()
+	if err != nil {
+		return status(err)
+	}
+	*out = fuse.StatfsOut{
+		Blocks: s.Blocks, Bfree: s.BlocksFree, Bavail: s.BlocksAvailable,
+		Files: s.Files, Ffree: s.FilesFree,
+		Bsize: s.BlockSize, NameLen: s.NameLength, Frsize: s.BlockSize,
+	}
+	return fuse.OK
+}
+
+// GetXAttr implements fuse.RawFileSystem: with dest empty, the value's
+// size; with dest too small, ERANGE.
+func (fs *FS) GetXAttr(_ <-chan struct{}, h *fuse.InHeader, attr string, dest []byte) (uint32, fuse.Status) {
+	f, st := fs.file(h.NodeId)
+	if !st.Ok() {
+		return 0, st
+	}
+	v, err := f.GetXattr(attr)
+	if err != nil {
+		return 0, status(err)
+	}
+	return sized(v, dest)
+}
+
+// sized answers an extended attribute request of dest's size for v.
+func sized(v, dest []byte) (uint32, fuse.Status) {
+	if len(dest) == 0 {
+		return uint32(len(v)), fuse.OK
+	}
+	if len(dest) < len(v) {
+		return 0, fuse.ERANGE
+	}
+	return uint32(copy(dest, v)), fuse.OK
+}
+
+// ListXAttr implements fuse.RawFileSystem: names, each ended by NUL.
+func (fs *FS) ListXAttr(_ <-chan struct{}, h *fuse.InHeader, dest []byte) (uint32, fuse.Status) {
+	f, st := fs.file(h.NodeId)
+	if !st.Ok() {
+		return 0, st
+	}
+	names, err := f.ListXattrs()
+	if err != nil {
+		return 0, status(err)
+	}
+	var v []byte
+	for _, n := range names {
+		if n != "" {
+			v = append(append(v, n...), 0)
+		}
+	}
+	return sized(v, dest)
+}
+
+// SetXAttr implements fuse.RawFileSystem.
+func (fs *FS) SetXAttr(_ <-chan struct{}, in *fuse.SetXAttrIn, attr string, data []byte) fuse.Status {
+	f, st := fs.file(in.NodeId)
+	if !st.Ok() {
+		return st
+	}
+	return status(f.SetXattr(attr, data, p9.XattrFlags(in.Flags)))
+}
+
+// RemoveXAttr implements fuse.RawFileSystem.
+func (fs *FS) RemoveXAttr(_ <-chan struct{}, h *fuse.InHeader, attr string) fuse.Status {
+	f, st := fs.file(h.NodeId)
+	if !st.Ok() {
+		return st
+	}
+	return status(f.RemoveXattr(attr))
+}
+
+// Access implements fuse.RawFileSystem: virtio-fs mounts check
+// permissions in the guest (default_permissions), so nothing is asked.
+func (fs *FS) Access(<-chan struct{}, *fuse.AccessIn) fuse.Status { return fuse.ENOSYS }

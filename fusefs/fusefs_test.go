@@ -1,0 +1,202 @@
+package fusefs
+
+import (
+	"os"
+	"path/filepath"
+	"testing"
+
+	"github.com/hanwen/go-fuse/v2/fuse"
+	"golang.org/x/sys/unix"
+
+	"github.com/capsa-sandbox/capsa/p9fs"
+)
+
+// newFS serves dir over FUSE, as a virtio-fs device does.
+func newFS(t *testing.T, dir string, o p9fs.Options) *FS {
+	t.Helper()
+	a, err := p9fs.New(dir, o)
+	if err != nil {
+		t.Fatal(err)
+	}
+	fs, err := New(a, Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { fs.Close() })
+	return fs
+}
+
+func hdr(node uint64) fuse.InHeader {
+	return fuse.InHeader{NodeId: node, Caller: fuse.Caller{Owner: fuse.Owner{Uid: uint32(os.Getuid()), Gid: uint32(os.Getgid())}}}
+}
+
+func lookup(t *testing.T, fs *FS, parent uint64, name string) (fuse.EntryOut, fuse.Status) {
+	t.Helper()
+	h := hdr(parent)
+	var out fuse.EntryOut
+	st := fs.Lookup(nil, &h, name, &out)
+	return out, st
+}
+
+// create makes name in parent with data and closes it, returning its node.
+func create(t *testing.T, fs *FS, parent uint64, name, data string) uint64 {
+	t.Helper()
+	in := fuse.CreateIn{InHeader: hdr(parent), Flags: unix.O_RDWR | unix.O_CREAT | unix.O_EXCL, Mode: 0o644}
+	var out fuse.CreateOut
+	if st := fs.Create(nil, &in, name, &out); !st.Ok() {
+		t.Fatalf("create %s: %v", name, st)
+	}
+	if data != "" {
+		n, st := fs.Write(nil, &fuse.WriteIn{InHeader: hdr(out.NodeId), Fh: out.Fh}, []byte(data))
+		if !st.Ok() || int(n) != len(data) {
+			t.Fatalf("write %s: %d, %v", name, n, st)
+		}
+	}
+	fs.Release(nil, &fuse.ReleaseIn{InHeader: hdr(out.NodeId), Fh: out.Fh})
+	return out.NodeId
+}
+
+func TestFileOperations(t *testing.T) {
+	dir := t.TempDir()
+	fs := newFS(t, dir, p9fs.Options{})
+
+	// A name that does not exist is a negative entry, kept for the timeout.
+	out, st := lookup(t, fs, rootID, "missing")
+	if !st.Ok() || out.NodeId != 0 || out.EntryTimeout() == 0 {
+		t.Fatalf("lookup of a missing name: node %d, timeout %v, %v; want a negative entry", out.NodeId, out.EntryTimeout(), st)
+	}
+
+	a := create(t, fs, rootID, "a", "hello")
+	if got, _ := os.ReadFile(filepath.Join(dir, "a")); string(got) != "hello" {
+		t.Fatalf("host sees %q, want hello", got)
+	}
+	// One inode is one node, however it is looked up.
+	again, st := lookup(t, fs, rootID, "a")
+	if !st.Ok() || again.NodeId != a || again.Size != 5 || again.Mode&unix.S_IFMT != unix.S_IFREG {
+		t.Fatalf("lookup a: node %d (created %d), size %d, mode %o, %v", again.NodeId, a, again.Size, again.Mode, st)
+	}
+
+	// Truncate by path (no handle).
+	var attr fuse.AttrOut
+	if st := fs.SetAttr(nil, &fuse.SetAttrIn{SetAttrInCommon: fuse.SetAttrInCommon{InHeader: hdr(a), Valid: fuse.FATTR_SIZE, Size: 2}}, &attr); !st.Ok() || attr.Size != 2 {
+		t.Fatalf("truncate: size %d, %v", attr.Size, st)
+	}
+
+	// An empty attribute list is empty, not one empty name.
+	h := hdr(a)
+	if n, st := fs.ListXAttr(nil, &h, nil); !st.Ok() || n != 0 {
+		t.Fatalf("listxattr of a new file: %d bytes, %v; want 0", n, st)
+	}
+
+	// Renames across directories, and renameat2's flags.
+	mk := fuse.MkdirIn{InHeader: hdr(rootID), Mode: 0o755}
+	var d fuse.EntryOut
+	if st := fs.Mkdir(nil, &mk, "d", &d); !st.Ok() {
+		t.Fatalf("mkdir: %v", st)
+	}
+	if st := fs.Rename(nil, &fuse.RenameIn{InHeader: hdr(rootID), Newdir: d.NodeId}, "a", "b"); !st.Ok() {
+		t.Fatalf("rename a to d/b: %v", st)
+	}
+	cNode := create(t, fs, rootID, "c", "other")
+	if st := fs.Rename(nil, &fuse.RenameIn{InHeader: hdr(rootID), Newdir: d.NodeId, Flags: unix.RENAME_NOREPLACE}, "c", "b"); st != fuse.Status(unix.EEXIST) {
+		t.Fatalf("rename with RENAME_NOREPLACE over a file: %v, want EEXIST", st)
+	}
+	if st := fs.Rename(nil, &fuse.RenameIn{InHeader: hdr(rootID), Newdir: d.NodeId, Flags: unix.RENAME_EXCHANGE}, "c", "b"); !st.Ok() {
+		t.Fatalf("rename with RENAME_EXCHANGE: %v", st)
+	}
+	if got, _ := os.ReadFile(filepath.Join(dir, "c")); string(got) != "he" {
+		t.Fatalf("after the exchange c holds %q, want he", got)
+	}
+
+	// A hard link is the same node.
+	var l fuse.EntryOut
+	if st := fs.Link(nil, &fuse.LinkIn{InHeader: hdr(rootID), Oldnodeid: a}, "hard", &l); !st.Ok() || l.NodeId != a {
+		t.Fatalf("link: node %d (target %d), %v", l.NodeId, a, st)
+	}
+
+	// The listing has every entry.
+	var open fuse.OpenOut
+	if st := fs.OpenDir(nil, &fuse.OpenIn{InHeader: hdr(rootID)}, &open); !st.Ok() {
+		t.Fatalf("opendir: %v", st)
+	}
+	buf := make([]byte, 4096)
+	list := fuse.NewDirEntryList(buf, 0)
+	if st := fs.ReadDir(nil, &fuse.ReadIn{InHeader: hdr(rootID), Fh: open.Fh, Size: 4096}, list); !st.Ok() {
+		t.Fatalf("readdir: %v", st)
+	}
+	fs.ReleaseDir(&fuse.ReleaseIn{Fh: open.Fh})
+
+	// After the exchange, c is a's inode: the same node.
+	c, _ := lookup(t, fs, rootID, "c")
+	if c.NodeId != a {
+		t.Fatalf("c after the exchange is node %d, want a's %d", c.NodeId, a)
+	}
+
+	// Forgetting every lookup releases every node but the root.
+	fs.Forget(a, 4) // created, looked up, linked, looked up as c
+	fs.Forget(cNode, 1)
+	fs.Forget(d.NodeId, 1)
+	if n, hs := fs.Nodes(); n != 1 || hs != 0 {
+		t.Fatalf("after every forget and release: %d nodes, %d handles; want the root alone", n, hs)
+	}
+}
+
+// TestNoEscape: a symlink is data; a lookup through one (which only a
+// hostile guest kernel sends) never leaves the share.
+func TestNoEscape(t *testing.T) {
+	dir := t.TempDir()
+	outside := t.TempDir()
+	if err := os.WriteFile(filepath.Join(outside, "secret"), []byte("x"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	fs := newFS(t, dir, p9fs.Options{})
+	h := hdr(rootID)
+	var l fuse.EntryOut
+	if st := fs.Symlink(nil, &h, outside, "l", &l); !st.Ok() {
+		t.Fatalf("symlink: %v", st)
+	}
+	if _, st := lookup(t, fs, l.NodeId, "secret"); st.Ok() {
+		t.Fatal("a lookup through a symlink found the file it points to outside the share")
+	}
+	for _, name := range []string{"..", ".", "a/b", ""} {
+		if out, st := lookup(t, fs, rootID, name); st.Ok() && out.NodeId != 0 {
+			t.Errorf("lookup of %q answered node %d", name, out.NodeId)
+		}
+	}
+}
+
+// TestReadOnly: a read-only share refuses every change.
+func TestReadOnly(t *testing.T) {
+	dir := t.TempDir()
+	if err := os.WriteFile(filepath.Join(dir, "f"), []byte("x"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	fs := newFS(t, dir, p9fs.Options{ReadOnly: true})
+	in := fuse.CreateIn{InHeader: hdr(rootID), Flags: unix.O_RDWR | unix.O_CREAT, Mode: 0o644}
+	var out fuse.CreateOut
+	if st := fs.Create(nil, &in, "new", &out); st != fuse.Status(unix.EROFS) {
+		t.Errorf("create on a read-only share: %v, want EROFS", st)
+	}
+	f, _ := lookup(t, fs, rootID, "f")
+	var open fuse.OpenOut
+	if st := fs.Open(nil, &fuse.OpenIn{InHeader: hdr(f.NodeId), Flags: unix.O_WRONLY}, &open); st != fuse.Status(unix.EROFS) {
+		t.Errorf("open for writing on a read-only share: %v, want EROFS", st)
+	}
+}
+
+// TestFallocate: fallocate(2) on an open file, as FUSE_FALLOCATE asks.
+func TestFallocate(t *testing.T) {
+	dir := t.TempDir()
+	fs := newFS(t, dir, p9fs.Options{})
+	in := fuse.CreateIn{InHeader: hdr(rootID), Flags: unix.O_RDWR | unix.O_CREAT | unix.O_EXCL, Mode: 0o644}
+	var out fuse.CreateOut
+	if st := fs.Create(nil, &in, "f", &out); !st.Ok() {
+		t.Fatalf("create: %v", st)
+	}
+	if st := fs.Fallocate(nil, &fuse.FallocateIn{InHeader: hdr(out.NodeId), Fh: out.Fh, Length: 8192}); !st.Ok() {
+		t.Fatalf("fallocate: %v", st)
+	}
+	if fi, err := os.Stat(filepath.Join(dir, "f")); err != nil || fi.Size() != 8192 {
+		t.Fatalf("after fallocate of 8 KiB: %v, %v", fi.Size(), err)
+	}
+}
