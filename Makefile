@@ -162,8 +162,8 @@ test-e2e: capsa testinitrd testimages nested-deps qemu-bundle mcp-client contain
 	CGO_ENABLED=0 $(GO) build -tags capsa_builtin -o $(BUILD)/e2e/example-sandbox ./examples/sandbox
 	CGO_ENABLED=0 $(GO) build -ldflags "-X $(ASSETS_PKG).Prefix=/tmp/capsa-e2e-prefix" -o $(BUILD)/e2e/example-assets ./examples/sandbox
 	l1=$$(scripts/nested-deps.sh) && tests/run-e2e.sh $(NESTED) $(BUILD)/e2e $(E2E_FILES) $(BUILD)/e2e/example-sandbox $(BUILD)/testimages:testimages \
-		'$(BUILD)/mcp-client:mcp-client@^(TestMCP|TestWorkspacePrograms|TestE2BSDK)$$' \
-		$(BUILD)/toolsimage/tools.tar.gz:tools.tar.gz@^TestWorkspacePrograms$$ \
+		'$(BUILD)/mcp-client:mcp-client@^(TestMCP|TestWorkspacePrograms|TestWorkspaceProgramsVirtioFS|TestE2BSDK)$$' \
+		'$(BUILD)/toolsimage/tools.tar.gz:tools.tar.gz@^TestWorkspacePrograms(VirtioFS)?$$' \
 		$(BUILD)/containerd:containerd@^TestContainerd $(BUILD)/containerd2:containerd2@^TestContainerd \
 		$(BUILD)/cri-tools:cri-tools@^TestContainerdCRI$$ \
 		$(BUILD)/e2e/example-assets@^TestLibraryAssets$$ $(BUILD)/assets:assets@^TestLibraryAssets$$ \
@@ -212,7 +212,7 @@ test-programs: capsa testinitrd testimages nested-deps qemu-bundle mcp-client $(
 	CGO_ENABLED=0 $(GO) test -c -o $(BUILD)/programs/e2e.test ./tests/e2e
 	set -o pipefail; $(NESTED) --timeout 80m -f $(BUILD)/programs/e2e.test $(patsubst %,-f %,$(E2E_FILES)) -f $(BUILD)/testimages:testimages \
 		-f $(BUILD)/mcp-client:mcp-client -f $(BUILD)/toolsimage/tools.tar.gz:tools.tar.gz -- \
-		./e2e.test -test.run '^(TestWorkspacePrograms|TestPosixSuite|TestWorkspaceFidelity)$$' -test.v -test.timeout 75m -programs.all \
+		./e2e.test -test.run '^(TestWorkspacePrograms|TestPosixSuite|TestWorkspaceFidelity)(VirtioFS)?$$' -test.v -test.timeout 75m -programs.all \
 		| tee $(BUILD)/programs/results.txt
 
 # Benchmarks, in the nested host where this machine has no /dev/kvm: boot to

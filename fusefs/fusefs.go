@@ -18,22 +18,30 @@
 // budget (p9fs.Options.MaxFDs: past it the guest gets ENFILE). The root is
 // node 1 and is never forgotten.
 //
-// An open file or directory is a handle: a second File of the node's inode,
-// opened for I/O. Handles are bounded by the same budget.
+// Files have no handles: OPEN and CREATE answer ENOSYS, on which the
+// guest kernel stops sending OPEN and RELEASE for files and makes them with
+// MKNOD, and each READ, WRITE, FSYNC or FALLOCATE opens the node's inode
+// for itself and closes it after (a few host system calls, where an OPEN
+// and a RELEASE would be two round trips through the guest's queue). An
+// open directory is a handle: a second File of its inode, opened, whose
+// offsets a listing resumes from. Handles are bounded by the same budget.
 //
 // # What the guest caches
 //
 // Entries (names, and names that do not exist) and attributes are valid
-// for Options.Timeout (default 1 s), as a 9P share's names are: a change
-// the host makes is seen within that time. Open replies carry no
-// FOPEN_KEEP_CACHE, so the guest drops a file's cached pages at each open
-// and reads what the host has then; writes go straight to the host (no
-// writeback cache is negotiated). POSIX and BSD locks are not negotiated,
-// so the guest kernel keeps them itself, which is right for one guest.
+// for Options.Timeout (default 1 s), as a 9P share's names are. A file's
+// pages stay cached across opens (FOPEN_KEEP_CACHE, which a kernel that
+// opens without OPEN assumes) until a refresh of its attributes shows its
+// size or modification time changed (FUSE_AUTO_INVAL_DATA): a change the
+// host makes, to names, attributes or contents, is seen within the
+// timeout. Writes go straight to the host (no writeback cache is
+// negotiated) and FLUSH answers ENOSYS, which the guest then stops
+// sending. POSIX and BSD locks are not negotiated, so the guest kernel
+// keeps them itself, which is right for one guest.
 //
 // # Not served
 //
-// Device nodes (p9fs refuses them), FUSE_TMPFILE, LSEEK's
+// Device nodes (p9fs refuses them), LSEEK's
 // SEEK_DATA/SEEK_HOLE, COPY_FILE_RANGE, IOCTL, POLL and READDIRPLUS answer
 // ENOSYS, on which the guest kernel falls back or fails as it documents.
 package fusefs
@@ -68,6 +76,11 @@ type Options struct {
 // allocator is p9fs's fallocate(2) on an open file.
 type allocator interface {
 	Allocate(mode uint32, off, length uint64) error
+}
+
+// tmpfiler is p9fs's open(2) with O_TMPFILE.
+type tmpfiler interface {
+	Tmpfile(flags p9.OpenFlags, perm p9.FileMode, uid p9.UID, gid p9.GID) (p9.File, p9.QID, error)
 }
 
 // renamer is p9fs's rename with renameat2(2)'s flags.
@@ -527,88 +540,100 @@ func (fs *FS) Readlink(_ <-chan struct{}, h *fuse.InHeader) ([]byte, fuse.Status
 }
 
 // open clones node id's File and opens the clone as flags say.
-func (fs *FS) open(id uint64, flags uint32) (uint64, fuse.Status) {
+func (fs *FS) open(id uint64, flags uint32) (p9.File, fuse.Status) {
 	f, st := fs.file(id)
 	if !st.Ok() {
-		return 0, st
+		return nil, st
 	}
 	_, c, err := f.Walk(nil)
 	if err != nil {
-		return 0, status(err)
+		return nil, status(err)
 	}
 	if _, _, err := c.Open(p9.OpenFlags(flags)); err != nil {
 		c.Close()
-		return 0, status(err)
+		return nil, status(err)
 	}
-	return fs.addHandle(c)
+	return c, fuse.OK
 }
 
-// Open implements fuse.RawFileSystem. The guest's cached pages of the
-// file are dropped (no FOPEN_KEEP_CACHE): each open reads what the host
-// has.
-func (fs *FS) Open(_ <-chan struct{}, in *fuse.OpenIn, out *fuse.OpenOut) fuse.Status {
-	fh, st := fs.open(in.NodeId, in.Flags)
-	if st.Ok() {
-		*out = fuse.OpenOut{Fh: fh}
-	}
-	return st
+// Open implements fuse.RawFileSystem: ENOSYS, on which the guest kernel
+// stops sending OPEN and RELEASE for files (fc->no_open) and does their
+// I/O by node (handle 0, see io), keeping a file's cached pages across
+// opens until a refresh of its attributes shows it changed
+// (FUSE_AUTO_INVAL_DATA). An open and a close are then no round trip.
+func (fs *FS) Open(<-chan struct{}, *fuse.OpenIn, *fuse.OpenOut) fuse.Status {
+	return fuse.ENOSYS
 }
 
-// Create implements fuse.RawFileSystem: a new file, opened, in one request.
-func (fs *FS) Create(_ <-chan struct{}, in *fuse.CreateIn, name string, out *fuse.CreateOut) fuse.Status {
+// Create implements fuse.RawFileSystem: ENOSYS, for the reason Open
+// gives: the guest kernel then makes files with MKNOD (fc->no_create),
+// and a CREATE's handle, which no RELEASE would ever free once the guest
+// opens without OPEN, is never made.
+func (fs *FS) Create(<-chan struct{}, *fuse.CreateIn, string, *fuse.CreateOut) fuse.Status {
+	return fuse.ENOSYS
+}
+
+// Tmpfile implements fuse.RawFileSystem: open(2) with O_TMPFILE, a file
+// with no name until a LINK gives it one. Its node pins it; the reply's
+// handle is 0, as for every file (Open).
+func (fs *FS) Tmpfile(_ <-chan struct{}, in *fuse.CreateIn, out *fuse.CreateOut) fuse.Status {
 	dir, st := fs.file(in.NodeId)
 	if !st.Ok() {
 		return st
 	}
-	if in.Flags&unix.O_EXCL == 0 {
-		// The guest looked the name up first and found nothing; if the
-		// host made it meanwhile, open what is there, as open(2) would.
-		if st := fs.lookup(dir, name, &out.EntryOut); st.Ok() {
-			fh, st := fs.open(out.NodeId, in.Flags&^unix.O_CREAT)
-			if !st.Ok() {
-				fs.Forget(out.NodeId, 1)
-				return st
-			}
-			out.OpenOut = fuse.OpenOut{Fh: fh}
-			return fuse.OK
-		}
+	t, ok := dir.(tmpfiler)
+	if !ok {
+		return fuse.ENOSYS
 	}
 	gid, mode := inherit(dir, in.Gid, in.Mode&07777&^in.Umask, false)
-	nf, _, _, err := dir.Create(name, p9.OpenFlags(in.Flags), p9.FileMode(mode), p9.UID(in.Uid), gid)
+	nf, _, err := t.Tmpfile(p9.OpenFlags(in.Flags), p9.FileMode(mode), p9.UID(in.Uid), gid)
 	if err != nil {
 		return status(err)
 	}
-	// nf is opened; the node is a clone of it, pinned and not opened.
+	defer nf.Close()
 	_, pinned, err := nf.Walk(nil)
 	if err != nil {
-		nf.Close()
 		return status(err)
 	}
 	qid, _, a, err := pinned.GetAttr(allAttrs)
 	if err != nil {
-		nf.Close()
 		pinned.Close()
 		return status(err)
 	}
 	if st := fs.remember(pinned, qid, a, &out.EntryOut); !st.Ok() {
-		nf.Close()
 		return st
 	}
-	fh, st := fs.addHandle(nf)
-	if !st.Ok() {
-		fs.Forget(out.NodeId, 1)
-		return st
-	}
-	out.OpenOut = fuse.OpenOut{Fh: fh}
+	out.OpenOut = fuse.OpenOut{}
 	return fuse.OK
+}
+
+// io returns the file a READ, WRITE, FSYNC or FALLOCATE acts on: its
+// handle where it has one (never, since OPEN answers ENOSYS), else node
+// id's file opened for this request alone (for writing when write), and
+// what to call when done.
+func (fs *FS) io(id, fh uint64, write bool) (p9.File, func(), fuse.Status) {
+	if fh != 0 {
+		h, st := fs.handle(fh)
+		return h, func() {}, st
+	}
+	flags := uint32(unix.O_RDONLY)
+	if write {
+		flags = unix.O_WRONLY
+	}
+	f, st := fs.open(id, flags)
+	if !st.Ok() {
+		return nil, nil, st
+	}
+	return f, func() { f.Close() }, fuse.OK
 }
 
 // Read implements fuse.RawFileSystem.
 func (fs *FS) Read(_ <-chan struct{}, in *fuse.ReadIn, buf []byte) (fuse.ReadResult, fuse.Status) {
-	h, st := fs.handle(in.Fh)
+	h, done, st := fs.io(in.NodeId, in.Fh, false)
 	if !st.Ok() {
 		return nil, st
 	}
+	defer done()
 	if int(in.Size) < len(buf) {
 		buf = buf[:in.Size]
 	}
@@ -621,10 +646,11 @@ func (fs *FS) Read(_ <-chan struct{}, in *fuse.ReadIn, buf []byte) (fuse.ReadRes
 
 // Write implements fuse.RawFileSystem.
 func (fs *FS) Write(_ <-chan struct{}, in *fuse.WriteIn, data []byte) (uint32, fuse.Status) {
-	h, st := fs.handle(in.Fh)
+	h, done, st := fs.io(in.NodeId, in.Fh, true)
 	if !st.Ok() {
 		return 0, st
 	}
+	defer done()
 	n, err := h.WriteAt(data, int64(in.Offset))
 	if err != nil && n == 0 {
 		return 0, status(err)
@@ -635,10 +661,11 @@ func (fs *FS) Write(_ <-chan struct{}, in *fuse.WriteIn, data []byte) (uint32, f
 // Writev implements fuse.RawFileSystem: the pieces of one write, which
 // lie in separate stretches of guest memory, written in order.
 func (fs *FS) Writev(_ <-chan struct{}, in *fuse.WriteIn, data [][]byte) (uint32, fuse.Status) {
-	h, st := fs.handle(in.Fh)
+	h, done, st := fs.io(in.NodeId, in.Fh, true)
 	if !st.Ok() {
 		return 0, st
 	}
+	defer done()
 	var total uint32
 	off := int64(in.Offset)
 	for _, d := range data {
@@ -657,10 +684,11 @@ func (fs *FS) Writev(_ <-chan struct{}, in *fuse.WriteIn, data [][]byte) (uint32
 
 // Fallocate implements fuse.RawFileSystem.
 func (fs *FS) Fallocate(_ <-chan struct{}, in *fuse.FallocateIn) fuse.Status {
-	h, st := fs.handle(in.Fh)
+	h, done, st := fs.io(in.NodeId, in.Fh, true)
 	if !st.Ok() {
 		return st
 	}
+	defer done()
 	a, ok := h.(allocator)
 	if !ok {
 		return fuse.ENOSYS
@@ -668,15 +696,19 @@ func (fs *FS) Fallocate(_ <-chan struct{}, in *fuse.FallocateIn) fuse.Status {
 	return status(a.Allocate(in.Mode, in.Offset, in.Length))
 }
 
-// Flush implements fuse.RawFileSystem: writes went to the host already.
-func (fs *FS) Flush(<-chan struct{}, *fuse.FlushIn) fuse.Status { return fuse.OK }
+// Flush implements fuse.RawFileSystem: writes went to the host already,
+// and the guest keeps locks itself, so a close has nothing to tell the
+// server. ENOSYS makes the guest kernel stop sending FLUSH at every close
+// (fc->no_flush): one round trip a close fewer.
+func (fs *FS) Flush(<-chan struct{}, *fuse.FlushIn) fuse.Status { return fuse.ENOSYS }
 
 // Fsync implements fuse.RawFileSystem.
 func (fs *FS) Fsync(_ <-chan struct{}, in *fuse.FsyncIn) fuse.Status {
-	h, st := fs.handle(in.Fh)
+	h, done, st := fs.io(in.NodeId, in.Fh, false)
 	if !st.Ok() {
 		return st
 	}
+	defer done()
 	return status(h.FSync())
 }
 
@@ -697,7 +729,11 @@ func (fs *FS) release(fh uint64) {
 
 // OpenDir implements fuse.RawFileSystem.
 func (fs *FS) OpenDir(_ <-chan struct{}, in *fuse.OpenIn, out *fuse.OpenOut) fuse.Status {
-	fh, st := fs.open(in.NodeId, unix.O_RDONLY)
+	d, st := fs.open(in.NodeId, unix.O_RDONLY)
+	if !st.Ok() {
+		return st
+	}
+	fh, st := fs.addHandle(d)
 	if st.Ok() {
 		*out = fuse.OpenOut{Fh: fh}
 	}

@@ -38,21 +38,22 @@ func lookup(t *testing.T, fs *FS, parent uint64, name string) (fuse.EntryOut, fu
 	return out, st
 }
 
-// create makes name in parent with data and closes it, returning its node.
+// create makes name in parent with data, as the guest kernel does once
+// CREATE and OPEN answer ENOSYS (MKNOD, then WRITE by node), returning its
+// node.
 func create(t *testing.T, fs *FS, parent uint64, name, data string) uint64 {
 	t.Helper()
-	in := fuse.CreateIn{InHeader: hdr(parent), Flags: unix.O_RDWR | unix.O_CREAT | unix.O_EXCL, Mode: 0o644}
-	var out fuse.CreateOut
-	if st := fs.Create(nil, &in, name, &out); !st.Ok() {
-		t.Fatalf("create %s: %v", name, st)
+	in := fuse.MknodIn{InHeader: hdr(parent), Mode: unix.S_IFREG | 0o644}
+	var out fuse.EntryOut
+	if st := fs.Mknod(nil, &in, name, &out); !st.Ok() {
+		t.Fatalf("mknod %s: %v", name, st)
 	}
 	if data != "" {
-		n, st := fs.Write(nil, &fuse.WriteIn{InHeader: hdr(out.NodeId), Fh: out.Fh}, []byte(data))
+		n, st := fs.Write(nil, &fuse.WriteIn{InHeader: hdr(out.NodeId)}, []byte(data))
 		if !st.Ok() || int(n) != len(data) {
 			t.Fatalf("write %s: %d, %v", name, n, st)
 		}
 	}
-	fs.Release(nil, &fuse.ReleaseIn{InHeader: hdr(out.NodeId), Fh: out.Fh})
 	return out.NodeId
 }
 
@@ -66,9 +67,25 @@ func TestFileOperations(t *testing.T) {
 		t.Fatalf("lookup of a missing name: node %d, timeout %v, %v; want a negative entry", out.NodeId, out.EntryTimeout(), st)
 	}
 
+	// Files are opened by the guest without OPEN: CREATE and OPEN
+	// answer ENOSYS.
+	var co fuse.CreateOut
+	if st := fs.Create(nil, &fuse.CreateIn{InHeader: hdr(rootID), Flags: unix.O_RDWR | unix.O_CREAT}, "x", &co); st != fuse.ENOSYS {
+		t.Fatalf("create: %v, want ENOSYS", st)
+	}
+	var oo fuse.OpenOut
+	if st := fs.Open(nil, &fuse.OpenIn{InHeader: hdr(rootID)}, &oo); st != fuse.ENOSYS {
+		t.Fatalf("open: %v, want ENOSYS", st)
+	}
 	a := create(t, fs, rootID, "a", "hello")
 	if got, _ := os.ReadFile(filepath.Join(dir, "a")); string(got) != "hello" {
 		t.Fatalf("host sees %q, want hello", got)
+	}
+	buf := make([]byte, 64)
+	if r, st := fs.Read(nil, &fuse.ReadIn{InHeader: hdr(a), Size: 64}, buf); !st.Ok() {
+		t.Fatalf("read by node: %v", st)
+	} else if got, _ := r.Bytes(nil); string(got) != "hello" {
+		t.Fatalf("read by node: %q", got)
 	}
 	// One inode is one node, however it is looked up.
 	again, st := lookup(t, fs, rootID, "a")
@@ -119,8 +136,7 @@ func TestFileOperations(t *testing.T) {
 	if st := fs.OpenDir(nil, &fuse.OpenIn{InHeader: hdr(rootID)}, &open); !st.Ok() {
 		t.Fatalf("opendir: %v", st)
 	}
-	buf := make([]byte, 4096)
-	list := fuse.NewDirEntryList(buf, 0)
+	list := fuse.NewDirEntryList(make([]byte, 4096), 0)
 	if st := fs.ReadDir(nil, &fuse.ReadIn{InHeader: hdr(rootID), Fh: open.Fh, Size: 4096}, list); !st.Ok() {
 		t.Fatalf("readdir: %v", st)
 	}
@@ -133,7 +149,7 @@ func TestFileOperations(t *testing.T) {
 	}
 
 	// Forgetting every lookup releases every node but the root.
-	fs.Forget(a, 4) // created, looked up, linked, looked up as c
+	fs.Forget(a, 4) // made, looked up, linked, looked up as c
 	fs.Forget(cNode, 1)
 	fs.Forget(d.NodeId, 1)
 	if n, hs := fs.Nodes(); n != 1 || hs != 0 {
@@ -172,31 +188,57 @@ func TestReadOnly(t *testing.T) {
 		t.Fatal(err)
 	}
 	fs := newFS(t, dir, p9fs.Options{ReadOnly: true})
-	in := fuse.CreateIn{InHeader: hdr(rootID), Flags: unix.O_RDWR | unix.O_CREAT, Mode: 0o644}
-	var out fuse.CreateOut
-	if st := fs.Create(nil, &in, "new", &out); st != fuse.Status(unix.EROFS) {
-		t.Errorf("create on a read-only share: %v, want EROFS", st)
+	var out fuse.EntryOut
+	if st := fs.Mknod(nil, &fuse.MknodIn{InHeader: hdr(rootID), Mode: unix.S_IFREG | 0o644}, "new", &out); st != fuse.Status(unix.EROFS) {
+		t.Errorf("mknod on a read-only share: %v, want EROFS", st)
 	}
 	f, _ := lookup(t, fs, rootID, "f")
-	var open fuse.OpenOut
-	if st := fs.Open(nil, &fuse.OpenIn{InHeader: hdr(f.NodeId), Flags: unix.O_WRONLY}, &open); st != fuse.Status(unix.EROFS) {
-		t.Errorf("open for writing on a read-only share: %v, want EROFS", st)
+	if _, st := fs.Write(nil, &fuse.WriteIn{InHeader: hdr(f.NodeId)}, []byte("y")); st != fuse.Status(unix.EROFS) {
+		t.Errorf("write on a read-only share: %v, want EROFS", st)
 	}
 }
 
-// TestFallocate: fallocate(2) on an open file, as FUSE_FALLOCATE asks.
+// TestFallocate: fallocate(2) by node, as FUSE_FALLOCATE asks.
 func TestFallocate(t *testing.T) {
 	dir := t.TempDir()
 	fs := newFS(t, dir, p9fs.Options{})
-	in := fuse.CreateIn{InHeader: hdr(rootID), Flags: unix.O_RDWR | unix.O_CREAT | unix.O_EXCL, Mode: 0o644}
-	var out fuse.CreateOut
-	if st := fs.Create(nil, &in, "f", &out); !st.Ok() {
-		t.Fatalf("create: %v", st)
-	}
-	if st := fs.Fallocate(nil, &fuse.FallocateIn{InHeader: hdr(out.NodeId), Fh: out.Fh, Length: 8192}); !st.Ok() {
+	f := create(t, fs, rootID, "f", "")
+	if st := fs.Fallocate(nil, &fuse.FallocateIn{InHeader: hdr(f), Length: 8192}); !st.Ok() {
 		t.Fatalf("fallocate: %v", st)
 	}
 	if fi, err := os.Stat(filepath.Join(dir, "f")); err != nil || fi.Size() != 8192 {
 		t.Fatalf("after fallocate of 8 KiB: %v, %v", fi.Size(), err)
+	}
+}
+
+// TestTmpfile: O_TMPFILE makes a file with no name, which LINK names.
+func TestTmpfile(t *testing.T) {
+	dir := t.TempDir()
+	fs := newFS(t, dir, p9fs.Options{})
+	in := fuse.CreateIn{InHeader: hdr(rootID), Flags: unix.O_RDWR, Mode: 0o600}
+	var out fuse.CreateOut
+	if st := fs.Tmpfile(nil, &in, &out); !st.Ok() {
+		t.Fatalf("tmpfile: %v", st)
+	}
+	if ents, _ := os.ReadDir(dir); len(ents) != 0 {
+		t.Fatalf("a tmpfile has a name: %v", ents)
+	}
+	if out.Fh != 0 {
+		t.Fatalf("tmpfile: handle %d, want 0 (I/O by node)", out.Fh)
+	}
+	if n, st := fs.Write(nil, &fuse.WriteIn{InHeader: hdr(out.NodeId)}, []byte("data")); !st.Ok() || n != 4 {
+		t.Fatalf("write: %d, %v", n, st)
+	}
+	var l fuse.EntryOut
+	if st := fs.Link(nil, &fuse.LinkIn{InHeader: hdr(rootID), Oldnodeid: out.NodeId}, "named", &l); !st.Ok() || l.NodeId != out.NodeId {
+		t.Fatalf("link of the tmpfile: node %d (tmpfile %d), %v", l.NodeId, out.NodeId, st)
+	}
+	if got, err := os.ReadFile(filepath.Join(dir, "named")); err != nil || string(got) != "data" {
+		t.Fatalf("the linked tmpfile holds %q, %v", got, err)
+	}
+	// A read-only tmpfile is refused, as open(2) refuses it.
+	in.Flags = unix.O_RDONLY
+	if st := fs.Tmpfile(nil, &in, &out); st != fuse.EINVAL {
+		t.Fatalf("read-only tmpfile: %v, want EINVAL", st)
 	}
 }

@@ -692,10 +692,67 @@ func (f *file) Create(name string, flags p9.OpenFlags, perm p9.FileMode, uid p9.
 	if err := unix.Fchmod(ofd, mode); err != nil {
 		f.s.log.Debug("chmod of new file failed", "name", name, "err", err)
 	}
-	fail := func(err error) (p9.File, p9.QID, uint32, error) {
-		unix.Close(ofd)
-		f.s.release(1)
+	nf, qid, err := f.s.adopt(ofd, fl, uid, gid)
+	if err != nil {
 		return nil, p9.QID{}, 0, err
+	}
+	return nf, qid, 0, nil
+}
+
+// Tmpfile makes an unnamed regular file in directory f (open(2)'s
+// O_TMPFILE), opened as flags say (read and write, or write only); Link
+// gives it a name later. 9P has no way to ask for it; a FUSE client
+// (package fusefs) does. A share with a quota refuses it (EOPNOTSUPP): an
+// inode with no name would be charged to no entry.
+func (f *file) Tmpfile(flags p9.OpenFlags, perm p9.FileMode, uid p9.UID, gid p9.GID) (p9.File, p9.QID, error) {
+	fl, err := hostOpenFlags(flags)
+	switch {
+	case err != nil:
+		return nil, p9.QID{}, err
+	case f.s.quota != nil:
+		return nil, p9.QID{}, linux.EOPNOTSUPP
+	case fl&unix.O_ACCMODE == unix.O_RDONLY:
+		return nil, p9.QID{}, linux.EINVAL
+	}
+	switch {
+	case f.s.ro:
+		return nil, p9.QID{}, linux.EROFS
+	case f.typ != unix.S_IFDIR:
+		return nil, p9.QID{}, linux.ENOTDIR
+	}
+	if err := f.rlock(); err != nil {
+		return nil, p9.QID{}, err
+	}
+	defer f.mu.RUnlock()
+	mode := safeMode(perm)
+	if err := f.s.charge(1); err != nil {
+		return nil, p9.QID{}, f.s.deny(linux.ENFILE, "tmpfile", "held", f.s.fds.Load())
+	}
+	// "." of the pinned directory: the directory itself, no name
+	// resolved.
+	ofd, err := unix.Openat(f.fd, ".", fl&^(unix.O_TRUNC|unix.O_CREAT|unix.O_EXCL)|unix.O_TMPFILE|unix.O_CLOEXEC, mode)
+	if err != nil {
+		f.s.release(1)
+		return nil, p9.QID{}, errno(err)
+	}
+	if err := unix.Fchmod(ofd, mode); err != nil {
+		f.s.log.Debug("chmod of new tmpfile failed", "err", err)
+	}
+	nf, qid, err := f.s.adopt(ofd, fl, uid, gid)
+	if err != nil {
+		return nil, p9.QID{}, err
+	}
+	return nf, qid, nil
+}
+
+// adopt makes the new file ofd, just created open with flags fl, a File
+// owned as uid and gid asked, pinned by its own O_PATH descriptor. ofd
+// counts against the budget already; on error it is closed and released.
+func (s *share) adopt(ofd, fl int, uid p9.UID, gid p9.GID) (*file, p9.QID, error) {
+	fail := func(err error) (*file, p9.QID, error) {
+		unix.Close(ofd)
+		s.release(1)
+		return nil, p9.QID{}, err
 	}
 	pfd, err := reopen(ofd, unix.O_PATH)
 	if err != nil {
@@ -706,15 +763,15 @@ func (f *file) Create(name string, flags p9.OpenFlags, perm p9.FileMode, uid p9.
 		unix.Close(pfd)
 		return fail(errno(err))
 	}
-	nf, err := newFile(f.s, pfd, st.Mode, st.Ino)
+	nf, err := newFile(s, pfd, st.Mode, st.Ino)
 	if err != nil {
 		return fail(err)
 	}
-	f.s.own(pfd, &st, uid, gid)
+	s.own(pfd, &st, uid, gid)
 	nf.ofd = ofd
 	nf.owrite = fl&unix.O_ACCMODE != unix.O_RDONLY
 	nf.oappend = fl&unix.O_APPEND != 0
-	return nf, f.s.qid(&st), 0, nil
+	return nf, s.qid(&st), nil
 }
 
 // finishNode applies mode exactly to the entry name just made in f, gives

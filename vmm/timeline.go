@@ -76,7 +76,7 @@ func (m *Machine) MarkAt(what string, at time.Duration) {
 // virtioNames name the device types capsa attaches.
 var virtioNames = map[uint32]string{
 	virtio.TypeNet: "net", virtio.TypeBlock: "block", virtio.TypeBalloon: "balloon",
-	virtio.Type9P: "9p", virtio.TypeVsock: "vsock",
+	virtio.Type9P: "9p", virtio.TypeFS: "virtio-fs", virtio.TypeVsock: "vsock",
 }
 
 // markVirtio notes the guest's first virtio-mmio access and, after a

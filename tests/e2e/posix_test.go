@@ -53,10 +53,8 @@ func TestPosixSuite(t *testing.T) {
 }
 
 // posixVirtioFSDifferences are posixShareDifferences for a virtio-fs
-// share.
-var posixVirtioFSDifferences = map[string]struct{ got, why string }{
-	"Tmpfile": {"SKIP", "capsa's FUSE server does not serve FUSE_TMPFILE yet: O_TMPFILE is EOPNOTSUPP, which the suite skips on"},
-}
+// share: none.
+var posixVirtioFSDifferences = map[string]struct{ got, why string }{}
 
 // TestPosixSuiteVirtioFS is TestPosixSuite on a virtio-fs share
 // (--share-fs virtiofs).

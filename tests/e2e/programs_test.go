@@ -56,6 +56,17 @@ func toolsImage(tb testing.TB, tag string) string {
 // runs git, tar and cp, and SQLite; -programs.all (make test-programs)
 // adds pip and npm.
 func TestWorkspacePrograms(t *testing.T) {
+	workspacePrograms(t, "9p")
+}
+
+// TestWorkspaceProgramsVirtioFS is TestWorkspacePrograms with the
+// workspace share over virtio-fs (--share-fs virtiofs).
+func TestWorkspaceProgramsVirtioFS(t *testing.T) {
+	workspacePrograms(t, "virtiofs")
+}
+
+// workspacePrograms runs the programs with shares over transport shareFS.
+func workspacePrograms(t *testing.T, shareFS string) {
 	// The bound catches a hang: about 2 minutes usually, 6.3 on the
 	// slowest host seen.
 	steps, timeout := []string{"git", "tar-cp", "sqlite"}, 20*time.Minute
@@ -68,7 +79,7 @@ func TestWorkspacePrograms(t *testing.T) {
 		t.Fatal(err)
 	}
 	node := artifact(t, "mcp-client")
-	r := capsa(t, timeout, "run", "--image", ref, "-u", "0", "--cpus", "2", "--memory", "1G",
+	r := capsa(t, timeout, "run", "--image", ref, "-u", "0", "--cpus", "2", "--memory", "1G", "--share-fs", shareFS,
 		"-v", share+":/w", "-v", scripts+":/t:ro", "-v", node+":/opt/node:ro", "-e", "NODE_DIR=/opt/node", "-e", "STEPS="+strings.Join(steps, " "), "-w", "/w", "--",
 		"sh", "-c", "sh /t/programs.sh /w/p && sh /t/programs.sh /root/p")
 	lines := strings.Split(strings.TrimSpace(r.stdout), "\n")

@@ -52,7 +52,6 @@ func TestWorkspaceFidelity(t *testing.T) {
 
 // virtioFSDifferences are shareDifferences for a virtio-fs share.
 var virtioFSDifferences = map[string]struct{ got, why string }{
-	"o_tmpfile":        {"ENOTSUP", "capsa's FUSE server does not serve FUSE_TMPFILE yet (programs fall back to a named file)"},
 	"setxattr_trusted": {"ENOTSUP", "only user.* attributes are served; trusted.* and security.* are the host's"},
 }
 

@@ -72,9 +72,10 @@ type Device struct {
 	opts     Options
 	log      *slog.Logger
 
-	mu   sync.Mutex
-	act  *virtio.Activation
-	sess *session
+	mu       sync.Mutex
+	act      *virtio.Activation
+	sess     *session
+	retiring sync.WaitGroup // sessions ended and still closing
 }
 
 var (
@@ -153,33 +154,46 @@ func (d *Device) Activate(a virtio.Activation) error {
 }
 
 // Reset implements virtio.Device: the session ends, and with it every
-// node and open file.
+// node and open file. It does not wait for the requests being served:
+// the transport calls it with its lock held, which a worker reporting its
+// interrupt takes; their chains are the old session's and go nowhere.
 func (d *Device) Reset() {
 	d.mu.Lock()
 	s := d.sess
 	d.act, d.sess = nil, nil
 	d.mu.Unlock()
 	if s != nil {
-		s.close()
+		d.retire(s)
 	}
 }
 
+// retire closes a session that ended in the background; Close waits for
+// it. d.mu need not be held.
+func (d *Device) retire(s *session) {
+	d.retiring.Add(1)
+	go func() {
+		defer d.retiring.Done()
+		s.close()
+	}()
+}
+
 // Close stops the device and waits, for at most closeTimeout, for the
-// requests being served.
+// requests being served, those of sessions a reset ended included.
 func (d *Device) Close() error {
 	d.mu.Lock()
 	s := d.sess
 	d.act, d.sess = nil, nil
 	d.mu.Unlock()
-	var err error
 	if s != nil {
-		done := make(chan struct{})
-		go func() { s.close(); close(done) }()
-		select {
-		case <-done:
-		case <-time.After(closeTimeout):
-			err = fmt.Errorf("virtio-fs %s: close: the file server did not stop within %v", d.tag, closeTimeout)
-		}
+		d.retire(s)
+	}
+	var err error
+	done := make(chan struct{})
+	go func() { d.retiring.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(closeTimeout):
+		err = fmt.Errorf("virtio-fs %s: close: the file server did not stop within %v", d.tag, closeTimeout)
 	}
 	if c, ok := d.attacher.(io.Closer); ok {
 		if cerr := c.Close(); cerr != nil && err == nil {
@@ -257,7 +271,7 @@ func (d *Device) takeLocked(q int) (bool, error) {
 func (d *Device) teardownLocked() {
 	s := d.sess
 	d.act, d.sess = nil, nil
-	go s.close()
+	d.retire(s)
 }
 
 // check says what is wrong with a request's sizes, or "".
@@ -508,6 +522,7 @@ var minRequest = func() map[uint32]int {
 		42: hdr + 8,                         // BATCH_FORGET: count, dummy
 		43: binary.Size(fuse.FallocateIn{}), // FALLOCATE
 		45: binary.Size(fuse.RenameIn{}),    // RENAME2
+		51: binary.Size(fuse.CreateIn{}),    // TMPFILE (and its name, "/")
 	}
 	for op, n := range m {
 		if n <= 0 {
