@@ -64,6 +64,10 @@ import (
 // rootID is the root's node id (FUSE_ROOT_ID).
 const rootID = 1
 
+// keepNodes is how many nodes the guest may keep cached entries for
+// (9P's dentry_keep_max): past it, new entries are valid for no time.
+var keepNodes = 4096
+
 // Options configures an FS.
 type Options struct {
 	// Timeout is how long the guest may keep an entry or attributes
@@ -179,6 +183,28 @@ func (fs *FS) Close() error {
 	return nil
 }
 
+// ForgetAll forgets every node but the root, and every handle: the guest
+// unmounted (DESTROY), after which Linux sends no FORGET for what it held.
+func (fs *FS) ForgetAll() {
+	fs.mu.Lock()
+	var files []p9.File
+	for id, n := range fs.nodes {
+		if id != rootID {
+			files = append(files, n.f)
+			delete(fs.nodes, id)
+			delete(fs.byPath, n.path)
+		}
+	}
+	for fh, h := range fs.handles {
+		files = append(files, h)
+		delete(fs.handles, fh)
+	}
+	fs.mu.Unlock()
+	for _, f := range files {
+		f.Close()
+	}
+}
+
 // Nodes reports how many nodes and handles the guest holds.
 func (fs *FS) Nodes() (nodes, handles int) {
 	fs.mu.Lock()
@@ -248,6 +274,7 @@ func (fs *FS) remember(f p9.File, qid p9.QID, a p9.Attr, out *fuse.EntryOut) fus
 		f.Close()
 		return fuse.EBADF
 	}
+	crowded := len(fs.nodes) >= keepNodes
 	id, ok := fs.byPath[qid.Path]
 	if ok {
 		fs.nodes[id].lookups++
@@ -263,7 +290,12 @@ func (fs *FS) remember(f p9.File, qid p9.QID, a p9.Attr, out *fuse.EntryOut) fus
 	}
 	*out = fuse.EntryOut{NodeId: id}
 	fs.fill(&out.Attr, qid, a)
-	out.SetEntryTimeout(fs.timeout)
+	if !crowded {
+		// Past keepNodes nodes the entry is valid for no time, so the
+		// guest lets it go once unused (and forgets its node): each node
+		// is a descriptor of the share's budget, which I/O needs too.
+		out.SetEntryTimeout(fs.timeout)
+	}
 	out.SetAttrTimeout(fs.timeout)
 	return fuse.OK
 }
@@ -607,29 +639,53 @@ func (fs *FS) Tmpfile(_ <-chan struct{}, in *fuse.CreateIn, out *fuse.CreateOut)
 	return fuse.OK
 }
 
+// lender is p9fs's open for a client that checked the permission itself.
+type lender interface {
+	OpenLent(mode p9.OpenFlags) (p9.QID, uint32, error)
+}
+
 // io returns the file a READ, WRITE, FSYNC or FALLOCATE acts on: its
 // handle where it has one (never, since OPEN answers ENOSYS), else node
-// id's file opened for this request alone (for writing when write), and
-// what to call when done.
-func (fs *FS) io(id, fh uint64, write bool) (p9.File, func(), fuse.Status) {
+// id's file opened for this request alone, as flags say (the guest's
+// open flags: for writing when write, appending and synchronous as the
+// guest opened it), and what to call when done. The guest kernel has
+// checked the guest's permission (virtio-fs mounts check it in the
+// guest), so a file the VMM's user owns whose mode withholds the access
+// from that user is opened with the permission lent (p9fs OpenLent), as
+// the open the guest made before writing to a new read-only file (git's
+// objects) would have been on a local disk.
+func (fs *FS) io(id, fh uint64, write bool, flags uint32) (p9.File, func(), fuse.Status) {
 	if fh != 0 {
 		h, st := fs.handle(fh)
 		return h, func() {}, st
 	}
-	flags := uint32(unix.O_RDONLY)
+	mode := uint32(unix.O_RDONLY)
 	if write {
-		flags = unix.O_WRONLY
+		mode = unix.O_WRONLY | flags&(unix.O_APPEND|unix.O_DSYNC|unix.O_SYNC)
 	}
-	f, st := fs.open(id, flags)
+	f, st := fs.file(id)
 	if !st.Ok() {
 		return nil, nil, st
 	}
-	return f, func() { f.Close() }, fuse.OK
+	_, c, err := f.Walk(nil)
+	if err != nil {
+		return nil, nil, status(err)
+	}
+	if l, ok := c.(lender); ok {
+		_, _, err = l.OpenLent(p9.OpenFlags(mode))
+	} else {
+		_, _, err = c.Open(p9.OpenFlags(mode))
+	}
+	if err != nil {
+		c.Close()
+		return nil, nil, status(err)
+	}
+	return c, func() { c.Close() }, fuse.OK
 }
 
 // Read implements fuse.RawFileSystem.
 func (fs *FS) Read(_ <-chan struct{}, in *fuse.ReadIn, buf []byte) (fuse.ReadResult, fuse.Status) {
-	h, done, st := fs.io(in.NodeId, in.Fh, false)
+	h, done, st := fs.io(in.NodeId, in.Fh, false, 0)
 	if !st.Ok() {
 		return nil, st
 	}
@@ -646,7 +702,7 @@ func (fs *FS) Read(_ <-chan struct{}, in *fuse.ReadIn, buf []byte) (fuse.ReadRes
 
 // Write implements fuse.RawFileSystem.
 func (fs *FS) Write(_ <-chan struct{}, in *fuse.WriteIn, data []byte) (uint32, fuse.Status) {
-	h, done, st := fs.io(in.NodeId, in.Fh, true)
+	h, done, st := fs.io(in.NodeId, in.Fh, true, in.Flags)
 	if !st.Ok() {
 		return 0, st
 	}
@@ -661,7 +717,7 @@ func (fs *FS) Write(_ <-chan struct{}, in *fuse.WriteIn, data []byte) (uint32, f
 // Writev implements fuse.RawFileSystem: the pieces of one write, which
 // lie in separate stretches of guest memory, written in order.
 func (fs *FS) Writev(_ <-chan struct{}, in *fuse.WriteIn, data [][]byte) (uint32, fuse.Status) {
-	h, done, st := fs.io(in.NodeId, in.Fh, true)
+	h, done, st := fs.io(in.NodeId, in.Fh, true, in.Flags)
 	if !st.Ok() {
 		return 0, st
 	}
@@ -684,7 +740,7 @@ func (fs *FS) Writev(_ <-chan struct{}, in *fuse.WriteIn, data [][]byte) (uint32
 
 // Fallocate implements fuse.RawFileSystem.
 func (fs *FS) Fallocate(_ <-chan struct{}, in *fuse.FallocateIn) fuse.Status {
-	h, done, st := fs.io(in.NodeId, in.Fh, true)
+	h, done, st := fs.io(in.NodeId, in.Fh, true, 0)
 	if !st.Ok() {
 		return st
 	}
@@ -704,7 +760,7 @@ func (fs *FS) Flush(<-chan struct{}, *fuse.FlushIn) fuse.Status { return fuse.EN
 
 // Fsync implements fuse.RawFileSystem.
 func (fs *FS) Fsync(_ <-chan struct{}, in *fuse.FsyncIn) fuse.Status {
-	h, done, st := fs.io(in.NodeId, in.Fh, false)
+	h, done, st := fs.io(in.NodeId, in.Fh, false, 0)
 	if !st.Ok() {
 		return st
 	}

@@ -242,3 +242,23 @@ func TestTmpfile(t *testing.T) {
 		t.Fatalf("read-only tmpfile: %v, want EINVAL", st)
 	}
 }
+
+// TestKeepNodes: past keepNodes nodes, entries are valid for no time, so
+// the guest lets them go once unused.
+func TestKeepNodes(t *testing.T) {
+	defer func(n int) { keepNodes = n }(keepNodes)
+	keepNodes = 2
+	dir := t.TempDir()
+	for _, name := range []string{"a", "b"} {
+		if err := os.WriteFile(filepath.Join(dir, name), nil, 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	fs := newFS(t, dir, p9fs.Options{})
+	if a, _ := lookup(t, fs, rootID, "a"); a.EntryTimeout() == 0 {
+		t.Fatal("the first node's entry is valid for no time")
+	}
+	if b, _ := lookup(t, fs, rootID, "b"); b.NodeId == 0 || b.EntryTimeout() != 0 || b.AttrTimeout() == 0 {
+		t.Fatalf("past keepNodes: node %d, entry valid %v, attributes %v; want no entry time", b.NodeId, b.EntryTimeout(), b.AttrTimeout())
+	}
+}

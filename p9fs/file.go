@@ -2,6 +2,7 @@ package p9fs
 
 import (
 	"encoding/binary"
+	"fmt"
 	"math"
 	"strings"
 	"sync"
@@ -400,10 +401,15 @@ func (f *file) Allocate(mode uint32, off, length uint64) error {
 			if err := unix.Fstat(fd, &st); err != nil {
 				return errno(err)
 			}
-			if end := int64(off + length); mode&unix.FALLOC_FL_KEEP_SIZE == 0 && end > st.Size {
+			end := int64(off + length)
+			if mode&unix.FALLOC_FL_KEEP_SIZE == 0 && end > st.Size {
 				if err := room(tx, roundUp(end)-roundUp(st.Size)); err != nil {
 					return err
 				}
+			} else if mode&unix.FALLOC_FL_PUNCH_HOLE == 0 && end > st.Size {
+				// Blocks past the size, which the quota (by size)
+				// would not count.
+				return linux.EOPNOTSUPP
 			}
 		}
 		err := unix.Fallocate(fd, mode, int64(off), int64(length))
@@ -525,6 +531,52 @@ func (f *file) Open(mode p9.OpenFlags) (p9.QID, uint32, error) {
 	f.owrite = fl&unix.O_ACCMODE != unix.O_RDONLY
 	f.oappend = fl&unix.O_APPEND != 0
 	return f.s.qid(&st), 0, nil
+}
+
+// OpenLent is Open for a client that checked the permission itself and
+// opens files without telling the server (a FUSE guest kernel, whose
+// virtio-fs mounts check permissions in the guest, package fusefs): where
+// a regular file the VMM's user owns has a mode that withholds from that
+// user what the open asks (a file the guest made read-only, 0444, and
+// writes to through the descriptor it made it with, as git does), the
+// mode is widened for the open and set back after, as ownerAccess does
+// for the owner attribute. It lends nothing the guest could not take:
+// it may chmod a file the VMM's user owns. Root needs none of it.
+func (f *file) OpenLent(mode p9.OpenFlags) (p9.QID, uint32, error) {
+	qid, n, err := f.Open(mode)
+	if err != linux.EACCES || f.typ != unix.S_IFREG || f.s.hostUID == 0 {
+		return qid, n, err
+	}
+	fl, ferr := hostOpenFlags(mode)
+	if ferr != nil {
+		return qid, n, err
+	}
+	need := uint32(0o400)
+	switch fl & unix.O_ACCMODE {
+	case unix.O_WRONLY:
+		need = 0o200
+	case unix.O_RDWR:
+		need = 0o600
+	}
+	if rerr := f.rlock(); rerr != nil {
+		return qid, n, rerr
+	}
+	var st unix.Stat_t
+	serr := unix.Fstat(f.fd, &st)
+	p := procPath(f.fd)
+	f.mu.RUnlock()
+	if serr != nil || st.Uid != f.s.hostUID || st.Mode&need == need {
+		return qid, n, err
+	}
+	old := st.Mode & 0o7777
+	if cerr := unix.Chmod(p, old|need); cerr != nil {
+		return qid, n, err
+	}
+	qid, n, err = f.Open(mode)
+	if cerr := unix.Chmod(p, old); cerr != nil {
+		f.s.log.Warn("p9fs: a file's mode is not set back after an open lent it permission", "mode", fmt.Sprintf("%o", old), "err", cerr)
+	}
+	return qid, n, err
 }
 
 // openFD returns the I/O descriptor with f read-locked; the caller must

@@ -119,11 +119,18 @@ func snapshotRestore(ctx context.Context, args []string, stdout, stderr io.Write
 	// snapshot (sandbox.RestoredSpec).
 	host := addHostFlags(fs)
 	fs.MarkHidden("net-log")
+	fs.MarkHidden("share-fs")
 	if code := parseFlags(fs, args, stderr); code >= 0 {
 		return code
 	}
 	if fs.NArg() != 1 {
 		fmt.Fprintln(stderr, "capsa snapshot restore: want SNAP")
+		return 2
+	}
+	if fs.Changed("share-fs") {
+		// A snapshot holds 9P shares (one with virtio-fs shares is
+		// refused), whose devices the restore gives back as they were.
+		fmt.Fprintln(stderr, "capsa snapshot restore: --share-fs: a restored sandbox's shares are 9P, as its snapshot's devices")
 		return 2
 	}
 	b := sandbox.New()

@@ -147,9 +147,13 @@ func (d *Device) Activate(a virtio.Activation) error {
 	d.act = &a
 	d.sess = d.newSession(&a, fs)
 	// Requests queued before DRIVER_OK came with notifications the
-	// transport could not pass on.
-	d.takeLocked(0)
-	d.takeLocked(1)
+	// transport could not pass on. They are taken as a notification's
+	// are, on another goroutine: the transport holds its lock while it
+	// activates, which reporting an interrupt or a broken queue takes.
+	go func() {
+		d.Notify(0)
+		d.Notify(1)
+	}()
 	return nil
 }
 
@@ -332,6 +336,7 @@ type session struct {
 	mu      sync.Mutex
 	pending int  // admitted and not yet returned
 	starved bool // the device stopped taking requests for want of room
+	inited  bool // an INIT was served, and no DESTROY since
 }
 
 func (d *Device) newSession(a *virtio.Activation, fs *fusefs.FS) *session {
@@ -393,19 +398,39 @@ func (s *session) worker() {
 
 // serve answers one request and returns its chain.
 func (s *session) serve(r request) {
+	select {
+	case <-s.done:
+		// Reset meanwhile: the chain's buffers may already be the
+		// driver's again.
+		return
+	default:
+	}
 	c := r.c
-	in := c.TakeReadable(c.ReadableLen())
+	// The fixed part of the request is copied out of guest memory once,
+	// so that what is checked is what go-fuse decodes: another vCPU may
+	// rewrite the guest's buffers meanwhile. Names and data after it are
+	// read from guest memory, where a change harms only the request.
+	in := fixed(c.TakeReadable(c.ReadableLen()))
 	if lim := s.dev.opts.Limit; lim != nil {
 		if !lim.Wait(s.done, 1, ioBytes(in)) {
 			return
 		}
 	}
-	if errno := validate(in); errno != 0 {
+	errno := validate(in)
+	if errno == 0 {
+		errno = s.sequence(in)
+	}
+	if errno != 0 {
 		replyError(c, in, errno)
 		s.finish(r.q, c)
 		return
 	}
 	n, ok := s.handle(in, c.Writable())
+	if opcode(in) == opDestroy {
+		// The guest unmounted: what it looked up is forgotten without
+		// FORGETs (Linux stops the queue that carries them first).
+		s.fs.ForgetAll()
+	}
 	if ok {
 		c.TakeWritable(n)
 	} else {
@@ -457,6 +482,59 @@ func (s *session) finish(q int, c *virtio.Chain) {
 	}
 	d.mu.Unlock()
 	act.Report(irq, err)
+}
+
+// fixedLen is how much of a request is copied to host memory before it
+// is checked: the header and the largest fixed arguments (SETATTR's).
+const fixedLen = 128
+
+// fixed returns in with its first fixedLen bytes (or all, if fewer) copied
+// into host memory.
+func fixed(in [][]byte) [][]byte {
+	total := 0
+	for _, b := range in {
+		total += len(b)
+	}
+	head := make([]byte, min(total, fixedLen))
+	n := 0
+	out := [][]byte{head}
+	for _, b := range in {
+		if n < len(head) {
+			k := copy(head[n:], b)
+			n += k
+			b = b[k:]
+		}
+		if len(b) > 0 {
+			out = append(out, b)
+		}
+	}
+	return out
+}
+
+// opcode is a request's opcode (its header checked already).
+func opcode(in [][]byte) uint32 {
+	return binary.LittleEndian.Uint32(in[0][4:])
+}
+
+// sequence enforces the session's order: INIT once, until a DESTROY (a
+// second INIT would change go-fuse's negotiated settings under requests
+// being served).
+func (s *session) sequence(in [][]byte) int32 {
+	op := opcode(in)
+	if op != opInit && op != opDestroy {
+		return 0
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if op == opDestroy {
+		s.inited = false
+		return 0
+	}
+	if s.inited {
+		return errnoEINVAL
+	}
+	s.inited = true
+	return 0
 }
 
 // ioBytes is the data a request moves: a WRITE's payload (its fuse_in_header
@@ -534,6 +612,7 @@ var minRequest = func() map[uint32]int {
 
 const (
 	opInit       = 26
+	opDestroy    = 38
 	errnoENOSYS  = 38
 	errnoEPROTO  = 71
 	fuseMajor    = 7

@@ -193,3 +193,38 @@ func FuzzRequest(f *testing.F) {
 		}
 	})
 }
+
+// TestSessionOrder: INIT once per mount; a DESTROY (an unmount) forgets
+// every node, after which a new INIT starts again.
+func TestSessionOrder(t *testing.T) {
+	dir := t.TempDir()
+	if err := os.WriteFile(filepath.Join(dir, "f"), nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	g := newGuest(t, dir)
+	initReq := func() []byte {
+		return g.request(opInit, 0, uint32(7), uint32(31), uint32(128<<10), uint32(0), uint32(0), [11]uint32{})
+	}
+	if errno, _ := g.roundTrip(initReq(), 4096); errno != 0 {
+		t.Fatalf("INIT: %d", errno)
+	}
+	if errno, _ := g.roundTrip(initReq(), 4096); errno != -errnoEINVAL {
+		t.Fatalf("a second INIT: error %d, want -EINVAL", errno)
+	}
+	if errno, _ := g.roundTrip(g.request(opLookup, 1, cstring("f")), 4096); errno != 0 {
+		t.Fatalf("LOOKUP: %d", errno)
+	}
+	fs := g.dev.sess.fs
+	if n, _ := fs.Nodes(); n != 2 {
+		t.Fatalf("%d nodes after a lookup, want 2", n)
+	}
+	if errno, _ := g.roundTrip(g.request(opDestroy, 0), 4096); errno != 0 {
+		t.Fatalf("DESTROY: %d", errno)
+	}
+	if n, _ := fs.Nodes(); n != 1 {
+		t.Fatalf("%d nodes after DESTROY, want the root alone", n)
+	}
+	if errno, _ := g.roundTrip(initReq(), 4096); errno != 0 {
+		t.Fatalf("INIT after DESTROY: %d", errno)
+	}
+}
