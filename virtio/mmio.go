@@ -520,3 +520,18 @@ func (t *MMIO) Debug(name string) TransportDebug {
 	}
 	return d
 }
+
+// CheckTag checks the mount tag of a file-sharing device (dev names it in
+// errors): 1 to max bytes of printable ASCII without spaces, which the
+// guest's init passes on its kernel command line.
+func CheckTag(dev, tag string, max int) error {
+	if tag == "" || len(tag) > max {
+		return fmt.Errorf("%s: mount tag %q: must be 1 to %d bytes", dev, tag, max)
+	}
+	for _, r := range tag {
+		if r <= ' ' || r > '~' {
+			return fmt.Errorf("%s: mount tag %q: only printable ASCII without spaces", dev, tag)
+		}
+	}
+	return nil
+}

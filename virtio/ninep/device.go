@@ -111,13 +111,8 @@ type Device struct {
 // in `mount -t 9p TAG DIR`). The device owns a: Close closes it when it is
 // an io.Closer.
 func New(tag string, a p9.Attacher, o Options, log *slog.Logger) (*Device, error) {
-	if tag == "" || len(tag) > MaxTagLen {
-		return nil, fmt.Errorf("virtio-9p: mount tag %q: must be 1 to %d bytes", tag, MaxTagLen)
-	}
-	for _, r := range tag {
-		if r <= ' ' || r > '~' {
-			return nil, fmt.Errorf("virtio-9p: mount tag %q: only printable ASCII without spaces", tag)
-		}
+	if err := virtio.CheckTag("virtio-9p", tag, MaxTagLen); err != nil {
+		return nil, err
 	}
 	if a == nil {
 		return nil, errors.New("virtio-9p: no filesystem to serve")

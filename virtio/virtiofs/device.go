@@ -87,13 +87,8 @@ var (
 // `mount -t virtiofs TAG DIR`). The device owns a: Close closes it when
 // it is an io.Closer.
 func New(tag string, a p9.Attacher, o Options, log *slog.Logger) (*Device, error) {
-	if tag == "" || len(tag) > MaxTagLen {
-		return nil, fmt.Errorf("virtio-fs: tag %q: must be 1 to %d bytes", tag, MaxTagLen)
-	}
-	for _, r := range tag {
-		if r <= ' ' || r > '~' {
-			return nil, fmt.Errorf("virtio-fs: tag %q: only printable ASCII without spaces", tag)
-		}
+	if err := virtio.CheckTag("virtio-fs", tag, MaxTagLen); err != nil {
+		return nil, err
 	}
 	if a == nil {
 		return nil, errors.New("virtio-fs: no filesystem to serve")
@@ -184,13 +179,7 @@ func (d *Device) retire(s *session) {
 // Close stops the device and waits, for at most closeTimeout, for the
 // requests being served, those of sessions a reset ended included.
 func (d *Device) Close() error {
-	d.mu.Lock()
-	s := d.sess
-	d.act, d.sess = nil, nil
-	d.mu.Unlock()
-	if s != nil {
-		d.retire(s)
-	}
+	d.Reset()
 	var err error
 	done := make(chan struct{})
 	go func() { d.retiring.Wait(); close(done) }()
