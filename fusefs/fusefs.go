@@ -459,11 +459,6 @@ func inherit(dir p9.File, gid uint32, mode uint32, isDir bool) (p9.GID, uint32) 
 	return a.GID, mode
 }
 
-// made looks up name, which an operation just made in dir.
-func (fs *FS) made(dir p9.File, name string, out *fuse.EntryOut) fuse.Status {
-	return fs.lookup(dir, name, out)
-}
-
 // Mkdir implements fuse.RawFileSystem.
 func (fs *FS) Mkdir(_ <-chan struct{}, in *fuse.MkdirIn, name string, out *fuse.EntryOut) fuse.Status {
 	dir, st := fs.file(in.NodeId)
@@ -474,7 +469,7 @@ func (fs *FS) Mkdir(_ <-chan struct{}, in *fuse.MkdirIn, name string, out *fuse.
 	if _, err := dir.Mkdir(name, p9.FileMode(mode), p9.UID(in.Uid), gid); err != nil {
 		return status(err)
 	}
-	return fs.made(dir, name, out)
+	return fs.lookup(dir, name, out)
 }
 
 // Mknod implements fuse.RawFileSystem (fifos and sockets; p9fs refuses
@@ -488,7 +483,7 @@ func (fs *FS) Mknod(_ <-chan struct{}, in *fuse.MknodIn, name string, out *fuse.
 	if _, err := dir.Mknod(name, p9.FileMode(mode), unix.Major(uint64(in.Rdev)), unix.Minor(uint64(in.Rdev)), p9.UID(in.Uid), gid); err != nil {
 		return status(err)
 	}
-	return fs.made(dir, name, out)
+	return fs.lookup(dir, name, out)
 }
 
 // Symlink implements fuse.RawFileSystem.
@@ -501,7 +496,7 @@ func (fs *FS) Symlink(_ <-chan struct{}, h *fuse.InHeader, target, name string, 
 	if _, err := dir.Symlink(target, name, p9.UID(h.Uid), gid); err != nil {
 		return status(err)
 	}
-	return fs.made(dir, name, out)
+	return fs.lookup(dir, name, out)
 }
 
 // Link implements fuse.RawFileSystem.
@@ -517,7 +512,7 @@ func (fs *FS) Link(_ <-chan struct{}, in *fuse.LinkIn, name string, out *fuse.En
 	if err := dir.Link(target, name); err != nil {
 		return status(err)
 	}
-	return fs.made(dir, name, out)
+	return fs.lookup(dir, name, out)
 }
 
 // Unlink implements fuse.RawFileSystem.
@@ -571,8 +566,9 @@ func (fs *FS) Readlink(_ <-chan struct{}, h *fuse.InHeader) ([]byte, fuse.Status
 	return []byte(s), fuse.OK
 }
 
-// open clones node id's File and opens the clone as flags say.
-func (fs *FS) open(id uint64, flags uint32) (p9.File, fuse.Status) {
+// open clones node id's File and opens the clone as flags say; with
+// lend, a file through p9fs's OpenLent (see io).
+func (fs *FS) open(id uint64, flags uint32, lend bool) (p9.File, fuse.Status) {
 	f, st := fs.file(id)
 	if !st.Ok() {
 		return nil, st
@@ -581,7 +577,12 @@ func (fs *FS) open(id uint64, flags uint32) (p9.File, fuse.Status) {
 	if err != nil {
 		return nil, status(err)
 	}
-	if _, _, err := c.Open(p9.OpenFlags(flags)); err != nil {
+	if l, ok := c.(lender); ok && lend {
+		_, _, err = l.OpenLent(p9.OpenFlags(flags))
+	} else {
+		_, _, err = c.Open(p9.OpenFlags(flags))
+	}
+	if err != nil {
 		c.Close()
 		return nil, status(err)
 	}
@@ -663,22 +664,9 @@ func (fs *FS) io(id, fh uint64, write bool, flags uint32) (p9.File, func(), fuse
 	if write {
 		mode = unix.O_WRONLY | flags&(unix.O_APPEND|unix.O_DSYNC|unix.O_SYNC)
 	}
-	f, st := fs.file(id)
+	c, st := fs.open(id, mode, true)
 	if !st.Ok() {
 		return nil, nil, st
-	}
-	_, c, err := f.Walk(nil)
-	if err != nil {
-		return nil, nil, status(err)
-	}
-	if l, ok := c.(lender); ok {
-		_, _, err = l.OpenLent(p9.OpenFlags(mode))
-	} else {
-		_, _, err = c.Open(p9.OpenFlags(mode))
-	}
-	if err != nil {
-		c.Close()
-		return nil, nil, status(err)
 	}
 	return c, func() { c.Close() }, fuse.OK
 }
@@ -785,7 +773,7 @@ func (fs *FS) release(fh uint64) {
 
 // OpenDir implements fuse.RawFileSystem.
 func (fs *FS) OpenDir(_ <-chan struct{}, in *fuse.OpenIn, out *fuse.OpenOut) fuse.Status {
-	d, st := fs.open(in.NodeId, unix.O_RDONLY)
+	d, st := fs.open(in.NodeId, unix.O_RDONLY, false)
 	if !st.Ok() {
 		return st
 	}

@@ -512,7 +512,7 @@ func boot(ctx context.Context, c config, root *rootfs, snap *snapshot.Snapshot, 
 		return nil, err
 	}
 	for i, d := range s.shares {
-		cmdline = append(cmdline, shareArgFS(i, c.Shares[i], c.ShareFS))
+		cmdline = append(cmdline, shareArg(i, c.Shares[i], c.ShareFS))
 		devices = append(devices, vmm.Device{ID: shareDeviceID(c.Shares[i], c.ShareFS), Device: d})
 	}
 	// Volumes are shares too, numbered after them (in this order at a

@@ -177,10 +177,15 @@ func ParseShare(spec string) (hostPath, guestPath string, mode ShareMode, err er
 func shareTag(i int) string { return fmt.Sprintf("capsa%d", i) }
 
 // shareArg is the kernel command-line word telling the guest's init to
-// mount share i: capsa.share=TAG,MODE,PATH with PATH escaped so that no
-// space or quote reaches the command line.
-func shareArg(i int, sh ShareSpec) string {
-	return fmt.Sprintf("capsa.share=%s,%s,%s", shareTag(i), sh.Mode, url.PathEscape(sh.Guest))
+// mount share i over transport fs (Spec.ShareFS; a volume's is 9P):
+// capsa.share=TAG,MODE,PATH, or capsa.virtiofs=, with PATH escaped so
+// that no space or quote reaches the command line.
+func shareArg(i int, sh ShareSpec, fs string) string {
+	key := "capsa.share"
+	if fs == ShareFSVirtioFS {
+		key = "capsa.virtiofs"
+	}
+	return fmt.Sprintf("%s=%s,%s,%s", key, shareTag(i), sh.Mode, url.PathEscape(sh.Guest))
 }
 
 // shareDevice is a share's virtio device: virtio-9p or virtio-fs.
@@ -226,16 +231,6 @@ func shareDeviceID(sh ShareSpec, fs string) string {
 		return "fs:" + sh.Guest
 	}
 	return "9p:" + sh.Guest
-}
-
-// shareArg is the kernel command-line word telling the guest's init to
-// mount share i over transport fs.
-func shareArgFS(i int, sh ShareSpec, fs string) string {
-	a := shareArg(i, sh)
-	if fs == ShareFSVirtioFS {
-		return "capsa.virtiofs=" + strings.TrimPrefix(a, "capsa.share=")
-	}
-	return a
 }
 
 // reopener is a share's file server, which can pin its root again by its

@@ -59,12 +59,15 @@ func TestShareChecks(t *testing.T) {
 }
 
 func TestShareArgEscapesThePath(t *testing.T) {
-	got := shareArg(2, ShareSpec{Guest: "/my data/\"q\"", Mode: ReadOnly})
+	got := shareArg(2, ShareSpec{Guest: "/my data/\"q\"", Mode: ReadOnly}, ShareFS9P)
 	if got != "capsa.share=capsa2,ro,%2Fmy%20data%2F%22q%22" && got != "capsa.share=capsa2,ro,/my%20data/%22q%22" {
 		t.Errorf("shareArg = %q", got)
 	}
 	if strings.ContainsAny(got, " \"") {
 		t.Errorf("shareArg %q holds a space or quote", got)
+	}
+	if got := shareArg(0, ShareSpec{Guest: "/w", Mode: ReadWrite}, ShareFSVirtioFS); got != "capsa.virtiofs=capsa0,rw,%2Fw" {
+		t.Errorf("shareArg over virtio-fs = %q", got)
 	}
 }
 

@@ -153,5 +153,5 @@ func volumeDevice(v VolumeSpec, tag string, lim virtio.Limiter, log *slog.Logger
 // volumeArg is the kernel command-line word that mounts volume v as
 // device i: the same as a share's.
 func volumeArg(i int, v VolumeSpec) string {
-	return shareArg(i, ShareSpec{Guest: v.Guest, Mode: v.Mode})
+	return shareArg(i, ShareSpec{Guest: v.Guest, Mode: v.Mode}, ShareFS9P)
 }

@@ -526,22 +526,15 @@ func (s *session) sequence(in [][]byte) int32 {
 	return 0
 }
 
-// ioBytes is the data a request moves: a WRITE's payload (its fuse_in_header
-// says the request's length), 0 for the rest.
+// ioBytes is the data a request moves: a WRITE's payload (its
+// fuse_in_header says the request's length), 0 for the rest. in is
+// fixed's, of a request at least a header long (check).
 func ioBytes(in [][]byte) int {
-	var hdr [inHeaderLen]byte
-	n := 0
-	for _, b := range in {
-		n += copy(hdr[n:], b)
-		if n == len(hdr) {
-			break
-		}
-	}
 	const opWrite = 16
-	if n < inHeaderLen || binary.LittleEndian.Uint32(hdr[4:]) != opWrite {
+	if opcode(in) != opWrite {
 		return 0
 	}
-	return int(binary.LittleEndian.Uint32(hdr[0:]))
+	return int(binary.LittleEndian.Uint32(in[0]))
 }
 
 // Opcodes the device serves (include/uapi/linux/fuse.h), each with the
@@ -609,16 +602,17 @@ const (
 )
 
 // validate checks a request's header and size against its opcode and
-// returns the errno the device answers it with itself, or 0.
+// returns the errno the device answers it with itself, or 0. in is
+// fixed's: its first buffer, a host copy, holds the header and at least
+// the opcode's fixed arguments once the size is checked.
 func validate(in [][]byte) int32 {
-	var hdr [inHeaderLen + 8]byte
-	n, total := 0, 0
+	total := 0
 	for _, b := range in {
-		n += copy(hdr[n:], b)
 		total += len(b)
 	}
+	hdr := in[0]
 	le := binary.LittleEndian
-	op := le.Uint32(hdr[4:])
+	op := opcode(in)
 	if int(le.Uint32(hdr[0:])) != total {
 		return errnoEINVAL
 	}
