@@ -303,7 +303,8 @@ type Sandbox struct {
 	// and every snapshot written there, removed when the sandbox ends.
 	// forkUse is held shared by each Fork until its copies are restored,
 	// and taken alone to prune the chain. lastPause is the last
-	// snapshot's pause, in nanoseconds.
+	// snapshot's pause, in nanoseconds; forkRemaps counts the forks that
+	// mapped the memory from a new base (Stats.MemoryRemaps).
 	snapMu      sync.Mutex
 	forkChain   string
 	forkOwn     bool
@@ -311,6 +312,7 @@ type Sandbox struct {
 	forkWritten []string
 	forkUse     sync.RWMutex
 	lastPause   atomic.Int64
+	forkRemaps  atomic.Uint64
 	// clearRefs is /proc/self/clear_refs, opened before the process is
 	// confined, for a first fork's memory copy begun while the sandbox
 	// runs (guestmem.PreCopy); nil where the kernel does not track

@@ -333,6 +333,7 @@ func (s *Sandbox) writeFork(dir string, spec []byte, precopy *snapshot.MemoryCop
 		return fmt.Errorf("sandbox: fork: map the memory from its snapshot: %w: the sandbox is stopped", err)
 	}
 	s.forkBase = snap
+	s.forkRemaps.Add(1)
 	return nil
 }
 

@@ -51,6 +51,13 @@ type Stats struct {
 	// LastPause is how long the sandbox's last snapshot or fork kept it
 	// paused (Sandbox.LastPause; 0: none yet).
 	LastPause time.Duration `json:"last_pause_ns,omitempty"`
+	// MemoryRemaps counts the forks that mapped the guest's memory anew
+	// from the fork snapshot they wrote (the first, and one whose pages
+	// written since its base outgrew a quarter of the memory). After
+	// each, the guest's first touch of each page is a fault, and its
+	// first write of each a copy: a slowdown beyond the pause. A later
+	// fork writes only what changed and maps nothing anew.
+	MemoryRemaps uint64 `json:"memory_remaps,omitempty"`
 	// NetFlows is how many DNS queries, TCP connections and UDP flows each
 	// rule of the network policy allowed and refused (none without a
 	// network).
@@ -67,6 +74,7 @@ func (s *Sandbox) Stats() (*Stats, error) {
 	st := &Stats{
 		Taken: now, Uptime: now.Sub(s.started), CPUTime: vs.CPUTime, CPUs: s.c.CPUs,
 		MemoryResident: vs.MemoryResident, MemoryBytes: vs.MemoryBytes, Exits: vs.Exits, LastPause: s.LastPause(),
+		MemoryRemaps: s.forkRemaps.Load(),
 	}
 	if s.net != nil {
 		n := s.net.nic.Stats()
