@@ -10,8 +10,9 @@
 // # Nodes
 //
 // FUSE names files by node ids that the server hands out in LOOKUP,
-// CREATE, MKDIR, MKNOD, SYMLINK and LINK replies and that the kernel gives
-// back, with the number of lookups it is forgetting, in FORGET. Each node
+// MKDIR, MKNOD, SYMLINK, LINK, TMPFILE and READDIRPLUS replies and that
+// the kernel gives back, with the number of lookups it is forgetting, in
+// FORGET. Each node
 // holds one p9fs File (an O_PATH descriptor pinning one inode); one inode
 // is one node, whatever the names it was looked up by, so hard links share
 // a node and the guest's node count is bounded by the share's descriptor
@@ -42,7 +43,7 @@
 // # Not served
 //
 // Device nodes (p9fs refuses them), LSEEK's
-// SEEK_DATA/SEEK_HOLE, COPY_FILE_RANGE, IOCTL, POLL and READDIRPLUS answer
+// SEEK_DATA/SEEK_HOLE, COPY_FILE_RANGE, IOCTL and POLL answer
 // ENOSYS, on which the guest kernel falls back or fails as it documents.
 package fusefs
 
@@ -157,9 +158,12 @@ func MountOptions(maxWrite int, log *slog.Logger) *fuse.MountOptions {
 	return &fuse.MountOptions{
 		Logger:   slog.NewLogLogger(log.Handler(), slog.LevelDebug),
 		MaxWrite: maxWrite,
-		// READDIRPLUS would make every listed entry a lookup the guest
-		// holds; passthrough and idmapped mounts are for a kernel server.
-		DisabledCapabilities: fuse.CAP_READDIRPLUS | fuse.CAP_READDIRPLUS_AUTO | fuse.CAP_PASSTHROUGH | fuse.CAP_ALLOW_IDMAP | fuse.CAP_NO_OPEN_SUPPORT,
+		// READDIRPLUS for a directory's first chunk, and for later ones
+		// while the guest looks up what it lists (FS.ReadDirPlus), not
+		// for every chunk of a listing nobody stats. Passthrough and
+		// idmapped mounts are for a kernel server.
+		ExtraCapabilities:    fuse.CAP_READDIRPLUS_AUTO,
+		DisabledCapabilities: fuse.CAP_PASSTHROUGH | fuse.CAP_ALLOW_IDMAP | fuse.CAP_NO_OPEN_SUPPORT,
 		MaxBackground:        64,
 		Name:                 "capsa",
 	}
@@ -801,6 +805,75 @@ func (fs *FS) ReadDir(_ <-chan struct{}, in *fuse.ReadIn, out *fuse.DirEntryList
 		}
 	}
 	return fuse.OK
+}
+
+// ReadDirPlus implements fuse.RawFileSystem: READDIR with each entry
+// looked up, so that a listing followed by a stat of each entry (ls -l,
+// find, git, cp -a) or a descent into each directory costs no LOOKUP per
+// entry. The guest kernel asks for it (READDIRPLUS_AUTO) for a directory's
+// first chunk and again while it looks up the entries it lists.
+//
+// Linux counts one lookup for each entry with a node id that it parses,
+// whether or not its caller's buffer held the entry, and sends FORGET for
+// one it could not link; so an entry is looked up only once the reply is
+// known to have room for it, and then added as the lookup found it (its
+// inode and type, should the name have been replaced since the listing).
+// "." and "..", the root (Linux takes node 1 in a listing as invalid),
+// and an entry gone by the time it is looked up have node id 0: a plain
+// entry. Past keepNodes nodes entries are plain too, so a listing grows
+// the node table, and the share's descriptors, no further than LOOKUP
+// would.
+func (fs *FS) ReadDirPlus(_ <-chan struct{}, in *fuse.ReadIn, out *fuse.DirEntryList) fuse.Status {
+	h, st := fs.handle(in.Fh)
+	if !st.Ok() {
+		return st
+	}
+	dir, st := fs.file(in.NodeId)
+	if !st.Ok() {
+		return st
+	}
+	// p9fs's budget counts 24 bytes and the name for an entry, a reply
+	// 152 and the name, padded: a quarter of the reply's size reads
+	// about what fits, not four times as many entries to read again.
+	ents, err := h.Readdir(in.Offset, max(in.Size/4, 512))
+	if err != nil {
+		return status(err)
+	}
+	for _, e := range ents {
+		if int(in.Size)-len(out.Bytes()) < plusEntrySize+(len(e.Name)+7)&^7 {
+			break
+		}
+		de := fuse.DirEntry{Name: e.Name, Ino: e.QID.Path, Mode: dtMode(uint8(e.Type)), Off: e.Offset}
+		var eo fuse.EntryOut
+		if e.Name != "." && e.Name != ".." && !fs.crowded() {
+			if st := fs.lookup(dir, e.Name, &eo); !st.Ok() || eo.NodeId == rootID {
+				eo = fuse.EntryOut{}
+			}
+		}
+		if eo.NodeId != 0 {
+			de.Ino, de.Mode = eo.Attr.Ino, eo.Attr.Mode
+		}
+		entry := out.AddDirLookupEntry(de)
+		if entry == nil { // not so: the room was checked
+			if eo.NodeId != 0 {
+				fs.Forget(eo.NodeId, 1)
+			}
+			break
+		}
+		*entry = eo
+	}
+	return fuse.OK
+}
+
+// plusEntrySize is a READDIRPLUS entry's size before its name: a
+// fuse_entry_out and a fuse_dirent.
+const plusEntrySize = 128 + 24
+
+// crowded says whether the guest holds keepNodes nodes or more.
+func (fs *FS) crowded() bool {
+	fs.mu.Lock()
+	defer fs.mu.Unlock()
+	return len(fs.nodes) >= keepNodes
 }
 
 // dtMode is a directory entry type's S_IFMT bits.

@@ -262,3 +262,168 @@ func TestKeepNodes(t *testing.T) {
 		t.Fatalf("past keepNodes: node %d, entry valid %v, attributes %v; want no entry time", b.NodeId, b.EntryTimeout(), b.AttrTimeout())
 	}
 }
+
+// plusEntry is one entry of a READDIRPLUS reply, as Linux parses it.
+type plusEntry struct {
+	name string
+	out  fuse.EntryOut
+	typ  uint32
+	off  uint64
+}
+
+// parsePlus reads a READDIRPLUS reply: each entry is a fuse_entry_out,
+// then a fuse_dirent (ino, off, namelen, type) and the name, padded to 8.
+func parsePlus(t *testing.T, b []byte) []plusEntry {
+	t.Helper()
+	const entrySize, direntSize = 128, 24
+	var out []plusEntry
+	for len(b) > 0 {
+		if len(b) < entrySize+direntSize {
+			t.Fatalf("a READDIRPLUS reply ends in %d bytes, less than an entry", len(b))
+		}
+		var e plusEntry
+		e.out.NodeId = le64(b[0:])
+		e.out.EntryValid = le64(b[16:])
+		e.out.Attr.Ino = le64(b[40:])
+		e.out.Attr.Size = le64(b[48:])
+		e.out.Attr.Mode = uint32(le64(b[40+60:]))
+		d := b[entrySize:]
+		e.off = le64(d[8:])
+		n := int(uint32(le64(d[16:])))
+		e.typ = uint32(le64(d[20:]))
+		e.name = string(d[direntSize : direntSize+n])
+		out = append(out, e)
+		b = b[entrySize+(direntSize+n+7)&^7:]
+	}
+	return out
+}
+
+func le64(b []byte) uint64 {
+	var v uint64
+	for i := 7; i >= 0; i-- {
+		v = v<<8 | uint64(b[i])
+	}
+	return v
+}
+
+// TestReadDirPlus: each entry of a READDIRPLUS reply but "." and ".." is
+// looked up, with its attributes, as LOOKUP would; the lookups counted are
+// those of the entries the reply holds, whatever did not fit; past
+// keepNodes nodes the entries are plain; and forgetting what was listed
+// leaves the root alone.
+func TestReadDirPlus(t *testing.T) {
+	dir := t.TempDir()
+	for i, name := range []string{"a", "bb", "ccc", "dddd"} {
+		if err := os.WriteFile(filepath.Join(dir, name), make([]byte, i), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := os.Mkdir(filepath.Join(dir, "sub"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	fs := newFS(t, dir, p9fs.Options{})
+	read := func(size int, off uint64) []plusEntry {
+		t.Helper()
+		var open fuse.OpenOut
+		if st := fs.OpenDir(nil, &fuse.OpenIn{InHeader: hdr(rootID)}, &open); !st.Ok() {
+			t.Fatalf("opendir: %v", st)
+		}
+		defer fs.ReleaseDir(&fuse.ReleaseIn{Fh: open.Fh})
+		list := fuse.NewDirEntryList(make([]byte, size), off)
+		if st := fs.ReadDirPlus(nil, &fuse.ReadIn{InHeader: hdr(rootID), Fh: open.Fh, Offset: off, Size: uint32(size)}, list); !st.Ok() {
+			t.Fatalf("readdirplus: %v", st)
+		}
+		return parsePlus(t, list.Bytes())
+	}
+	forget := func(ents []plusEntry) {
+		for _, e := range ents {
+			if e.out.NodeId != 0 {
+				fs.Forget(e.out.NodeId, 1)
+			}
+		}
+	}
+
+	all := read(4096, 0)
+	seen := map[string]bool{}
+	for _, e := range all {
+		seen[e.name] = true
+		switch {
+		case e.name == "." || e.name == "..":
+			if e.out.NodeId != 0 {
+				t.Errorf("%s: node %d; want 0 (Linux counts no lookup for it)", e.name, e.out.NodeId)
+			}
+		case e.out.NodeId == 0:
+			t.Errorf("%s: no node", e.name)
+		default:
+			fi, err := os.Lstat(filepath.Join(dir, e.name))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if e.out.Attr.Size != uint64(fi.Size()) {
+				t.Errorf("%s: size %d; want %d", e.name, e.out.Attr.Size, fi.Size())
+			}
+			if fi.IsDir() != (e.out.Attr.Mode&unix.S_IFMT == unix.S_IFDIR) || e.typ != e.out.Attr.Mode>>12&0xf {
+				t.Errorf("%s: mode %o, entry type %d; want a directory: %v", e.name, e.out.Attr.Mode, e.typ, fi.IsDir())
+			}
+			if l, st := lookup(t, fs, rootID, e.name); !st.Ok() || l.NodeId != e.out.NodeId {
+				t.Errorf("%s: listed as node %d, looked up as %d (%v)", e.name, e.out.NodeId, l.NodeId, st)
+			} else {
+				fs.Forget(l.NodeId, 1)
+			}
+		}
+	}
+	if len(seen) != 7 {
+		t.Fatalf("listed %v; want ., .., a, bb, ccc, dddd and sub", seen)
+	}
+	if n, _ := fs.Nodes(); n != 6 {
+		t.Fatalf("after a listing of five entries: %d nodes; want the root and five", n)
+	}
+	forget(all)
+	if n, _ := fs.Nodes(); n != 1 {
+		t.Fatalf("after forgetting the listing: %d nodes; want the root alone", n)
+	}
+
+	// A reply with room for two entries counts the lookups of those it
+	// holds, and the next resumes after them: "." and ".." first (on
+	// the file systems a test runs on), then two entries looked up.
+	two := 2 * (plusEntrySize + 8)
+	first := read(two, 0)
+	second := read(two, first[1].off)
+	if len(first) != 2 || len(second) != 2 {
+		t.Fatalf("replies with room for two entries hold %d and %d", len(first), len(second))
+	}
+	held := 0
+	for _, e := range append(first, second...) {
+		if e.out.NodeId != 0 {
+			held++
+			if e.out.EntryValid == 0 {
+				t.Errorf("%s: an entry valid for no time, with the node table nowhere near full", e.name)
+			}
+		}
+	}
+	if n, _ := fs.Nodes(); n != 1+held || held < 1 {
+		t.Fatalf("after replies of %d looked-up entries: %d nodes; want one more than the entries", held, n)
+	}
+	rest := read(4096, second[1].off)
+	if len(first)+len(second)+len(rest) != len(all) {
+		t.Fatalf("three replies hold %d, %d and %d entries; one held %d", len(first), len(second), len(rest), len(all))
+	}
+	forget(first)
+	forget(second)
+	forget(rest)
+	if n, _ := fs.Nodes(); n != 1 {
+		t.Fatalf("after forgetting the listings: %d nodes; want the root alone", n)
+	}
+
+	// Crowded: entries are plain.
+	defer func(k int) { keepNodes = k }(keepNodes)
+	keepNodes = 1
+	for _, e := range read(4096, 0) {
+		if e.out.NodeId != 0 {
+			t.Errorf("with the node table full, %s was looked up as node %d", e.name, e.out.NodeId)
+		}
+	}
+	if n, _ := fs.Nodes(); n != 1 {
+		t.Fatalf("with the node table full, a listing left %d nodes; want the root alone", n)
+	}
+}

@@ -581,6 +581,7 @@ var minRequest = func() map[uint32]int {
 		38: hdr,                             // DESTROY
 		42: hdr + 8,                         // BATCH_FORGET: count, dummy
 		43: binary.Size(fuse.FallocateIn{}), // FALLOCATE
+		44: binary.Size(fuse.ReadIn{}),      // READDIRPLUS
 		45: binary.Size(fuse.RenameIn{}),    // RENAME2
 		51: binary.Size(fuse.CreateIn{}),    // TMPFILE (and its name, "/")
 	}

@@ -99,18 +99,49 @@ func TestInitAndLookup(t *testing.T) {
 		t.Fatal(err)
 	}
 	g := newGuest(t, dir)
-	// INIT: major 7, minor 31, as Linux 6.x sends.
-	errno, body := g.roundTrip(g.request(opInit, 0, uint32(7), uint32(31), uint32(128<<10), uint32(0), uint32(0), [11]uint32{}), 4096)
+	// INIT: major 7, minor 31, as Linux 6.x sends, offering READDIRPLUS
+	// and READDIRPLUS_AUTO.
+	const plus = uint32(fuse.CAP_READDIRPLUS | fuse.CAP_READDIRPLUS_AUTO)
+	errno, body := g.roundTrip(g.request(opInit, 0, uint32(7), uint32(31), uint32(128<<10), plus, uint32(0), [11]uint32{}), 4096)
 	if errno != 0 || len(body) < 24 {
 		t.Fatalf("INIT: error %d, %d bytes", errno, len(body))
 	}
 	if major, maxWrite := binary.LittleEndian.Uint32(body), binary.LittleEndian.Uint32(body[20:]); major != 7 || maxWrite != MaxWrite {
 		t.Fatalf("INIT reply: major %d, max_write %d; want 7, %d", major, maxWrite, MaxWrite)
 	}
+	if flags := binary.LittleEndian.Uint32(body[12:]); flags&plus != plus {
+		t.Fatalf("INIT reply: flags %#x; want READDIRPLUS and READDIRPLUS_AUTO (%#x)", flags, plus)
+	}
 	errno, body = g.roundTrip(g.request(opLookup, 1, cstring("f")), 4096)
 	var e fuse.EntryOut
 	if errno != 0 || binary.Read(bytes.NewReader(body), binary.LittleEndian, &e) != nil || e.NodeId == 0 || e.Size != 5 {
 		t.Fatalf("LOOKUP f: error %d, node %d, size %d", errno, e.NodeId, e.Size)
+	}
+	// OPENDIR of the root, then READDIRPLUS: f, looked up, the node LOOKUP found.
+	errno, body = g.roundTrip(g.request(27, 1, uint32(0), uint32(0)), 4096)
+	if errno != 0 || len(body) < 8 {
+		t.Fatalf("OPENDIR: error %d, %d bytes", errno, len(body))
+	}
+	fh := binary.LittleEndian.Uint64(body)
+	errno, body = g.roundTrip(g.request(44, 1, fh, uint64(0), uint32(4096), uint32(0), uint64(0), uint32(0), uint32(0)), 4096+outHeaderLen)
+	if errno != 0 {
+		t.Fatalf("READDIRPLUS: error %d", errno)
+	}
+	// Each entry: fuse_entry_out (the node id first), then fuse_dirent
+	// (ino, off, namelen, type) and the name, padded to 8.
+	var fNode uint64
+	for b := body; len(b) >= 128+24; {
+		n := int(binary.LittleEndian.Uint32(b[128+16:]))
+		if len(b) < 128+24+n {
+			t.Fatalf("READDIRPLUS: an entry's name runs past the reply")
+		}
+		if string(b[128+24:128+24+n]) == "f" {
+			fNode = binary.LittleEndian.Uint64(b)
+		}
+		b = b[min(len(b), 128+(24+n+7)&^7):]
+	}
+	if fNode != e.NodeId {
+		t.Fatalf("READDIRPLUS: f is node %d; want %d, as LOOKUP found it", fNode, e.NodeId)
 	}
 	errno, _ = g.roundTrip(g.request(opLookup, 12345, cstring("f")), 4096)
 	if errno != -9 { // EBADF
