@@ -221,7 +221,7 @@ bench: capsa testinitrd testimages nested-deps qemu-bundle mcp-client containerd
 	@rm -rf $(BUILD)/bench && mkdir -p $(BUILD)/bench
 	CGO_ENABLED=0 $(GO) test -c -o $(BUILD)/bench/e2e.test ./tests/e2e
 	set -o pipefail; l1=$$(scripts/nested-deps.sh); $(NESTED) -f $(BUILD)/bench/e2e.test $(patsubst %,-f %,$(E2E_FILES)) -f $(BUILD)/testimages:testimages -f $(BUILD)/mcp-client:mcp-client \
-		-f $(BUILD)/containerd:containerd -f $(BUILD)/cri-tools:cri-tools \
+		-f $(BUILD)/containerd:containerd -f $(BUILD)/cri-tools:cri-tools -f $(BUILD)/toolsimage/tools.tar.gz:tools.tar.gz \
 		-f $$(ls $$l1/boot/vmlinuz-* | head -1):vmlinuz-debian -- \
 		./e2e.test -test.run '^$$' -test.bench '$(BENCH)' -test.benchtime $(BENCHTIME) | tee $(BUILD)/bench/results.txt
 

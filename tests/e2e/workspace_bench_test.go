@@ -1,7 +1,10 @@
 package e2e
 
 import (
+	"archive/tar"
 	"context"
+	"fmt"
+	"io"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -300,6 +303,153 @@ func BenchmarkShareRoundTrips(b *testing.B) {
 					b.ReportMetric(float64(l1Exits)/float64(reqs), "l1-kvm-exits/request")
 				}
 			})
+		}
+	}
+}
+
+// gitRepoScript makes, on the sandbox's own disk, a git checkout of 5,000
+// files in 50 directories, committed and packed, and a tar of it.
+const gitRepoScript = `set -e; mkdir -p /root/repo; cd /root/repo; git init -q; ` +
+	`git config user.email bench@capsa.test; git config user.name bench; d=0; ` +
+	`while [ $d -lt 50 ]; do mkdir d$d; f=0; while [ $f -lt 100 ]; do echo "$d $f" > d$d/f$f; f=$((f+1)); done; d=$((d+1)); done; ` +
+	`git add -A; git commit -qm init; git gc -q; tar cf /root/repo.tar -C /root repo`
+
+// gitStatusScript times git status --porcelain in a checkout, inside the
+// guest, and prints the nanoseconds; it fails where the checkout is not
+// clean (and the benchmark where git wrote any error).
+const gitStatusScript = `cd "$1"; s=$(date +%s%N); out=$(git status --porcelain); e=$(date +%s%N); ` +
+	`[ -z "$out" ] || { echo "not clean: $out" >&2; exit 3; }; echo $((e-s))`
+
+// BenchmarkWorkspaceGit times git status in a 5,000-file checkout on the
+// image's disk and on a read-write share, over 9P and over virtio-fs, each
+// share in its own sandbox beside that sandbox's disk, and reports min,
+// median and max of each and each share's median over its disk's. The
+// checkout is made on one sandbox's disk and copied into both shares
+// from the host (so that making it is not what is measured); the first
+// git status in each place, which finds every file's host inode new and
+// reads it again, is not timed.
+//
+//	make bench BENCH=WorkspaceGit
+func BenchmarkWorkspaceGit(b *testing.B) {
+	ctx := context.Background()
+	ref := toolsImage(b, "bench")
+	if r := capsaWith(b, 10*time.Minute, nil, "image", "pull", ref); r.code != 0 {
+		b.Fatalf("capsa image pull %s: exit %d: %s", ref, r.code, r.stderr)
+	}
+	start := func(shareFS string) (*sandbox.Sandbox, string) {
+		share := b.TempDir()
+		sb, err := sandbox.New().Memory(1024).CPUs(2).Kernel(artifactB(b, "vmlinux")).Initrd(artifactB(b, "initramfs.cpio")).
+			Share(share, "/w", sandbox.ReadWrite).ShareFS(shareFS).Pull(sandbox.PullNever).OCI(ref, "sleep", "100000").User("0").Start(ctx)
+		if err != nil {
+			b.Fatal(err)
+		}
+		b.Cleanup(func() { sb.Close() })
+		o := sandbox.Shell(gitRepoScript)
+		o.User, o.Timeout = "0", 10*time.Minute
+		if r, err := sb.Exec(ctx, o); err != nil || r.Code != 0 {
+			b.Fatalf("make the checkout: %+v, %v", r, err)
+		}
+		return sb, share
+	}
+	sb9p, share9p := start(sandbox.ShareFS9P)
+	sbFS, shareFS := start(sandbox.ShareFSVirtioFS)
+	tarFile := filepath.Join(b.TempDir(), "repo.tar")
+	f, err := os.Create(tarFile)
+	if err != nil {
+		b.Fatal(err)
+	}
+	if err := sb9p.ReadFileTo(ctx, "/root/repo.tar", f); err != nil {
+		b.Fatal(err)
+	}
+	f.Close()
+	for _, dir := range []string{share9p, shareFS} {
+		if err := untar(tarFile, dir); err != nil {
+			b.Fatal(err)
+		}
+	}
+	status := func(b *testing.B, sb *sandbox.Sandbox, dir string) time.Duration {
+		b.Helper()
+		o := sandbox.Command("sh", "-c", gitStatusScript, "sh", dir)
+		o.User, o.Timeout = "0", 10*time.Minute
+		r, err := sb.Exec(ctx, o)
+		if err != nil || r.Code != 0 || len(r.Stderr) > 0 {
+			// git status exits 0 after failing to read files (a
+			// virtio-fs share at ba5cc8c answered ENFILE here).
+			b.Fatalf("git status in %s: exit %d, %v; stderr %.2000s", dir, r.Code, err, r.Stderr)
+		}
+		ns, err := strconv.ParseInt(strings.TrimSpace(string(r.Stdout)), 10, 64)
+		if err != nil {
+			b.Fatalf("git status in %s printed %q", dir, r.Stdout)
+		}
+		return time.Duration(ns)
+	}
+	places := []struct {
+		name, dir string
+		sb        *sandbox.Sandbox
+	}{
+		{"disk", "/root/repo", sb9p},
+		{"share", "/w/repo", sb9p},
+		{"disk-virtiofs-sandbox", "/root/repo", sbFS},
+		{"share-virtiofs", "/w/repo", sbFS},
+	}
+	for _, p := range places {
+		status(b, p.sb, p.dir)
+	}
+	var diskMedian time.Duration
+	for _, p := range places {
+		b.Run(p.name, func(b *testing.B) {
+			var samples []time.Duration
+			for b.Loop() {
+				samples = append(samples, status(b, p.sb, p.dir))
+			}
+			reportSpread(b, samples)
+			m := samples[len(samples)/2] // reportSpread sorted them
+			if strings.HasPrefix(p.name, "disk") {
+				diskMedian = m
+			} else if diskMedian > 0 {
+				b.ReportMetric(float64(m)/float64(diskMedian), "x-disk")
+			}
+		})
+	}
+}
+
+// untar extracts the directories and regular files of the tar file into
+// dir (the benchmark's own tar: no links, no names leaving dir).
+func untar(file, dir string) error {
+	f, err := os.Open(file)
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	tr := tar.NewReader(f)
+	for {
+		h, err := tr.Next()
+		if err == io.EOF {
+			return nil
+		}
+		if err != nil {
+			return fmt.Errorf("untar %s: %w", file, err)
+		}
+		name := filepath.Join(dir, filepath.Clean("/"+h.Name))
+		switch h.Typeflag {
+		case tar.TypeDir:
+			if err := os.MkdirAll(name, os.FileMode(h.Mode)&os.ModePerm|0o700); err != nil {
+				return err
+			}
+		case tar.TypeReg:
+			w, err := os.OpenFile(name, os.O_CREATE|os.O_WRONLY|os.O_TRUNC, os.FileMode(h.Mode)&os.ModePerm)
+			if err != nil {
+				return err
+			}
+			_, err = io.Copy(w, tr)
+			if cerr := w.Close(); err == nil {
+				err = cerr
+			}
+			if err != nil {
+				return err
+			}
+		default:
+			return fmt.Errorf("untar %s: %s: type %c not expected", file, h.Name, h.Typeflag)
 		}
 	}
 }
